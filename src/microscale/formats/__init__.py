@@ -1,0 +1,30 @@
+"""Exact block-scaled number formats: the single source of truth for format math.
+
+Imports nothing else from microscale. See ``spec.py`` for the registry and
+``quantize.py`` for the numerics.
+"""
+
+from microscale.formats.elements import (
+    E2M1_VALUES,
+    e2m1_decode,
+    e2m1_encode,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from microscale.formats.hadamard import hadamard_matrix, random_hadamard, random_signs
+from microscale.formats.quantize import (
+    QArray,
+    block_scales_f32,
+    dequantize,
+    fake_quantize,
+    quantize,
+    storage_bits,
+)
+from microscale.formats.spec import REGISTRY, FormatSpec, get_format, list_formats
+
+__all__ = [
+    "E2M1_VALUES", "REGISTRY", "FormatSpec", "QArray", "block_scales_f32", "dequantize",
+    "e2m1_decode", "e2m1_encode", "fake_quantize", "get_format", "hadamard_matrix",
+    "list_formats", "pack_nibbles", "quantize", "random_hadamard", "random_signs",
+    "storage_bits", "unpack_nibbles",
+]

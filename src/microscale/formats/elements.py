@@ -1,0 +1,170 @@
+"""Element codecs: E2M1 codes, 8-bit float casts, rounding, nibble packing, E8M0 scales.
+
+All functions are elementwise jnp code (jit/vmap friendly) working on float32 inputs
+that have already been divided by their scale.
+
+E2M1 (FP4) magnitudes by 3-bit index: 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
+Round-to-nearest-even with saturation at 6 puts the decision points at the midpoints
+0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5; a tie goes to the even index (the code whose
+mantissa bit is 0): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+That is seven comparisons, which XLA fuses into one pass; the comparisons are ``>``
+at ties that round down and ``>=`` at ties that round up.
+
+Stochastic rounding of ``|y|`` between grid neighbours ``lo <= |y| < hi`` rounds up
+with probability ``(|y| - lo) / (hi - lo)``, so ``E[round(y)] = y`` exactly
+(saturated values excepted). The uniform comes from an explicit key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+# (threshold, tie rounds up?) for RNE on |y|.
+_E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                        (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_encode(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = None) -> jax.Array:
+    """float32 values (already scaled into the E2M1 range) -> uint8 codes 0..15.
+
+    Saturates at +-6. The sign bit follows the sign of ``y`` (so -0.1 -> code 8, -0).
+    NaN inputs give code 7 or 15 (+-6); callers mark NaN blocks through the scale.
+    """
+    a = jnp.minimum(jnp.abs(y), 6.0)
+    if rounding == "nearest":
+        idx = jnp.zeros(a.shape, jnp.uint8)
+        for t, up in _E2M1_RNE_THRESHOLDS:
+            idx = idx + ((a >= t) if up else (a > t)).astype(jnp.uint8)
+    elif rounding == "stochastic":
+        if u is None:
+            raise ValueError("stochastic rounding needs uniform samples u")
+        # Grid step of the binade containing |y|: 0.5 below 2, 1 in [2, 4), 2 in [4, 6].
+        step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+        lo = jnp.floor(a / step) * step
+        q = jnp.where(u * step < (a - lo), lo + step, lo)
+        q = jnp.minimum(q, 6.0)
+        # value -> index: [0, 2) -> 2q, {2, 3} -> q + 2, {4, 6} -> q / 2 + 4.
+        idx = jnp.where(q < 2.0, 2.0 * q, jnp.where(q < 4.0, q + 2.0, 0.5 * q + 4.0))
+        idx = idx.astype(jnp.uint8)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
+    sign = jnp.signbit(y).astype(jnp.uint8) << 3
+    return idx | sign
+
+
+def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """uint8 codes 0..15 -> values (arithmetic, no gather)."""
+    mag = (codes & 7).astype(jnp.float32)
+    val = jnp.where(mag < 4.0, 0.5 * mag, jnp.where(mag < 6.0, mag - 2.0, 2.0 * mag - 8.0))
+    val = jnp.where((codes & 8) != 0, -val, val)
+    return val.astype(dtype)
+
+
+def float8_encode(y: jax.Array, dtype, elem_max: float, rounding: str = "nearest",
+                  u: jax.Array | None = None) -> jax.Array:
+    """float32 -> an 8-bit float dtype, saturating at +-elem_max (never NaN from overflow).
+
+    Stochastic rounding: take the RNE result, find the neighbour on the other side
+    of |y| by stepping the magnitude's bit pattern by one (bit patterns of a float's
+    magnitude are monotone in its value), and round up with the distance ratio.
+    """
+    a = jnp.clip(y, -elem_max, elem_max)
+    if rounding == "nearest":
+        return a.astype(dtype)
+    if rounding != "stochastic":
+        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
+    if u is None:
+        raise ValueError("stochastic rounding needs uniform samples u")
+    mag = jnp.abs(a)
+    r = mag.astype(dtype)
+    rbits = jax.lax.bitcast_convert_type(r, jnp.uint8)
+    rval = r.astype(jnp.float32)
+    below = rval <= mag  # RNE went down (or exact): r is lo
+    other_bits = jnp.where(below, rbits + 1, rbits - 1).astype(jnp.uint8)
+    other = jax.lax.bitcast_convert_type(other_bits, dtype).astype(jnp.float32)
+    lo = jnp.where(below, rval, other)
+    hi = jnp.where(below, other, rval)
+    exact = rval == mag
+    p_up = jnp.where(exact, 0.0, (mag - lo) / jnp.where(exact, 1.0, hi - lo))
+    q = jnp.where(u < p_up, hi, lo)
+    q = jnp.where(jnp.signbit(a), -q, q)
+    return q.astype(dtype)
+
+
+def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:
+    """uint8 codes (0..15), even length along ``axis`` -> uint8, half as long.
+
+    Element 2i goes to the low nibble, 2i+1 to the high nibble.
+    """
+    axis = axis % codes.ndim
+    n = codes.shape[axis]
+    if n % 2:
+        raise ValueError(f"pack_nibbles needs an even length along axis {axis}, got {n}")
+    shp = codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1:]
+    c = codes.reshape(shp)
+    lo = jax.lax.index_in_dim(c, 0, axis + 1, keepdims=False)
+    hi = jax.lax.index_in_dim(c, 1, axis + 1, keepdims=False)
+    return (lo & 0xF) | (hi << 4)
+
+
+def unpack_nibbles(packed: jax.Array, axis: int = -1) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`: uint8 -> uint8 codes, twice as long along ``axis``."""
+    axis = axis % packed.ndim
+    lo = packed & 0xF
+    hi = packed >> 4
+    both = jnp.stack([lo, hi], axis=axis + 1)
+    shp = packed.shape[:axis] + (packed.shape[axis] * 2,) + packed.shape[axis + 1:]
+    return both.reshape(shp)
+
+
+def e8m0_from_amax(amax: jax.Array, elem_max: float, elem_emax: int, rule: str) -> jax.Array:
+    """Block amax (float32) -> E8M0 scale as its raw biased-exponent byte (uint8).
+
+    ``"floor"`` (OCP MX v1.0): ``floor(log2 amax) - emax_elem``.
+    ``"ceil"`` (NVIDIA): ``ceil(log2(amax / elem_max))`` computed on the float32
+    quotient's bits exactly as cuDNN / JAX's reference do. Non-finite amax -> 0xFF (NaN).
+    """
+    if rule == "floor":
+        bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+        exp = (bits >> 23).astype(jnp.int32) & 0xFF
+        e = jnp.clip(exp - elem_emax, 0, 254)
+    elif rule == "ceil":
+        r = amax.astype(jnp.float32) / jnp.float32(elem_max)
+        bits = jax.lax.bitcast_convert_type(r, jnp.uint32)
+        exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
+        mant = bits & 0x7FFFFF
+        round_up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+        e = jnp.clip(jnp.where(round_up, exp + 1, exp), 0, 254)
+    else:
+        raise ValueError(f"unknown MX scale rounding {rule!r}; expected 'floor' or 'ceil'")
+    e = jnp.where(jnp.isfinite(amax), e, 255)
+    return e.astype(jnp.uint8)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2^e for integer e in [-126, 127] via the float32 bit pattern (no subnormals)."""
+    return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def e8m0_to_float(byte: jax.Array) -> jax.Array:
+    """E8M0 byte -> float32 2^(byte-127); 0xFF -> NaN.
+
+    Byte 0 (2^-127) is a float32 subnormal, which XLA on CPU flushes to zero; it only
+    occurs for blocks whose amax is itself below ~2^-125, so it decodes as 2^-127 here
+    but products with it flush to zero on CPU.
+    """
+    e = byte.astype(jnp.int32) - 127
+    val = jnp.where(e < -126, jnp.float32(2.0**-127), _pow2(jnp.maximum(e, -126)))
+    return jnp.where(byte == 255, jnp.float32(jnp.nan), val)
+
+
+def e8m0_divide(x: jax.Array, byte: jax.Array) -> jax.Array:
+    """x / 2^(byte-127), exact, as two multiplications by normal powers of two."""
+    e = 127 - byte.astype(jnp.int32)
+    a = e // 2
+    out = (x * _pow2(a)) * _pow2(e - a)
+    return jnp.where(byte == 255, jnp.float32(jnp.nan), out)

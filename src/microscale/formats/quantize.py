@@ -1,0 +1,285 @@
+"""quantize / dequantize for every registry row, and the :class:`QArray` container.
+
+NVFP4 (exactly Transformer Engine's formulas; DESIGN.md):
+
+    s_enc = 2688 / amax(|x|)            (float32; 1 when amax == 0 or not finite)
+    s_dec = 1 / s_enc                   (QArray.global_scale)
+    sb    = e4m3_rne(clip(block_amax * (s_enc / 6), -448, 448))      (QArray.scales)
+    enc   = min(1 / (float(sb) * s_dec), FLT_MAX)                     (zero block -> 0s)
+    code  = e2m1_rne(clip(x * enc, -6, 6))                            (QArray.data, packed)
+    x^    = e2m1(code) * sb * s_dec
+
+MX (OCP v1.0): one E8M0 power of two per 32 elements (rule: see ``spec.py``), elements
+``x / 2^k`` rounded to E2M1 / E4M3 with saturation. FP8 per-tensor (current scaling):
+``scale = amax / elem_max``, elements ``clip(x / scale)`` cast with RNE.
+
+Blocks. ``block_shape`` gives the block extent per dimension, aligned to the trailing
+dimensions of ``x`` (``(16, 16)`` on a weight: one scale per 16x16 tile, so ``W`` and
+``W^T`` quantize to the same values). Without it, blocks are ``spec.block_size``
+long along ``axis`` and 1 elsewhere. The extent along ``axis`` must equal the
+format's block size. Scales have the rank of ``x``: dimension ``d`` has
+``ceil(shape[d] / block[d])`` entries.
+
+Edge cases (all tested):
+* lengths not a multiple of the block: zero-padded internally; ``data``/``scales``
+  keep the padded size, ``dequantize`` returns the original shape;
+* an all-zero tensor or block quantizes to zero codes with a zero scale (NVFP4
+  global scale 1), and dequantizes to exact zeros;
+* NaN/Inf in the input is *propagated, never hidden*: for NVFP4 and FP8 the global
+  scale becomes NaN so the whole dequantized tensor is NaN; for MX the affected
+  block's E8M0 scale is NaN (0xFF), as the OCP spec defines. Under ``jit`` nothing
+  can raise on data, so this is the one consistent rule; check
+  ``jnp.isfinite(dequantize(q)).all()`` where that matters;
+* float32/bfloat16/float16 inputs are computed in float32; integer inputs raise.
+
+The tensor amax is a plain ``jnp.max`` over the whole array, so under ``jit`` with
+sharded inputs XLA inserts the cross-device reduction: the global scale is global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from microscale.formats import elements
+from microscale.formats.spec import FormatSpec, get_format
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantized array: a JAX pytree (``data``, ``scales``, ``global_scale`` are leaves).
+
+    * ``data`` — 4-bit formats: uint8, two codes per byte along ``axis`` (element 2i
+      in the low nibble, sign in bit 3); 8-bit formats: the float8 array; bf16: the
+      bf16 array.
+    * ``scales`` — NVFP4: float8_e4m3fn per block; MX: float8_e8m0fnu per block;
+      per-tensor FP8: float32 scalar; bf16: None.
+    * ``global_scale`` — NVFP4: float32 scalar in the decode direction (amax/2688);
+      otherwise None.
+    """
+
+    data: jax.Array
+    scales: jax.Array | None
+    global_scale: jax.Array | None
+    # static metadata
+    spec: FormatSpec = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    block_shape: tuple[int, ...] | None = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def format(self) -> str:
+        return self.spec.name
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the leaves (padded storage)."""
+        leaves = [x for x in (self.data, self.scales, self.global_scale) if x is not None]
+        return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))
+
+    def codes(self) -> jax.Array:
+        """Unpacked element codes (4-bit formats) or the element array, padded shape."""
+        if self.spec.packed:
+            return elements.unpack_nibbles(self.data, self.axis)
+        return self.data
+
+
+def _check_input(x, spec: FormatSpec, axis: int) -> tuple[jax.Array, int]:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("quantize expects an array with at least one dimension, got a scalar")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim} "
+                         f"(expected {-x.ndim} <= axis < {x.ndim})")
+    return x, axis % x.ndim
+
+
+def _resolve_blocks(spec: FormatSpec, shape, axis: int, block_shape) -> tuple[int, ...] | None:
+    if spec.block_size is None:
+        if block_shape is not None:
+            raise ValueError(f"format {spec.name!r} uses one scale per tensor; "
+                             f"block_shape={block_shape!r} does not apply (expected None)")
+        return None
+    ndim = len(shape)
+    if block_shape is None:
+        blocks = [1] * ndim
+        blocks[axis] = spec.block_size
+        return tuple(blocks)
+    bs = tuple(int(b) for b in block_shape)
+    if len(bs) > ndim or any(b < 1 for b in bs):
+        raise ValueError(f"block_shape={block_shape!r} does not fit an array of shape "
+                         f"{tuple(shape)} (expected at most {ndim} positive extents)")
+    blocks = (1,) * (ndim - len(bs)) + bs
+    if blocks[axis] != spec.block_size:
+        raise ValueError(f"block_shape={block_shape!r} has extent {blocks[axis]} along axis "
+                         f"{axis}; format {spec.name!r} needs {spec.block_size} there")
+    return blocks
+
+
+def _blockify(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+    """(d0, d1, ...) -> (d0/b0, b0, d1/b1, b1, ...) (x already padded)."""
+    shp = []
+    for d, b in zip(x.shape, blocks, strict=True):
+        shp += [d // b, b]
+    return x.reshape(shp)
+
+
+def _inner_axes(ndim: int) -> tuple[int, ...]:
+    return tuple(range(1, 2 * ndim, 2))
+
+
+def _uniform(key, shape):
+    if key is None:
+        raise ValueError("rounding='stochastic' needs an explicit key (jax.random.key(...))")
+    return jax.random.uniform(key, shape, jnp.float32)
+
+
+def quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "nearest",
+             key: jax.Array | None = None, block_shape: tuple[int, ...] | None = None,
+             amax: jax.Array | float | None = None,
+             scale_rounding: str | None = None) -> QArray:
+    """Quantize ``x`` to format ``fmt`` with blocks along ``axis``.
+
+    Args:
+      x: floating-point array (float32, bfloat16, float16), any rank >= 1.
+      fmt: a registry name ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2", "bf16")
+        or a :class:`FormatSpec`.
+      axis: the block (contraction) axis; 4-bit codes are packed along it.
+      rounding: "nearest" (round-to-nearest-even) or "stochastic" (needs ``key``).
+      key: PRNG key for stochastic rounding; the same key gives the same result.
+      block_shape: block extents per trailing dimension, e.g. ``(16, 16)``.
+      amax: tensor amax to use instead of ``max|x|`` (NVFP4 and FP8: a shared or
+        calibrated tensor scale). Values beyond it saturate.
+      scale_rounding: MX scale rule override, "floor" (OCP) or "ceil" (NVIDIA).
+    """
+    spec = get_format(fmt)
+    x, axis = _check_input(x, spec, axis)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs an explicit key (jax.random.key(...))")
+    blocks = _resolve_blocks(spec, x.shape, axis, block_shape)
+    shape = tuple(x.shape)
+
+    if not spec.quantized:
+        return QArray(x.astype(spec.elem_dtype), None, None, spec, axis, shape, None)
+
+    xf = x.astype(jnp.float32)
+    if blocks is None:  # per-tensor scaling (FP8 current scaling)
+        t_amax = jnp.max(jnp.abs(xf)) if amax is None else jnp.asarray(amax, jnp.float32)
+        scale = jnp.where(t_amax == 0, jnp.float32(1.0), t_amax / jnp.float32(spec.elem_max))
+        scale = jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
+        u = _uniform(key, xf.shape) if rounding == "stochastic" else None
+        data = elements.float8_encode(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
+        return QArray(data, scale.astype(jnp.float32), None, spec, axis, shape, None)
+
+    # Block formats: pad every dimension to a multiple of its block extent.
+    pads = [(0, -d % b) for d, b in zip(shape, blocks, strict=True)]
+    if any(p for _, p in pads):
+        xf = jnp.pad(xf, pads)
+    xb = _blockify(xf, blocks)
+    inner = _inner_axes(len(shape))
+    bamax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+    u = _uniform(key, xb.shape) if rounding == "stochastic" else None
+
+    global_scale = None
+    if spec.scale_kind == "e4m3":
+        t_amax = jnp.max(bamax) if amax is None else jnp.asarray(amax, jnp.float32)
+        s_enc = jnp.float32(spec.scale_max * spec.elem_max) / t_amax
+        s_enc = jnp.where((t_amax == 0) | ~jnp.isfinite(s_enc), jnp.float32(1.0), s_enc)
+        s_dec = jnp.float32(1.0) / s_enc
+        global_scale = jnp.where(jnp.isfinite(t_amax), s_dec, jnp.float32(jnp.nan))
+        sb = jnp.clip(bamax * (s_enc / jnp.float32(spec.elem_max)), -spec.scale_max,
+                      spec.scale_max).astype(spec.scale_dtype)
+        enc = jnp.minimum(jnp.float32(1.0) / (sb.astype(jnp.float32) * s_dec),
+                          jnp.float32(FLT_MAX))
+        y = xb * enc
+        scales = sb
+    elif spec.scale_kind == "e8m0":
+        rule = scale_rounding or spec.scale_rounding
+        byte = elements.e8m0_from_amax(bamax, spec.elem_max, spec.elem_emax, rule)
+        y = elements.e8m0_divide(xb, byte)
+        scales = jax.lax.bitcast_convert_type(byte, spec.scale_dtype)
+    else:  # pragma: no cover - registry rows are fixed
+        raise AssertionError(spec.scale_kind)
+
+    if spec.packed:
+        codes = elements.e2m1_encode(y, rounding, u).reshape(xf.shape)
+        data = elements.pack_nibbles(codes, axis)
+    else:
+        data = elements.float8_encode(y, spec.elem_dtype, spec.elem_max, rounding, u)
+        data = data.reshape(xf.shape)
+    scales = scales.reshape([s for i, s in enumerate(bamax.shape) if i % 2 == 0])
+    return QArray(data, scales, global_scale, spec, axis, shape, blocks)
+
+
+def block_scales_f32(q: QArray) -> jax.Array:
+    """The block scales as float32 (E4M3 value or E8M0 power of two), scale-array shape."""
+    if q.spec.scale_kind == "e8m0":
+        return elements.e8m0_to_float(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
+    return q.scales.astype(jnp.float32)
+
+
+def dequantize(q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool = True) -> jax.Array:
+    """Decode a :class:`QArray` back to ``dtype`` with its original shape.
+
+    ``with_global_scale=False`` leaves NVFP4's float32 tensor scale (and FP8's
+    per-tensor scale) out: ``E2M1 x E4M3`` products are exact in bfloat16, so a GEMM
+    can run on these values and apply ``q.global_scale`` to its float32 output.
+    """
+    spec = q.spec
+    if not spec.quantized:
+        return q.data.astype(dtype)
+    if q.block_shape is None:
+        vals = q.data.astype(jnp.float32)
+        if with_global_scale:
+            vals = vals * q.scales
+        return vals.astype(dtype)
+    vals = e2m1 = None
+    if spec.packed:
+        e2m1 = elements.e2m1_decode(elements.unpack_nibbles(q.data, q.axis))
+        vals = e2m1
+    else:
+        vals = q.data.astype(jnp.float32)
+    blocks = q.block_shape
+    padded = vals.shape
+    vb = _blockify(vals, blocks)
+    sc = block_scales_f32(q)
+    sc = sc.reshape([d for s in sc.shape for d in (s, 1)])
+    out = vb * sc
+    if with_global_scale and q.global_scale is not None:
+        out = out * q.global_scale
+    out = out.reshape(padded)
+    if padded != q.shape:
+        out = out[tuple(slice(0, d) for d in q.shape)]
+    return out.astype(dtype)
+
+
+def fake_quantize(x, fmt: str | FormatSpec, **kwargs) -> jax.Array:
+    """``dequantize(quantize(x, fmt, **kwargs))`` in ``x``'s dtype (a plain-jnp reference)."""
+    x = jnp.asarray(x)
+    return dequantize(quantize(x, fmt, **kwargs), x.dtype)
+
+
+def storage_bits(spec: FormatSpec | str, shape) -> int:
+    """Exact bits a tensor of ``shape`` occupies in ``spec`` (padding and scales included)."""
+    spec = get_format(spec)
+    n = math.prod(shape)
+    if not spec.quantized:
+        return n * spec.elem_bits
+    if spec.block_size is None:
+        return n * spec.elem_bits + 32
+    padded_last = -(-shape[-1] // spec.block_size) * spec.block_size
+    n_pad = math.prod(shape[:-1]) * padded_last
+    bits = n_pad * spec.elem_bits + (n_pad // spec.block_size) * spec.scale_bits
+    return bits + (32 if spec.has_global_scale else 0)
