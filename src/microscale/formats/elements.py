@@ -104,6 +104,14 @@ def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:
     n = codes.shape[axis]
     if n % 2:
         raise ValueError(f"pack_nibbles needs an even length along axis {axis}, got {n}")
+    if axis == codes.ndim - 1 and n % 4 == 0:
+        # Fast path (~3x on XLA:CPU): view 4 codes as one little-endian uint32 and
+        # gather its four low nibbles into 16 bits, so the loop stays contiguous.
+        v = jax.lax.bitcast_convert_type(codes.reshape(codes.shape[:-1] + (n // 4, 4)),
+                                         jnp.uint32)
+        p = (v & 0xF) | ((v >> 4) & 0xF0) | ((v >> 8) & 0xF00) | ((v >> 12) & 0xF000)
+        out = jax.lax.bitcast_convert_type(p.astype(jnp.uint16), jnp.uint8)
+        return out.reshape(codes.shape[:-1] + (n // 2,))
     shp = codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1:]
     c = codes.reshape(shp)
     lo = jax.lax.index_in_dim(c, 0, axis + 1, keepdims=False)
@@ -114,6 +122,14 @@ def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:
 def unpack_nibbles(packed: jax.Array, axis: int = -1) -> jax.Array:
     """Inverse of :func:`pack_nibbles`: uint8 -> uint8 codes, twice as long along ``axis``."""
     axis = axis % packed.ndim
+    m = packed.shape[axis]
+    if axis == packed.ndim - 1 and m % 2 == 0:
+        # Fast path: two packed bytes (one uint16) spread into four code bytes (a uint32).
+        v = jax.lax.bitcast_convert_type(packed.reshape(packed.shape[:-1] + (m // 2, 2)),
+                                         jnp.uint16).astype(jnp.uint32)
+        u = (v & 0xF) | ((v & 0xF0) << 4) | ((v & 0xF00) << 8) | ((v & 0xF000) << 12)
+        return jax.lax.bitcast_convert_type(u, jnp.uint8).reshape(
+            packed.shape[:-1] + (2 * m,))
     lo = packed & 0xF
     hi = packed >> 4
     both = jnp.stack([lo, hi], axis=axis + 1)
@@ -168,3 +184,35 @@ def e8m0_divide(x: jax.Array, byte: jax.Array) -> jax.Array:
     a = e // 2
     out = (x * _pow2(a)) * _pow2(e - a)
     return jnp.where(byte == 255, jnp.float32(jnp.nan), out)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijective avalanche mix of a uint32."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform [0, 1) float32 samples for stochastic rounding, one per element.
+
+    A counter-based generator: two 32-bit seeds are drawn from ``key`` with
+    ``jax.random``, then each element's linear index is hashed (two rounds of the
+    MurmurHash3 finaliser). Unlike materialising ``jax.random.uniform`` (threefry,
+    ~20x the cost of the quantizer itself on CPU) this fuses into the quantization
+    loop. Same key -> same samples; 24 bits of resolution (a rounding bias of at most
+    2^-25 of a grid step). Element indices follow the global shape, so sharded and
+    unsharded calls draw the same samples.
+    """
+    seeds = jax.random.bits(key, (2,), jnp.uint32)
+    n = 1
+    for d in shape:
+        n *= d
+    if n >= 2**32:
+        raise ValueError(f"stochastic rounding supports arrays below 2^32 elements, got {n}")
+    idx = jax.lax.iota(jnp.uint32, n).reshape(shape)
+    h = _fmix32(idx * jnp.uint32(0x9E3779B9) + seeds[0])
+    h = _fmix32(h ^ seeds[1])
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
