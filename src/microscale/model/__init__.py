@@ -1,0 +1,43 @@
+"""Llama-style decoder in Flax NNX, presets, and per-layer precision rules.
+
+* `ModelConfig` (presets: ``tiny``, ``small``, ``gpt2-124m``, ``llama-1b``, ``llama-8b``)
+* `Transformer` — every projection a `QLinear` through ``microscale.ops``' quantized
+  ``dot_general``; embeddings, norms, attention products and the LM head high precision.
+* `PrecisionRules` / `apply_rules` / `late_switch` — which recipe each linear layer runs,
+  for microscale's model or any Flax NNX model.
+* `LOGICAL_AXES` / `logical_to_mesh_rules` / `partition_specs` — sharding annotations.
+
+The model never quantizes by itself: formats live in ``microscale.formats``, recipes in
+``microscale.ops``.
+"""
+
+from microscale.model.config import ModelConfig, list_presets
+from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
+from microscale.model.rules import (
+    PrecisionRules,
+    apply_rules,
+    assignments,
+    default_bf16_last,
+    iter_linears,
+    late_switch,
+    path_id,
+    path_key,
+    recipe_name,
+)
+from microscale.model.sharding import (
+    LOGICAL_AXES,
+    MESH_AXES,
+    logical_to_mesh_rules,
+    logical_to_mesh_spec,
+    param_logical_axes,
+    partition_specs,
+)
+from microscale.model.transformer import MLP, Attention, Block, Transformer, causal_attention
+
+__all__ = [
+    "LOGICAL_AXES", "MESH_AXES", "MLP", "Attention", "Block", "Embed", "LMHead", "ModelConfig",
+    "PrecisionRules", "QLinear", "RMSNorm", "Transformer", "apply_rope", "apply_rules",
+    "assignments", "causal_attention", "default_bf16_last", "iter_linears", "late_switch",
+    "list_presets", "logical_to_mesh_rules", "logical_to_mesh_spec", "param_logical_axes",
+    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables",
+]

@@ -1,0 +1,232 @@
+"""Model configuration: the shape of a Llama-style decoder and its named presets.
+
+A `ModelConfig` is a frozen, keyword-only dataclass. It says nothing about numerics of the
+linear layers (which recipe quantizes which GEMM): that is per-layer data held by
+`microscale.model.rules.PrecisionRules`. It does fix the high-precision dtypes: master
+weights in `param_dtype` (float32) and activations/matmul operands in `compute_dtype`
+(bfloat16), with softmax, norm statistics and logits in float32.
+
+Block-size constraint. Every quantized GEMM contracts over the input dimension of a linear
+layer in forward (blocks of 16 for NVFP4, 32 for MX formats) and over its output dimension in
+dgrad (`dX = dY W^T`). So every linear in/out dimension — `d_model`, `d_ff`,
+`n_heads * head_dim` and `n_kv_heads * head_dim` — must be a multiple of `dim_multiple`,
+which defaults to **32** so that every recipe (NVFP4's 16 and MX's 32) runs on every preset.
+Set `dim_multiple=16` to allow NVFP4-only shapes. (The wgrad GEMM contracts over tokens,
+`batch * seq`; that constraint belongs to the batch, not the model.)
+
+Presets (`ModelConfig.preset(name)`, `list_presets()`): parameter counts are for the default
+vocabulary of each preset and include embeddings (counted once when tied).
+
+| preset      | d_model | layers | heads/kv | d_ff  | vocab  | params  |
+|-------------|---------|--------|----------|-------|--------|---------|
+| tiny        | 192     | 4      | 4/2      | 512   | 257    | ~1.67M  |
+| small       | 512     | 8      | 8/4      | 1536  | 257    | ~25.3M  |
+| gpt2-124m   | 768     | 12     | 12/12    | 2048  | 50304  | ~124M   |
+| llama-1b    | 2048    | 16     | 32/8     | 8192  | 128256 | ~1.24B  |
+| llama-8b    | 4096    | 32     | 32/8     | 14336 | 128256 | ~8.03B  |
+
+`gpt2-124m` is GPT-2 small's size with a Llama block (SwiGLU with d_ff = 8/3 d_model keeps
+the MLP parameter count of GPT-2's 4x GELU MLP); `llama-1b`/`llama-8b` follow Llama 3.2 1B
+and Llama 3.1 8B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+__all__ = ["ModelConfig", "list_presets"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and high-precision dtypes of a Llama-style decoder-only transformer."""
+
+    vocab_size: int = 257  # tokens in the vocabulary (byte-level default: 256 bytes + EOS)
+    d_model: int = 192  # residual stream width; multiple of n_heads and of dim_multiple
+    n_layers: int = 4  # number of transformer blocks ("layers.<i>")
+    n_heads: int = 4  # query heads; head_dim = d_model // n_heads (must be even for RoPE)
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention); divides n_heads
+    d_ff: int = 512  # hidden width of the SwiGLU MLP; multiple of dim_multiple
+    max_seq_len: int = 256  # longest sequence the model accepts (training context length)
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-5  # epsilon inside RMSNorm's rsqrt
+    tie_embeddings: bool = True  # LM head reuses the token embedding (no `lm_head` param)
+    param_dtype: str = "float32"  # master weights (and so optimizer state) dtype
+    compute_dtype: str = "bfloat16"  # activations / matmul operand dtype
+    init_std: float = 0.02  # std of normal init for embeddings and projections
+    scale_residual_init: bool = True  # o_proj/down_proj init std /= sqrt(2 * n_layers)
+    remat: bool = False  # jax.checkpoint each block (recompute activations in backward)
+    dim_multiple: int = 32  # linear in/out dims must be multiples of this (32: MX; 16: NVFP4)
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len", "dim_multiple"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive int")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive float")
+        for name in ("param_dtype", "compute_dtype"):
+            v = getattr(self, name)
+            if v not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected one of {_DTYPES}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.d_model={self.d_model} is not divisible by "
+                f"n_heads={self.n_heads}: expected d_model % n_heads == 0")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}: expected n_heads % n_kv_heads == 0 "
+                "(each kv head serves a whole group of query heads)")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig head_dim = d_model // n_heads = {self.head_dim} is odd: "
+                "RoPE rotates pairs of dimensions, expected an even head_dim")
+        m = self.dim_multiple
+        dims = {"d_model": self.d_model, "d_ff": self.d_ff,
+                "n_kv_heads * head_dim": self.n_kv_heads * self.head_dim}
+        for name, v in dims.items():
+            if v % m:
+                raise ValueError(
+                    f"ModelConfig {name}={v} is not a multiple of dim_multiple={m}: every "
+                    "quantized linear's in/out dims must be whole scale blocks (16 for "
+                    "NVFP4, 32 for MX formats); pick a multiple of "
+                    f"{m} (e.g. {_round_up(v, m)}) or set dim_multiple=16 for NVFP4-only")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: d_model // n_heads."""
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        """Exact trainable parameter count (arithmetic; allocates nothing)."""
+        d, f, hd = self.d_model, self.d_ff, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2  # q,o + k,v
+        mlp = 3 * d * f
+        norms = 2 * d
+        per_block = attn + mlp + norms
+        embed = self.vocab_size * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.n_layers * per_block + embed + head + d  # + final norm
+
+    def num_linear_params(self) -> int:
+        """Parameters in the (quantizable) linear projections only."""
+        d, f, hd = self.d_model, self.d_ff, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        return self.n_layers * (attn + 3 * d * f)
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (6N for the matmul params + attention), PaLM convention."""
+        t = self.max_seq_len if seq_len is None else seq_len
+        n = self.num_linear_params() + self.d_model * self.vocab_size
+        attn = 12 * self.n_layers * self.d_model * t  # QK^T and PV, fwd+bwd, causal not halved
+        return 6 * n + attn
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (JSON/YAML friendly)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a dict; unknown keys and wrong types raise with the expectation."""
+        if not isinstance(d, dict):
+            raise TypeError(f"ModelConfig.from_dict expected a dict, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"ModelConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {k: _coerce(k, v, hints[k]) for k, v in d.items()}
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated, like from_dict)."""
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """~1.67M params; trains to a meaningful byte-level loss in minutes on 2 CPU cores."""
+        return cls(vocab_size=257, d_model=192, n_layers=4, n_heads=4, n_kv_heads=2,
+                   d_ff=512, max_seq_len=256, tie_embeddings=True)
+
+    @classmethod
+    def small(cls) -> ModelConfig:
+        """~25M params; a CPU-feasible model with enough depth for per-layer rules."""
+        return cls(vocab_size=257, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                   d_ff=1536, max_seq_len=512, tie_embeddings=True)
+
+    @classmethod
+    def gpt2_124m(cls) -> ModelConfig:
+        """GPT-2 small's size (124M) with a Llama block; GPT-2 vocab padded to 50304."""
+        return cls(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                   d_ff=2048, max_seq_len=1024, tie_embeddings=True)
+
+    @classmethod
+    def llama_1b(cls) -> ModelConfig:
+        """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on."""
+        return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                   d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
+                   remat=True)
+
+    @classmethod
+    def llama_8b(cls) -> ModelConfig:
+        """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on."""
+        return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                   d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
+                   remat=True)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """A preset by name; '-' and '_' are interchangeable ('gpt2-124m' == 'gpt2_124m')."""
+        key = name.strip().lower().replace("-", "_")
+        if key not in _PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; expected one of {list_presets()}")
+        return getattr(cls, key)()
+
+
+_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b")
+
+
+def list_presets() -> list[str]:
+    """Preset names in the canonical spelling ('tiny', 'small', 'gpt2-124m', ...)."""
+    return [p.replace("_", "-") for p in _PRESETS]
+
+
+def _round_up(v: int, m: int) -> int:
+    return int(math.ceil(v / m) * m)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the field's annotation; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        allowed = typing.get_args(hint)
+    else:
+        allowed = (hint,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return None
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+    names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise TypeError(f"ModelConfig.{key}={value!r} ({type(value).__name__}): expected {names}")

@@ -1,0 +1,178 @@
+"""Building blocks: the quantized linear layer and the high-precision pieces around it.
+
+Where each operation runs (the NVIDIA NVFP4 recipe, DESIGN.md):
+
+==========================  ===================================================
+operation                   precision
+==========================  ===================================================
+q/k/v/o, gate/up/down       `QLinear`: the layer's recipe for all three GEMMs
+                            (fprop, dgrad, wgrad), via ``microscale.ops``
+token embedding             float32 table, gathered then used in float32
+RMSNorm                     float32 statistics, output in ``compute_dtype``
+RoPE                        float32 rotation, output in ``compute_dtype``
+attention QK^T and PV       ``compute_dtype`` operands, float32 accumulation,
+                            float32 softmax
+LM head                     ``compute_dtype`` operands, float32 logits
+master weights              ``param_dtype`` (float32)
+==========================  ===================================================
+
+`QLinear` owns a float32 kernel of shape ``[in, out]`` and a recipe (a name or an
+``ops.Recipe``; static, so changing it retraces). Its matmul is
+``make_dot_general(recipe, key=fold_in(key, layer_id))`` where ``key`` is the per-step key
+the caller passes and ``layer_id`` is a stable id of the layer's path, so every layer
+and every step draws different stochastic-rounding bits. The layer never quantizes by
+itself; the recipe decides which operand of which GEMM gets which format.
+
+Parameters carry logical axis names (`nnx.with_partitioning`), e.g. a q_proj kernel is
+``('embed', 'heads')``; see `microscale.model.sharding` for the names and their default
+mapping onto the (data, fsdp, tensor) mesh. When a mesh context is active at
+construction, flax shards each parameter eagerly by those names (use
+``nnx.logical_axis_rules``); with no mesh the annotation is only metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta
+
+from microscale.model.rules import RecipeLike, recipe_name
+from microscale.ops import get_recipe, make_dot_general
+
+__all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned",
+           "rope_tables"]
+
+Initializer = Callable[..., jax.Array]
+
+
+def partitioned(init: Initializer, axes: Sequence[str | None]) -> Initializer:
+    """``init`` annotated with logical axis names. Sharded eagerly only when flax's eager
+    sharding is on *and* a mesh is active (so plain CPU construction needs no mesh)."""
+    eager = nnx.using_eager_sharding() and meta.get_global_mesh() is not None
+    return nnx.with_partitioning(init, tuple(axes), eager_sharding=eager)
+
+
+class QLinear(nnx.Module):
+    """``y = x @ kernel`` through microscale's quantized ``dot_general``.
+
+    kernel: ``[in_features, out_features]`` in ``param_dtype``; operands are cast to
+    ``compute_dtype`` and the result is returned in ``compute_dtype`` (the GEMM itself
+    accumulates in float32). No bias (Llama).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
+                 recipe: RecipeLike = "bf16", layer_id: int = 0,
+                 axes: Sequence[str | None] = (None, None), init_std: float = 0.02,
+                 param_dtype: jnp.dtype | str = jnp.float32,
+                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+        get_recipe(recipe)  # fail early on an unknown name
+        self.in_features = in_features
+        self.out_features = out_features
+        self.recipe = recipe
+        self.layer_id = int(layer_id)
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        init = partitioned(nnx.initializers.normal(init_std), axes)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features),
+                                     jnp.dtype(param_dtype)))
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        layer_key = None if key is None else jax.random.fold_in(key, self.layer_id)
+        dot_general = make_dot_general(self.recipe, key=layer_key)
+        cdt = self.compute_dtype
+        x = x.astype(cdt)
+        w = self.kernel[...].astype(cdt)
+        return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                           preferred_element_type=cdt)
+
+    def __repr__(self) -> str:  # short: graphs print these a lot
+        return (f"QLinear({self.in_features}->{self.out_features}, "
+                f"recipe={recipe_name(self.recipe)!r})")
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale`` with float32 statistics."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5,
+                 param_dtype: jnp.dtype | str = jnp.float32,
+                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+        self.eps = float(eps)
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        init = partitioned(nnx.initializers.ones, ("norm",))
+        self.scale = nnx.Param(init(jax.random.key(0), (dim,), jnp.dtype(param_dtype)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(ms + self.eps) * self.scale[...].astype(jnp.float32)
+        return y.astype(self.compute_dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``[vocab, d_model]`` (high precision, never quantized)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs, init_std: float = 0.02,
+                 param_dtype: jnp.dtype | str = jnp.float32,
+                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        init = partitioned(nnx.initializers.normal(init_std), ("vocab", "embed"))
+        self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim),
+                                        jnp.dtype(param_dtype)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int tokens ``[...]`` -> float32 ``[..., d_model]`` (the residual stream)."""
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.float32)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: ``x @ embedding^T`` -> float32 logits ``[..., vocab]``."""
+        cdt = self.compute_dtype
+        return jnp.einsum("...d,vd->...v", x.astype(cdt), self.embedding[...].astype(cdt),
+                          preferred_element_type=jnp.float32)
+
+
+class LMHead(nnx.Module):
+    """Untied output projection ``[d_model, vocab]``; high precision, float32 logits."""
+
+    def __init__(self, dim: int, vocab_size: int, *, rngs: nnx.Rngs, init_std: float = 0.02,
+                 param_dtype: jnp.dtype | str = jnp.float32,
+                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        init = partitioned(nnx.initializers.normal(init_std), ("embed", "vocab"))
+        self.kernel = nnx.Param(init(rngs.params(), (dim, vocab_size), jnp.dtype(param_dtype)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cdt = self.compute_dtype
+        return jnp.einsum("...d,dv->...v", x.astype(cdt), self.kernel[...].astype(cdt),
+                          preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------- RoPE
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape ``[..., T, head_dim // 2]`` (float32) for integer positions.
+
+    Frequencies ``theta^(-2i / head_dim)``, i < head_dim/2 (Llama / HF convention).
+    """
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [B, T, H, head_dim]`` by position ("rotate half", HF Llama layout: the
+    pair (i, i + head_dim/2) is rotated by angle pos * freq_i). float32 math, x's dtype out.
+
+    ``cos``/``sin``: ``[T, head_dim/2]`` or ``[B, T, head_dim/2]``. The dot product of a
+    rotated query at position m and a rotated key at position n depends only on m - n.
+    """
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c = cos[..., None, :]  # broadcast over heads
+    s = sin[..., None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,353 @@
+"""Per-layer precision rules: which recipe each linear layer trains in.
+
+Precision is data, not code. A `PrecisionRules` is an ordered list of
+``(regex, recipe)`` pairs plus a default. A linear layer is named by its dotted module path
+in the NNX graph (``"layers.3.attn.q_proj"``, ``"blocks.0.fc1"`` in a user model); the
+first rule whose regex **fully matches** the path (``re.fullmatch``) gives its recipe;
+no match gives ``default``. The same object drives training, PTQ, export and inference
+and round-trips through JSON::
+
+    {"rules": [["layers\\\\.3\\\\..*", "bf16"]], "default": "nvfp4"}
+
+A recipe is a name from ``microscale.ops.list_recipes()`` or a full ``Recipe`` (stored
+as its ``to_dict()`` in JSON), which is how derived recipes such as the late switch's
+"bf16 forward, low-precision backward" travel.
+
+Default layout (``PrecisionRules.for_recipe``). NVIDIA's NVFP4 recipe (arXiv 2509.25149)
+keeps a few blocks in BF16: the first 2 and last 8 of a 62-block model (~16%). The blocks
+nearest the loss see the largest, most outlier-prone gradients, so by default we keep the
+**last 15%** of blocks in BF16 (rounded half up, at least 1): 4 layers -> last 1,
+16 -> last 2, 32 -> last 5, 62 -> last 9. ``bf16_first``/``bf16_last`` override.
+A recipe that quantizes nothing (``bf16``) gets no special rules.
+
+Embeddings, norms, attention score/value products and the LM head are not linear layers
+here: microscale's `Transformer` always runs them in high precision and the rules never
+see them.
+
+`apply_rules(model, rules)` works on any Flax NNX model. It walks the graph
+(`nnx.iter_graph`) and, for each matched layer:
+
+* microscale `QLinear`: sets ``.recipe`` (and ``.layer_id`` from the path). The
+  `Transformer` passes a fresh PRNG key on every call and each QLinear folds its
+  ``layer_id`` into it, so stochastic rounding differs per step and per layer.
+* ``nnx.Linear`` / ``nnx.LinearGeneral``: replaces ``.dot_general`` with
+  ``make_dot_general(recipe, key=...)``; ``nnx.Einsum``: replaces ``.einsum_op`` with
+  ``jnp.einsum`` using that ``dot_general``. A flax layer has no key argument, so the
+  key is **fixed per layer**: ``fold_in(key(seed), crc32(path))``. Stochastic rounding
+  then uses the same random bits every step (still unbiased per element across
+  elements, but correlated across steps); use microscale's `Transformer`/`QLinear` or
+  re-apply the rules with a new ``seed`` each step if that matters.
+
+Changing a layer's recipe changes static attributes of the module graph: `nnx.jit`
+retraces on the next call; code that holds a ``graphdef`` from ``nnx.split`` must split
+again.
+
+Late switch (paper, Appendix D): after training most tokens in low precision, train the
+last ~18% in BF16. `late_switch(rules, mode)` returns the rules for that phase:
+``mode="bf16"`` runs everything in bf16 (forward and backward); ``mode="forward"``
+switches only the forward GEMM (fprop) to bf16 and keeps each layer's low-precision
+dgrad/wgrad (recipe named ``"<name>+bf16_fprop"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from microscale.ops import OperandSpec, Recipe, get_recipe, make_dot_general
+
+__all__ = [
+    "PrecisionRules",
+    "RecipeLike",
+    "apply_rules",
+    "assignments",
+    "default_bf16_last",
+    "iter_linears",
+    "late_switch",
+    "path_id",
+    "path_key",
+    "path_str",
+    "recipe_name",
+]
+
+RecipeLike = str | Recipe
+
+# Flax layer types whose matmul apply_rules can redirect, by attribute it replaces.
+_FLAX_DOT_GENERAL = (nnx.Linear, nnx.LinearGeneral)
+_FLAX_EINSUM = (nnx.Einsum,)
+
+
+def recipe_name(recipe: RecipeLike | None) -> str | None:
+    """The display name of a recipe (a name string passes through)."""
+    if recipe is None or isinstance(recipe, str):
+        return recipe
+    return recipe.name
+
+
+def _check_recipe(where: str, recipe: Any) -> RecipeLike:
+    if isinstance(recipe, dict):
+        recipe = Recipe.from_dict(recipe)
+    if not isinstance(recipe, (str, Recipe)):
+        raise TypeError(f"{where}: recipe {recipe!r} ({type(recipe).__name__}): expected a "
+                        "recipe name (str) or a microscale.ops.Recipe")
+    try:
+        get_recipe(recipe)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return recipe
+
+
+def _recipe_json(recipe: RecipeLike | None) -> Any:
+    return recipe if recipe is None or isinstance(recipe, str) else recipe.to_dict()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionRules:
+    """Ordered (module-path regex -> recipe) rules, first match wins, then ``default``."""
+
+    # (regex, recipe) pairs, tried in order with re.fullmatch on the dotted module path.
+    rules: tuple[tuple[str, RecipeLike], ...] = ()
+    # Recipe of layers no rule matches; None leaves such layers as they are.
+    default: RecipeLike | None = "bf16"
+
+    def __post_init__(self) -> None:
+        checked = []
+        for i, item in enumerate(self.rules):
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"PrecisionRules.rules[{i}]={item!r}: expected a "
+                                 "(regex, recipe) pair")
+            pattern, recipe = item
+            if not isinstance(pattern, str):
+                raise TypeError(f"PrecisionRules.rules[{i}] pattern {pattern!r}: expected a "
+                                "regex string")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"PrecisionRules.rules[{i}] pattern {pattern!r} is not a "
+                                 f"valid regex: {e}") from None
+            checked.append((pattern, _check_recipe(f"PrecisionRules.rules[{i}]", recipe)))
+        object.__setattr__(self, "rules", tuple(checked))
+        if self.default is not None:
+            object.__setattr__(self, "default",
+                               _check_recipe("PrecisionRules.default", self.default))
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def uniform(cls, recipe: RecipeLike) -> PrecisionRules:
+        """Every linear layer in ``recipe``."""
+        return cls(default=recipe)
+
+    @classmethod
+    def for_recipe(cls, recipe: RecipeLike, n_layers: int, *, bf16_first: int = 0,
+                   bf16_last: int | None = None, high_precision: RecipeLike = "bf16",
+                   block_prefix: str = "layers") -> PrecisionRules:
+        """``recipe`` everywhere except the first ``bf16_first`` and last ``bf16_last``
+        blocks (paths ``"<block_prefix>.<i>.*"``), which get ``high_precision``.
+
+        ``bf16_last=None`` means `default_bf16_last` (15%, at least 1) for a recipe that
+        quantizes something and 0 for one that does not (bf16 gets no special rules).
+        """
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
+            raise ValueError(f"n_layers={n_layers!r}: expected a positive int")
+        quantized = get_recipe(recipe).quantized
+        if bf16_last is None:
+            bf16_last = default_bf16_last(n_layers) if quantized else 0
+        for name, v in (("bf16_first", bf16_first), ("bf16_last", bf16_last)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r}: expected an int >= 0")
+        if bf16_first + bf16_last > n_layers:
+            raise ValueError(f"bf16_first={bf16_first} + bf16_last={bf16_last} exceeds "
+                             f"n_layers={n_layers}: expected at most n_layers blocks kept "
+                             "in high precision")
+        keep = sorted(set(range(bf16_first)) | set(range(n_layers - bf16_last, n_layers)))
+        rules: tuple[tuple[str, RecipeLike], ...] = ()
+        if keep:
+            alts = "|".join(str(i) for i in keep)
+            rules = ((rf"{re.escape(block_prefix)}\.({alts})\..*", high_precision),)
+        return cls(rules=rules, default=recipe)
+
+    # ------------------------------------------------------------------ queries
+    def resolve(self, path: str) -> RecipeLike | None:
+        """Recipe for a dotted module path: first fully matching rule, else default."""
+        for pattern, recipe in self.rules:
+            if re.fullmatch(pattern, path):
+                return recipe
+        return self.default
+
+    def resolve_name(self, path: str) -> str | None:
+        """Like `resolve`, but the recipe's name."""
+        return recipe_name(self.resolve(path))
+
+    def assignments(self, model: Any) -> dict[str, str | None]:
+        """{dotted path: recipe name} for every linear layer of ``model``."""
+        return {path: self.resolve_name(path) for path, _ in iter_linears(model)}
+
+    def then(self, pattern: str, recipe: RecipeLike) -> PrecisionRules:
+        """A copy with one more rule appended (lowest priority before the default)."""
+        return dataclasses.replace(self, rules=self.rules + ((pattern, recipe),))
+
+    def prepend(self, pattern: str, recipe: RecipeLike) -> PrecisionRules:
+        """A copy with one more rule in front (highest priority)."""
+        return dataclasses.replace(self, rules=((pattern, recipe),) + self.rules)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        return {"rules": [[p, _recipe_json(r)] for p, r in self.rules],
+                "default": _recipe_json(self.default)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrecisionRules:
+        if not isinstance(d, dict):
+            raise TypeError(f"PrecisionRules.from_dict expected a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"rules", "default"})
+        if unknown:
+            raise ValueError(f"PrecisionRules: unknown key(s) {unknown}; expected 'rules' "
+                             "and/or 'default'")
+        rules = d.get("rules", [])
+        if not isinstance(rules, (list, tuple)):
+            raise TypeError(f"PrecisionRules 'rules'={rules!r}: expected a list of "
+                            "[regex, recipe] pairs")
+        return cls(rules=tuple(tuple(r) if isinstance(r, (list, tuple)) else r
+                               for r in rules),
+                   default=d.get("default", "bf16"))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrecisionRules:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PrecisionRules:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+# ---------------------------------------------------------------------- graph helpers
+
+def path_str(parts: tuple[Any, ...]) -> str:
+    """('layers', 0, 'attn', 'q_proj') -> 'layers.0.attn.q_proj'."""
+    return ".".join(str(p) for p in parts)
+
+
+def path_key(key: jax.Array, path: str) -> jax.Array:
+    """A per-layer key: ``fold_in(key, crc32(path))`` (stable across runs and processes)."""
+    return jax.random.fold_in(key, path_id(path))
+
+
+def path_id(path: str) -> int:
+    """A stable 31-bit integer id of a module path (crc32)."""
+    return zlib.crc32(path.encode()) & 0x7FFFFFFF
+
+
+def _is_linear(node: Any) -> bool:
+    from microscale.model.layers import QLinear
+
+    return isinstance(node, (QLinear, *_FLAX_DOT_GENERAL, *_FLAX_EINSUM))
+
+
+def iter_linears(model: Any) -> Iterator[tuple[str, Any]]:
+    """(dotted path, module) for every QLinear / nnx.Linear / LinearGeneral / Einsum."""
+    for parts, node in nnx.iter_graph(model):
+        if _is_linear(node):
+            yield path_str(parts), node
+
+
+def assignments(model: Any, rules: PrecisionRules | None = None) -> dict[str, str | None]:
+    """{path: recipe name} — from ``rules`` if given, else what each layer currently runs
+    (None for a flax layer that apply_rules never touched)."""
+    if rules is not None:
+        return rules.assignments(model)
+    return {path: recipe_name(_current_recipe(node)) for path, node in iter_linears(model)}
+
+
+def _current_recipe(node: Any) -> RecipeLike | None:
+    from microscale.model.layers import QLinear
+
+    if isinstance(node, QLinear):
+        return node.recipe
+    fn = getattr(node, "einsum_op", None) if isinstance(node, _FLAX_EINSUM) else \
+        getattr(node, "dot_general", None)
+    return getattr(fn, "microscale_recipe", None)
+
+
+def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str, str | None]:
+    """Set every matched linear layer of any NNX ``model`` to its rule's recipe, in place.
+
+    Returns {path: recipe name} of the layers touched (None: left as is). ``seed`` makes
+    the fixed per-layer keys of flax layers (see the module docstring).
+    """
+    from microscale.model.layers import QLinear
+
+    if not isinstance(rules, PrecisionRules):
+        raise TypeError(f"apply_rules: rules={rules!r}: expected a PrecisionRules")
+    base = jax.random.key(seed)
+    out: dict[str, str | None] = {}
+    for path, node in list(iter_linears(model)):
+        recipe = rules.resolve(path)
+        out[path] = recipe_name(recipe)
+        if recipe is None:
+            continue
+        if isinstance(node, QLinear):
+            node.recipe = recipe
+            node.layer_id = path_id(path)
+            continue
+        dg = make_dot_general(recipe, key=path_key(base, path))
+        if isinstance(node, _FLAX_EINSUM):
+            op = functools.partial(jnp.einsum, _dot_general=dg)
+            op.microscale_recipe = recipe  # type: ignore[attr-defined]
+            node.einsum_op = op
+        else:
+            dg.microscale_recipe = recipe  # type: ignore[attr-defined]
+            node.dot_general = dg
+    return out
+
+
+def late_switch(rules: PrecisionRules, mode: Literal["bf16", "forward"] = "bf16"
+                ) -> PrecisionRules:
+    """Rules for the late high-precision phase (paper, Appendix D).
+
+    ``"bf16"``: every layer in bf16, forward and backward. ``"forward"``: each layer's
+    recipe with its fprop operands in bf16 (dgrad/wgrad unchanged), named
+    ``"<name>+bf16_fprop"``; layers already in a non-quantizing recipe are unchanged.
+    Re-apply with `apply_rules`.
+    """
+    if mode == "bf16":
+        return PrecisionRules(default="bf16")
+    if mode != "forward":
+        raise ValueError(f"late_switch mode={mode!r}: expected 'bf16' or 'forward'")
+
+    def fwd_bf16(recipe: RecipeLike | None) -> RecipeLike | None:
+        if recipe is None:
+            return None
+        r = get_recipe(recipe)
+        if not r.quantized:
+            return recipe
+        hp = OperandSpec()  # the default operand spec is the bf16 pass-through
+        return r.replace(name=f"{r.name}+bf16_fprop", fprop_x=hp, fprop_w=hp)
+
+    return PrecisionRules(rules=tuple((p, fwd_bf16(r)) for p, r in rules.rules),
+                          default=fwd_bf16(rules.default))
+
+
+def default_bf16_last(n_layers: int) -> int:
+    """Trailing blocks `PrecisionRules.for_recipe` keeps in bf16 by default: 15% of the
+    blocks rounded half up, at least 1 (4 -> 1, 16 -> 2, 32 -> 5, 62 -> 9)."""
+    return max(1, math.floor(0.15 * n_layers + 0.5))
+

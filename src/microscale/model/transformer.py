@@ -1,0 +1,216 @@
+"""A Llama-style decoder-only transformer in Flax NNX whose linear layers train in any
+microscale recipe.
+
+Per block (pre-norm, residual stream in float32)::
+
+    h   = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))  n = attn_norm(x)
+    out = h + down_proj(silu(gate_proj(m)) * up_proj(m))                     m = mlp_norm(h)
+
+Attention is causal grouped-query attention: ``n_heads`` query heads share
+``n_kv_heads`` key/value heads, query head ``h`` reading kv head ``h // (n_heads /
+n_kv_heads)`` (the layout of HF's ``repeat_kv``). Scores ``QK^T / sqrt(head_dim)`` and
+the value product run with ``compute_dtype`` operands and float32 accumulation; the
+softmax is float32. RoPE follows the HF Llama "rotate half" layout, so the q/k kernels map
+to HF checkpoints by a transpose alone.
+
+The seven projections per block are `QLinear`\\ s; their recipes come from a
+`PrecisionRules` (default: every layer bf16). Everything else — embedding, norms,
+attention products, LM head — is high precision (DESIGN.md). ``__call__`` takes a PRNG
+``key`` (fresh per training step); each projection folds in a stable id of its path, so
+stochastic rounding never repeats across layers or steps. ``key=None`` is fine for a
+forward pass; a recipe with stochastic rounding needs a key to differentiate.
+
+Parameter paths (also the rule paths; `microscale.export` maps them to HF names)::
+
+    embed.embedding                         [vocab, d_model]      ('vocab', 'embed')
+    layers.<i>.attn_norm.scale              [d_model]             ('norm',)
+    layers.<i>.attn.q_proj.kernel           [d_model, H*hd]       ('embed', 'heads')
+    layers.<i>.attn.k_proj.kernel           [d_model, KV*hd]      ('embed', 'kv_heads')
+    layers.<i>.attn.v_proj.kernel           [d_model, KV*hd]      ('embed', 'kv_heads')
+    layers.<i>.attn.o_proj.kernel           [H*hd, d_model]       ('heads', 'embed')
+    layers.<i>.mlp_norm.scale               [d_model]             ('norm',)
+    layers.<i>.mlp.gate_proj.kernel         [d_model, d_ff]       ('embed', 'mlp')
+    layers.<i>.mlp.up_proj.kernel           [d_model, d_ff]       ('embed', 'mlp')
+    layers.<i>.mlp.down_proj.kernel         [d_ff, d_model]       ('mlp', 'embed')
+    final_norm.scale                        [d_model]             ('norm',)
+    lm_head.kernel                          [d_model, vocab]      ('embed', 'vocab')  (untied only)
+
+Causality caveat: a recipe with a per-tensor scale (NVFP4's global scale, FP8) takes the
+amax over the whole activation tensor — every token of the batch — so a later token can
+change the rounding of an earlier one (and one sequence another's). Causal masking is
+exact; bit-exact causality of the logits holds for block-local recipes (bf16, MX).
+
+Memory: ``config.remat`` wraps each block in ``nnx.remat`` (jax.checkpoint), keeping only
+block inputs for the backward pass; on by default for the llama presets.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from microscale.model.config import ModelConfig
+from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
+from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path_id
+
+__all__ = ["MLP", "Attention", "Block", "Transformer", "causal_attention"]
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal GQA. q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]`` with H % KV == 0 and the
+    last T of S positions being the queries (S == T in training). Returns ``[B, T, H, hd]``
+    in q's dtype. Scores and softmax in float32."""
+    b, t, h, hd = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    q_pos = jnp.arange(t)[:, None] + (s - t)
+    mask = q_pos >= jnp.arange(s)[None, :]  # [T, S]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def _linear(cfg: ModelConfig, path: str, din: int, dout: int, axes, *, rngs: nnx.Rngs,
+            std: float | None = None) -> QLinear:
+    return QLinear(din, dout, rngs=rngs, recipe="bf16", layer_id=path_id(path), axes=axes,
+                   init_std=cfg.init_std if std is None else std,
+                   param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+
+
+def _out_std(cfg: ModelConfig) -> float:
+    return cfg.init_std / (2 * cfg.n_layers) ** 0.5 if cfg.scale_residual_init else cfg.init_std
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with RoPE; q/k/v/o are QLinears."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.q_proj = _linear(cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd,
+                              ("embed", "heads"), rngs=rngs)
+        self.k_proj = _linear(cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd,
+                              ("embed", "kv_heads"), rngs=rngs)
+        self.v_proj = _linear(cfg, f"{prefix}.v_proj", d, cfg.n_kv_heads * hd,
+                              ("embed", "kv_heads"), rngs=rngs)
+        self.o_proj = _linear(cfg, f"{prefix}.o_proj", cfg.n_heads * hd, d,
+                              ("heads", "embed"), rngs=rngs, std=_out_std(cfg))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        b, t, _ = x.shape
+        q = self.q_proj(x, key=key).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = causal_attention(q, k, v).reshape(b, t, self.n_heads * self.head_dim)
+        return self.o_proj(o, key=key)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; silu in float32."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.gate_proj = _linear(cfg, f"{prefix}.gate_proj", d, f, ("embed", "mlp"), rngs=rngs)
+        self.up_proj = _linear(cfg, f"{prefix}.up_proj", d, f, ("embed", "mlp"), rngs=rngs)
+        self.down_proj = _linear(cfg, f"{prefix}.down_proj", f, d, ("mlp", "embed"),
+                                 rngs=rngs, std=_out_std(cfg))
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        g = self.gate_proj(x, key=key)
+        u = self.up_proj(x, key=key)
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+        return self.down_proj(h, key=key)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention then MLP, each added to the residual."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
+        prefix = f"layers.{index}"
+        norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
+                    compute_dtype=cfg.compute_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(cfg, f"{prefix}.attn", rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        h = x + self.attn(self.attn_norm(x), cos, sin, key=key).astype(x.dtype)
+        return h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype)
+
+
+def _run_block(block: Block, x, cos, sin, key):
+    return block(x, cos, sin, key=key)
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+class Transformer(nnx.Module):
+    """Llama-style decoder. ``model(tokens [B, T] int32, key=...) -> logits [B, T, V] f32``.
+
+    ``rules`` assigns each projection its recipe (see `microscale.model.rules`); default
+    every layer bf16. Change later with ``model.set_rules(rules)``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
+                 rules: PrecisionRules | None = None):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"Transformer: config={config!r}: expected a ModelConfig")
+        self.config = config
+        cfg = config
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, init_std=cfg.init_std,
+                           param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
+                                  compute_dtype=cfg.compute_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, rngs=rngs,
+                                  init_std=cfg.init_std, param_dtype=cfg.param_dtype,
+                                  compute_dtype=cfg.compute_dtype)
+        self.rules = rules if rules is not None else PrecisionRules(default="bf16")
+        apply_rules(self, self.rules)
+
+    def set_rules(self, rules: PrecisionRules) -> dict[str, str | None]:
+        """Re-assign every projection's recipe (e.g. the late switch); returns
+        {path: recipe name}. Static attributes change, so jit retraces."""
+        self.rules = rules
+        return apply_rules(self, rules)
+
+    def set_recipe(self, recipe: RecipeLike) -> dict[str, str | None]:
+        """Every projection in ``recipe`` (no per-layer exceptions)."""
+        return self.set_rules(PrecisionRules(default=recipe))
+
+    def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """tokens ``[B, T]`` int -> float32 logits ``[B, T, vocab]``.
+
+        ``key``: PRNG key for stochastic rounding / per-step randomness of the recipes.
+        ``positions``: optional ``[T]`` or ``[B, T]`` RoPE positions (default ``arange(T)``).
+        """
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"Transformer: tokens shape {tokens.shape}: expected [batch, seq]")
+        t = tokens.shape[1]
+        if t > cfg.max_seq_len:
+            raise ValueError(f"Transformer: sequence length {t} exceeds "
+                             f"max_seq_len={cfg.max_seq_len}")
+        if positions is None:
+            positions = jnp.arange(t)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        x = self.embed(tokens)
+        run = _run_block_remat if cfg.remat else _run_block
+        for block in self.layers:
+            x = run(block, x, cos, sin, key)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            return self.embed.attend(x)
+        return self.lm_head(x)
