@@ -1,0 +1,31 @@
+"""Quantized GEMMs for training: recipes, a custom-VJP ``dot_general``, backends.
+
+``make_dot_general(recipe, key=...)`` returns a drop-in for ``jax.lax.dot_general``
+whose forward GEMM and both gradient GEMMs quantize their operands as the
+:class:`Recipe` says (see ``recipe.py`` for the preset table and ``dot.py`` for the math).
+"""
+
+from microscale.ops.backend import device_capability, native_supported, resolve_backend
+from microscale.ops.dot import (
+    make_dot_general,
+    operand_key,
+    qdot,
+    quantize_operand,
+    quantized_dot_general,
+)
+from microscale.ops.recipe import (
+    GEMMS,
+    RECIPES,
+    SLOTS,
+    OperandSpec,
+    Recipe,
+    get_recipe,
+    list_recipes,
+)
+
+__all__ = [
+    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "device_capability", "get_recipe",
+    "list_recipes", "make_dot_general", "native_supported", "operand_key", "qdot",
+    "quantize_operand",
+    "quantized_dot_general", "resolve_backend",
+]

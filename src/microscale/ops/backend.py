@@ -1,0 +1,143 @@
+"""Backends of the quantized GEMM and the capability probe that picks one.
+
+* ``"emulated"`` — quantize, decode exactly to bfloat16, bf16 x bf16 GEMM with float32
+  accumulation, tensor scales applied to the float32 result. Runs everywhere.
+* ``"native"`` — the hardware's low-precision GEMM: FP8 dots on NVIDIA compute capability
+  >= 8.9, cuDNN block-scaled GEMMs (``jax.nn.scaled_matmul``) for NVFP4/MXFP8 on >= 10.0.
+* ``"auto"`` — native where :func:`native_supported` says so, else emulated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "emulated", "native")
+
+
+@functools.cache
+def device_capability() -> tuple[int, int] | None:
+    """CUDA compute capability of the first device, or None (CPU/TPU/unknown)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover - no backend at all
+        return None
+    if dev.platform != "gpu":
+        return None
+    cc = getattr(dev, "compute_capability", None)
+    try:
+        major, minor = (int(p) for p in str(cc).split(".")[:2])
+    except (TypeError, ValueError):
+        return None
+    return major, minor
+
+
+def native_supported(recipe) -> bool:
+    """True when every quantized GEMM of ``recipe`` has a native kernel on this device.
+
+    Block-scaled formats (cuDNN) need compute capability >= 10.0, per-tensor FP8 >= 8.9.
+    GEMMs whose operands are both bf16 always run natively (a bf16 dot).
+    """
+    gemms = [(a, b) for a, b in recipe.gemms().values() if a.quantized or b.quantized]
+    return bool(gemms) and all(gemm_supported(a, b) for a, b in gemms)
+
+
+def resolve_backend(backend: str, recipe) -> str:
+    """"auto" -> "native" or "emulated"; validates the name and native availability.
+
+    With "native", each GEMM whose operand pair has a kernel (:func:`gemm_supported`)
+    runs natively and the others are emulated; "auto" is "native" when at least one
+    GEMM has a kernel. "native" raises when none has.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {list(BACKENDS)}")
+    any_native = any(gemm_supported(a, b) for a, b in recipe.gemms().values())
+    if backend == "auto":
+        return "native" if any_native else "emulated"
+    if backend == "native" and not any_native:
+        raise ValueError(f"backend='native' is not available for recipe {recipe.name!r} on "
+                         f"{jax.devices()[0].platform} (compute capability "
+                         f"{device_capability()}); use backend='emulated' or 'auto'")
+    return backend
+
+
+# ---- native GEMMs -----------------------------------------------------------------------
+#
+# Operands arrive "contraction last": a [(B,) P, C], b [(B,) Q, C]. Each is quantized with
+# formats.quantize in that layout (blocks along C), its codes decoded to the element dtype
+# the hardware reads (float4_e2m1fn / float8_*), its block scales expanded to one per
+# (row, block) (a 16x16 tile scale is the same scale for 16 rows), and the product
+# computed by the block-scaled GEMM; the float32 tensor scales multiply the result, as in
+# the emulated backend.
+
+
+def gemm_supported(sa, sb) -> bool:
+    """True when the GEMM of operand specs ``sa`` x ``sb`` has a native kernel here."""
+    cc = device_capability()
+    if cc is None:
+        return False
+    fa, fb = sa.spec, sb.spec
+    if not (fa.quantized and fb.quantized):
+        return False
+    if fa.block_size is None and fb.block_size is None:  # per-tensor FP8 (cuBLASLt)
+        return cc >= (8, 9) and fa.elem_bits == fb.elem_bits == 8
+    square = all(s.block_shape is None or s.block_shape[0] == s.block_shape[1]
+                 for s in (sa, sb))
+    return (cc >= (10, 0) and square and fa.block_size == fb.block_size
+            and fa.scale_kind == fb.scale_kind and fa.elem_bits == fb.elem_bits)
+
+
+def native_operand(t, spec, *, axis: int = -1, key=None):
+    """(elements in the hardware dtype, per-(row, block) scales or None, tensor scale or
+    None), contraction along the last axis, of an operand quantized along ``axis``.
+
+    ``axis=-2`` quantizes ``t`` in its own layout (so stochastic-rounding noise matches
+    the emulated backend) and hands the kernel its transpose.
+    """
+    from microscale.formats import elements, quantize
+
+    bs = spec.block_shape
+    if bs is not None and axis == -1:
+        bs = bs[::-1]  # (along, other) -> array order of the last two dims
+    q = quantize(t, spec.spec, axis=axis, rounding=spec.rounding,
+                 key=key if spec.stochastic else None, block_shape=bs,
+                 scale_rounding=spec.scale_rounding)
+    fmt = q.spec
+    if q.block_shape is None:  # per-tensor scale
+        elems = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
+        return elems, None, q.scales
+    codes = q.codes()
+    elems = (elements.e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes)
+    scales = q.scales
+    other = -2 if axis == -1 else -1
+    if q.block_shape[other] > 1:  # a tile scale serves each of its rows
+        scales = jnp.repeat(scales, q.block_shape[other], axis=other)
+    rows = t.shape[other]
+    if axis == -2:
+        elems, scales = jnp.swapaxes(elems, -1, -2), jnp.swapaxes(scales, -1, -2)
+    return elems[..., :rows, :], scales[..., :rows, :], q.global_scale
+
+
+def native_gemm(a, sa, b, sb, *, axis_a: int = -1, axis_b: int = -1, key_a=None,
+                key_b=None) -> jax.Array:
+    """a ``[(B,) P, C]`` x b ``[(B,) Q, C]`` -> float32 ``[(B,) P, Q]`` on the hardware's
+    GEMM. ``axis_a``/``axis_b`` = -2 pass an operand as ``[(B,) C, P]`` instead."""
+    ea, ca, ta = native_operand(a, sa, axis=axis_a, key=key_a)
+    eb, cb, tb = native_operand(b, sb, axis=axis_b, key=key_b)
+    nb = a.ndim - 2
+    if ca is None:  # per-tensor FP8: XLA rewrites this dot to a cuBLASLt FP8 GEMM
+        batch = tuple(range(nb))
+        dims = (((nb + 1,), (nb + 1,)), (batch, batch))
+        y = jax.lax.dot_general(ea, eb, dims, preferred_element_type=jnp.float32)
+    else:
+        lead = ea.shape[:-2]
+        flat = lambda v: v.reshape((-1,) + v.shape[-2:])
+        y = jax.nn.scaled_matmul(flat(ea), flat(eb), flat(ca), flat(cb),
+                                 preferred_element_type=jnp.float32)
+        y = y.reshape(lead + y.shape[-2:]) if nb else y[0]
+    for s in (ta, tb):
+        if s is not None:
+            y = y * s
+    return y

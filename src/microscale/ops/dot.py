@@ -1,0 +1,305 @@
+"""Quantized ``dot_general`` with a custom VJP over the three GEMMs of a linear layer.
+
+For ``Y = X W`` with X ``[M, K]`` (M tokens) and W ``[K, N]``, the chain rule gives
+
+    Y_mn  = sum_k X_mk W_kn              fprop   contracts K
+    dX_mk = sum_n dY_mn W_kn  = dY W^T    dgrad   contracts N
+    dW_kn = sum_m X_mk dY_mn  = X^T dY    wgrad   contracts M (tokens)
+
+``jax.grad`` of a quantized forward would differentiate the rounding (zero almost
+everywhere) or, with a straight-through estimator, run the backward GEMMs in high
+precision. Low-precision *training* instead quantizes the operands of all three GEMMs,
+each along that GEMM's contraction axis (a block-scaled tensor core reads one scale per
+block of a dot product), so every operand is quantized on its own terms:
+
+* X in fprop (blocks along K) and again in wgrad (blocks along M): activations,
+  round-to-nearest; in wgrad optionally rotated by a random Hadamard transform along M.
+* W in fprop (along K) and dgrad (along N): weights, round-to-nearest. NVFP4 uses 16x16
+  tiles, so one quantized W serves both GEMMs and the backward pass differentiates
+  exactly the function the forward computed.
+* dY in dgrad (along N) and wgrad (along M): gradients, stochastic rounding so the
+  error is zero-mean: ``E[Q(dY)] = dY`` makes ``E[dX] = dY W_q^T`` unbiased.
+
+The recipe (:mod:`microscale.ops.recipe`) says which format each of the six operands
+gets; this module never looks at format names, only at :class:`FormatSpec` fields.
+
+Emulated backend (any device): quantize, decode to bfloat16 *without* the float32
+tensor scale (``E2M1 x E4M3`` and ``E4M3``/``E5M2`` x ``E8M0`` products are exact in
+bfloat16), multiply in bfloat16 with float32 accumulation, and apply the two tensor
+scales to the float32 result. This is what an FP4/FP8 tensor core computes, up to the
+order of summation. Native backends (:mod:`microscale.ops.backend`) feed the codes to
+block-scaled hardware GEMMs where a capability probe says the device has them.
+
+Randomness is explicit: the caller's key is split per operand with ``fold_in`` (slot
+index in :data:`~microscale.ops.recipe.SLOTS`); the same key gives the same result.
+The Hadamard sign vector comes from ``recipe.hadamard_seed`` (fixed, not per step).
+A key is required only when an operand with stochastic rounding is actually computed
+(for NVFP4: in the backward pass), so ``key=None`` is fine for inference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from microscale.formats import (
+    hadamard_matrix,
+    quantize_dequantize,
+    random_hadamard,
+    random_signs,
+)
+from microscale.ops.backend import gemm_supported, native_gemm, resolve_backend
+from microscale.ops.recipe import SLOT_PAIRS, SLOTS, OperandSpec, Recipe, get_recipe
+
+COMPUTE = jnp.bfloat16
+
+
+def operand_key(key, slot: str):
+    """The PRNG key of one operand slot: ``fold_in(key, SLOTS.index(slot))`` (None -> None)."""
+    if slot not in SLOTS:
+        raise ValueError(f"unknown operand slot {slot!r}; expected one of {list(SLOTS)}")
+    return None if key is None else jax.random.fold_in(key, SLOTS.index(slot))
+
+
+def _rotate(t: jax.Array, spec: OperandSpec, axis: int, seed: int) -> jax.Array:
+    """The random Hadamard transform of ``spec`` along ``axis`` (-1 or -2), zero-padded to
+    a multiple of its size: each chunk ``v`` becomes ``v R`` with ``R = diag(s) H``, as
+    :func:`microscale.formats.random_hadamard` defines it. Computed in float32."""
+    if spec.hadamard is None:
+        return t
+    h = spec.hadamard
+    t = t.astype(jnp.float32)
+    pad = -t.shape[axis] % h
+    if pad:  # zero rows/cols along the contraction axis add nothing to the product
+        widths = [(0, 0)] * t.ndim
+        widths[axis] = (0, pad)
+        t = jnp.pad(t, widths)
+    with jax.ensure_compile_time_eval():  # the sign vector is a constant, not a kernel
+        if axis % t.ndim == t.ndim - 1:
+            return random_hadamard(t, -1, size=h, seed_or_key=seed)
+        r = random_signs(seed, h)[:, None] * hadamard_matrix(h)
+    # Along rows without moving axes: XLA:CPU runs a transposing formulation ~2x slower.
+    *lead, m, n = t.shape
+    t = t.reshape((*lead, m // h, h, n))
+    return jnp.einsum("...gin,ij->...gjn", t, r,
+                      precision=jax.lax.Precision.HIGHEST).reshape((*lead, m, n))
+
+
+def _check_key(spec: OperandSpec, key, slot: str) -> None:
+    if spec.stochastic and key is None:
+        raise ValueError(f"operand {slot!r} uses stochastic rounding: pass key=jax.random.key(...) "
+                         "(derive one per step and layer with jax.random.fold_in)")
+
+
+def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=None,
+                     hadamard_seed: int = 0, slot: str = "operand"):
+    """One GEMM operand -> (bf16 values, f32 tensor scale).
+
+    ``axis`` (-1 or -2) is the contraction axis: blocks, the Hadamard transform and
+    stochastic-rounding noise run along it (noise is drawn in ``t``'s layout); a 2-D
+    block shape ``(along, other)`` covers the last two axes. The values are exactly
+    ``dequantize(quantize(t', ...), bfloat16, with_global_scale=False)`` of the (rotated)
+    operand ``t'``; the second output is the omitted float32 tensor scale (1 if none).
+    """
+    if axis not in (-1, -2):
+        raise ValueError(f"quantize_operand: axis must be -1 or -2 (a GEMM dim), got {axis}")
+    t = _rotate(t, spec, axis, hadamard_seed)
+    _check_key(spec, key, slot)
+    block_shape = spec.block_shape
+    if block_shape is not None and axis == -1:
+        block_shape = block_shape[::-1]  # (along, other) -> array order of the last two dims
+    return quantize_dequantize(t, spec.spec, axis=axis, rounding=spec.rounding,
+                               key=key if spec.stochastic else None, block_shape=block_shape,
+                               scale_rounding=spec.scale_rounding, dtype=COMPUTE)
+
+
+def _scaled(y: jax.Array, *scales) -> jax.Array:
+    s = None
+    for t in scales:
+        if t is not None:
+            s = t if s is None else s * t
+    return y if s is None else y * s
+
+
+def _gemm(a, b, cb: int = -1) -> jax.Array:
+    """``a [(B,) P, C]`` contracted with ``b``'s axis ``cb`` (-1: ``[Q, C]``, -2: ``[C, Q]``)
+    -> ``[(B,) P, Q]`` with float32 accumulation and output.
+
+    The optimization barrier pins the operands in the layout they were quantized in:
+    without it XLA folds a transpose feeding an elementwise quantizer (per-tensor FP8,
+    bf16) into the dot's dimension numbers, and XLA:CPU then runs the slow "TN" form or,
+    for some shapes, fails ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
+    """
+    a, b = jax.lax.optimization_barrier((a, b))
+    batch = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (b.ndim + cb,)), (batch, batch))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _t(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+# ---- the custom VJP on canonical operands: x [(B,) M, K], w [(B,) K, N] ------------------
+#
+# Operand layouts (the layout in which each is quantized and its SR noise drawn):
+#   fprop  Y  = Xq   [M,K] . Wq  [K,N]   X blocks along its last axis, W along its first
+#   dgrad  dX = dYq  [M,N] . Wq^T        dY and W (when requantized) along their last axis
+#   wgrad  dW = XqT  [K,M] . dYq [M,N]   X^T and dY both blocked (and rotated) along M
+# No GEMM contracts the first axis of both operands: XLA:CPU runs that form ("TN") at
+# half the speed. X^T is materialized for wgrad; dY is blocked along its rows in place.
+
+
+def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b: int = -1):
+    """A GEMM on the hardware kernel, operands as the emulated path lays them out."""
+    sa, sb = recipe.gemms()[gemm]
+    slot_a, slot_b = SLOT_PAIRS[gemm]
+    ka, kb = operand_key(key, slot_a), operand_key(key, slot_b)
+    _check_key(sa, ka, slot_a)
+    _check_key(sb, kb, slot_b)
+    seed = recipe.hadamard_seed
+    return native_gemm(_rotate(a, sa, axis_a, seed), sa, _rotate(b, sb, axis_b, seed), sb,
+                       axis_a=axis_a, axis_b=axis_b, key_a=ka, key_b=kb)
+
+
+def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:
+    return backend == "native" and gemm_supported(*recipe.gemms()[gemm])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _qmatmul(recipe: Recipe, backend: str, out_dtype, x, w, key):
+    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, x, w, key)
+    return y
+
+
+def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key):
+    seed = recipe.hadamard_seed
+    w_res = w
+    if _use_native(recipe, backend, "fprop"):
+        y = _native_gemm(recipe, "fprop", x, w, key, axis_b=-2)
+    else:
+        xq, sx = quantize_operand(x, recipe.fprop_x, key=operand_key(key, "fprop_x"),
+                                  hadamard_seed=seed, slot="fprop_x")
+        wq, sw = quantize_operand(w, recipe.fprop_w, axis=-2, key=operand_key(key, "fprop_w"),
+                                  hadamard_seed=seed, slot="fprop_w")
+        y = _scaled(_gemm(xq, wq, -2), sx, sw)
+        # dgrad reuses fprop's quantized W when quantizing along N gives the same values
+        # (16x16 tiles, per-tensor scale, bf16): DESIGN's "same quantized W".
+        if recipe.reuses_fprop_w and not _use_native(recipe, backend, "dgrad"):
+            w_res = (wq, sw)
+    # Cotangent dtypes must match the primals: carry them as zero-size arrays.
+    tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y.astype(out_dtype), (x, w_res, key, tags)
+
+
+def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, res, dy):
+    x, w_res, key, (x_tag, w_tag) = res
+    seed = recipe.hadamard_seed
+    # dgrad: dX = dY W^T, contracting N.
+    if _use_native(recipe, backend, "dgrad"):
+        dx = _native_gemm(recipe, "dgrad", dy, w_res, key)
+    else:
+        dyq, sdy = quantize_operand(dy, recipe.dgrad_dy, key=operand_key(key, "dgrad_dy"),
+                                    hadamard_seed=seed, slot="dgrad_dy")
+        if isinstance(w_res, tuple):
+            wq, sw = w_res
+        else:
+            wq, sw = quantize_operand(w_res, recipe.dgrad_w, key=operand_key(key, "dgrad_w"),
+                                      hadamard_seed=seed, slot="dgrad_w")
+        dx = _scaled(_gemm(dyq, wq), sdy, sw)
+    # wgrad: dW = X^T dY, contracting M (tokens).
+    if _use_native(recipe, backend, "wgrad"):
+        dw = _native_gemm(recipe, "wgrad", _t(x), dy, key, axis_b=-2)
+    else:
+        xqt, sx = quantize_operand(_t(x), recipe.wgrad_x, key=operand_key(key, "wgrad_x"),
+                                   hadamard_seed=seed, slot="wgrad_x")
+        dyq2, sdy2 = quantize_operand(dy, recipe.wgrad_dy, axis=-2,
+                                      key=operand_key(key, "wgrad_dy"), hadamard_seed=seed,
+                                      slot="wgrad_dy")
+        dw = _scaled(_gemm(xqt, dyq2, -2), sx, sdy2)
+    dkey = None if key is None else np.zeros(jnp.shape(key), jax.dtypes.float0)
+    return dx.astype(x_tag.dtype), dw.astype(w_tag.dtype), dkey
+
+
+_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
+
+
+# ---- general dimension numbers -> canonical 2-D / batched GEMM ---------------------------
+
+def _canonical_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(a) % n for a in axes) for axes, n in
+                      ((lc, lhs_ndim), (rc, rhs_ndim), (lb, lhs_ndim), (rb, rhs_ndim)))
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"dimension_numbers {dimension_numbers!r}: contracting and batch "
+                         "dims must pair up between lhs and rhs")
+    lf = tuple(a for a in range(lhs_ndim) if a not in lc + lb)
+    rf = tuple(a for a in range(rhs_ndim) if a not in rc + rb)
+    return lc, rc, lb, rb, lf, rf
+
+
+def _prod(shape, axes: Sequence[int]) -> int:
+    n = 1
+    for a in axes:
+        n *= shape[a]
+    return n
+
+
+def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "nvfp4", *,
+                          key=None, preferred_element_type=None,
+                          backend: str = "auto") -> jax.Array:
+    """``jax.lax.dot_general`` whose three GEMMs (forward and both gradients) follow
+    ``recipe``. lhs plays X (activations), rhs plays W (weights). Any dimension numbers:
+    operands are transposed/reshaped to ``[B, M, K] x [B, K, N]`` and back."""
+    recipe = get_recipe(recipe)
+    backend = resolve_backend(backend, recipe)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+    lc, rc, lb, rb, lf, rf = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
+    for a, b in zip(lc + lb, rc + rb, strict=True):
+        if lhs.shape[a] != rhs.shape[b]:
+            raise ValueError(f"dot_general: lhs dim {a} (size {lhs.shape[a]}) does not match "
+                             f"rhs dim {b} (size {rhs.shape[b]})")
+    bsz = _prod(lhs.shape, lb)
+    m, k, n = _prod(lhs.shape, lf), _prod(lhs.shape, lc), _prod(rhs.shape, rf)
+    lead = (bsz,) if lb else ()
+    x = jnp.transpose(lhs, lb + lf + lc) if lb + lf + lc != tuple(range(lhs.ndim)) else lhs
+    w = jnp.transpose(rhs, rb + rc + rf) if rb + rc + rf != tuple(range(rhs.ndim)) else rhs
+    x = x.reshape(lead + (m, k))
+    w = w.reshape(lead + (k, n))
+    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), x, w, key)
+    out_shape = (tuple(lhs.shape[a] for a in lb) + tuple(lhs.shape[a] for a in lf)
+                 + tuple(rhs.shape[a] for a in rf))
+    return y.reshape(out_shape)
+
+
+def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto"):
+    """A drop-in for ``jax.lax.dot_general`` (``flax.nnx.Linear(dot_general=...)``).
+
+    ``precision`` is ignored (the recipe decides); ``preferred_element_type`` sets the
+    output dtype. ``key`` feeds stochastic rounding (required when the recipe uses it
+    and a gradient is taken); ``backend`` is "auto", "emulated" or "native".
+    """
+    recipe = get_recipe(recipe)
+    backend = resolve_backend(backend, recipe)  # fail early on a bad name
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None,
+                    preferred_element_type=None, **_ignored):
+        del precision
+        return quantized_dot_general(lhs, rhs, dimension_numbers, recipe, key=key,
+                                     preferred_element_type=preferred_element_type,
+                                     backend=backend)
+
+    dot_general.recipe = recipe
+    return dot_general
+
+
+def qdot(x, w, recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto"):
+    """``Y = X @ W`` for X ``[..., K]`` and W ``[K, N]`` with the recipe's three GEMMs."""
+    x = jnp.asarray(x)
+    return make_dot_general(recipe, key=key, backend=backend)(
+        x, w, (((x.ndim - 1,), (0,)), ((), ())))
