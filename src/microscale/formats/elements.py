@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -26,6 +27,47 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 # (threshold, tie rounds up?) for RNE on |y|.
 _E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
                         (2.5, False), (3.5, True), (5.0, False))
+
+
+def round_to_float(a: jax.Array, mant_bits: int, min_exp: int, rounding: str = "nearest",
+                   u: jax.Array | None = None) -> jax.Array:
+    """Round float32 magnitudes ``a >= 0`` to a narrower float format, in float32.
+
+    The format has ``mant_bits`` explicit mantissa bits and smallest normal exponent
+    ``min_exp`` (E2M1: 1, 0; E4M3: 3, -6; E5M2: 2, -14); saturation is the caller's
+    ``min(a, max)`` before this. Done with integer arithmetic on the float32 bits rather
+    than casts through float8/float4, which XLA:CPU emulates in software:
+
+    * normal range: keep ``mant_bits`` of float32's 23 mantissa bits. RNE adds
+      ``half ulp - 1 + kept LSB`` and clears the dropped bits (a carry into the exponent
+      is the correct result); truncation clears them;
+    * subnormal range (``a < 2^min_exp``): a fixed quantum ``2^(min_exp - mant_bits)``;
+      ``jnp.round`` rounds half to even.
+
+    Stochastic: ``lo`` = truncation, ``hi = lo + ulp(lo)``, up with probability
+    ``(a - lo) / ulp(lo)``, so ``E[result] = a``. NaN stays NaN.
+    """
+    drop = 23 - mant_bits
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    quantum = jnp.float32(2.0 ** (min_exp - mant_bits))
+    sub = a < jnp.float32(2.0**min_exp)
+    if rounding == "nearest":
+        half = jnp.uint32((1 << (drop - 1)) - 1)
+        r = (bits + half + ((bits >> drop) & 1)) & jnp.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
+        normal = jax.lax.bitcast_convert_type(r, jnp.float32)
+        return jnp.where(sub, jnp.round(a / quantum) * quantum, normal)
+    if rounding != "stochastic":
+        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
+    if u is None:
+        raise ValueError("stochastic rounding needs uniform samples u")
+    lo_bits = bits & jnp.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
+    lo_n = jax.lax.bitcast_convert_type(lo_bits, jnp.float32)
+    # ulp of lo's binade: 2^(exponent - mant_bits), built from the exponent bits.
+    ulp_n = jax.lax.bitcast_convert_type(
+        (lo_bits & jnp.uint32(0x7F800000)) - jnp.uint32(mant_bits << 23), jnp.float32)
+    lo = jnp.where(sub, jnp.floor(a / quantum) * quantum, lo_n)
+    ulp = jnp.where(sub, quantum, ulp_n)
+    return jnp.where(u * ulp < (a - lo), lo + ulp, lo)
 
 
 def e2m1_encode(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = None) -> jax.Array:
@@ -39,21 +81,32 @@ def e2m1_encode(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = N
         idx = jnp.zeros(a.shape, jnp.uint8)
         for t, up in _E2M1_RNE_THRESHOLDS:
             idx = idx + ((a >= t) if up else (a > t)).astype(jnp.uint8)
-    elif rounding == "stochastic":
-        if u is None:
-            raise ValueError("stochastic rounding needs uniform samples u")
-        # Grid step of the binade containing |y|: 0.5 below 2, 1 in [2, 4), 2 in [4, 6].
-        step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
-        lo = jnp.floor(a / step) * step
-        q = jnp.where(u * step < (a - lo), lo + step, lo)
-        q = jnp.minimum(q, 6.0)
+    else:
+        q = jnp.minimum(round_to_float(a, 1, 0, rounding, u), 6.0)
         # value -> index: [0, 2) -> 2q, {2, 3} -> q + 2, {4, 6} -> q / 2 + 4.
         idx = jnp.where(q < 2.0, 2.0 * q, jnp.where(q < 4.0, q + 2.0, 0.5 * q + 4.0))
         idx = idx.astype(jnp.uint8)
-    else:
-        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
     sign = jnp.signbit(y).astype(jnp.uint8) << 3
     return idx | sign
+
+
+def float_round(y: jax.Array, elem_dtype, elem_max: float, rounding: str = "nearest",
+                u: jax.Array | None = None) -> jax.Array:
+    """float32 -> the nearest value of ``elem_dtype`` (saturating at +-elem_max), float32.
+
+    The value-domain quantizer for every element format (fake quantization); the sign
+    of ``y`` is kept (tiny negatives become -0).
+    """
+    fi = ml_dtypes.finfo(elem_dtype)
+    a = jnp.minimum(jnp.abs(y), jnp.float32(elem_max))
+    v = jnp.minimum(round_to_float(a, int(fi.nmant), int(fi.minexp), rounding, u),
+                    jnp.float32(elem_max))
+    return jnp.where(jnp.signbit(y), -v, v)
+
+
+def e2m1_round(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = None) -> jax.Array:
+    """float32 -> nearest E2M1 value (float32); ``e2m1_decode(e2m1_encode(y))`` bit for bit."""
+    return float_round(y, ml_dtypes.float4_e2m1fn, 6.0, rounding, u)
 
 
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -68,31 +121,31 @@ def float8_encode(y: jax.Array, dtype, elem_max: float, rounding: str = "nearest
                   u: jax.Array | None = None) -> jax.Array:
     """float32 -> an 8-bit float dtype, saturating at +-elem_max (never NaN from overflow).
 
-    Stochastic rounding: take the RNE result, find the neighbour on the other side
-    of |y| by stepping the magnitude's bit pattern by one (bit patterns of a float's
-    magnitude are monotone in its value), and round up with the distance ratio.
+    Rounds in the value domain (:func:`float_round`), then casts the exact result.
     """
-    a = jnp.clip(y, -elem_max, elem_max)
-    if rounding == "nearest":
-        return a.astype(dtype)
-    if rounding != "stochastic":
-        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
-    if u is None:
-        raise ValueError("stochastic rounding needs uniform samples u")
-    mag = jnp.abs(a)
-    r = mag.astype(dtype)
-    rbits = jax.lax.bitcast_convert_type(r, jnp.uint8)
-    rval = r.astype(jnp.float32)
-    below = rval <= mag  # RNE went down (or exact): r is lo
-    other_bits = jnp.where(below, rbits + 1, rbits - 1).astype(jnp.uint8)
-    other = jax.lax.bitcast_convert_type(other_bits, dtype).astype(jnp.float32)
-    lo = jnp.where(below, rval, other)
-    hi = jnp.where(below, other, rval)
-    exact = rval == mag
-    p_up = jnp.where(exact, 0.0, (mag - lo) / jnp.where(exact, 1.0, hi - lo))
-    q = jnp.where(u < p_up, hi, lo)
-    q = jnp.where(jnp.signbit(a), -q, q)
-    return q.astype(dtype)
+    return float_round(y, dtype, elem_max, rounding, u).astype(dtype)
+
+
+def e4m3_rne_value(v: jax.Array) -> jax.Array:
+    """``float(e4m3_rne(v))`` for float32 ``0 <= v <= 448`` (or NaN), in float32."""
+    return round_to_float(v, 3, -6)
+
+
+def abs_bits_max(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``max(|x|)`` over ``axes`` (keepdims), computed on the bit patterns.
+
+    Clearing the sign bit makes a float's bit pattern monotone in its magnitude, so an
+    unsigned-integer max gives the magnitude max exactly; NaN patterns sort above Inf,
+    so NaN propagates. For 16-bit floats this is ~3x faster on XLA:CPU than a float
+    reduction (which converts to float32 first).
+    """
+    nbits = jnp.dtype(x.dtype).itemsize * 8
+    utype = {16: jnp.uint16, 32: jnp.uint32}[nbits]
+    b = jax.lax.bitcast_convert_type(x, utype) & utype((1 << (nbits - 1)) - 1)
+    for ax in sorted(axes):  # outer block axes first: their reductions vectorise best
+        if b.shape[ax] > 1:
+            b = jnp.max(b, axis=ax, keepdims=True)
+    return jax.lax.bitcast_convert_type(b, x.dtype)
 
 
 def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:

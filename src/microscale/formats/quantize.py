@@ -148,20 +148,32 @@ def _uniform(key, shape):
 def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, scale_rounding):
     """Shared core of quantize / quantize_dequantize (blocks is not None).
 
-    Returns unpacked element codes (uint8 for 4-bit, the float8 array otherwise) in
-    the padded shape, the scales (scale-array shape), and the global scale (or None).
+    Returns ``y`` (the input divided by its block scales, blockified float32, still to
+    be rounded to the element format), the uniforms for stochastic rounding (or None),
+    the block scales as float32 (blockified, broadcastable against ``y``), the same
+    scales in their stored dtype (scale-array shape), the global scale (or None) and
+    the padded shape.
     """
     shape = x.shape
-    xf = x.astype(jnp.float32)
     pads = [(0, -d % b) for d, b in zip(shape, blocks, strict=True)]
     if any(p for _, p in pads):
-        xf = jnp.pad(xf, pads)
-    xb = _blockify(xf, blocks)
+        x = jnp.pad(x, pads)
+    xb_in = _blockify(x, blocks)
+    xb = xb_in.astype(jnp.float32)
+    xf_shape = x.shape
     inner = _inner_axes(len(shape))
-    # max(max(x), -min(x)) rather than max(|x|): XLA:CPU vectorises these reductions far
-    # better (measured ~7x on a 4096^2 array). NaN propagates through both.
-    bamax = jnp.maximum(jnp.max(xb, axis=inner, keepdims=True),
-                        -jnp.min(xb, axis=inner, keepdims=True))
+    if jnp.dtype(x.dtype).itemsize == 2:
+        # 16-bit input: integer max of the sign-cleared bits (exact, NaN-propagating).
+        bamax = elements.abs_bits_max(xb_in, inner).astype(jnp.float32)
+    else:
+        # float32: max(max(x), -min(x)), one block axis at a time, vectorises far better
+        # on XLA:CPU than max(|x|) over all block axes at once (3-7x). NaN propagates.
+        hi, lo = xb, xb
+        for ax in inner:  # outer block axes first: those reductions vectorise best
+            if xb.shape[ax] > 1:
+                hi = jnp.max(hi, axis=ax, keepdims=True)
+                lo = jnp.min(lo, axis=ax, keepdims=True)
+        bamax = jnp.maximum(hi, -lo)
     u = _uniform(key, xb.shape) if rounding == "stochastic" else None
 
     global_scale = None
@@ -171,29 +183,23 @@ def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, sc
         s_enc = jnp.where((t_amax == 0) | ~jnp.isfinite(s_enc), jnp.float32(1.0), s_enc)
         s_dec = jnp.float32(1.0) / s_enc
         global_scale = jnp.where(jnp.isfinite(t_amax), s_dec, jnp.float32(jnp.nan))
-        sb = jnp.clip(bamax * (s_enc / jnp.float32(spec.elem_max)), -spec.scale_max,
-                      spec.scale_max).astype(spec.scale_dtype)
-        enc = jnp.minimum(jnp.float32(1.0) / (sb.astype(jnp.float32) * s_dec),
-                          jnp.float32(FLT_MAX))
-        # Materialise the (16x smaller) block arrays: otherwise XLA fuses the software
-        # float->E4M3 cast into the per-element loop and redoes it 16 times (3x slower).
-        sb, enc = jax.lax.optimization_barrier((sb, enc))
+        sb = elements.e4m3_rne_value(jnp.minimum(
+            bamax * (s_enc / jnp.float32(spec.elem_max)), jnp.float32(spec.scale_max)))
+        enc = jnp.minimum(jnp.float32(1.0) / (sb * s_dec), jnp.float32(FLT_MAX))
         y = xb * enc
-        scales = sb
+        scales = sb  # float32 holding exact E4M3 values
+        stored = sb.astype(spec.scale_dtype)  # exact (small array; DCE'd when unused)
     elif spec.scale_kind == "e8m0":
         rule = scale_rounding or spec.scale_rounding
         byte = elements.e8m0_from_amax(bamax, spec.elem_max, spec.elem_emax, rule)
         y = elements.e8m0_divide(xb, byte)
-        scales = jax.lax.bitcast_convert_type(byte, spec.scale_dtype)
+        scales = elements.e8m0_to_float(byte)
+        stored = jax.lax.bitcast_convert_type(byte, spec.scale_dtype)
     else:  # pragma: no cover - registry rows are fixed
         raise AssertionError(spec.scale_kind)
 
-    if spec.packed:
-        codes = elements.e2m1_encode(y, rounding, u)
-    else:
-        codes = elements.float8_encode(y, spec.elem_dtype, spec.elem_max, rounding, u)
-    scales = scales.reshape([s for i, s in enumerate(bamax.shape) if i % 2 == 0])
-    return codes.reshape(xf.shape), scales, global_scale
+    stored = stored.reshape([s for i, s in enumerate(bamax.shape) if i % 2 == 0])
+    return y, u, scales, stored, global_scale, xf_shape
 
 
 def _prepare(x, fmt, axis, rounding, key, block_shape):
@@ -206,9 +212,15 @@ def _prepare(x, fmt, axis, rounding, key, block_shape):
     return spec, x, axis, _resolve_blocks(spec, x.shape, axis, block_shape)
 
 
-def _tensor_scale(xf, spec: FormatSpec, amax):
-    t_amax = (jnp.maximum(jnp.max(xf), -jnp.min(xf)) if amax is None
-              else jnp.asarray(amax, jnp.float32))
+def _tensor_amax(x) -> jax.Array:
+    """max|x| as float32 (see :func:`_encode` for why it is computed this way)."""
+    if jnp.dtype(x.dtype).itemsize == 2:
+        return elements.abs_bits_max(x, tuple(range(x.ndim))).reshape(()).astype(jnp.float32)
+    return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
+
+
+def _tensor_scale(x, spec: FormatSpec, amax):
+    t_amax = _tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
     scale = jnp.where(t_amax == 0, jnp.float32(1.0), t_amax / jnp.float32(spec.elem_max))
     return jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
 
@@ -237,14 +249,19 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
         return QArray(x.astype(spec.elem_dtype), None, None, spec, axis, shape, None)
     if blocks is None:  # per-tensor scaling (FP8 current scaling)
         xf = x.astype(jnp.float32)
-        scale = _tensor_scale(xf, spec, amax)
+        scale = _tensor_scale(x, spec, amax)
         u = _uniform(key, xf.shape) if rounding == "stochastic" else None
         data = elements.float8_encode(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
         return QArray(data, scale, None, spec, axis, shape, None)
-    codes, scales, global_scale = _encode(x, spec, axis, rounding, key, blocks, amax,
-                                          scale_rounding)
-    data = elements.pack_nibbles(codes, axis) if spec.packed else codes
-    return QArray(data, scales, global_scale, spec, axis, shape, blocks)
+    y, u, scales, stored, global_scale, padded = _encode(
+        x, spec, axis, rounding, key, blocks, amax, scale_rounding)
+    if spec.packed:
+        codes = elements.e2m1_encode(y, rounding, u).reshape(padded)
+        data = elements.pack_nibbles(codes, axis)
+    else:
+        data = elements.float8_encode(y, spec.elem_dtype, spec.elem_max, rounding, u)
+        data = data.reshape(padded)
+    return QArray(data, stored, global_scale, spec, axis, shape, blocks)
 
 
 def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
@@ -268,19 +285,20 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
         return x.astype(spec.elem_dtype).astype(dtype), one
     if blocks is None:
         xf = x.astype(jnp.float32)
-        scale = _tensor_scale(xf, spec, amax)
+        scale = _tensor_scale(x, spec, amax)
         u = _uniform(key, xf.shape) if rounding == "stochastic" else None
-        vals = elements.float8_encode(xf / scale, spec.elem_dtype, spec.elem_max, rounding,
-                                      u).astype(jnp.float32)
+        vals = elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
         if with_global_scale:
             return (vals * scale).astype(dtype), one
         return vals.astype(dtype), scale
-    codes, scales, global_scale = _encode(x, spec, axis, rounding, key, blocks, amax,
-                                          scale_rounding)
-    q = QArray(codes, scales, global_scale, spec, axis, tuple(x.shape), blocks)
-    vals = _decode_blocks(q, codes, with_global_scale)
+    y, u, scales, stored, global_scale, padded = _encode(
+        x, spec, axis, rounding, key, blocks, amax, scale_rounding)
+    # Round in the value domain: no codes, no packing, no float8 casts.
+    vals = elements.float_round(y, spec.elem_dtype, spec.elem_max, rounding, u)
+    out = _scale_blocks(vals * scales, global_scale if with_global_scale else None, padded,
+                        tuple(x.shape))
     gs = one if (global_scale is None or with_global_scale) else global_scale
-    return vals.astype(dtype), gs
+    return out.astype(dtype), gs
 
 
 def block_scales_f32(q: QArray) -> jax.Array:
@@ -290,20 +308,24 @@ def block_scales_f32(q: QArray) -> jax.Array:
     return q.scales.astype(jnp.float32)
 
 
+def _scale_blocks(out: jax.Array, global_scale, padded: tuple[int, ...],
+                  shape: tuple[int, ...]) -> jax.Array:
+    """Scaled values in blockified layout -> float32, original shape (global applied)."""
+    if global_scale is not None:
+        out = out * global_scale
+    out = out.reshape(padded)
+    if padded != shape:
+        out = out[tuple(slice(0, d) for d in shape)]
+    return out
+
+
 def _decode_blocks(q: QArray, codes: jax.Array, with_global_scale: bool) -> jax.Array:
     """Unpacked codes (padded shape) -> float32 values in the original shape."""
-    spec = q.spec
-    vals = elements.e2m1_decode(codes) if spec.packed else codes.astype(jnp.float32)
-    padded = vals.shape
-    vb = _blockify(vals, q.block_shape)
+    vals = elements.e2m1_decode(codes) if q.spec.packed else codes.astype(jnp.float32)
     sc = block_scales_f32(q)
-    out = vb * sc.reshape([d for s in sc.shape for d in (s, 1)])
-    if with_global_scale and q.global_scale is not None:
-        out = out * q.global_scale
-    out = out.reshape(padded)
-    if padded != q.shape:
-        out = out[tuple(slice(0, d) for d in q.shape)]
-    return out
+    vb = _blockify(vals, q.block_shape) * sc.reshape([d for s in sc.shape for d in (s, 1)])
+    return _scale_blocks(vb, q.global_scale if with_global_scale else None, vals.shape,
+                         q.shape)
 
 
 def _dequantize(q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool = True) -> jax.Array:
