@@ -186,3 +186,25 @@ def test_uniform_for_rounding_determinism_and_range():
     a = np.asarray(a)
     assert a.min() >= 0 and a.max() < 1
     assert abs(a.mean() - 0.5) < 0.03 and abs(a.std() - np.sqrt(1 / 12)) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn,
+                                   ml_dtypes.float8_e5m2])
+def test_float_round_matches_ml_dtypes_on_all_midpoints(dtype):
+    # Every representable value, every midpoint between neighbours (ties: half to even),
+    # one float32 ulp either side of each midpoint, and log-uniform random magnitudes.
+    fi = ml_dtypes.finfo(dtype)
+    n = 16 if fi.bits == 4 else 256
+    vals = np.arange(n, dtype=np.uint8)
+    vals = (vals & 0xF if fi.bits == 4 else vals).view(dtype).astype(np.float32)
+    vals = np.unique(np.abs(vals[np.isfinite(vals)]))
+    mids = (vals[1:] + vals[:-1]) / 2
+    rng = np.random.default_rng(0)
+    rand = (2.0 ** rng.uniform(np.log2(float(fi.smallest_subnormal)) - 2,
+                               np.log2(float(fi.max)), 20000)).astype(np.float32)
+    x = np.concatenate([vals, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), rand])
+    x = np.concatenate([x, -x]).astype(np.float32)
+    got = np.asarray(elements.float_round(jnp.asarray(x), dtype, float(fi.max)))
+    want = x.astype(dtype).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
