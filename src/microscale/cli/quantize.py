@@ -1,0 +1,101 @@
+"""``microscale quantize``: per-layer sensitivity and a budgeted mixed-precision search.
+
+    microscale quantize --checkpoint runs/tiny --budget 4.8 --out out/q
+    microscale quantize --checkpoint runs/tiny --budget 5.0 --formats nvfp4,fp8,bf16 \\
+        --method kl --calib-tokens 8192 --seed 1 --out out/q5
+    microscale quantize --checkpoint runs/tiny --w4a4 --out out/w4a4   # inputs quantized too
+
+Everything else is :func:`microscale.ptq.quantize_run`. Exit codes: 0 done, 2 bad
+arguments (unknown format, infeasible budget, not a run folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Short names accepted on the command line for registry formats.
+_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    return tuple(_ALIASES.get(f.strip(), f.strip()) for f in text.split(",") if f.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", "-c", required=True, metavar="RUN_DIR",
+                        help="a training run folder (the out= of microscale train)")
+    parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
+    parser.add_argument("--budget", type=float, default=4.8,
+                        help="effective bits per weight element (default 4.8)")
+    parser.add_argument("--formats", default="nvfp4,mxfp4,mxfp8,fp8_e4m3,bf16",
+                        help="candidate formats, comma-separated (fp8 = fp8_e4m3)")
+    parser.add_argument("--method", default="gradient", choices=("gradient", "kl", "loss"),
+                        help="sensitivity score (default gradient: one fwd+bwd per batch)")
+    parser.add_argument("--calib-tokens", type=int, default=16384,
+                        help="held-out calibration tokens (default 16384)")
+    parser.add_argument("--seed", type=int, default=0, help="calibration window seed")
+    parser.add_argument("--corpus", default=None,
+                        help="calibrate/evaluate on this corpus instead of the run's")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    parser.add_argument("--eval-batches", type=int, default=None,
+                        help="validation batches for perplexity (default: the run's)")
+    parser.add_argument("--w4a4", action="store_true",
+                        help="quantize layer inputs too (W4A4/W8A8) with static calibrated amax")
+    parser.add_argument("--dynamic-act-scales", action="store_true",
+                        help="with --w4a4: per-batch input amax instead of the calibrated one")
+    parser.add_argument("--no-mse-scale", action="store_true",
+                        help="no MSE search of the tensor scale (plain round-to-nearest)")
+    parser.add_argument("--no-four-over-six", action="store_true",
+                        help="no per-block 4-over-6 scale choice")
+    parser.add_argument("--no-monotone", action="store_true",
+                        help="use raw scores (no monotone correction)")
+    parser.add_argument("--no-ptq-effects", action="store_true",
+                        help="skip the on/off evaluation of each PTQ choice")
+    parser.add_argument("--count-other-params", action="store_true",
+                        help="count embeddings/norms/LM head (16 bits) in the effective bits")
+    parser.add_argument("--pareto-budgets", default="4.5,5,5.5,6,6.5,7,7.5,8,8.5",
+                        help="budgets of the searched Pareto points, comma-separated")
+    parser.add_argument("--solver", default="auto", choices=("auto", "dp", "milp"))
+    parser.add_argument("--layout", default="compressed-tensors",
+                        choices=("compressed-tensors", "modelopt", "microscale"),
+                        help="checkpoint layout (microscale = own safetensors + manifest)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache")
+
+
+def run(args: argparse.Namespace) -> int:
+    from microscale.ptq import QuantizeConfig, WeightPTQ, quantize_run
+
+    try:
+        budgets = tuple(float(b) for b in args.pareto_budgets.split(",") if b.strip())
+        cfg = QuantizeConfig(
+            budget=args.budget, formats=_formats(args.formats), method=args.method,
+            calib_tokens=args.calib_tokens, seed=args.seed,
+            ptq=WeightPTQ(mse_scale=not args.no_mse_scale,
+                          four_over_six=not args.no_four_over_six),
+            activations=args.w4a4, static_act_scales=not args.dynamic_act_scales,
+            monotone=not args.no_monotone, ptq_effects=not args.no_ptq_effects,
+            count_other_params=args.count_other_params, solver=args.solver,
+            pareto_budgets=budgets)
+    except (TypeError, ValueError) as e:
+        print(f"microscale quantize: error: {e}", file=sys.stderr)
+        return 2
+    log = None if args.quiet else (lambda m: print(m, flush=True))
+    if not args.no_compile_cache:
+        from microscale.train import enable_compilation_cache
+
+        enable_compilation_cache()
+    try:
+        result = quantize_run(args.checkpoint, args.out, cfg, corpus=args.corpus,
+                              step=args.step, eval_batches=args.eval_batches,
+                              layout=args.layout, log=log)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"microscale quantize: error: {e}", file=sys.stderr)
+        return 2
+    ppl = result.val_ppl
+    print(f"searched {result.allocation.effective_bits:.3f} bits: val ppl "
+          f"{ppl['searched']:.4f} (bf16 {ppl['bf16']:.4f}, heuristic {ppl['heuristic']:.4f} "
+          f"@ {result.points['heuristic']['effective_bits']:.2f} bits) -> {args.out}")
+    return 0

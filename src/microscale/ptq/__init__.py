@@ -1,0 +1,63 @@
+"""Adaptive post-training quantization: calibration, sensitivity, budgeted search, PTQ.
+
+Not every layer tolerates 4 bits. ``microscale quantize`` measures how much each linear
+layer's loss contribution suffers in each candidate format and gives each layer the
+cheapest format its sensitivity allows under an effective-bits budget::
+
+    from microscale.ptq import QuantizeConfig, quantize_model, quantize_run
+
+    result = quantize_run("runs/tiny", "out/q", QuantizeConfig(budget=4.8))   # a run folder
+    result = quantize_model(model, calib_batches, eval_batches, QuantizeConfig())  # any model
+    result.allocation.formats      # {"layers.0.attn.q_proj": "nvfp4", ...}
+    result.rules                   # PrecisionRules (the object training and export use)
+    result.val_ppl                 # {"bf16", "uniform_nvfp4", "heuristic", "searched", ...}
+
+Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
+:mod:`~microscale.ptq.sensitivity` (gradient / KL / loss scores),
+:mod:`~microscale.ptq.weights` (MSE tensor scale, four over six),
+:mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
+traced functions: per-layer inputs and output gradients from one backward pass),
+:mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (a
+training run folder), :mod:`~microscale.ptq.report` (files and plots).
+"""
+
+from microscale.ptq.engine import ActQuant, Engine, next_token_loss
+from microscale.ptq.pipeline import (
+    DEFAULT_FORMATS,
+    QuantizeConfig,
+    QuantizeResult,
+    allocation_rules,
+    heuristic_allocation,
+    ptq_recipe,
+    quantize_model,
+)
+from microscale.ptq.report import read_own_checkpoint, write_outputs
+from microscale.ptq.run import calibration_windows, quantize_run
+from microscale.ptq.search import (
+    DEFAULT_GROUPS,
+    Allocation,
+    Problem,
+    brute_force,
+    effective_bits,
+    group_layers,
+    search,
+)
+from microscale.ptq.sensitivity import gradient_scores, kl_loss_scores, monotone, score
+from microscale.ptq.tap import intercept_linears
+from microscale.ptq.weights import (
+    QuantizedWeight,
+    WeightPTQ,
+    four_over_six,
+    quantize_group,
+    quantize_weight,
+)
+
+__all__ = [
+    "DEFAULT_FORMATS", "DEFAULT_GROUPS", "ActQuant", "Allocation", "Engine", "Problem",
+    "QuantizeConfig", "QuantizeResult", "QuantizedWeight", "WeightPTQ", "allocation_rules",
+    "brute_force", "calibration_windows", "effective_bits", "four_over_six",
+    "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
+    "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
+    "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",
+    "search", "write_outputs",
+]

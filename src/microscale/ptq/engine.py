@@ -1,0 +1,350 @@
+"""The model under quantization: a functional view of any NNX model with linear layers.
+
+:class:`Engine` splits a model into ``(graphdef, params, rest)`` once, on a private copy
+whose linear layers run the ``bf16`` recipe (the reference: full-precision master weights,
+bfloat16 GEMM operands) with block remat off, and compiles the few traced functions PTQ
+needs:
+
+* ``loss(params, tokens)`` -- mean next-token cross-entropy (or a user ``loss_fn``);
+  evaluating a quantized model = the same function with fake-quantized kernels in
+  ``params`` (weight-only) and, for W4A4, each layer's input quantized by a hook;
+* ``input_amax(params, tokens)`` -- ``max|X_l|`` of every layer's input (calibration);
+* ``grad_scores(params, tokens, deltas)`` -- for every layer ``l`` and candidate format
+  ``f`` the Fisher score ``sum((dL/dY_l * dY_lf)^2)`` from ONE forward and backward pass,
+  with ``dY_lf = X_l (W_lf - W_l)`` (or ``Q_f(X_l) W_lf - X_l W_l`` for W4A4);
+* ``kl(params, tokens, ref_logp)`` -- ``KL(p_ref || p)`` of the next-token distributions.
+
+Kernels are ``[in, out]`` (``Y = X W``); the model casts them to bfloat16, so a weight
+"in format f" is ``bf16(dequantize(quantize(W)))`` and ``dW = bf16(W_q) - bf16(W)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from microscale.formats import get_format, quantize_dequantize
+from microscale.model import PrecisionRules, apply_rules
+from microscale.ptq.tap import intercept_linears, linear_paths, without_remat
+
+__all__ = ["ActQuant", "Engine", "next_token_loss"]
+
+LossFn = Callable[[Any, jax.Array], jax.Array]
+
+
+def next_token_loss(model: Any, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of ``model(tokens[:, :-1])`` against ``tokens[:, 1:]``."""
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)
+    return jnp.mean(nll)
+
+
+def _next_token_logp(model: Any, tokens: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(model(tokens[:, :-1]).astype(jnp.float32), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActQuant:
+    """Input (activation) quantization of the linear layers, for W4A4-style evaluation.
+
+    Compiled once per ``palette`` (the formats that may occur): which layer uses which
+    palette entry, and the amax values, are traced inputs, so evaluating many allocations
+    does not recompile (``lax.switch`` runs only the selected quantizer).
+    """
+
+    # {layer path: format name} of the layers whose input is quantized (along features).
+    formats: tuple[tuple[str, str], ...]
+    # Static calibrated tensor amax per layer ({path: amax}); None = dynamic (the batch's
+    # own amax, "current scaling"). Only formats with a tensor scale use it.
+    amax: Mapping[str, float] | None = None
+    # Formats the compiled function can apply (static); None = those in ``formats``.
+    palette: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        fm = tuple(sorted((str(p), str(f)) for p, f in dict(self.formats).items()
+                          if get_format(f).quantized))
+        object.__setattr__(self, "formats", fm)
+        pal = tuple(sorted({f for _, f in fm})) if self.palette is None else \
+            tuple(f for f in self.palette if get_format(f).quantized)
+        missing = sorted({f for _, f in fm} - set(pal))
+        if missing:
+            raise ValueError(f"ActQuant: format(s) {missing} are not in palette {pal}")
+        object.__setattr__(self, "palette", pal)
+        if self.amax is not None:
+            lack = [p for p, _ in fm if p not in self.amax]
+            if lack:
+                raise ValueError(f"ActQuant: no static amax for layer(s) {lack}")
+
+    @classmethod
+    def matching(cls, assignment: Mapping[str, str], amax: Mapping[str, float] | None = None,
+                 palette: tuple[str, ...] | None = None) -> ActQuant:
+        """Inputs in the same format as each layer's weight (bf16 layers: untouched)."""
+        return cls(formats=tuple(assignment.items()),
+                   amax=None if amax is None else dict(amax), palette=palette)
+
+    def static_key(self) -> tuple:
+        return (self.palette, self.amax is None)
+
+
+def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
+    vals, scale = quantize_dequantize(x, fmt, axis=-1, amax=amax, dtype=jnp.float32,
+                                      with_global_scale=True)
+    del scale
+    return vals.astype(x.dtype)
+
+
+class Engine:
+    """A model prepared for calibration, scoring and evaluation (see the module doc)."""
+
+    def __init__(self, model: Any, *, loss_fn: LossFn | None = None):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        work = nnx.merge(graphdef, params, rest)  # a private copy of the graph
+        apply_rules(work, PrecisionRules(default="bf16"))
+        without_remat(work)
+        self.paths: list[str] = linear_paths(work)
+        if not self.paths:
+            raise ValueError("Engine: the model has no linear layer with a 2-D kernel "
+                             "(QLinear / nnx.Linear) to quantize")
+        self.graphdef, params, self.rest = nnx.split(work, nnx.Param, ...)
+        self.params: dict = nnx.to_pure_dict(params)
+        self._kernel_keys = self._find_kernels(params)
+        self.loss_fn: LossFn = loss_fn or next_token_loss
+        self._jit_cache: dict[Any, Callable] = {}
+        self.kernels: dict[str, jax.Array] = {p: self._get(self.params, k)
+                                              for p, k in self._kernel_keys.items()}
+        self.numel = {p: int(np.prod(k.shape)) for p, k in self.kernels.items()}
+        # Parameters that are not candidate kernels (embeddings, norms, LM head).
+        total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        self.other_numel = total - sum(self.numel.values())
+
+    # ------------------------------------------------------------------ params helpers
+    def _find_kernels(self, params) -> dict[str, tuple]:
+        keys = {}
+        want = set(self.paths)
+        for parts, _ in nnx.to_flat_state(params):
+            if parts and parts[-1] == "kernel":
+                path = ".".join(str(p) for p in parts[:-1])
+                if path in want:
+                    keys[path] = tuple(parts)
+        missing = sorted(want - set(keys))
+        if missing:
+            raise ValueError(f"Engine: no 'kernel' parameter found for linear layer(s) {missing}")
+        return {p: keys[p] for p in self.paths}
+
+    @staticmethod
+    def _get(tree, key):
+        for k in key:
+            tree = tree[k]
+        return tree
+
+    def with_kernels(self, kernels: Mapping[str, jax.Array]) -> dict:
+        """A params tree with some kernels replaced (copy on write; shapes must match)."""
+        out = dict(self.params)
+        for path, value in kernels.items():
+            key = self._kernel_keys[path]
+            ref = self.kernels[path]
+            if tuple(value.shape) != tuple(ref.shape):
+                raise ValueError(f"kernel for {path!r} has shape {tuple(value.shape)}; "
+                                 f"expected {tuple(ref.shape)}")
+            node = out
+            for k in key[:-1]:
+                node[k] = dict(node[k])
+                node = node[k]
+            node[key[-1]] = jnp.asarray(value, ref.dtype)
+        return out
+
+    def _model(self, params):
+        return nnx.merge(self.graphdef, nnx.State(params), self.rest)
+
+    def _cached(self, key, build: Callable[[], Callable]) -> Callable:
+        if key not in self._jit_cache:
+            self._jit_cache[key] = build()
+        return self._jit_cache[key]
+
+    # ------------------------------------------------------------------ traced functions
+    def _act_hook(self, palette: tuple[str, ...], sel, amax):
+        """Quantize each tapped layer's input with ``palette[sel[path] - 1]`` (0: none)."""
+
+        def hook(path, call, x):
+            if palette:
+                a = None if amax is None else amax[path]
+                branches = [lambda v, _a: v] + [
+                    (lambda v, a_, f=f: _qact(v, f, a_)) for f in palette]
+                x = jax.lax.switch(sel[path], branches, x, a)
+            return call(x)
+
+        return hook
+
+    def _act_inputs(self, act: ActQuant | None):
+        """(static palette, traced selectors {path: int32}, traced amax {path: f32} | None)."""
+        if act is None:
+            return (), None, None
+        chosen = dict(act.formats)
+        sel = {p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0)
+               for p in self.paths}
+        amax = None
+        if act.amax is not None:
+            amax = {p: jnp.float32(act.amax.get(p, 1.0)) for p in self.paths}
+        return act.palette, sel, amax
+
+    def _loss_jit(self, act: ActQuant | None) -> Callable:
+        static = None if act is None else act.static_key()
+        palette = () if act is None else act.palette
+
+        def build():
+            def f(params, tokens, sel, amax):
+                model = self._model(params)
+                with intercept_linears(model, self._act_hook(palette, sel, amax)):
+                    return self.loss_fn(model, tokens)
+            return jax.jit(f)
+
+        return self._cached(("loss", static), build)
+
+    def loss(self, params: dict, batches, act: ActQuant | None = None) -> float:
+        """Mean loss over ``batches`` (int32 ``[n, rows, seq + 1]`` or a list of batches)."""
+        fn = self._loss_jit(act)
+        _, sel, amax = self._act_inputs(act)
+        vals = [float(fn(params, jnp.asarray(b), sel, amax)) for b in batches]
+        if not vals:
+            raise ValueError("Engine.loss: no batches")
+        return float(np.mean(vals))
+
+    def input_amax(self, batches) -> dict[str, float]:
+        """``max |X_l|`` over ``batches`` of every linear layer's input (float32)."""
+
+        def build():
+            def f(params, tokens):
+                model = self._model(params)
+                seen = {}
+
+                def hook(path, call, x):
+                    seen[path] = jnp.max(jnp.abs(x.astype(jnp.float32)))
+                    return call(x)
+
+                with intercept_linears(model, hook):
+                    self.loss_fn(model, tokens)
+                return seen
+            return jax.jit(f)
+
+        fn = self._cached(("amax",), build)
+        out = {p: 0.0 for p in self.paths}
+        for b in batches:
+            got = fn(self.params, jnp.asarray(b))
+            out = {p: max(out[p], float(got[p])) for p in self.paths}
+        return out
+
+    def grad_scores(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
+                    act_formats: Mapping[str, bool] | None = None,
+                    act_amax: Mapping[str, float] | None = None,
+                    quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
+                    ) -> dict[str, dict[str, float]]:
+        """Fisher scores ``{path: {format: sum_batches sum((dL/dY * dY)^2)}}``.
+
+        ``deltas[fmt][path] = bf16(W_q) - bf16(W)`` ``[in, out]``. One forward and one
+        backward pass per batch capture every layer's ``X`` and ``dL/dY``; ``dY = X dW`` is
+        then one extra GEMM per layer and format. With ``act_formats[fmt]`` true the
+        input is quantized too (W4A4-style): ``dY = Q_f(X) W_q - X W`` with
+        ``W_q = quantized_kernels[fmt][path]`` and the static ``act_amax`` when given.
+        """
+        fmts = tuple(deltas)
+        act_formats = dict(act_formats or {})
+        use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized
+                        for f in fmts)
+
+        def build():
+            def f(params, tokens, deltas, wq, amax):
+                def fwd(eps):
+                    model = self._model(params)
+                    xs = {}
+
+                    def hook(path, call, x):
+                        xs[path] = x
+                        y = call(x)
+                        return y + eps[path].astype(y.dtype)
+
+                    with intercept_linears(model, hook):
+                        loss = self.loss_fn(model, tokens)
+                    return loss, xs
+
+                shapes = jax.eval_shape(lambda: _outputs(self, params, tokens))
+                eps = {p: jnp.zeros(s.shape, jnp.float32) for p, s in shapes.items()}
+                _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
+                (g,) = vjp(jnp.float32(1.0))
+                out = {}
+                for fmt, act_on in zip(fmts, use_act, strict=True):
+                    out[fmt] = {}
+                    for p in self.paths:
+                        x = xs[p].astype(jnp.float32)
+                        if act_on:
+                            w = self.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
+                            xq = _qact(xs[p], fmt, None if amax is None else amax[p])
+                            dy = xq.astype(jnp.float32) @ wq[fmt][p] - x @ w
+                        else:
+                            dy = x @ deltas[fmt][p]
+                        out[fmt][p] = jnp.sum(jnp.square(g[p].astype(jnp.float32) * dy))
+                return out
+            return jax.jit(f)
+
+        key = ("grad", fmts, use_act, act_amax is None)
+        fn = self._cached(key, build)
+        wq = {f: dict(quantized_kernels[f]) for f, on in zip(fmts, use_act, strict=True) if on} \
+            if quantized_kernels else {}
+        amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
+        dl = {f: {p: jnp.asarray(d[p], jnp.float32) for p in self.paths}
+              for f, d in deltas.items()}
+        total = {p: {f: 0.0 for f in fmts} for p in self.paths}
+        for b in batches:
+            got = fn(self.params, jnp.asarray(b), dl, wq, amax)
+            for f in fmts:
+                for p in self.paths:
+                    total[p][f] += float(got[f][p])
+        return total
+
+    def ref_logp(self, tokens) -> jax.Array:
+        """Log-probabilities ``[rows, seq, vocab]`` of the reference model on one batch."""
+        def build():
+            return jax.jit(lambda params, t: _next_token_logp(self._model(params), t))
+        return self._cached(("logp",), build)(self.params, jnp.asarray(tokens))
+
+    def kl_and_loss(self, params: dict, tokens, ref_logp, act: ActQuant | None = None
+                    ) -> tuple[float, float]:
+        """``(KL(p_ref || p_params), loss)`` on one batch (means over tokens)."""
+        static = None if act is None else act.static_key()
+        palette = () if act is None else act.palette
+
+        def build():
+            def f(params, tokens, ref, sel, amax):
+                model = self._model(params)
+                with intercept_linears(model, self._act_hook(palette, sel, amax)):
+                    logp = _next_token_logp(model, tokens)
+                kl = jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1).mean()
+                nll = -jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32),
+                                           axis=-1).mean()
+                return kl, nll
+            return jax.jit(f)
+
+        fn = self._cached(("kl", static), build)
+        _, sel, amax = self._act_inputs(act)
+        kl, nll = fn(params, jnp.asarray(tokens), ref_logp, sel, amax)
+        return float(kl), float(nll)
+
+
+def _outputs(engine: Engine, params, tokens) -> dict[str, jax.Array]:
+    """Every linear layer's output on ``tokens`` (used under eval_shape for shapes)."""
+    model = engine._model(params)
+    ys = {}
+
+    def hook(path, call, x):
+        ys[path] = call(x)
+        return ys[path]
+
+    with intercept_linears(model, hook):
+        engine.loss_fn(model, tokens)
+    return ys

@@ -1,0 +1,559 @@
+"""Adaptive PTQ end to end: calibrate, score, search, evaluate.
+
+``quantize_model(model, calib_batches, eval_batches, config)`` works on any NNX model whose
+linear layers have 2-D ``[in, out]`` kernels (microscale's ``Transformer``, an imported HF
+checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batches
+``[n, rows, seq + 1]``:
+
+1. **calibrate** on held-out batches: every layer's input amax (the static input scales of
+   W4A4 / W8A8 deployment) and weight statistics;
+2. **quantize** every kernel in every candidate format with the PTQ choices
+   (:mod:`~microscale.ptq.weights`: MSE tensor scale, four over six), fused groups
+   sharing one tensor scale;
+3. **score** every (layer, format) (:mod:`~microscale.ptq.sensitivity`), monotone
+   corrected;
+4. **search** the allocation of least total score within the bit budget
+   (:mod:`~microscale.ptq.search`), fused groups sharing a format, pinned layers fixed;
+5. **evaluate** validation perplexity of BF16, uniform formats, the fixed heuristic
+   (first/last blocks and down-projections in FP8, the rest NVFP4) and the searched
+   allocation across budgets (the Pareto curve), and the effect of each PTQ choice.
+
+Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
+``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
+quantized too, in the layer's format, with the calibrated static amax
+(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike.
+
+The result carries the :class:`~microscale.model.PrecisionRules` of the searched allocation
+(each layer's recipe quantizes its forward weights, and inputs under W4A4, in its format:
+the same rule object training and export use) and the quantized weights
+(:class:`~microscale.formats.QArray` in the export layout). Deterministic given
+``config.seed`` (which picks the calibration windows, see :mod:`~microscale.ptq.run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from microscale.formats import get_format
+from microscale.model import PrecisionRules
+from microscale.ops import OperandSpec, Recipe
+from microscale.ptq.engine import ActQuant, Engine, LossFn
+from microscale.ptq.search import (
+    DEFAULT_GROUPS,
+    Allocation,
+    Problem,
+    effective_bits,
+    group_layers,
+    search,
+)
+from microscale.ptq.sensitivity import METHODS, monotone, score
+from microscale.ptq.weights import (
+    QuantizedWeight,
+    WeightPTQ,
+    has_tensor_scale,
+    quantize_group,
+    supports_four_over_six,
+)
+
+__all__ = ["DEFAULT_FORMATS", "QuantizeConfig", "QuantizeResult", "allocation_rules",
+           "heuristic_allocation", "ptq_recipe", "quantize_model"]
+
+DEFAULT_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
+DEFAULT_PIN = ((r"(.*\.)?lm_head", "bf16"), (r"(.*\.)?embed(_tokens|ding)?", "bf16"))
+DEFAULT_PARETO = (4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5)
+
+
+def _check_format_list(name: str, fmts) -> tuple[str, ...]:
+    if isinstance(fmts, str):
+        fmts = tuple(f.strip() for f in fmts.split(",") if f.strip())
+    fmts = tuple(fmts)
+    if not fmts:
+        raise ValueError(f"QuantizeConfig.{name} is empty: expected at least one format")
+    for f in fmts:
+        try:
+            get_format(f)
+        except ValueError as e:
+            raise ValueError(f"QuantizeConfig.{name}: {e}") from None
+    if len(set(fmts)) != len(fmts):
+        raise ValueError(f"QuantizeConfig.{name}={fmts!r} lists a format twice")
+    return fmts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizeConfig:
+    """One adaptive-PTQ run."""
+
+    # Effective bits per weight element the searched allocation may use (<=).
+    budget: float = 4.8
+    # Candidate formats of the search (registry names).
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+    # Sensitivity estimator: "gradient" (Fisher, one fwd+bwd per batch), "kl", "loss".
+    method: str = "gradient"
+    # Calibration tokens (held-out windows; rounded up to whole batches).
+    calib_tokens: int = 16384
+    # Seed of the calibration window choice (everything else is deterministic).
+    seed: int = 0
+    # Weight PTQ beyond round-to-nearest (MSE tensor scale, four over six).
+    ptq: WeightPTQ = dataclasses.field(default_factory=WeightPTQ)
+    # Quantize each quantized layer's input too (W4A4 / W8A8), in scoring and evaluation.
+    activations: bool = False
+    # With activations: static calibrated input amax (True) or dynamic per batch (False).
+    static_act_scales: bool = True
+    # Replace each score by the least score of the formats costing at most as many bits.
+    monotone: bool = True
+    # (regex, group template) fused groups sharing one format and one tensor scale.
+    groups: tuple[tuple[str, str], ...] = DEFAULT_GROUPS
+    # (regex, format) layers forced to a format (still counted in the budget).
+    pin: tuple[tuple[str, str], ...] = DEFAULT_PIN
+    # Count the non-linear parameters (embeddings, norms, LM head) at 16 bits in the
+    # effective bits (False: the budget covers the candidate linear layers only).
+    count_other_params: bool = False
+    # Knapsack solver: "auto", "dp" (exact dynamic program) or "milp" (scipy HiGHS).
+    solver: str = "auto"
+    # Budgets of the searched points of the Pareto curve.
+    pareto_budgets: tuple[float, ...] = DEFAULT_PARETO
+    # Uniform allocations evaluated for the Pareto plot (bf16 is the reference).
+    uniform_formats: tuple[str, ...] = ("nvfp4", "mxfp4", "fp8_e4m3", "mxfp8", "bf16")
+    # Fixed heuristic: (high format for first/last blocks and down-projections, low format).
+    heuristic: tuple[str, str] = ("fp8_e4m3", "nvfp4")
+    # Evaluate each PTQ choice (RTN vs MSE scale vs four over six; W4A4 static vs dynamic).
+    ptq_effects: bool = True
+
+    def __post_init__(self):
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) \
+                or b <= 0:
+            raise ValueError(f"QuantizeConfig.budget={b!r}: expected a positive number of "
+                             "bits per weight element (e.g. 4.8)")
+        object.__setattr__(self, "formats", _check_format_list("formats", self.formats))
+        object.__setattr__(self, "uniform_formats",
+                           _check_format_list("uniform_formats", self.uniform_formats))
+        _check_format_list("heuristic", self.heuristic)
+        if len(self.heuristic) != 2:
+            raise ValueError(f"QuantizeConfig.heuristic={self.heuristic!r}: expected "
+                             "(high format, low format)")
+        if self.method not in METHODS:
+            raise ValueError(f"QuantizeConfig.method={self.method!r}: expected one of {METHODS}")
+        if isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int) \
+                or self.calib_tokens < 1:
+            raise ValueError(f"QuantizeConfig.calib_tokens={self.calib_tokens!r}: expected a "
+                             "positive int")
+        if self.solver not in ("auto", "dp", "milp"):
+            raise ValueError(f"QuantizeConfig.solver={self.solver!r}: expected 'auto', 'dp' or "
+                             "'milp'")
+        for name in ("groups", "pin"):
+            pairs = tuple(tuple(x) for x in getattr(self, name))
+            for pair in pairs:
+                if len(pair) != 2:
+                    raise ValueError(f"QuantizeConfig.{name} entry {pair!r}: expected a "
+                                     "(regex, value) pair")
+                try:
+                    re.compile(pair[0])
+                except re.error as e:
+                    raise ValueError(f"QuantizeConfig.{name} regex {pair[0]!r}: {e}") from None
+                if name == "pin":
+                    _check_format_list("pin", (pair[1],))
+            object.__setattr__(self, name, pairs)
+        budgets = tuple(float(x) for x in self.pareto_budgets)
+        if any(not (math.isfinite(x) and x > 0) for x in budgets):
+            raise ValueError(f"QuantizeConfig.pareto_budgets={self.pareto_budgets!r}: expected "
+                             "positive numbers")
+        object.__setattr__(self, "pareto_budgets", budgets)
+        if not isinstance(self.ptq, WeightPTQ):
+            raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------- rules
+
+def ptq_recipe(fmt: str, activations: bool = False) -> Recipe | str:
+    """The inference recipe of a layer stored in ``fmt``: forward weights in ``fmt`` (1-D
+    blocks along the input dimension), inputs in ``fmt`` too when ``activations``, bf16
+    everywhere else; ``"bf16"`` for an unquantized format."""
+    spec = get_format(fmt)
+    if not spec.quantized:
+        return "bf16"
+    op = OperandSpec(format=spec.name)
+    if activations:
+        return Recipe(name=f"ptq_{spec.name}_w_a", fprop_x=op, fprop_w=op)
+    return Recipe(name=f"ptq_{spec.name}_w", fprop_w=op)
+
+
+def allocation_rules(formats: Mapping[str, str], activations: bool = False) -> PrecisionRules:
+    """{path: format} -> PrecisionRules: the most common format is the default, every other
+    format one rule matching its layers' exact paths."""
+    if not formats:
+        raise ValueError("allocation_rules: empty allocation")
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[f] = counts.get(f, 0) + 1
+    default = max(sorted(counts), key=lambda f: counts[f])
+    rules = []
+    for f in sorted(counts):
+        if f == default:
+            continue
+        paths = [p for p, g in formats.items() if g == f]
+        pattern = "|".join(re.escape(p) for p in paths)
+        rules.append((f"(?:{pattern})", ptq_recipe(f, activations)))
+    return PrecisionRules(rules=tuple(rules), default=ptq_recipe(default, activations))
+
+
+# ---------------------------------------------------------------------- allocations
+
+def _block_index(path: str) -> int | None:
+    for part in path.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def heuristic_allocation(paths: Sequence[str], high: str, low: str, *,
+                         pinned: Mapping[str, str] | None = None,
+                         groups: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The fixed heuristic: ``high`` for the first and last blocks (first integer path
+    component) and for down-projections (paths ending in ``down_proj``), ``low`` for the
+    rest; a group with one high member is high; pinned layers keep their format."""
+    idx = {p: _block_index(p) for p in paths}
+    blocks = [i for i in idx.values() if i is not None]
+    ends = {min(blocks), max(blocks)} if blocks else set()
+    out = {p: high if (idx[p] in ends or p.endswith("down_proj")) else low for p in paths}
+    if groups:
+        high_groups = {groups[p] for p in paths if out[p] == high}
+        out = {p: high if groups[p] in high_groups else f for p, f in out.items()}
+    for p, f in (pinned or {}).items():
+        out[p] = f
+    return out
+
+
+def _uniform(paths: Sequence[str], fmt: str, pinned: Mapping[str, str]) -> dict[str, str]:
+    return {p: pinned.get(p, fmt) for p in paths}
+
+
+# ---------------------------------------------------------------------- result
+
+@dataclasses.dataclass(kw_only=True)
+class QuantizeResult:
+    """Everything a quantize run measured and decided (see :meth:`report`)."""
+
+    # The config of the run.
+    config: QuantizeConfig
+    # Candidate linear layer paths, in model order.
+    paths: list[str]
+    # {path: weight elements}.
+    numel: dict[str, int]
+    # {path: group name}.
+    groups: dict[str, str]
+    # {path: pinned format}.
+    pinned: dict[str, str]
+    # {path: max |input|} over the calibration batches.
+    act_amax: dict[str, float]
+    # {path: {amax, rms, and per format: rel_mse, rel_mse_rtn, scale_multiplier, ...}}.
+    weight_stats: dict[str, dict[str, Any]]
+    # Raw and (monotone-)corrected scores {path: {format: score}}.
+    scores_raw: dict[str, dict[str, float]]
+    scores: dict[str, dict[str, float]]
+    # The searched allocation at config.budget.
+    allocation: Allocation
+    # Named evaluated allocations: {label: {"effective_bits", "val_ppl", "val_loss", ...}}.
+    points: dict[str, dict[str, Any]]
+    # PTQ effect measurements ({} when config.ptq_effects is off).
+    ptq_effects: dict[str, Any]
+    # PrecisionRules of the searched allocation.
+    rules: PrecisionRules
+    # Quantized weights of the searched allocation {path: QuantizedWeight}.
+    weights: dict[str, QuantizedWeight]
+    # Calibration description (source, tokens, batches).
+    calibration: dict[str, Any]
+    # Wall times of the stages in seconds.
+    timings: dict[str, float]
+    # The engine (model view) used; not serialized.
+    engine: Engine | None = None
+
+    @property
+    def val_ppl(self) -> dict[str, float]:
+        """{"bf16", "uniform_<fmt>", "heuristic", "searched", ...}: validation perplexity."""
+        return {k: v["val_ppl"] for k, v in self.points.items()
+                if not k.startswith("pareto_")}
+
+    def report(self) -> dict[str, Any]:
+        """The JSON report (``report.json``)."""
+        a = self.allocation
+        return {
+            "budget": self.config.budget,
+            "effective_bits": a.effective_bits,
+            "val_ppl": self.val_ppl,
+            "layers": dict(a.formats),
+            "method": self.config.method,
+            "formats": list(self.config.formats),
+            "activations": self.config.activations,
+            "static_act_scales": self.config.static_act_scales,
+            "ptq": dataclasses.asdict(self.config.ptq),
+            "seed": self.config.seed,
+            "solver": a.solver,
+            "solve_time_s": a.solve_time_s,
+            "total_score": a.total_score,
+            "counts": a.counts(),
+            "points": self.points,
+            "pareto": [dict(label=k, **v) for k, v in self.points.items()],
+            "ptq_effects": self.ptq_effects,
+            "groups": self.groups,
+            "pinned": self.pinned,
+            "numel": self.numel,
+            "scores": self.scores,
+            "scores_raw": self.scores_raw,
+            "act_amax": self.act_amax,
+            "weight_stats": self.weight_stats,
+            "calibration": self.calibration,
+            "timings": self.timings,
+            "config": _jsonable(self.config.to_dict()),
+        }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+# ---------------------------------------------------------------------- the run
+
+class _Weights:
+    """Quantized kernels per (format, PTQ options), computed once per group."""
+
+    def __init__(self, engine: Engine, groups: Mapping[str, str]):
+        self.engine = engine
+        self.members: dict[str, list[str]] = {}
+        for p in engine.paths:
+            self.members.setdefault(groups[p], []).append(p)
+        self._cache: dict[tuple[str, WeightPTQ], dict[str, QuantizedWeight]] = {}
+
+    def get(self, fmt: str, ptq: WeightPTQ) -> dict[str, QuantizedWeight]:
+        key = (fmt, ptq)
+        if key not in self._cache:
+            out = {}
+            for mem in self.members.values():
+                qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq)
+                out.update(zip(mem, qs, strict=True))
+            self._cache[key] = {p: out[p] for p in self.engine.paths}
+        return self._cache[key]
+
+    def for_assignment(self, assignment: Mapping[str, str], ptq: WeightPTQ
+                       ) -> dict[str, QuantizedWeight]:
+        return {p: self.get(f, ptq)[p] for p, f in assignment.items()}
+
+
+def quantize_model(model: Any, calib_batches, eval_batches,
+                   config: QuantizeConfig | None = None, *, loss_fn: LossFn | None = None,
+                   calibration: Mapping[str, Any] | None = None,
+                   log: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Calibrate, score, search and evaluate (see the module doc).
+
+    Args:
+      model: an NNX model with linear layers (left untouched: a private copy is used).
+      calib_batches: int token batches ``[n, rows, seq + 1]`` (held out; calibration).
+      eval_batches: token batches for validation perplexity (disjoint from calibration).
+      config: the run's :class:`QuantizeConfig`.
+      loss_fn: ``loss_fn(model, batch) -> scalar``; default next-token cross-entropy.
+      calibration: a description of where the calibration batches came from (reported).
+      log: progress messages (e.g. ``print``); None is silent.
+    """
+    cfg = QuantizeConfig() if config is None else config
+    say = log or (lambda _msg: None)
+    calib = [np.asarray(b) for b in calib_batches]
+    evals = [np.asarray(b) for b in eval_batches]
+    if not calib or not evals:
+        raise ValueError(f"quantize_model needs calibration and evaluation batches (got "
+                         f"{len(calib)} and {len(evals)})")
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    engine = Engine(model, loss_fn=loss_fn)
+    paths = engine.paths
+    groups = group_layers(paths, cfg.groups)
+    pinned = {}
+    for p in paths:
+        for pattern, fmt in cfg.pin:
+            if re.fullmatch(pattern, p):
+                pinned[p] = fmt
+                break
+    weights = _Weights(engine, groups)
+    extra = engine.other_numel if cfg.count_other_params else 0
+    say(f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
+        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches")
+
+    # 1. calibration: input amax; weight statistics come with the quantized weights.
+    act_amax = engine.input_amax(calib)
+    timings["calibrate_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cand = {f: weights.get(f, cfg.ptq) for f in cfg.formats}
+    timings["quantize_weights_s"] = time.perf_counter() - t
+    stats = _weight_stats(engine, cand)
+
+    # 2. sensitivity
+    t = time.perf_counter()
+    static = act_amax if (cfg.activations and cfg.static_act_scales) else None
+    raw = score(engine, calib, cand, cfg.method, activations=cfg.activations, act_amax=static)
+    scores = monotone(raw, cfg.formats) if cfg.monotone else raw
+    timings["score_s"] = time.perf_counter() - t
+    say(f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
+        f"in {timings['score_s']:.1f}s")
+
+    # 3. search
+    problem = Problem(formats=cfg.formats, scores=scores, numel=engine.numel, groups=groups,
+                      pinned=pinned, extra_numel=extra)
+    alloc = search(problem, cfg.budget, solver=cfg.solver)
+    timings["search_s"] = alloc.solve_time_s
+    say(f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
+        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms")
+
+    # 4. evaluation
+    t = time.perf_counter()
+    evaluator = _Evaluator(engine, weights, evals, cfg, static, extra)
+    points: dict[str, dict[str, Any]] = {}
+    for f in cfg.uniform_formats:
+        label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
+        points[label] = evaluator.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
+    if "bf16" not in points:
+        points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
+    heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
+    points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
+    points["searched"] = evaluator.point(alloc.formats, cfg.ptq, kind="searched",
+                                         budget=cfg.budget)
+    hb = points["heuristic"]["effective_bits"]
+    try:
+        at_h = search(problem, hb + 1e-9, solver=cfg.solver)
+        points["searched_at_heuristic_bits"] = evaluator.point(at_h.formats, cfg.ptq,
+                                                               kind="searched", budget=hb)
+    except ValueError:
+        pass
+    for b in cfg.pareto_budgets:
+        try:
+            a = search(problem, b, solver=cfg.solver)
+        except ValueError:
+            say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
+            continue
+        points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
+    timings["evaluate_s"] = time.perf_counter() - t
+    say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
+                                         for k, v in points.items()
+                                         if not k.startswith("pareto_")))
+
+    # 5. effect of each PTQ choice
+    effects: dict[str, Any] = {}
+    if cfg.ptq_effects:
+        t = time.perf_counter()
+        effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
+        timings["ptq_effects_s"] = time.perf_counter() - t
+
+    return QuantizeResult(
+        config=cfg, paths=paths, numel=dict(engine.numel), groups=groups, pinned=pinned,
+        act_amax=act_amax, weight_stats=stats, scores_raw=raw, scores=scores,
+        allocation=alloc, points=points, ptq_effects=effects,
+        rules=allocation_rules(alloc.formats, cfg.activations),
+        weights=weights.for_assignment(alloc.formats, cfg.ptq),
+        calibration=dict(calibration or {}, batches=len(calib),
+                         tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib))),
+        timings=timings, engine=engine)
+
+
+def _weight_stats(engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeight]]
+                  ) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in engine.paths:
+        k = np.asarray(engine.kernels[p], np.float32)
+        row: dict[str, Any] = {"amax": float(np.max(np.abs(k))),
+                               "rms": float(np.sqrt(np.mean(k * k))),
+                               "shape": list(k.shape)}
+        for f, qw in cand.items():
+            w = qw[p]
+            row[f] = {"rel_mse": w.rel_mse, "rel_mse_rtn": w.rel_mse_rtn,
+                      "scale_multiplier": w.scale_multiplier, "four_fraction": w.four_fraction}
+        out[p] = row
+    return out
+
+
+class _Evaluator:
+    """Validation loss of allocations (cached by allocation and PTQ options)."""
+
+    def __init__(self, engine: Engine, weights: _Weights, evals, cfg: QuantizeConfig,
+                 static_amax, extra_numel: int):
+        self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
+        self.static_amax = static_amax
+        self.extra = extra_numel
+        self._cache: dict[Any, float] = {}
+        # every format an evaluated allocation may use: one compiled W4A4 forward
+        self.palette = tuple(sorted({f for f in (*cfg.formats, *cfg.uniform_formats,
+                                                 *cfg.heuristic) if get_format(f).quantized}))
+
+    def loss(self, assignment: Mapping[str, str], ptq: WeightPTQ, *,
+             activations: bool | None = None, amax: Mapping[str, float] | None = None
+             ) -> float:
+        acts = self.cfg.activations if activations is None else activations
+        amax = self.static_amax if amax is None and activations is None else amax
+        key = (tuple(sorted(assignment.items())), ptq, acts,
+               None if amax is None else tuple(sorted(amax.items())))
+        if key not in self._cache:
+            qw = self.weights.for_assignment(assignment, ptq)
+            params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
+            act = ActQuant.matching(assignment, amax, self.palette) if acts else None
+            self._cache[key] = self.engine.loss(params, self.evals, act)
+        return self._cache[key]
+
+    def point(self, assignment: Mapping[str, str], ptq: WeightPTQ, *, kind: str,
+              budget: float | None = None, **kw) -> dict[str, Any]:
+        loss = self.loss(assignment, ptq, **kw)
+        bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
+        out = {"kind": kind, "effective_bits": bits, "val_loss": loss,
+               "val_ppl": float(math.exp(loss))}
+        if budget is not None:
+            out["budget"] = budget
+            out["layers"] = dict(assignment)
+        return out
+
+
+def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allocation,
+                 act_amax) -> dict[str, Any]:
+    """Validation perplexity with each PTQ choice on and off, per applicable format."""
+    grid = cfg.ptq.scale_grid
+    variants = {"rtn": WeightPTQ.rtn(),
+                "mse_scale": WeightPTQ(mse_scale=True, four_over_six=False, scale_grid=grid),
+                "four_over_six": WeightPTQ(mse_scale=False, four_over_six=True),
+                "both": WeightPTQ(mse_scale=True, four_over_six=True, scale_grid=grid)}
+    out: dict[str, Any] = {"weights": {}, "activations": {}}
+    for f in cfg.uniform_formats:
+        spec = get_format(f)
+        tensor, four6 = has_tensor_scale(spec), supports_four_over_six(spec)
+        if not (tensor or four6):
+            continue
+        names = ["rtn"] + (["mse_scale"] if tensor else []) + \
+            (["four_over_six"] if four6 else []) + (["both"] if tensor and four6 else [])
+        assign = _uniform(paths, f, pinned)
+        out["weights"][f"uniform_{f}"] = {
+            n: float(math.exp(ev.loss(assign, variants[n]))) for n in names}
+    out["weights"]["searched"] = {n: float(math.exp(ev.loss(alloc.formats, v)))
+                                  for n, v in variants.items()}
+    # W4A4 / W8A8 inputs: dynamic (per batch) vs static calibrated amax, vs weight-only.
+    for f in cfg.uniform_formats:
+        spec = get_format(f)
+        if not has_tensor_scale(spec):
+            continue
+        assign = _uniform(paths, f, pinned)
+        out["activations"][f"uniform_{f}"] = {
+            "weight_only": float(math.exp(ev.loss(assign, cfg.ptq, activations=False))),
+            "dynamic": float(math.exp(ev.loss(assign, cfg.ptq, activations=True))),
+            "static": float(math.exp(ev.loss(assign, cfg.ptq, activations=True,
+                                             amax=act_amax))),
+        }
+    return out

@@ -1,0 +1,318 @@
+"""Files of a quantize run: rules, checkpoint, report.json / report.md, plots.
+
+``write_outputs(result, out_dir)`` writes::
+
+    precision_rules.json   the searched allocation as a PrecisionRules (training's object)
+    checkpoint/            the quantized model: through microscale.export (compressed-tensors
+                           or ModelOpt, vLLM-loadable) for a microscale Transformer; else
+                           microscale's own layout (model.safetensors + manifest.json)
+    report.json            budget, effective_bits, val_ppl{bf16, uniform_*, heuristic,
+                           searched}, layers{path: format}, scores, calibration, PTQ effects
+    report.md              the same as tables
+    pareto.png             val perplexity vs effective bits: uniform formats, the heuristic,
+                           the searched allocations across budgets
+    sensitivity.png        layer x format heatmap of log10 scores, the chosen format marked
+
+microscale's own checkpoint layout (``checkpoint/manifest.json`` describes every tensor):
+per quantized linear ``<path>.weight`` (the QArray's data: packed uint8 ``[out, in/2]`` for
+4-bit formats, the 8-bit elements' raw bytes ``[out, in]`` as uint8), ``<path>.weight_scale``
+(block scales' raw bytes ``[out, in/block]`` as uint8, or the float32 per-tensor scale)
+and ``<path>.weight_global_scale`` (float32 ``[1]``, decode direction ``amax/2688``);
+``<path>.input_amax`` (float32 ``[1]``) for W4A4; other parameters float32 under their
+paths. :func:`read_own_checkpoint` reads it back into QArrays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from microscale.formats import QArray, get_format
+from microscale.ptq.pipeline import QuantizeResult
+
+__all__ = ["plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_markdown",
+           "write_outputs", "write_own_checkpoint"]
+
+_MANIFEST_VERSION = 1
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(_flat(v, name))
+        else:
+            out[name] = v
+    return out
+
+
+def _raw(a) -> tuple[np.ndarray, str]:
+    """An array as safetensors-storable numpy plus its logical dtype name."""
+    a = np.asarray(a)
+    name = str(a.dtype)
+    if a.dtype.itemsize == 1 and a.dtype not in (np.uint8, np.int8):
+        return a.view(np.uint8), name
+    if a.dtype == ml_dtypes.bfloat16:
+        return a.view(np.uint16), name
+    return a, name
+
+
+def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """microscale's own layout (see the module doc); returns a description."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = result.engine
+    tensors: dict[str, np.ndarray] = {}
+    layers: dict[str, Any] = {}
+    kernel_names = {f"{p}.kernel" for p in result.paths}
+    for name, v in _flat(engine.params).items():
+        if name not in kernel_names:
+            tensors[name] = np.asarray(v, np.float32)
+    for p in result.paths:
+        w = result.weights[p]
+        q: QArray = w.qarray
+        entry: dict[str, Any] = {"format": w.format, "shape": list(q.shape), "layout": "out_in",
+                                 "axis": -1, "block_shape": None if q.block_shape is None
+                                 else list(q.block_shape), "amax": w.amax,
+                                 "scale_multiplier": w.scale_multiplier, "tensors": {}}
+        for field, key in (("data", "weight"), ("scales", "weight_scale"),
+                           ("global_scale", "weight_global_scale")):
+            arr = getattr(q, field)
+            if arr is None:
+                continue
+            raw, dtype = _raw(arr)
+            raw = raw.reshape(1) if raw.ndim == 0 else raw
+            tensors[f"{p}.{key}"] = np.ascontiguousarray(raw)
+            entry["tensors"][field] = {"name": f"{p}.{key}", "dtype": dtype}
+        if result.config.activations and get_format(w.format).quantized:
+            tensors[f"{p}.input_amax"] = np.asarray([result.act_amax[p]], np.float32)
+            entry["input_amax"] = result.act_amax[p]
+        layers[p] = entry
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "microscale-ptq"})
+    manifest = {"format": "microscale-ptq", "version": _MANIFEST_VERSION,
+                "activations": result.config.activations, "layers": layers,
+                "params": sorted(n for n in tensors if not any(n.startswith(p + ".")
+                                                               for p in result.paths)),
+                "rules": result.rules.to_dict()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return {"layout": "microscale-ptq", "path": str(out),
+            "files": ["model.safetensors", "manifest.json"]}
+
+
+def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str, Any],
+                                                          dict[str, Any]]:
+    """``({layer path: QArray [out, in]}, {param path: float32 array}, manifest)``."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    if manifest.get("format") != "microscale-ptq":
+        raise ValueError(f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
+                         "'microscale-ptq'")
+    tensors = load_file(str(path / "model.safetensors"))
+    qs = {}
+    for p, e in manifest["layers"].items():
+        spec = get_format(e["format"])
+        leaves = {}
+        for field in ("data", "scales", "global_scale"):
+            t = e["tensors"].get(field)
+            if t is None:
+                leaves[field] = None
+                continue
+            arr = tensors[t["name"]]
+            dt = np.dtype(getattr(ml_dtypes, t["dtype"], t["dtype"]))
+            arr = arr.view(dt) if arr.dtype != dt else arr
+            if field == "global_scale" or (field == "scales" and spec.block_size is None):
+                arr = arr.reshape(())
+            leaves[field] = jax.numpy.asarray(arr)
+        bs = None if e["block_shape"] is None else tuple(e["block_shape"])
+        qs[p] = QArray(leaves["data"], leaves["scales"], leaves["global_scale"], spec,
+                       1, tuple(e["shape"]), bs)
+    params = {n: tensors[n] for n in manifest["params"]}
+    return qs, params, manifest
+
+
+def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: str):
+    from microscale.export import LayerQuant, export_checkpoint
+
+    flat = _flat(result.engine.params)
+    for p in result.paths:
+        w = result.weights[p]
+        if get_format(w.format).quantized:
+            flat[f"{p}.kernel"] = w.qarray
+    acts = result.config.activations
+    layers = {p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
+              for p, f in result.allocation.formats.items()}
+    res = export_checkpoint(flat, out, config=model_config, layout=layout,
+                            layer_formats=layers, activations=acts,
+                            input_amax=result.act_amax if acts else None,
+                            tokenizer=tokenizer, overwrite=True)
+    return {"layout": res.layout, "path": str(res.path), "files": list(res.files)}
+
+
+def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_config=None,
+                  tokenizer=None, layout: str = "compressed-tensors",
+                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write every output file under ``out_dir`` (see the module doc); returns the report."""
+    say = log or (lambda _m: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.rules.save(out / "precision_rules.json")
+    ck_dir = out / "checkpoint"
+    checkpoint: dict[str, Any]
+    if model_config is not None and layout != "microscale":
+        try:
+            checkpoint = _export(result, ck_dir, model_config, tokenizer, layout)
+        except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
+            reason = f"{type(e).__name__}: {e}"
+            say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")
+            checkpoint = write_own_checkpoint(result, ck_dir)
+            checkpoint["fallback_reason"] = reason
+    else:
+        checkpoint = write_own_checkpoint(result, ck_dir)
+    report = result.report()
+    report["checkpoint"] = checkpoint
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    write_markdown(report, out / "report.md")
+    plot_pareto(report, out / "pareto.png")
+    plot_sensitivity(report, out / "sensitivity.png")
+    say(f"quantize: wrote {out}/{{precision_rules.json, checkpoint/, report.json, report.md, "
+        "pareto.png, sensitivity.png}")
+    return report
+
+
+# ---------------------------------------------------------------------- markdown
+
+def _fmt(x: float, nd: int = 4) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """``report.md``: summary, points, PTQ effects and the per-layer table."""
+    pts = report["points"]
+    bf16 = pts["bf16"]["val_ppl"]
+    lines = [
+        "# microscale quantize report", "",
+        f"Budget **{report['budget']}** bits/weight; searched allocation uses "
+        f"**{report['effective_bits']:.4f}** bits ({report['method']} scores, "
+        f"{'W+A' if report['activations'] else 'weight-only'}, solver {report['solver']} in "
+        f"{report['solve_time_s'] * 1e3:.1f} ms). Formats: {report['counts']}.", "",
+        "## Validation perplexity", "",
+        "| allocation | effective bits | val ppl | vs bf16 |", "|---|---:|---:|---:|"]
+    for label, p in pts.items():
+        lines.append(f"| {label} | {p['effective_bits']:.3f} | {p['val_ppl']:.4f} | "
+                     f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |")
+    eff = report.get("ptq_effects") or {}
+    if eff.get("weights"):
+        lines += ["", "## PTQ choices (val ppl)", "",
+                  "| allocation | rtn | mse_scale | four_over_six | both |",
+                  "|---|---:|---:|---:|---:|"]
+        for label, row in eff["weights"].items():
+            cells = [_fmt(row.get(k)) if k in row else "n/a"
+                     for k in ("rtn", "mse_scale", "four_over_six", "both")]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if eff.get("activations"):
+        lines += ["", "## Quantized inputs (W4A4 / W8A8, val ppl)", "",
+                  "| allocation | weight-only | dynamic input amax | static calibrated amax |",
+                  "|---|---:|---:|---:|"]
+        for label, row in eff["activations"].items():
+            lines.append(f"| {label} | {_fmt(row['weight_only'])} | {_fmt(row['dynamic'])} | "
+                         f"{_fmt(row['static'])} |")
+    fmts = report["formats"]
+    lines += ["", "## Layers", "",
+              "| layer | group | elements | chosen | " + " | ".join(
+                  f"score {f}" for f in fmts) + " | input amax |",
+              "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|"]
+    for p, f in report["layers"].items():
+        sc = report["scores"].get(p, {})
+        cells = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
+        lines.append(f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
+                     f"{cells} | {report['act_amax'].get(p, float('nan')):.3g} |")
+    cal = report["calibration"]
+    lines += ["", f"Calibration: {cal.get('tokens')} tokens in {cal.get('batches')} batches "
+              f"from the {cal.get('split', '?')} split (seed {report['seed']}). Timings: "
+              + ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items()) + "."]
+    ck = report.get("checkpoint")
+    if ck:
+        lines.append(f"Checkpoint: `{ck['path']}` ({ck['layout']}).")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------- plots
+
+def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Val perplexity vs effective bits (uniform, heuristic, searched across budgets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = report["points"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curve = sorted((p["effective_bits"], p["val_ppl"]) for k, p in pts.items()
+                   if p["kind"] == "searched")
+    if curve:
+        xs, ys = zip(*curve, strict=True)
+        ax.plot(xs, ys, "-o", color="tab:blue", label="searched (budgets)", zorder=2)
+    s = pts["searched"]
+    ax.plot([s["effective_bits"]], [s["val_ppl"]], "*", ms=16, color="tab:blue",
+            label=f"searched @ {report['budget']}", zorder=3)
+    uniform = [(k, p) for k, p in pts.items() if p["kind"] == "uniform"]
+    for i, (label, p) in enumerate(sorted(uniform, key=lambda kp: kp[1]["effective_bits"])):
+        ax.plot([p["effective_bits"]], [p["val_ppl"]], "s", ms=8, zorder=3)
+        ax.annotate(label.replace("uniform_", ""), (p["effective_bits"], p["val_ppl"]),
+                    textcoords="offset points", xytext=(6, 4 if i % 2 == 0 else -11),
+                    fontsize=8)
+    h = pts["heuristic"]
+    ax.plot([h["effective_bits"]], [h["val_ppl"]], "D", ms=8, color="tab:red",
+            label="heuristic (first/last + down in FP8)", zorder=3)
+    ax.axhline(pts["bf16"]["val_ppl"], color="gray", ls="--", lw=1, label="bf16")
+    ax.set_xlabel("effective bits per weight")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("PTQ: perplexity vs effective bits")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Heatmap of log10 scores (rows: layers, columns: formats); chosen formats boxed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = [f for f in report["formats"] if get_format(f).quantized]
+    layers = list(report["layers"])
+    sc = report["scores_raw"]
+    vals = np.array([[sc[p][f] if p in sc else np.nan for f in fmts] for p in layers],
+                    np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logv = np.log10(np.where(vals > 0, vals, np.nan))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.1 * len(fmts), 1.2 + 0.22 * len(layers)))
+    im = ax.imshow(logv, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(fmts)), fmts)
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    for i, p in enumerate(layers):
+        f = report["layers"][p]
+        if f in fmts:
+            j = fmts.index(f)
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
+    fig.colorbar(im, ax=ax, label=f"log10 {report['method']} score")
+    ax.set_title("sensitivity (red: chosen; bf16 = 0 not shown)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,103 @@
+"""A training run folder -> quantized outputs: the thin layer over :func:`quantize_model`.
+
+``quantize_run(run_dir, out_dir, config)`` restores the run's latest checkpoint
+(``microscale.train.load_checkpoint``), loads its corpus with its tokenizer
+(``microscale.data.load_data``; ``corpus=`` swaps in another one), and splits the held-out
+tokens:
+
+* evaluation: the run's own fixed validation batches (``Data.val_batches("val")``:
+  ``eval_batches`` batches of windows from the *start* of the val split), so the
+  perplexities here are the ones training reported;
+* calibration: ``calib_tokens`` worth of windows drawn with ``seed`` from the val split
+  *after* the evaluation windows (disjoint), falling back to the train split when the val
+  split is too short.
+
+Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
+quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
+``sensitivity.png`` under ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
+
+__all__ = ["calibration_windows", "quantize_run"]
+
+
+def calibration_windows(tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows: int,
+                        seed: int, start: int = 0) -> np.ndarray | None:
+    """``ceil(n_tokens / (rows * seq_len))`` batches ``[n, rows, seq_len + 1]`` of windows at
+    distinct random offsets (``numpy`` PCG64 seeded by ``seed``) in ``tokens[start:]``,
+    or None when that region holds fewer windows than needed."""
+    if n_tokens < 1 or seq_len < 1 or rows < 1:
+        raise ValueError(f"calibration_windows: n_tokens={n_tokens}, seq_len={seq_len}, "
+                         f"rows={rows}: expected positive ints")
+    n_batches = max(1, math.ceil(n_tokens / (rows * seq_len)))
+    need = n_batches * rows
+    region = np.asarray(tokens)[start:]
+    n_starts = region.shape[0] - seq_len  # window [s, s + seq_len + 1)
+    if n_starts < need:
+        return None
+    rng = np.random.default_rng(seed)
+    starts = rng.choice(n_starts, size=need, replace=False)
+    out = np.stack([region[s:s + seq_len + 1] for s in starts.tolist()]).astype(np.int32)
+    return out.reshape(n_batches, rows, seq_len + 1)
+
+
+def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                 config: QuantizeConfig | None = None, *, corpus: str | None = None,
+                 step: int | None = None, eval_batches: int | None = None,
+                 layout: str = "compressed-tensors",
+                 log: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize a microscale training run (see the module doc). Returns the result.
+
+    ``corpus``: calibrate and evaluate on another corpus (same tokenizer settings);
+    ``step``: checkpoint step (default latest); ``eval_batches``: validation batches
+    (default: the run's ``data.eval_batches``); ``layout``: checkpoint layout
+    ("compressed-tensors", "modelopt" or "microscale").
+    """
+    from microscale.data import load_data
+    from microscale.ptq.report import write_outputs
+    from microscale.train import load_checkpoint
+
+    cfg = QuantizeConfig() if config is None else config
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder "
+                                "(no config.yaml); expected the out= folder of a training run")
+    model, train_cfg, meta = load_checkpoint(run_dir, step)
+    data_cfg = train_cfg.data
+    if corpus is not None:
+        data_cfg = dataclasses.replace(data_cfg, corpus=corpus, heldout="none")
+    if eval_batches is not None:
+        data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
+    data = load_data(data_cfg)
+    evals = data.val_batches("val")
+    rows, seq = evals.shape[1], evals.shape[2] - 1
+    val_tokens = data.eval_sets()["val"]
+    used = evals.shape[0] * rows * seq + 1  # evaluation windows start at k * seq_len
+    calib = calibration_windows(val_tokens, n_tokens=cfg.calib_tokens, seq_len=seq,
+                                rows=rows, seed=cfg.seed, start=used)
+    source: dict[str, Any] = {"split": "val", "offset": used, "corpus": data_cfg.corpus}
+    if calib is None:
+        calib = calibration_windows(data.corpus.train, n_tokens=cfg.calib_tokens, seq_len=seq,
+                                    rows=rows, seed=cfg.seed)
+        source = {"split": "train", "offset": 0, "corpus": data_cfg.corpus,
+                  "note": "val split too short for disjoint calibration windows"}
+        if calib is None:
+            raise ValueError(f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
+                             f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens")
+    source.update(run_dir=str(run_dir), step=meta.get("step"), seed=cfg.seed)
+    result = quantize_model(model, calib, evals, cfg, calibration=source, log=log)
+    write_outputs(result, out_dir, model_config=train_cfg.model, tokenizer=data.tokenizer,
+                  layout=layout, log=log)
+    return result

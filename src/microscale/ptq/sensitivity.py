@@ -1,0 +1,111 @@
+"""Per-layer sensitivity: how much does storing layer ``l`` in format ``f`` cost the loss?
+
+Three estimators, all "only layer ``l`` is quantized, the rest stays full precision":
+
+**gradient** (default; NVIDIA ModelOpt's AutoQuantize score). Quantizing ``W_l`` moves
+the layer output by ``dY = X_l (W_lf - W_l)`` (``Q_f(X_l) W_lf - X_l W_l`` when inputs are
+quantized too). A second-order Taylor expansion of the loss with the Fisher matrix of
+the output, kept diagonal, gives
+
+    s_lf = sum_tokens,features (dL/dY_l * dY_lf)^2 .
+
+``dL/dY_l`` and ``X_l`` do not depend on ``f`` or on other layers' formats, so ONE forward
+and backward pass per calibration batch captures them for every layer (``jax.vjp`` with
+respect to zero perturbations of the outputs, see :mod:`~microscale.ptq.tap`);
+each (layer, format) then costs one GEMM ``X_l dW_lf``. Quantizing *all* layers in
+``f`` in one pass would measure something else (the interactions), not per-layer scores.
+
+**kl**: ``KL(p_fp || p_q)`` of the next-token distributions with only layer ``l`` in
+``f``; **loss**: the measured loss increase. Both are exact for that single change but
+cost one forward pass per layer, format and batch.
+
+Monotone correction. A format that stores more bits should not look worse than a
+cheaper one for the same layer (estimator noise, or a per-tensor format losing to a
+finer block format of similar size would otherwise make the search's trade-offs
+erratic). With ``monotone=True`` each score becomes the minimum over all formats that
+cost at most as much: ``s'_lf = min { s_lg : bits(g) <= bits(f) }`` (reading
+``FormatSpec.bits_per_element``). Dominated formats then tie with a cheaper one and the
+search prefers the cheaper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+
+from microscale.formats import get_format
+from microscale.ptq.engine import ActQuant, Engine
+from microscale.ptq.weights import QuantizedWeight
+
+__all__ = ["METHODS", "gradient_scores", "kl_loss_scores", "monotone", "score"]
+
+METHODS = ("gradient", "kl", "loss")
+
+QWeights = Mapping[str, Mapping[str, QuantizedWeight]]  # {format: {path: weight}}
+
+
+def _bf16(a):
+    return jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def gradient_scores(engine: Engine, batches, qweights: QWeights, *,
+                    activations: bool = False,
+                    act_amax: Mapping[str, float] | None = None
+                    ) -> dict[str, dict[str, float]]:
+    """Fisher scores ``{path: {format: s}}`` (see the module doc)."""
+    deltas = {f: {p: _bf16(qw[p].values) - _bf16(engine.kernels[p]) for p in engine.paths}
+              for f, qw in qweights.items()}
+    kernels = {f: {p: _bf16(qw[p].values) for p in engine.paths} for f, qw in qweights.items()}
+    act_formats = {f: activations for f in qweights}
+    return engine.grad_scores(batches, deltas, act_formats=act_formats, act_amax=act_amax,
+                              quantized_kernels=kernels if activations else None)
+
+
+def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
+                   activations: bool = False,
+                   act_amax: Mapping[str, float] | None = None
+                   ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """``(kl, loss increase)`` scores ``{path: {format: s}}``, summed over batches, with one
+    forward pass per (layer, format, batch)."""
+    kl = {p: {f: 0.0 for f in qweights} for p in engine.paths}
+    dloss = {p: {f: 0.0 for f in qweights} for p in engine.paths}
+    for b in batches:
+        ref = engine.ref_logp(b)
+        _, base = engine.kl_and_loss(engine.params, b, ref)
+        for f, qw in qweights.items():
+            quant_in = activations and get_format(f).quantized
+            for p in engine.paths:
+                params = engine.with_kernels({p: qw[p].values})
+                act = None
+                if quant_in:  # only this layer's input; same palette -> one compile
+                    act = ActQuant(formats=((p, f),), palette=(f,),
+                                   amax=None if act_amax is None else dict(act_amax))
+                k, nll = engine.kl_and_loss(params, b, ref, act)
+                kl[p][f] += k
+                dloss[p][f] += nll - base
+    return kl, dloss
+
+
+def monotone(scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
+             ) -> dict[str, dict[str, float]]:
+    """``s'_lf = min {s_lg : bits(g) <= bits(f)}`` per layer (see the module doc)."""
+    bits = {f: get_format(f).bits_per_element for f in formats}
+    out = {}
+    for p, row in scores.items():
+        out[p] = {f: min(row[g] for g in formats if bits[g] <= bits[f]) for f in formats}
+    return out
+
+
+def score(engine: Engine, batches, qweights: QWeights, method: str = "gradient", *,
+          activations: bool = False, act_amax: Mapping[str, float] | None = None
+          ) -> dict[str, dict[str, float]]:
+    """Raw (uncorrected) scores of ``method`` ("gradient", "kl" or "loss")."""
+    if method not in METHODS:
+        raise ValueError(f"unknown sensitivity method {method!r}; expected one of {METHODS}")
+    if method == "gradient":
+        return gradient_scores(engine, batches, qweights, activations=activations,
+                               act_amax=act_amax)
+    kl, dloss = kl_loss_scores(engine, batches, qweights, activations=activations,
+                               act_amax=act_amax)
+    return kl if method == "kl" else dloss

@@ -1,0 +1,212 @@
+"""Post-training weight quantization beyond round-to-nearest.
+
+A linear kernel is stored ``[in, out]`` (``y = x @ W``); deployment layouts (HF,
+compressed-tensors, ModelOpt) store ``W^T [out, in]`` and quantize each row along ``in``,
+the GEMM's contraction axis, in blocks of ``block_size``. Everything here works on that
+transposed ``[out, in]`` array with ``axis=-1``, so the :class:`~microscale.formats.QArray`
+is already in the export layout and its values equal blocks of 16 along ``in`` of the
+``[in, out]`` kernel.
+
+Round-to-nearest (RTN) NVFP4 (DESIGN.md) fixes two scales from the data: the tensor
+scale ``s_dec = amax / (448 * 6)`` and, per block, ``sb = e4m3(block_amax / (6 s_dec))``
+so the block maximum lands on E2M1's largest value 6. Two cheap choices lower the error
+without changing the storage format:
+
+**MSE scale search.** Quantize with a tensor amax ``c * amax(|W|)`` for ``c`` on a grid
+(1.0 included) and keep the ``c`` of least ``||Q(W) - W||^2``. For NVFP4 ``c`` moves every
+block scale along the E4M3 grid (its 3-bit mantissa rounds ``block_amax / (6 s_dec)``
+differently) and ``c < 1`` clips the largest blocks; for per-tensor FP8 it trades
+clipping against resolution. Formats without a tensor scale (MX: the E8M0 block scale
+is a pure power of two of the block amax) have nothing to search. The chosen ``amax``
+is simply passed to ``microscale.formats.quantize(..., amax=)``; it is also the tensor
+scale an exporter writes (``weight_global_scale = 2688 / amax``). Fused groups (q/k/v,
+gate/up: one GEMM and so one tensor scale in vLLM / TensorRT-LLM) share one amax,
+``c * max_i amax(|W_i|)``, with ``c`` chosen for the group's summed error
+(:func:`quantize_group`).
+
+**Four over six** (Cook et al., 2025). E2M1's grid near the top is coarse (4 -> 6 is a
+step of 2): a block whose values cluster around 75% of its max rounds them to 4 or 6
+when the max maps to 6. Mapping the block max to 4 instead
+(``sb4 = e4m3(block_amax / (4 s_dec))``) uses the grid ``{..., 3, 4}`` for the same
+range, finer at the top and coarser below. Each block keeps whichever of the two gives
+the lower squared error, so the result is never worse than RTN block by block, and it is
+still plain NVFP4 (only the chosen block scales differ): any NVFP4 reader decodes it.
+It applies to formats with E2M1 elements and a non-power-of-two (E4M3) block scale.
+The block holding the tensor amax already has the largest E4M3 scale (448), so it can
+map to 4 only under a tensor amax raised by 1.5; the MSE search's grid (up to 1.5) tries
+that, and picks it when the whole tensor's error says so.
+
+The per-block choice is ``microscale.formats.quantize(..., four_over_six=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize
+
+__all__ = ["QuantizedWeight", "WeightPTQ", "four_over_six", "has_tensor_scale",
+           "quantize_group", "quantize_weight", "supports_four_over_six", "weight_error"]
+
+
+def _default_grid() -> tuple[float, ...]:
+    return tuple(float(c) for c in np.round(np.arange(0.50, 1.5001, 0.05), 4))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightPTQ:
+    """Which post-training weight choices to make beyond round-to-nearest."""
+
+    # Search the tensor amax multiplier c on `scale_grid` for the least weight MSE
+    # (formats with a tensor scale: NVFP4's global scale, per-tensor FP8).
+    mse_scale: bool = True
+    # Multipliers c tried by the MSE search; 1.0 (plain RTN) is always tried first.
+    scale_grid: tuple[float, ...] = dataclasses.field(default_factory=_default_grid)
+    # Per block, map the block max to 4 instead of 6 when that lowers the block's error
+    # (E2M1 formats with E4M3 block scales).
+    four_over_six: bool = True
+
+    def __post_init__(self):
+        grid = tuple(float(c) for c in self.scale_grid)
+        if not grid or any(not (np.isfinite(c) and c > 0) for c in grid):
+            raise ValueError(f"WeightPTQ.scale_grid={self.scale_grid!r}: expected positive "
+                             "finite multipliers")
+        object.__setattr__(self, "scale_grid", grid)
+
+    @classmethod
+    def rtn(cls) -> WeightPTQ:
+        """Plain round-to-nearest (both choices off)."""
+        return cls(mse_scale=False, four_over_six=False)
+
+
+def has_tensor_scale(spec: FormatSpec) -> bool:
+    """True when ``quantize(..., amax=)`` sets a tensor scale (NVFP4 global, FP8)."""
+    return spec.quantized and (spec.has_global_scale or spec.scale_kind == "tensor")
+
+
+def supports_four_over_six(spec: FormatSpec) -> bool:
+    """E2M1 elements (4-bit, packed) with a non-power-of-two (E4M3) block scale."""
+    return spec.packed and spec.scale_kind == "e4m3"
+
+
+def four_over_six(x, fmt: str | FormatSpec = "nvfp4", *, amax=None) -> QArray:
+    """Quantize ``x [rows, K]`` along its last axis, choosing per block whether its max
+    maps to ``elem_max`` (6) or to 4, whichever gives the lower squared block error.
+
+    ``amax``: tensor amax (default ``max|x|``), as in ``formats.quantize``. Returns a
+    normal QArray of ``fmt`` (decode with ``formats.dequantize``).
+    """
+    spec = get_format(fmt)
+    if not supports_four_over_six(spec):
+        raise ValueError(f"four_over_six needs E2M1 elements with E4M3 block scales; format "
+                         f"{spec.name!r} has elem_bits={spec.elem_bits}, "
+                         f"scale_kind={spec.scale_kind!r}")
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim != 2:
+        raise ValueError(f"four_over_six expects a 2-D [rows, K] array, got shape {x.shape}")
+    return quantize(x, spec, axis=-1, amax=amax, four_over_six=True)
+
+
+def _quantize_t(w_t: jax.Array, spec: FormatSpec, amax, four6: bool) -> QArray:
+    return quantize(w_t, spec, axis=-1, amax=amax, four_over_six=four6)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "four6"))
+def _sq_error(w_t, amax, spec: FormatSpec, four6: bool):
+    return jnp.sum(jnp.square(dequantize(_quantize_t(w_t, spec, amax, four6)) - w_t))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizedWeight:
+    """One layer's kernel in one format."""
+
+    # Format name.
+    format: str
+    # Quantized ``W^T [out, in]`` along axis -1 (the export layout).
+    qarray: QArray
+    # Dequantized kernel ``[in, out]`` float32 (what the model computes with).
+    values: jax.Array
+    # Tensor amax passed to the quantizer (None: the format has no tensor scale).
+    amax: float | None
+    # Chosen multiplier c of amax(|W|) (1.0 = RTN scale).
+    scale_multiplier: float
+    # ||Q(W) - W||^2 / ||W||^2 of the result and of plain RTN.
+    rel_mse: float
+    rel_mse_rtn: float
+    # Fraction of blocks that took the max->4 scale (0 when four over six is off).
+    four_fraction: float = 0.0
+
+
+def weight_error(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None) -> float:
+    """Relative squared error ``||Q(W) - W||^2 / ||W||^2`` of :func:`quantize_weight`."""
+    return quantize_weight(kernel, fmt, ptq).rel_mse
+
+
+def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
+                    ) -> QuantizedWeight:
+    """Quantize a linear kernel ``[in, out]`` along ``in`` with the PTQ choices of ``ptq``
+    (default: :class:`WeightPTQ` ()). Deterministic."""
+    return quantize_group([kernel], fmt, ptq)[0]
+
+
+def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
+                   ) -> list[QuantizedWeight]:
+    """Quantize the kernels of one fused group (q/k/v or gate/up: one GEMM in an engine)
+    with ONE tensor amax, as deployment requires: ``c * max_i amax(|W_i|)``, where the MSE
+    search picks ``c`` for the least summed error of the members. Formats without a
+    tensor scale quantize each member on its own (their scales are per block anyway)."""
+    spec = get_format(fmt)
+    ptq = WeightPTQ() if ptq is None else ptq
+    ws = [jnp.asarray(k, jnp.float32) for k in kernels]
+    if not ws:
+        raise ValueError("quantize_group: no kernels")
+    for w in ws:
+        if w.ndim != 2:
+            raise ValueError(f"quantize_weight expects 2-D [in, out] kernels, got shape "
+                             f"{w.shape}")
+    wts = [w.T for w in ws]
+    norms = [max(float(jnp.sum(jnp.square(t))), 1e-30) for t in wts]
+    if not spec.quantized:
+        out = []
+        for w, t, n in zip(ws, wts, norms, strict=True):
+            q = quantize(t, spec, axis=-1)
+            vals = dequantize(q).T
+            err = float(jnp.sum(jnp.square(vals - w))) / n
+            out.append(QuantizedWeight(format=spec.name, qarray=q, values=vals, amax=None,
+                                       scale_multiplier=1.0, rel_mse=err, rel_mse_rtn=err))
+        return out
+    tensor = has_tensor_scale(spec)
+    four6 = ptq.four_over_six and supports_four_over_six(spec)
+    base = jnp.max(jnp.stack([jnp.max(jnp.abs(t)) for t in wts]))
+
+    def errors(c: float, f6: bool) -> list[float]:
+        a = base * jnp.float32(c)
+        return [float(_sq_error(t, a, spec, f6)) for t in wts]
+
+    rtn = errors(1.0, False)
+    best_c, best = 1.0, errors(1.0, four6)
+    if ptq.mse_scale and tensor:
+        for c in ptq.scale_grid:
+            if c == 1.0:
+                continue
+            e = errors(c, four6)
+            if sum(e) < sum(best):
+                best_c, best = c, e
+    amax = base * jnp.float32(best_c)
+    out = []
+    for t, e, e0, n in zip(wts, best, rtn, norms, strict=True):
+        q = _quantize_t(t, spec, amax, four6)
+        frac = 0.0
+        if four6:
+            rtn_scales = quantize(t, spec, axis=-1, amax=amax).scales
+            frac = float(jnp.mean((q.scales != rtn_scales).astype(jnp.float32)))
+        out.append(QuantizedWeight(format=spec.name, qarray=q, values=dequantize(q).T,
+                                   amax=float(amax) if tensor else None,
+                                   scale_multiplier=best_c, rel_mse=e / n, rel_mse_rtn=e0 / n,
+                                   four_fraction=frac))
+    return out

@@ -1,0 +1,149 @@
+"""quantize_model end to end on a tiny model: report, budget, groups, pins, rules, files,
+checkpoint round trip, W4A4, determinism."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from microscale.formats import dequantize
+from microscale.ops import get_recipe
+from microscale.ptq import (
+    QuantizeConfig,
+    WeightPTQ,
+    calibration_windows,
+    heuristic_allocation,
+    quantize_model,
+    read_own_checkpoint,
+    write_outputs,
+)
+
+CFG = QuantizeConfig(budget=5.5, formats=("nvfp4", "mxfp4", "fp8_e4m3", "bf16"),
+                     uniform_formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(4.5, 6.0),
+                     pin=((r"layers\.1\.attn\.o_proj", "bf16"),),
+                     ptq=WeightPTQ(scale_grid=(0.8, 1.0, 1.2)))
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model, token_batches):
+    calib, evals = token_batches
+    return quantize_model(tiny_model, calib, evals, CFG)
+
+
+def test_report_contents(result):
+    rep = result.report()
+    for key in ("budget", "effective_bits", "val_ppl", "layers", "scores", "scores_raw",
+                "act_amax", "weight_stats", "ptq_effects", "calibration", "points"):
+        assert key in rep, key
+    assert set(rep["val_ppl"]) >= {"bf16", "uniform_nvfp4", "heuristic", "searched"}
+    assert rep["budget"] == 5.5 and rep["effective_bits"] <= 5.5
+    assert set(rep["layers"]) == set(result.paths) and len(result.paths) == 14
+    assert all(np.isfinite(v) and v > 1 for v in rep["val_ppl"].values())
+    assert rep["points"]["uniform_nvfp4"]["effective_bits"] == pytest.approx(
+        (4.5 * sum(result.numel.values()) + 11.5 * result.numel["layers.1.attn.o_proj"])
+        / sum(result.numel.values()))
+    eff = rep["ptq_effects"]
+    assert set(eff["weights"]["uniform_nvfp4"]) == {"rtn", "mse_scale", "four_over_six", "both"}
+    assert set(eff["weights"]["uniform_fp8_e4m3"]) == {"rtn", "mse_scale"}
+    assert set(eff["activations"]["uniform_nvfp4"]) == {"weight_only", "dynamic", "static"}
+    assert json.loads(json.dumps(rep)) is not None
+
+
+def test_allocation_respects_groups_pins_and_rules(result):
+    a = result.allocation.formats
+    assert a["layers.1.attn.o_proj"] == "bf16"
+    for i in range(2):
+        assert len({a[f"layers.{i}.attn.{n}_proj"] for n in "qkv"}) == 1
+        assert a[f"layers.{i}.mlp.gate_proj"] == a[f"layers.{i}.mlp.up_proj"]
+    for p, f in a.items():  # the PrecisionRules say the same, layer by layer
+        assert get_recipe(result.rules.resolve(p)).fprop_w.format == f
+        assert not get_recipe(result.rules.resolve(p)).fprop_x.quantized
+    # searched points never exceed their budgets
+    for label, pt in result.points.items():
+        if "budget" in pt:
+            assert pt["effective_bits"] <= pt["budget"] + 1e-9, label
+    # fused groups share one tensor scale
+    q, k = result.weights["layers.0.attn.q_proj"], result.weights["layers.0.attn.k_proj"]
+    assert q.amax == k.amax
+
+
+def test_heuristic_allocation():
+    paths = [f"layers.{i}.{m}" for i in range(4) for m in
+             ("attn.q_proj", "attn.k_proj", "mlp.up_proj", "mlp.down_proj")]
+    h = heuristic_allocation(paths, "fp8_e4m3", "nvfp4",
+                             pinned={"layers.3.attn.q_proj": "bf16"})
+    assert h["layers.0.attn.q_proj"] == "fp8_e4m3" and h["layers.3.mlp.up_proj"] == "fp8_e4m3"
+    assert h["layers.1.mlp.down_proj"] == "fp8_e4m3" and h["layers.2.attn.k_proj"] == "nvfp4"
+    assert h["layers.3.attn.q_proj"] == "bf16"
+
+
+def test_files_and_own_checkpoint_roundtrip(result, tmp_path):
+    write_outputs(result, tmp_path, layout="microscale")
+    for name in ("precision_rules.json", "report.json", "report.md", "pareto.png",
+                 "sensitivity.png", "checkpoint/model.safetensors", "checkpoint/manifest.json"):
+        assert (tmp_path / name).is_file(), name
+    from microscale.model import PrecisionRules
+
+    rules = PrecisionRules.load(tmp_path / "precision_rules.json")
+    assert rules == result.rules
+    qs, params, manifest = read_own_checkpoint(tmp_path / "checkpoint")
+    for p, w in result.weights.items():
+        np.testing.assert_array_equal(np.asarray(dequantize(qs[p])).T, np.asarray(w.values))
+        assert manifest["layers"][p]["format"] == w.format
+    assert "embed.embedding" in params
+    md = (tmp_path / "report.md").read_text()
+    assert "| searched |" in md and "layers.0.attn.q_proj" in md
+
+
+def test_w4a4_and_determinism(tiny_model, token_batches):
+    calib, evals = token_batches
+    cfg = QuantizeConfig(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"),
+                         uniform_formats=("nvfp4", "bf16"), pareto_budgets=(),
+                         ptq=WeightPTQ.rtn(), activations=True, ptq_effects=False)
+    a = quantize_model(tiny_model, calib, evals, cfg)
+    b = quantize_model(tiny_model, calib, evals, cfg)
+    assert a.allocation.formats == b.allocation.formats
+    assert a.scores == b.scores and a.val_ppl == b.val_ppl
+    p = next(p for p, f in a.allocation.formats.items() if f != "bf16")
+    assert get_recipe(a.rules.resolve(p)).fprop_x.quantized
+
+
+def test_calibration_windows_are_seeded_and_disjoint_from_eval():
+    toks = np.arange(10_000, dtype=np.int32)
+    a = calibration_windows(toks, n_tokens=600, seq_len=32, rows=4, seed=3, start=5000)
+    b = calibration_windows(toks, n_tokens=600, seq_len=32, rows=4, seed=3, start=5000)
+    c = calibration_windows(toks, n_tokens=600, seq_len=32, rows=4, seed=4, start=5000)
+    assert a.shape == (5, 4, 33)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert a.min() >= 5000
+    assert np.all(np.diff(a, axis=-1) == 1)  # contiguous windows
+    assert calibration_windows(toks[:50], n_tokens=600, seq_len=32, rows=4, seed=0) is None
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="budget"):
+        QuantizeConfig(budget=0)
+    with pytest.raises(ValueError, match="unknown format"):
+        QuantizeConfig(formats=("nvfp4", "fp3"))
+    with pytest.raises(ValueError, match="method"):
+        QuantizeConfig(method="hessian")
+    with pytest.raises(ValueError, match="regex"):
+        QuantizeConfig(pin=(("(", "bf16"),))
+    assert QuantizeConfig(formats="nvfp4, bf16").formats == ("nvfp4", "bf16")
+
+
+def test_export_layout_roundtrip(result, tiny_model, tmp_path):
+    """The checkpoint goes through microscale.export (compressed-tensors) and reads back to
+    exactly the weights PTQ chose (MSE scale and four-over-six included)."""
+    export = pytest.importorskip("microscale.export")
+    rep = write_outputs(result, tmp_path, model_config=tiny_model.config)
+    ck = rep["checkpoint"]
+    assert ck["layout"] == "compressed-tensors" and "fallback_reason" not in ck, ck
+    back = export.read_checkpoint(tmp_path / "checkpoint").dequantized_params()
+    for p, w in result.weights.items():
+        np.testing.assert_array_equal(np.asarray(back[f"{p}.kernel"], np.float32),
+                                      np.asarray(w.values.astype("bfloat16"), np.float32)
+                                      if w.format == "bf16" else np.asarray(w.values))
