@@ -1,0 +1,46 @@
+"""Training: config, step, loop, mesh/sharding, checkpoints, metrics.
+
+Library use (what ``microscale train`` and ``microscale compare`` call)::
+
+    from microscale.config import apply_overrides
+    from microscale.train import TrainConfig, train
+
+    cfg = apply_overrides(TrainConfig.tiny(), ["recipe=nvfp4", "out=runs/x"])
+    summary = train(cfg)                # dict, also in runs/x/summary.json
+    summary["final_val_loss"], summary["unigram_entropy"]
+
+Modules: :mod:`~microscale.train.config` (TrainConfig and presets),
+:mod:`~microscale.train.step` (the jitted step), :mod:`~microscale.train.loop`
+(``train``), :mod:`~microscale.train.optim`, :mod:`~microscale.train.mesh`,
+:mod:`~microscale.train.checkpoint`, :mod:`~microscale.train.metrics`.
+"""
+
+from microscale.train.checkpoint import Checkpointer
+from microscale.train.config import (
+    LateSwitchConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+    list_presets,
+    preset_yaml,
+    resolve_config,
+)
+from microscale.train.loop import (
+    TrainingAborted,
+    build_state,
+    enable_compilation_cache,
+    load_checkpoint,
+    train,
+)
+from microscale.train.mesh import build_mesh, maybe_initialize_distributed
+from microscale.train.metrics import weight_quant_stats
+from microscale.train.optim import lr_schedule, make_optimizer
+from microscale.train.step import cross_entropy, make_eval_step, make_train_step
+
+__all__ = [
+    "Checkpointer", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig",
+    "TrainingAborted", "build_mesh", "build_state", "cross_entropy", "enable_compilation_cache",
+    "list_presets", "preset_yaml", "resolve_config",
+    "load_checkpoint", "lr_schedule", "make_eval_step", "make_optimizer", "make_train_step",
+    "maybe_initialize_distributed", "train", "weight_quant_stats",
+]

@@ -1,0 +1,64 @@
+"""``microscale train``: train a model with a recipe.
+
+    microscale train --config tiny recipe=nvfp4 steps=300 out=runs/x
+    microscale train --config my.yaml optim.lr=1e-3 model.d_model=256
+    microscale train --config tiny out=runs/x resume=true      # continue exactly
+    microscale train --config tiny --print-config              # resolved YAML, no training
+    microscale train --list-keys                               # every key with its comment
+
+``--config`` is a preset (tiny, small, gpt2-124m, llama-1b, llama-8b) or a YAML file;
+then dotted ``key=value`` overrides. Everything else is :func:`microscale.train.train`.
+Exit codes: 0 done, 1 aborted (non-finite losses), 2 bad config or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", default="tiny",
+                        help="preset name (tiny, small, gpt2-124m, llama-1b, llama-8b) or a "
+                             "YAML path (default: tiny)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, dotted for nested fields: recipe=nvfp4 "
+                             "steps=300 optim.lr=1e-3 model.d_model=256 out=runs/x")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="list every config key with its value and meaning, and exit")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache")
+
+
+def run(args: argparse.Namespace) -> int:
+    from microscale.config import ConfigError, describe, to_yaml
+    from microscale.train.config import resolve_config
+
+    try:
+        cfg = resolve_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"microscale train: error: {e}", file=sys.stderr)
+        return 2
+    if args.list_keys:
+        print(describe(cfg))
+        return 0
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+
+    from microscale.train import TrainingAborted, enable_compilation_cache, train
+
+    if not args.no_compile_cache:
+        enable_compilation_cache()
+    try:
+        train(cfg, progress=not args.quiet)
+    except TrainingAborted as e:
+        print(f"microscale train: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, FileExistsError, ValueError) as e:
+        print(f"microscale train: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,502 @@
+"""Configs are frozen dataclasses; YAML files and ``key=value`` overrides are serializations.
+
+Every microscale config is a ``@dataclasses.dataclass(frozen=True, kw_only=True)`` with a
+``# comment`` above each field (or trailing it) and presets as classmethods. This module
+turns such a class into and out of plain data, generically, from its type annotations:
+
+* :func:`to_dict` / :func:`from_dict` -- nested dataclasses, ``tuple[...]``, ``list[...]``,
+  ``dict[str, ...]``, ``X | None``, ``Literal[...]``, ``int``/``float``/``bool``/``str``;
+* :func:`to_yaml` / :func:`load_yaml` / :func:`dump_yaml` -- the same through YAML;
+* :func:`apply_overrides` -- command-line ``key=value`` strings with dotted keys for nested
+  fields (``model.d_model=256 optim.lr=1e-3``), coerced from the field annotations;
+* :func:`field_comments` / :func:`describe` -- the per-field comments, for help text.
+
+Validation is strict and names what went wrong:
+
+* an unknown key names the key, lists the valid ones and suggests a close match
+  (``unknown key 'optim.lrr' ... did you mean 'optim.lr'?``);
+* a value of the wrong type names the key, the value and the expected type;
+* a dataclass's own ``__post_init__`` checks (``d_model`` divisible by the heads, ...) are
+  reported with the dotted path of the dataclass they came from.
+
+All of these raise :class:`ConfigError` (a ``ValueError``).
+
+A nested dataclass field can also be set from a string: the name of one of its presets
+(``model=small`` calls ``ModelConfig.preset("small")``) -- later overrides then refine it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import io
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+__all__ = [
+    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "field_comments",
+    "from_dict", "load_yaml", "parse_overrides", "to_dict", "to_yaml",
+]
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the key and the expectation."""
+
+
+# ----------------------------------------------------------------------------- introspection
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved field annotations (works with ``from __future__ import annotations``)."""
+    return typing.get_type_hints(cls, include_extras=False)
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    """Readable name of an annotation: ``float``, ``int | None``, ``'cosine' | 'wsd'``."""
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "any"
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return f"tuple[{', '.join(_type_name(a) for a in args)}]"
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp)
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: comment}``: the ``# ...`` lines above each field (or its trailing comment)."""
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    names = set(_fields(cls))
+    for line in src.splitlines():
+        s = line.strip()
+        if s.startswith("#"):
+            pending.append(s.lstrip("#").strip())
+            continue
+        m = re.match(r"([A-Za-z_]\w*)\s*:", s)
+        if m and m.group(1) in names and m.group(1) not in out:
+            # a comment above the field, else a trailing `# ...` on its own line
+            trailing = re.search(r"\s#\s*(.*)$", s)
+            text = " ".join(pending) or (trailing.group(1).strip() if trailing else "")
+            if text:
+                out[m.group(1)] = text
+        pending = []
+    return out
+
+
+def config_keys(cls: type, prefix: str = "") -> list[str]:
+    """All dotted keys of a config class, nested dataclasses expanded."""
+    keys = []
+    hints = _hints(cls)
+    for name in _fields(cls):
+        key = prefix + name
+        keys.append(key)
+        tp = _strip_optional(hints[name])
+        if _is_dataclass_type(tp):
+            keys.extend(config_keys(tp, key + "."))
+    return keys
+
+
+def describe(cfg_or_cls: Any, prefix: str = "") -> str:
+    """One line per key: ``key = value  # comment`` (or the type for a class)."""
+    cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
+    comments = field_comments(cls)
+    hints = _hints(cls)
+    lines = []
+    for name in _fields(cls):
+        tp = hints[name]
+        key = prefix + name
+        if _is_dataclass_type(_strip_optional(tp)):
+            sub = cfg_or_cls if isinstance(cfg_or_cls, type) else getattr(cfg_or_cls, name)
+            if sub is None or isinstance(cfg_or_cls, type):
+                sub = _strip_optional(tp)
+            c = comments.get(name)
+            lines.append(f"{key}:" + (f"  # {c}" if c else ""))
+            lines.append(describe(sub, key + "."))
+            continue
+        if isinstance(cfg_or_cls, type):
+            val = _type_name(tp)
+        else:
+            val = _yaml_scalar(_plain(getattr(cfg_or_cls, name)))
+        c = comments.get(name)
+        lines.append(f"{key} = {val}" + (f"  # {c}" if c else ""))
+    return "\n".join(lines)
+
+
+def _yaml_scalar(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True, width=10**9).strip().removesuffix("\n...")
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+# ----------------------------------------------------------------------------- to plain data
+
+
+def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return to_dict(v)
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, Path):
+        return str(v)
+    if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", None) == 0:
+        return v.item()  # numpy scalars
+    return v
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A dataclass instance as nested plain data (tuples become lists), YAML/JSON-ready."""
+    if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
+        raise TypeError(f"to_dict expects a dataclass instance, got {type(cfg).__name__}")
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as a YAML document (keys in field order)."""
+    buf = io.StringIO()
+    yaml.safe_dump(to_dict(cfg), buf, sort_keys=False, default_flow_style=False, width=100)
+    return buf.getvalue()
+
+
+def dump_yaml(cfg: Any, path: str | os.PathLike) -> None:
+    """Write :func:`to_yaml` to ``path`` atomically (temporary file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- from plain data
+
+_NONE_STRINGS = {"none", "null", "~", ""}
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+class _Mismatch(Exception):
+    """Internal: a value does not fit a type (turned into a ConfigError with the key)."""
+
+
+def _parse_str(s: str) -> Any:
+    """A command-line string as YAML (numbers, lists, mappings); the string itself on failure."""
+    try:
+        return yaml.safe_load(s)
+    except yaml.YAMLError:
+        return s
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit."""
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
+            return None
+        raise _Mismatch
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    if origin in (Union, types.UnionType):
+        # None first ("none", "null", "~" or "" mean None, also for `str | None`), then the
+        # members in order,
+        # preferring an exact-type member over a coercion (1 stays int in `int | float`).
+        if type(None) in args and (value is None or (
+                isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)):
+            return None
+        members = [a for a in args if a is not type(None)]
+        for a in members:
+            if isinstance(a, type) and not _is_dataclass_type(a) and type(value) is a:
+                return value
+        for a in members:
+            try:
+                return _coerce(value, a, key)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+
+    if origin is Literal:
+        for a in args:
+            if value == a and type(value) is type(a):
+                return a
+        if isinstance(value, str):
+            for a in args:
+                if str(a) == value or (isinstance(a, str) and a.lower() == value.lower()):
+                    return a
+        raise _Mismatch
+
+    if origin is tuple or origin is list or tp in (tuple, list):
+        if isinstance(value, str):
+            parsed = _parse_str(value)
+            if isinstance(parsed, (list, tuple)):
+                value = parsed
+            elif value.strip() == "":
+                value = []
+            else:
+                value = [v.strip() for v in value.strip().strip("()[]").split(",")]
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise _Mismatch
+            items = [_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))]
+        else:
+            elem = args[0] if args else Any
+            items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+
+    if origin is dict or tp is dict:
+        if isinstance(value, str):
+            value = _parse_str(value)
+        if not isinstance(value, dict):
+            raise _Mismatch
+        kt, vt = args if args else (Any, Any)
+        return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+
+    if _is_dataclass_type(tp):
+        if isinstance(tp, type) and isinstance(value, tp):
+            return value
+        if isinstance(value, str):
+            preset = getattr(tp, "preset", None)
+            if callable(preset):
+                try:
+                    return preset(value.strip())
+                except (KeyError, ValueError) as e:
+                    raise ConfigError(f"key {key!r}: {e}") from None
+            value = _parse_str(value)
+        if isinstance(value, dict):
+            return from_dict(tp, value, _prefix=key + ".")
+        raise _Mismatch
+
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            s = value.strip()
+            try:
+                return int(s)
+            except ValueError:
+                pass
+            try:
+                f = float(s)
+            except ValueError:
+                raise _Mismatch from None
+            if f.is_integer():
+                return int(f)
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise _Mismatch from None
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `out=123` from YAML
+        raise _Mismatch
+    if tp in (Path, os.PathLike):
+        if isinstance(value, (str, os.PathLike)):
+            return Path(value)
+        raise _Mismatch
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise _Mismatch
+    return value  # unknown typing construct: pass through
+
+
+def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(f"key {key!r}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _unknown_key(cls: type, key: str, local: str, prefix: str) -> ConfigError:
+    valid = list(_fields(cls))
+    all_keys = config_keys(cls, prefix)
+    guess = (difflib.get_close_matches(local, valid, n=1, cutoff=0.6)
+             or difflib.get_close_matches(key, all_keys, n=1, cutoff=0.6))
+    hint = ""
+    if guess:
+        full = prefix + guess[0] if guess[0] in valid else guess[0]
+        hint = f"; did you mean {full!r}?"
+    where = f" in {prefix.rstrip('.')!r}" if prefix else ""
+    return ConfigError(f"unknown key {key!r}{where} ({cls.__name__}){hint} "
+                       f"valid keys: {', '.join(valid)}")
+
+
+def _construct(cls: type[T], kwargs: dict[str, Any], prefix: str) -> T:
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        where = prefix.rstrip(".") or cls.__name__
+        raise ConfigError(f"invalid {where}: {e}") from None
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -> T:
+    """Build ``cls`` from nested plain data (as :func:`to_dict` or YAML produce).
+
+    Missing keys take the field defaults; unknown keys and ill-typed values raise
+    :class:`ConfigError` naming the dotted key.
+    """
+    if not _is_dataclass_type(cls):
+        raise TypeError(f"from_dict expects a dataclass type, got {cls!r}")
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
+                          f"keys to values, got {type(data).__name__} {data!r}")
+    fields = _fields(cls)
+    hints = _hints(cls)
+    kwargs = {}
+    for k, v in data.items():
+        key = _prefix + str(k)
+        if k not in fields:
+            raise _unknown_key(cls, key, str(k), _prefix)
+        tp = hints[k]
+        try:
+            kwargs[k] = _coerce(v, tp, key)
+        except _Mismatch:
+            raise _type_error(key, v, tp) from None
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: missing required "
+                          f"key(s) {', '.join(repr(_prefix + m) for m in missing)}")
+    return _construct(cls, kwargs, _prefix)
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
+    """Read a YAML file into ``cls`` (strictly: unknown keys and bad types raise)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    try:
+        return from_dict(cls, data or {})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def parse_overrides(overrides: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """``["a.b=3", ...]`` -> ``[("a.b", "3"), ...]``; raises on items without ``=``."""
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value "
+                              f"(dotted keys for nested fields, e.g. optim.lr=1e-3)")
+        k, v = item.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise ConfigError(f"override {item!r} has an empty key")
+        out.append((k, v))
+    return out
+
+
+def _set(cfg: Any, parts: list[str], raw: str, prefix: str) -> Any:
+    cls = type(cfg)
+    fields = _fields(cls)
+    name = parts[0]
+    key = prefix + name
+    if name not in fields:
+        raise _unknown_key(cls, prefix + ".".join(parts), name, prefix)
+    tp = _hints(cls)[name]
+    if len(parts) > 1:
+        sub = getattr(cfg, name)
+        sub_tp = _strip_optional(tp)
+        if not _is_dataclass_type(sub_tp):
+            raise ConfigError(f"key {prefix + '.'.join(parts)!r}: {key!r} is a "
+                              f"{_type_name(tp)}, not a nested config")
+        if sub is None:
+            sub = sub_tp()
+        new = _set(sub, parts[1:], raw, key + ".")
+    else:
+        try:
+            new = _coerce(raw, tp, key)
+        except _Mismatch:
+            raise _type_error(key, raw, tp) from None
+    kwargs = {n: getattr(cfg, n) for n in fields}
+    kwargs[name] = new
+    return _construct(cls, kwargs, prefix)
+
+
+def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) -> T:
+    """Return ``cfg`` with ``key=value`` overrides applied, left to right.
+
+    Keys are dotted for nested dataclasses (``model.d_model=256``). Values are strings
+    coerced from the field annotation: numbers (``1e-3``, ``10_000``), booleans
+    (``true``/``false``), ``none``, tuples (``0.9,0.95`` or ``[0.9, 0.95]``), literals,
+    or a preset name for a nested config (``model=small``). A dict ``{key: value}`` is
+    accepted too (values may then be typed already). A config class may define a
+    ``_aliases`` class attribute ``{shorthand: dotted key}`` (e.g. ``lr -> optim.lr``).
+    """
+    items = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
+    aliases = getattr(type(cfg), "_aliases", None) or {}
+    for k, v in items:
+        cfg = _set(cfg, aliases.get(k, k).split("."), v, "")
+    return cfg

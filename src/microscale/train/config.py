@@ -1,0 +1,325 @@
+"""``TrainConfig``: everything one training run needs, as one frozen dataclass.
+
+A run is fully described by a :class:`TrainConfig` (written to ``OUT/config.yaml`` at
+start): the model shape (:class:`~microscale.model.ModelConfig`), the data and its
+batching (:class:`~microscale.data.DataConfig` -- sequence length, global batch size,
+gradient accumulation and eval batches live there, once), the optimizer
+(:class:`OptimConfig`), the recipe and its per-layer precision rules, the late precision
+switch (:class:`LateSwitchConfig`), the device mesh (:class:`MeshConfig`) and the loop's
+cadence (steps, eval / log / checkpoint intervals).
+
+Presets mirror the model presets (``TrainConfig.preset("tiny")``, ``list_presets()``)
+and ship as YAML in ``microscale/configs/<preset>.yaml`` -- plain serializations of these
+classmethods (``microscale.config.to_yaml(TrainConfig.tiny())``). Overrides are dotted
+``key=value`` strings (``microscale.config.apply_overrides``); a few frequent nested keys
+have top-level aliases (``batch_size``, ``seq_len``, ``grad_accum``, ``eval_batches``,
+``corpus``, ``lr``).
+
+The ``tiny`` preset is sized for a laptop: 300 steps of 16 x 128 tokens. Measured on 2
+CPU cores shared with other jobs (load average 5-8): bf16 1m46s, emulated nvfp4 2m58s
+(about half of that on an idle machine), final val loss 1.69 / 1.74 nats against a
+unigram entropy of 3.28 for the stdlib corpus. Per step, bf16 : fp8 : mxfp8 : nvfp4 :
+mxfp4 cost about 1 : 1.2 : 1.3 : 1.5 : 1.3 on CPU, which ``microscale compare`` budgets for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from microscale.config import ConfigError, apply_overrides, load_yaml, to_yaml
+from microscale.data import DataConfig
+from microscale.model import ModelConfig, PrecisionRules
+from microscale.ops import get_recipe
+
+__all__ = ["LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
+           "preset_yaml", "resolve_config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule (see :mod:`microscale.train.optim`)."""
+
+    # Peak learning rate.
+    lr: float = 3e-3
+    # Linear warmup steps from ~0 to lr.
+    warmup_steps: int = 30
+    # "cosine": decay to min_lr_ratio * lr at the last step; "wsd": warmup-stable-decay,
+    # linear decay over the final decay_fraction of the steps.
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    # WSD only: fraction of the steps spent decaying.
+    decay_fraction: float = 0.2
+    # Final learning rate as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # Decoupled weight decay (matrices only; norms are not decayed).
+    weight_decay: float = 0.1
+    # Adam (beta1, beta2).
+    betas: tuple[float, float] = (0.9, 0.95)
+    # Adam epsilon.
+    eps: float = 1e-8
+    # Global gradient-norm clip (<= 0 disables).
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr}: expected a learning rate > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps}: expected >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: expected in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction}: expected in (0, 1]")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay}: expected >= 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas}: expected two values in [0, 1)")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"optim.schedule={self.schedule!r}: expected 'cosine' or 'wsd'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LateSwitchConfig:
+    """Train the last tokens in high precision (NVFP4 paper, Appendix D)."""
+
+    # Fraction of the final training tokens run in bf16 (0 = never switch; paper: ~0.18).
+    fraction: float = 0.0
+    # "full": forward and backward GEMMs in bf16; "fwd_only": only the forward GEMM in
+    # bf16, dgrad/wgrad keep the recipe.
+    mode: Literal["full", "fwd_only"] = "full"
+
+    def __post_init__(self):
+        if not 0 <= self.fraction < 1:
+            raise ValueError(f"late_switch.fraction={self.fraction}: expected in [0, 1)")
+        if self.mode not in ("full", "fwd_only"):
+            raise ValueError(f"late_switch.mode={self.mode!r}: expected 'full' or 'fwd_only'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh (data, fsdp, tensor) and multi-host start-up (see ``train/mesh.py``)."""
+
+    # Data-parallel ways; -1 = all devices left after fsdp and tensor.
+    data: int = -1
+    # Fully-sharded data-parallel ways (params + optimizer state sharded on d_model).
+    fsdp: int = 1
+    # Tensor-parallel ways (heads and MLP hidden split).
+    tensor: int = 1
+    # jax.distributed.initialize(): "auto" (when a multi-host launch is detected or a
+    # coordinator is given), "on", "off".
+    distributed: Literal["auto", "on", "off"] = "auto"
+    # host:port of process 0 (None: let JAX discover it from SLURM / MPI / TPU env).
+    coordinator_address: str | None = None
+    # Number of processes (with coordinator_address).
+    num_processes: int | None = None
+    # This process's id (with coordinator_address).
+    process_id: int | None = None
+    # Global device ids to build the mesh from (e.g. [4, 5, 6, 7] to run beside another
+    # job on one host); empty = all devices.
+    device_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ValueError(f"mesh.{name}={v}: expected a positive size or -1 (the rest)")
+        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
+            raise ValueError("mesh: at most one of data/fsdp/tensor may be -1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. Serializes to/from YAML and ``key=value`` overrides."""
+
+    # Model shape and dtypes (presets: tiny, small, gpt2-124m, llama-1b, llama-8b).
+    model: ModelConfig = ModelConfig.tiny()
+    # Corpus, tokenizer and batching: data.seq_len, data.batch_size (global sequences per
+    # optimizer step), data.grad_accum, data.eval_batches live here.
+    data: DataConfig = DataConfig()
+    # AdamW and the learning-rate schedule.
+    optim: OptimConfig = OptimConfig()
+    # Recipe of the quantized linear layers (microscale.ops.list_recipes(): bf16, fp8,
+    # mxfp8, nvfp4, mxfp4, and the nvfp4 ablations).
+    recipe: str = "bf16"
+    # Leading transformer blocks kept in bf16.
+    bf16_first: int = 0
+    # Trailing blocks kept in bf16; None = the recipe default (15% of blocks, >= 1, for a
+    # quantized recipe; 0 for bf16).
+    bf16_last: int | None = None
+    # Path of a PrecisionRules JSON; replaces recipe/bf16_first/bf16_last when set.
+    rules: str | None = None
+    # Switch to high precision for the final tokens.
+    late_switch: LateSwitchConfig = LateSwitchConfig()
+    # Optimizer steps.
+    steps: int = 300
+    # Evaluate every N steps (and at the end); 0 = only at the end.
+    eval_every: int = 100
+    # Write a metrics line every N steps.
+    log_every: int = 10
+    # Save a checkpoint every N steps (and at the end); 0 = only at the end.
+    checkpoint_every: int = 0
+    # Finished checkpoints kept (oldest deleted first).
+    keep_checkpoints: int = 2
+    # Continue from the latest checkpoint in out (exactly: same data, keys and state).
+    resume: bool = False
+    # Seed of the initialization and of the per-step keys (stochastic rounding).
+    seed: int = 0
+    # Output folder; None = runs/<model>-<recipe>-<timestamp>.
+    out: str | None = None
+    # Device mesh and multi-host settings.
+    mesh: MeshConfig = MeshConfig()
+    # Abort after this many consecutive non-finite losses/gradients (updates are skipped).
+    max_nonfinite_in_a_row: int = 10
+    # Testing aid: steps (1-based, as logged) whose gradient is replaced by NaN, to
+    # exercise the skip/abort path.
+    inject_nonfinite_steps: tuple[int, ...] = ()
+    # Write TensorBoard event files under out/tb.
+    tensorboard: bool = True
+
+    # Top-level shorthands accepted by apply_overrides (CLI): alias -> dotted key.
+    _aliases = {"batch_size": "data.batch_size", "seq_len": "data.seq_len",
+                "grad_accum": "data.grad_accum", "eval_batches": "data.eval_batches",
+                "corpus": "data.corpus", "lr": "optim.lr"}
+
+    def __post_init__(self):
+        for name in ("steps", "log_every", "keep_checkpoints", "max_nonfinite_in_a_row"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 1")
+        for name in ("eval_every", "checkpoint_every", "bf16_first", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 0")
+        if self.bf16_last is not None and self.bf16_last < 0:
+            raise ValueError(f"bf16_last={self.bf16_last}: expected None or an int >= 0")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                             f"{self.model.max_seq_len}: lower seq_len or raise max_seq_len")
+        recipe = get_recipe(self.recipe)  # raises with the known names
+        for spec in recipe.operands().values():
+            b = spec.spec.block_size
+            if b is None:
+                continue
+            m = self.model
+            for name, dim in (("d_model", m.d_model), ("d_ff", m.d_ff),
+                              ("n_heads * head_dim", m.n_heads * m.head_dim),
+                              ("n_kv_heads * head_dim", m.n_kv_heads * m.head_dim)):
+                if dim % b:
+                    raise ValueError(
+                        f"recipe {self.recipe!r} quantizes in blocks of {b}, but model "
+                        f"{name}={dim} is not a multiple of {b}")
+        if self.rules is None:
+            self.precision_rules()  # validates bf16_first/bf16_last against n_layers
+
+    # ------------------------------------------------------------------ derived
+    def precision_rules(self) -> PrecisionRules:
+        """The per-layer rules of the main phase (from ``rules`` or the recipe)."""
+        if self.rules is not None:
+            return PrecisionRules.load(self.rules)
+        return PrecisionRules.for_recipe(self.recipe, self.model.n_layers,
+                                         bf16_first=self.bf16_first, bf16_last=self.bf16_last)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.batch_size * self.data.seq_len
+
+    @property
+    def switch_step(self) -> int:
+        """First step of the late high-precision phase (``steps`` when there is none)."""
+        if self.late_switch.fraction <= 0:
+            return self.steps
+        return self.steps - int(round(self.late_switch.fraction * self.steps))
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls) -> TrainConfig:
+        """~1.7M params, byte-level stdlib, 614k tokens; a few minutes on 2 CPU cores,
+        val loss far below the unigram entropy for bf16 and nvfp4 alike."""
+        return cls(model=ModelConfig.tiny(),
+                   data=DataConfig(seq_len=128, batch_size=16, eval_batches=8),
+                   optim=OptimConfig(lr=3e-3, warmup_steps=30),
+                   steps=300, eval_every=100, log_every=10)
+
+    @classmethod
+    def small(cls) -> TrainConfig:
+        """~25M params; tens of minutes on a CPU, minutes on one GPU."""
+        return cls(model=ModelConfig.small(),
+                   data=DataConfig(seq_len=512, batch_size=32, eval_batches=16),
+                   optim=OptimConfig(lr=1.5e-3, warmup_steps=100),
+                   steps=2000, eval_every=250, log_every=20, checkpoint_every=500)
+
+    @classmethod
+    def gpt2_124m(cls) -> TrainConfig:
+        """GPT-2 small scale; one GPU or more (data parallel by default)."""
+        return cls(model=ModelConfig.gpt2_124m(),
+                   data=DataConfig(seq_len=1024, batch_size=256, grad_accum=4,
+                                   eval_batches=32),
+                   optim=OptimConfig(lr=6e-4, warmup_steps=700, schedule="wsd"),
+                   steps=20000, eval_every=1000, log_every=50, checkpoint_every=1000,
+                   keep_checkpoints=3)
+
+    @classmethod
+    def llama_1b(cls) -> TrainConfig:
+        """Llama 3.2 1B shape; FSDP over all devices."""
+        return cls(model=ModelConfig.llama_1b(),
+                   data=DataConfig(seq_len=2048, batch_size=512, grad_accum=4,
+                                   eval_batches=32),
+                   optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
+                   steps=100000, eval_every=2000, log_every=100, checkpoint_every=2000,
+                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=1))
+
+    @classmethod
+    def llama_8b(cls) -> TrainConfig:
+        """Llama 3.1 8B shape; FSDP over all devices (add mesh.tensor for > 64 chips)."""
+        return cls(model=ModelConfig.llama_8b(),
+                   data=DataConfig(seq_len=4096, batch_size=512, grad_accum=8,
+                                   eval_batches=32),
+                   optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
+                   steps=200000, eval_every=2000, log_every=100, checkpoint_every=1000,
+                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=1))
+
+    @classmethod
+    def preset(cls, name: str) -> TrainConfig:
+        """A preset by name ('-' and '_' interchangeable)."""
+        key = name.strip().lower().replace("-", "_")
+        if key not in _PRESETS:
+            raise ValueError(f"unknown train preset {name!r}; expected one of {list_presets()}")
+        return getattr(cls, key)()
+
+
+_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b")
+
+
+def list_presets() -> list[str]:
+    """Preset names ('tiny', 'small', 'gpt2-124m', 'llama-1b', 'llama-8b')."""
+    return [p.replace("_", "-") for p in _PRESETS]
+
+
+def preset_yaml(name: str) -> str:
+    """The YAML text of a preset (what ``microscale/configs/<name>.yaml`` holds)."""
+    cfg = TrainConfig.preset(name)
+    key = name.strip().lower().replace("-", "_")
+    return (f"# microscale TrainConfig preset {key!r}: a serialization of TrainConfig.{key}().\n"
+            "# Copy and edit it, then: microscale train --config my.yaml [key=value ...]\n"
+            + to_yaml(cfg))
+
+
+def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
+                   overrides: Sequence[str] | dict = ()) -> TrainConfig:
+    """A preset name or YAML path (or a TrainConfig), then ``key=value`` overrides.
+
+    Raises :class:`~microscale.config.ConfigError` naming the bad key/value or preset.
+    """
+    if isinstance(config, TrainConfig):
+        cfg = config
+    else:
+        text = str(config)
+        path = Path(text).expanduser()
+        if path.suffix in (".yaml", ".yml") or path.is_file():
+            cfg = load_yaml(TrainConfig, path)
+        else:
+            try:
+                cfg = TrainConfig.preset(text)
+            except ValueError as e:
+                raise ConfigError(f"{e} (or the path of a YAML config file)") from None
+    return apply_overrides(cfg, overrides)

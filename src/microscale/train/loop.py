@@ -1,0 +1,598 @@
+"""``train(cfg)``: the training loop as a library function.
+
+What one call does, in order:
+
+1. multi-host start-up if configured (``mesh.py``), the (data, fsdp, tensor) mesh;
+2. the output folder: ``config.yaml`` (the resolved :class:`TrainConfig`),
+   ``precision_rules.json`` (the per-layer rules of the main phase, and of the late phase
+   when there is one), ``tokenizer.json``;
+3. data (:func:`microscale.data.load_data`): the train batcher, the fixed validation
+   batches of every held-out set, the unigram entropy of the val split;
+4. the model: parameters initialized directly sharded (``jax.jit`` with output
+   shardings from the model's logical axes), float32 master weights, AdamW state --
+   or all of it restored from the latest checkpoint when ``resume=true``;
+5. the loop over steps (``step.py``): the batch for step ``t`` is ``batch_at(t)`` (a pure
+   function of the data seed and ``t``), the key is ``fold_in(seed, t)``; at
+   ``switch_step`` the late precision switch re-applies the rules (one recompile);
+   metrics are read back one step late so the host never stalls the device;
+6. evaluations, checkpoints, ``metrics.jsonl`` / TensorBoard / progress (``metrics.py``);
+7. ``summary.json`` (written atomically) and the summary dict returned.
+
+Non-finite steps are skipped on device (``step.py``) and counted here; after
+``max_nonfinite_in_a_row`` in a row :class:`TrainingAborted` is raised (a
+``summary.json`` with ``"status": "aborted"`` is written first) and no checkpoint is
+saved, so the last good one is intact and ``resume=true`` continues from it.
+
+Exact resume: params, optimizer state, the step, the non-finite counters and the phase
+are checkpointed; batches and keys are functions of the step. 20 steps straight and 10 +
+resume + 10 give identical losses (``tests/train/test_train_loop.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from microscale import __version__
+from microscale.config import dump_yaml, load_yaml, to_dict
+from microscale.data import load_data
+from microscale.model import (
+    PrecisionRules,
+    Transformer,
+    iter_linears,
+    late_switch,
+    logical_to_mesh_rules,
+)
+from microscale.ops import get_recipe
+from microscale.train.checkpoint import Checkpointer
+from microscale.train.config import TrainConfig
+from microscale.train.mesh import (
+    BATCH_AXES,
+    build_mesh,
+    maybe_initialize_distributed,
+    shard_batch,
+    spec_for,
+)
+from microscale.train.metrics import MetricsLogger, format_duration, weight_quant_stats
+from microscale.train.optim import lr_schedule, make_optimizer
+from microscale.train.step import make_eval_step, make_train_step
+
+__all__ = ["TrainingAborted", "build_state", "default_out", "enable_compilation_cache",
+           "load_checkpoint", "train"]
+
+# Config fields that must not change when resuming (they define the run).
+_RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "rules",
+                 "late_switch", "seed", "steps")
+
+
+class TrainingAborted(RuntimeError):
+    """Raised after too many consecutive non-finite steps; ``.summary`` holds the partial
+    summary (also written to ``OUT/summary.json`` with ``"status": "aborted"``)."""
+
+    def __init__(self, message: str, summary: dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (default ``<microscale cache>/jax``).
+
+    A second run of the same model/recipe/shapes then skips XLA compilation (20-30 s per
+    quantized recipe on a laptop CPU). ``MICROSCALE_JAX_CACHE=0`` disables it; a cache dir
+    configured elsewhere is left alone. Returns the directory in use (None if disabled).
+    """
+    env = os.environ.get("MICROSCALE_JAX_CACHE")
+    if env is not None and env.strip().lower() in ("0", "off", "false", "no", ""):
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    from microscale.data import cache_root
+
+    d = Path(path or env or cache_root() / "jax").expanduser()
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return str(d)
+
+
+def default_out(cfg: TrainConfig) -> str:
+    """``runs/<d_model>x<n_layers>-<recipe>-<YYYYmmdd-HHMMSS>``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    m = cfg.model
+    return os.path.join("runs", f"d{m.d_model}x{m.n_layers}-{cfg.recipe}-{stamp}")
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _logical_axes(var: nnx.Variable):
+    meta = var.get_metadata()
+    axes = meta.get("out_sharding", meta.get("sharding"))
+    return None if axes is None else tuple(axes)
+
+
+def _param_shardings(abs_params: nnx.State, mesh) -> dict:
+    """Pure-dict tree of NamedShardings from the parameters' logical axes."""
+    rules = dict(logical_to_mesh_rules())
+
+    def one(path, var):
+        spec = spec_for(_logical_axes(var), var.get_value().shape, mesh, rules,
+                        where=".".join(str(p) for p in path))
+        return var.replace(NamedSharding(mesh, spec))
+
+    flat = [(p, one(p, v)) for p, v in nnx.to_flat_state(abs_params)]
+    return nnx.to_pure_dict(nnx.from_flat_state(flat))
+
+
+@dataclasses.dataclass
+class _State:
+    """Everything built from a config before the loop starts."""
+
+    cfg: TrainConfig
+    mesh: Any
+    graphdefs: dict[str, Any]  # phase -> graphdef
+    rules: dict[str, PrecisionRules]  # phase -> rules
+    rest: Any
+    params: Any
+    opt_state: Any
+    tx: optax.GradientTransformation
+    param_shardings: Any
+    opt_shardings: Any
+
+
+def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _State:
+    """Model graph(s), sharded float32 params and AdamW state for ``cfg`` (fresh init).
+
+    ``abstract=True`` allocates nothing: params and optimizer state are
+    ``jax.ShapeDtypeStruct``\\ s carrying their shardings (a checkpoint restore target).
+    """
+    mesh = build_mesh(cfg.mesh) if mesh is None else mesh
+    rules = {"main": cfg.precision_rules()}
+    if cfg.late_switch.fraction > 0:
+        mode = "bf16" if cfg.late_switch.mode == "full" else "forward"
+        rules["late"] = late_switch(rules["main"], mode)
+
+    def make():
+        return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed), rules=rules["main"])
+
+    abs_model = nnx.eval_shape(make)
+    graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
+    graphdefs = {"main": graphdef}
+    if "late" in rules:
+        abs_model.set_rules(rules["late"])
+        graphdefs["late"] = nnx.split(abs_model, nnx.Param, ...)[0]
+    p_sh = _param_shardings(abs_params, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rest_sh = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abs_rest))
+
+    def init():
+        m = make()
+        _, p, r = nnx.split(m, nnx.Param, ...)
+        return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+
+    init_fn = jax.jit(init, out_shardings=(p_sh, rest_sh))
+    tx = make_optimizer(cfg.optim)
+    params_abs, _ = jax.eval_shape(init_fn)
+    abs_opt = jax.eval_shape(tx.init, params_abs)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abs_opt, p_sh,
+                                   transform_non_params=lambda _: replicated)
+    if abstract:
+        with_sh = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        params = jax.tree.map(with_sh, params_abs, p_sh)
+        opt_state = jax.tree.map(with_sh, abs_opt, opt_sh)
+        rest = init_fn()[1] if jax.tree.leaves(rest_sh) else nnx.to_pure_dict(abs_rest)
+    else:
+        params, rest = init_fn()
+        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
+                  rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
+                  param_shardings=p_sh, opt_shardings=opt_sh)
+
+
+def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
+                    phase: str | None = None):
+    """``(model, cfg, meta)`` from a run folder's checkpoint (latest by default).
+
+    The model is a :class:`~microscale.model.Transformer` with the restored float32
+    weights and the precision rules of ``phase`` (default: the phase the checkpoint was
+    in). Useful for evaluation, PTQ, export and generation.
+    """
+    run_dir = Path(run_dir)
+    cfg = load_yaml(TrainConfig, run_dir / "config.yaml")
+    mesh = build_mesh(dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1, device_ids=()))
+    st = build_state(cfg, mesh, abstract=True)
+    ck = Checkpointer(run_dir / "checkpoints", async_save=False)
+    try:
+        state, meta = ck.restore(step, {"params": st.params, "opt_state": st.opt_state})
+    finally:
+        ck.close()
+    phase = phase or meta.get("phase", "main")
+    model = nnx.merge(st.graphdefs[phase], nnx.State(state["params"]), st.rest)
+    return model, cfg, meta
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
+    path = out / "config.yaml"
+    if not path.exists():
+        return
+    old = load_yaml(TrainConfig, path)
+    diff = [k for k in _RUN_DEFINING if getattr(old, k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError(
+            f"resume=true but the config in {path} differs in {diff}: a resumed run must "
+            "keep the run-defining settings (only cadence, mesh and output options may "
+            "change); use a new out= for a different run")
+
+
+def _quant_stats(model) -> dict[str, dict[str, float]]:
+    out = {}
+    for path, node in iter_linears(model):
+        recipe = getattr(node, "recipe", None)
+        if recipe is None or not hasattr(node, "kernel"):
+            continue
+        stats = weight_quant_stats(node.kernel[...], get_recipe(recipe).fprop_w)
+        if stats is not None:
+            out[path] = stats
+    return out
+
+
+def _assignments(graphdef, params_abs, rest) -> dict[str, str | None]:
+    model = nnx.merge(graphdef, nnx.State(params_abs), rest)
+    return {p: getattr(n, "recipe", None) if isinstance(getattr(n, "recipe", None), str)
+            else getattr(getattr(n, "recipe", None), "name", None)
+            for p, n in iter_linears(model)}
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(cfg: TrainConfig, *, progress: bool = True,
+          callbacks: Sequence[Callable[[dict], None]] | None = None,
+          label: str | None = None) -> dict[str, Any]:
+    """Train ``cfg`` to completion (or resume it); return the summary dict.
+
+    ``progress``: a tqdm bar on a terminal, plain periodic lines otherwise (False: quiet).
+    ``callbacks``: called with every metrics record (dicts with ``kind`` "train", "eval" or
+    "event", as written to ``metrics.jsonl``) -- e.g. ``microscale compare``'s display.
+    ``label``: the progress display's name for this run (default: the recipe).
+
+    With ``resume=true`` a run whose ``summary.json`` says ``"completed"`` at
+    ``steps`` is not recomputed: its summary is returned as is. Raises
+    :class:`TrainingAborted` after ``max_nonfinite_in_a_row`` non-finite steps,
+    ``FileExistsError`` when ``out`` holds checkpoints and ``resume`` is false.
+    """
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train expects a TrainConfig, got {type(cfg).__name__}")
+    t_start = time.perf_counter()
+    maybe_initialize_distributed(cfg.mesh)
+    if cfg.out is None:
+        cfg = dataclasses.replace(cfg, out=default_out(cfg))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    ckpt = Checkpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
+    try:
+        latest = ckpt.latest_step()
+        if latest is not None and not cfg.resume:
+            raise FileExistsError(
+                f"{out} already holds checkpoints (latest step {latest}); pass resume=true "
+                "to continue that run, or choose another out=")
+        if cfg.resume and latest is not None:
+            _check_resume_compatible(out, cfg)
+            done = out / "summary.json"
+            if latest >= cfg.steps and done.exists():
+                summary = json.loads(done.read_text())
+                if summary.get("status") == "completed":
+                    return summary
+        return _train(cfg, out, ckpt, latest if cfg.resume else None, t_start=t_start,
+                      progress=progress, callbacks=callbacks, label=label or cfg.recipe)
+    finally:
+        ckpt.close()
+
+
+def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None, *,
+           t_start: float, progress: bool, callbacks, label: str) -> dict[str, Any]:
+    main = jax.process_index() == 0
+    if main:
+        dump_yaml(cfg, out / "config.yaml")
+
+    # ---- data
+    data = load_data(cfg.data)
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {data.vocab_size} ids but model.vocab_size="
+                         f"{cfg.model.vocab_size}; set model.vocab_size={data.vocab_size} "
+                         "(or more)")
+    pi, pc = jax.process_index(), jax.process_count()
+    batcher = data.train_batcher(process_index=pi, process_count=pc)
+    if main and data.tokenizer is not None:
+        data.save_tokenizer(out / "tokenizer.json")
+
+    # ---- mesh, model, optimizer
+    mesh = build_mesh(cfg.mesh)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.data.batch_size // cfg.data.grad_accum
+    eval_rows = cfg.data.eval_batch_size or cfg.data.batch_size
+    for what, rows in (("data.batch_size / data.grad_accum", micro),
+                       ("data.eval_batch_size (or batch_size)", eval_rows)):
+        if rows % dp:
+            raise ValueError(f"{what} = {rows} is not divisible by the data-parallel ways "
+                             f"mesh.data * mesh.fsdp = {dp}")
+    st = build_state(cfg, mesh)
+    if main:
+        st.rules["main"].save(out / "precision_rules.json")
+        if "late" in st.rules:
+            st.rules["late"].save(out / "precision_rules_late.json")
+    schedule = lr_schedule(cfg.optim, cfg.steps)
+    inject = bool(cfg.inject_nonfinite_steps)
+    batch_spec = PartitionSpec(None, BATCH_AXES, None)
+    eval_spec = PartitionSpec(BATCH_AXES, None)
+    steps_fn = {ph: make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
+                                    param_shardings=st.param_shardings,
+                                    opt_shardings=st.opt_shardings,
+                                    batch_sharding=NamedSharding(mesh, batch_spec))
+                for ph, g in st.graphdefs.items()}
+    evals_fn = {ph: make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
+                                   batch_sharding=NamedSharding(mesh, eval_spec))
+                for ph, g in st.graphdefs.items()}
+
+    # ---- resume
+    params, opt_state = st.params, st.opt_state
+    start, nonfinite_total, streak, train_time = 0, 0, 0, 0.0
+    if resume_from is not None:
+        state, meta = ckpt.restore(resume_from, {"params": params, "opt_state": opt_state})
+        params, opt_state = state["params"], state["opt_state"]
+        start = int(meta["step"])
+        nonfinite_total = int(meta.get("nonfinite_total", 0))
+        streak = int(meta.get("nonfinite_streak", 0))
+        train_time = float(meta.get("train_time_s", 0.0))
+
+    logger = MetricsLogger(out, total_steps=cfg.steps, start_step=start, progress=progress,
+                           tensorboard=cfg.tensorboard, main=main, callbacks=callbacks,
+                           description=label)
+    if start:
+        logger.log({"kind": "event", "event": "resume", "step": start,
+                    "tokens": start * cfg.tokens_per_step})
+        logger.message(f"resumed from {out / 'checkpoints'} at step {start}")
+
+    val_sets = {name: data.val_batches(name, process_index=pi, process_count=pc)
+                for name in data.eval_sets()}
+    val_dev = {name: [shard_batch(mesh, b, eval_spec) for b in arr]
+               for name, arr in val_sets.items()}
+    entropy = {name: data.unigram_entropy(name) for name in val_sets}
+    n_params = cfg.model.num_params()
+    tps = cfg.tokens_per_step
+    switch = cfg.switch_step
+
+    def phase_of(step: int) -> str:
+        return "late" if ("late" in st.graphdefs and step >= switch) else "main"
+
+    def evaluate(step: int, phase: str) -> dict:
+        t0 = time.perf_counter()
+        fn = evals_fn[phase]
+        losses = {}
+        for name, batches in val_dev.items():
+            vals = [fn(params, st.rest, b) for b in batches]
+            losses[name] = float(np.mean(jax.device_get(vals)))
+        model = nnx.merge(st.graphdefs[phase], nnx.State(params), st.rest)
+        rec = {"kind": "eval", "step": step, "tokens": step * tps, "phase": phase,
+               "val_loss": losses["val"], "val_ppl": math.exp(min(losses["val"], 50.0)),
+               "val_losses": losses, "quant": _quant_stats(model),
+               "eval_time_s": time.perf_counter() - t0}
+        logger.log(rec)
+        logger.progress(step, val_loss=losses["val"], force=True)
+        return rec
+
+    def meta_for(step: int) -> dict:
+        return {"step": step, "data_step": step, "tokens": step * tps,
+                "nonfinite_total": nonfinite_total, "nonfinite_streak": streak,
+                "phase": phase_of(step), "train_time_s": train_time,
+                "recipe": cfg.recipe, "microscale_version": __version__,
+                "config": to_dict(cfg)}
+
+    def summary_for(status: str, last_eval: dict | None, **extra) -> dict:
+        val = last_eval["val_loss"] if last_eval else None
+        s = {
+            "status": status,
+            "recipe": cfg.recipe,
+            "final_val_loss": val,
+            "val_ppl": last_eval["val_ppl"] if last_eval else None,
+            "final_val_losses": last_eval["val_losses"] if last_eval else None,
+            "final_train_loss": float(np.mean(recent)) if recent else None,
+            "steps": last_step,
+            "tokens": last_step * tps,
+            "tokens_per_s": (timed_tokens / timed_s) if timed_s > 0 else None,
+            "params": n_params,
+            "corpus_hash": data.corpus.content_hash,
+            "unigram_entropy": entropy["val"],
+            "unigram_entropies": entropy,
+            "nonfinite_steps": nonfinite_total,
+            "late_switch_step": switch if "late" in st.graphdefs else None,
+            "wall_time_s": time.perf_counter() - t_start,
+            "train_time_s": train_time,
+            "compile_time_s": compile_s,
+            "precision": _assignments(st.graphdefs["main"], params, st.rest),
+            "mesh": dict(mesh.shape),
+            "devices": jax.device_count(),
+            "backend": jax.default_backend(),
+            "out": str(out),
+            "data": {k: v for k, v in data.describe().items() if k != "config"},
+            "config": to_dict(cfg),
+            "microscale_version": __version__,
+        }
+        s.update(extra)
+        return s
+
+    # ---- loop
+    recent: list[float] = []
+    last_eval: dict | None = None
+    last_step = start
+    timed_tokens, timed_s, compile_s = 0, 0.0, 0.0
+    win_loss: list[float] = []
+    win_t0, win_tokens = time.perf_counter(), 0
+    phase = phase_of(start)
+    if start == 0 and cfg.eval_every:
+        last_eval = evaluate(0, phase)
+    pending: tuple[int, dict] | None = None  # (batch index, metrics) read back one step late
+    t_prev = time.perf_counter()
+    warm = {start, switch}  # first step of a compiled program: compile time, not throughput
+
+    def process(item) -> None:
+        nonlocal streak, nonfinite_total, last_step, t_prev, timed_tokens, timed_s
+        nonlocal compile_s, win_t0, win_tokens, train_time
+        idx, m = item
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        dt = now - t_prev
+        t_prev = now
+        train_time += dt
+        if idx in warm:
+            compile_s += dt
+        else:
+            timed_tokens += tps
+            timed_s += dt
+        step = idx + 1
+        last_step = step
+        loss, gnorm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
+        if not bool(m["finite"]):
+            streak += 1
+            nonfinite_total += 1
+            logger.log({"kind": "event", "event": "nonfinite", "step": step, "loss": loss,
+                        "grad_norm": gnorm, "streak": streak, "total": nonfinite_total})
+            logger.message(f"step {step}: non-finite loss/gradient (loss={loss}, "
+                           f"grad_norm={gnorm}); update skipped ({streak} in a row)")
+            if streak >= cfg.max_nonfinite_in_a_row:
+                raise _Abort(step)
+        else:
+            streak = 0
+            recent.append(loss)
+            del recent[:-max(cfg.log_every, 10)]
+            win_loss.append(loss)
+        win_tokens += tps
+        logger.progress(step)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            wdt = now - win_t0
+            rec = {"kind": "train", "step": step, "loss": loss,
+                   "loss_avg": float(np.mean(win_loss)) if win_loss else None,
+                   "lr": lr, "grad_norm": gnorm, "tokens": step * tps,
+                   "tokens_per_s": win_tokens / wdt if wdt > 0 else None,
+                   "nonfinite": nonfinite_total, "phase": phase_of(idx),
+                   "time": now - t_start}
+            logger.log(rec)
+            logger.progress(step, loss=loss, tokens_per_s=rec["tokens_per_s"], lr=lr)
+            win_loss.clear()
+            win_t0, win_tokens = now, 0
+
+    def pause_end(t0: float) -> None:
+        """Exclude eval/checkpoint time (since ``t0``) from the throughput clocks."""
+        nonlocal t_prev, win_t0
+        d = time.perf_counter() - t0
+        t_prev += d
+        win_t0 += d
+
+    try:
+        with batcher.iterate(start, cfg.steps - start, prefetch=cfg.data.prefetch,
+                             microbatches=True) as it:
+            for idx, batch in it:
+                ph = phase_of(idx)
+                if ph != phase:
+                    if pending is not None:
+                        process(pending)
+                        pending = None
+                    phase = ph
+                    logger.log({"kind": "event", "event": "late_switch", "step": idx,
+                                "tokens": idx * tps, "mode": cfg.late_switch.mode})
+                    logger.message(f"step {idx}: late switch to high precision "
+                                   f"({cfg.late_switch.mode}) for the last "
+                                   f"{cfg.steps - idx} steps")
+                args = [params, opt_state, st.rest, shard_batch(mesh, batch, batch_spec),
+                        jnp.int32(idx)]
+                if inject:
+                    args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
+                params, opt_state, m = steps_fn[phase](*args)
+                if pending is not None:
+                    process(pending)
+                pending = (idx, m)
+                step = idx + 1
+                do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
+                do_ckpt = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                           ) or step == cfg.steps
+                if do_eval or do_ckpt:
+                    process(pending)
+                    pending = None
+                    t0 = time.perf_counter()
+                    if do_eval:
+                        last_eval = evaluate(step, phase)
+                    if do_ckpt:
+                        ckpt.save(step, {"params": params, "opt_state": opt_state},
+                                  meta_for(step))
+                    pause_end(t0)
+            if pending is not None:
+                process(pending)
+                pending = None
+    except _Abort as a:
+        ckpt.wait()  # an asynchronous save of the last good step finishes first
+        good = ckpt.latest_step()
+        msg = (f"training aborted at step {a.step}: {cfg.max_nonfinite_in_a_row} non-finite "
+               f"losses/gradients in a row (max_nonfinite_in_a_row="
+               f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
+               + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
+                  "(resume=true continues from it). " if good is not None else
+                  "No checkpoint was saved before the failure. ")
+               + "Try a lower optim.lr, more bf16 blocks (bf16_last=...) or another recipe.")
+        logger.log({"kind": "event", "event": "abort", "step": a.step, "message": msg})
+        logger.message(msg)
+        logger.close()
+        summary = summary_for("aborted", last_eval, error=msg, last_good_checkpoint=good)
+        if main:
+            _atomic_json(out / "summary.json", summary)
+        raise TrainingAborted(msg, summary) from None
+    except BaseException:
+        logger.close()
+        raise
+
+    try:
+        if last_eval is None or last_eval["step"] != last_step:
+            last_eval = evaluate(last_step, phase)
+        ckpt.wait()
+    finally:
+        logger.close()
+    summary = summary_for("completed", last_eval)
+    if main:
+        _atomic_json(out / "summary.json", summary)
+        if progress:
+            ent = entropy["val"]
+            val = summary["final_val_loss"]
+            print(f"done: {cfg.recipe} val_loss {val:.4f} (unigram entropy {ent:.4f}), "
+                  f"{summary['tokens']:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tok/s, "
+                  f"{format_duration(summary['wall_time_s'])} -> {out}", flush=True)
+    return summary
+
+
+class _Abort(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+

@@ -1,0 +1,205 @@
+"""Device mesh, logical-axis sharding and multi-host start-up.
+
+One code path for every scale: a ``jax.sharding.Mesh`` with three named axes
+
+* ``data``   -- pure data parallelism: parameters replicated, the batch split;
+* ``fsdp``   -- fully-sharded data parallelism: the batch split *and* every parameter
+  (and its optimizer state) sharded along its ``embed`` dimension; XLA all-gathers a
+  weight right before its matmul and reduce-scatters its gradient;
+* ``tensor`` -- tensor (model) parallelism: attention heads and the MLP hidden
+  dimension split (Megatron-style column / row parallel projections).
+
+The model annotates each parameter with *logical* axis names (``("embed", "mlp")``...);
+the model's ``logical_to_mesh_rules()`` maps them to mesh axes, and :func:`spec_for`
+turns that into a ``PartitionSpec`` per parameter. A dimension whose
+size is not divisible by its mesh axes is replicated instead (so every preset runs on
+every mesh; the choice is logged). Batches are ``[batch, seq]`` sharded over
+``("data", "fsdp")``. Everything else -- the collectives, their overlap, the per-device
+programs -- is JAX's SPMD partitioner (``jax.jit`` with in/out shardings); microscale has
+no distribution code of its own.
+
+Sizes: ``mesh.data=-1`` takes all devices not used by ``fsdp`` and ``tensor``; explicit
+sizes that multiply to fewer devices than there are use the first ones (a warning is
+logged), e.g. ``mesh.data=1`` runs on one device of eight. The global batch must be
+divisible by ``data * fsdp`` (times ``data.grad_accum``).
+
+Multi-host (GPU clusters, TPU pods): start the *same* command on every host; JAX's
+runtime connects them. With SLURM / Open MPI / TPU / Kubernetes environments,
+``jax.distributed.initialize()`` discovers everything by itself::
+
+    srun --nodes=4 --ntasks-per-node=1 microscale train --config llama_1b \\
+        mesh.fsdp=32 out=/shared/runs/llama1b
+
+otherwise name the coordinator explicitly (same line on each host, its own id)::
+
+    microscale train --config llama_1b mesh.fsdp=16 \\
+        mesh.coordinator_address=10.0.0.1:1234 mesh.num_processes=2 mesh.process_id=0
+
+``mesh.distributed="auto"`` initializes when such an environment (or a coordinator) is
+present, ``"on"`` always, ``"off"`` never. ``out`` must be on a filesystem all hosts
+share (checkpoints are written by all of them, metrics by process 0 only).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["AXES", "BATCH_AXES", "build_mesh", "maybe_initialize_distributed",
+           "resolve_mesh_shape", "shard_batch", "spec_for"]
+
+log = logging.getLogger(__name__)
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Environment variables that mean "several processes were launched together".
+_MULTI_HOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+_WORLD_SIZE_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE",
+                   "JAX_NUM_PROCESSES")
+
+_initialized = False
+
+
+def _multi_host_env() -> bool:
+    if any(os.environ.get(k) for k in _MULTI_HOST_ENV):
+        return True
+    for k in _WORLD_SIZE_ENV:
+        try:
+            if int(os.environ.get(k, "1")) > 1:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def maybe_initialize_distributed(mesh_cfg) -> bool:
+    """Call ``jax.distributed.initialize`` when configured or a multi-host launch is
+    detected (see module doc). Returns True when the runtime is (now) multi-process."""
+    global _initialized
+    mode = mesh_cfg.distributed
+    explicit = mesh_cfg.coordinator_address is not None
+    if mode == "off" or _initialized:
+        return _initialized
+    if mode == "auto" and not (explicit or _multi_host_env()):
+        return False
+    kwargs = {}
+    if explicit:
+        kwargs = dict(coordinator_address=mesh_cfg.coordinator_address,
+                      num_processes=mesh_cfg.num_processes, process_id=mesh_cfg.process_id)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "already" not in str(e).lower():
+            raise RuntimeError(
+                f"jax.distributed.initialize() failed ({e}). Launch the same command on every "
+                "host (srun/mpirun do this), or pass mesh.coordinator_address=HOST:PORT "
+                "mesh.num_processes=N mesh.process_id=I; mesh.distributed=off runs single-host."
+            ) from e
+    _initialized = True
+    log.info("jax.distributed: process %d of %d, %d global devices",
+             jax.process_index(), jax.process_count(), jax.device_count())
+    return True
+
+
+def resolve_mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
+    """``(data, fsdp, tensor)`` with one ``-1`` filled in; raises if it does not fit."""
+    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one of data/fsdp/tensor may be -1, got {tuple(sizes)}")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise ValueError(f"mesh {tuple(sizes)}: {n_devices} devices are not divisible by "
+                             f"the fixed axes' product {fixed}")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes) > n_devices:
+        raise ValueError(f"mesh data*fsdp*tensor = {sizes[0]}*{sizes[1]}*{sizes[2]} = "
+                         f"{math.prod(sizes)} but only {n_devices} devices are available; set "
+                         f"the sizes to multiply to {n_devices} (or one of them to -1)")
+    return tuple(sizes)
+
+
+def build_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over ``devices`` (default: all global devices, or
+    those of ``mesh.device_ids``).
+
+    Axis types are ``Auto``: the SPMD partitioner propagates shardings from the annotated
+    inputs/outputs, as in MaxText.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    ids = tuple(getattr(mesh_cfg, "device_ids", ()) or ())
+    if ids:
+        by_id = {d.id: d for d in devices}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            raise ValueError(f"mesh.device_ids {list(ids)}: no device with id(s) {missing}; "
+                             f"available ids: {sorted(by_id)}")
+        devices = [by_id[i] for i in ids]
+    shape = resolve_mesh_shape(mesh_cfg, len(devices))
+    n = math.prod(shape)
+    if n < len(devices):
+        log.warning("mesh %s uses %d of %d devices; the others stay idle", shape, n,
+                    len(devices))
+        devices = devices[:n]
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def shard_batch(mesh: Mesh, local: np.ndarray, spec: PartitionSpec) -> jax.Array:
+    """This process's rows of a global batch -> a global ``jax.Array`` sharded by ``spec``.
+
+    The batch axis is the first axis ``spec`` shards. With one process ``local`` is the
+    whole batch; with several, each holds its contiguous block of rows (the data
+    package's ``Batcher``/``val_batches`` split them that way), and
+    ``jax.make_array_from_process_local_data`` assembles the global array without any
+    exchange of data.
+    """
+    sharding = NamedSharding(mesh, spec)
+    if jax.process_count() == 1:
+        return jax.device_put(local, sharding)
+    axis = next(i for i, s in enumerate(spec) if s is not None)
+    global_shape = list(local.shape)
+    global_shape[axis] *= jax.process_count()
+    return jax.make_array_from_process_local_data(sharding, local, tuple(global_shape))
+
+
+def _mesh_axes(rule) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    if isinstance(rule, str):
+        return (rule,)
+    return tuple(rule)
+
+
+def spec_for(names: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
+             rules: Mapping[str, str | Sequence[str] | None], *, where: str = "") -> PartitionSpec:
+    """PartitionSpec for one array from its logical axis names.
+
+    ``rules`` maps a logical name to a mesh axis, a tuple of mesh axes, or None
+    (replicated). A mesh axis is used at most once per array; a dimension not divisible
+    by the product of its mesh axes sizes is replicated.
+    """
+    if not names:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"{where}: logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(names, shape, strict=True):
+        axes = tuple(a for a in _mesh_axes(rules.get(name) if name else None)
+                     if a in mesh.shape and a not in used and mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if axes and dim % size:
+            log.info("%s: dim %s (%d) not divisible by mesh axes %s (%d); replicated",
+                     where, name, dim, axes, size)
+            axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)

@@ -1,0 +1,121 @@
+"""The jitted training and evaluation steps.
+
+One optimizer step on a global batch ``[grad_accum, micro_batch, seq_len + 1]`` of
+token windows (inputs ``[:, :-1]``, targets ``[:, 1:]``):
+
+1. per-step key ``k_t = fold_in(key(seed), t)`` (and ``fold_in(k_t, i)`` for microbatch
+   ``i``): the model folds in each layer's id, so stochastic rounding and the recipes'
+   other randomness never repeat across steps, microbatches or layers, and a resumed run
+   draws exactly the bits the uninterrupted one would have;
+2. loss = mean token cross-entropy of float32 logits (``log_softmax`` in float32);
+   gradients w.r.t. the float32 master weights, through the quantized GEMMs' custom VJP;
+   microbatch gradients are summed in float32 (``lax.scan``) and averaged;
+3. ``grad_norm`` = global L2 norm before clipping; the step is *finite* when the loss and
+   ``grad_norm`` are;
+4. AdamW update (``optim.py``) scaled by ``-lr(t)``; for a non-finite step the new params
+   and optimizer state are discarded with ``jnp.where`` inside the compiled step (no
+   host round trip, no recompile), so one bad batch cannot poison the weights.
+
+The step is compiled with explicit input/output shardings on the mesh (parameters and
+optimizer state FSDP/TP-sharded, the batch split over ``data`` x ``fsdp``); XLA's SPMD
+partitioner inserts the all-gathers and reduce-scatters. Parameters and optimizer state
+are donated (updated in place).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = ["cross_entropy", "make_eval_step", "make_train_step", "step_key"]
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats), computed in float32."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def step_key(seed: int, step) -> jax.Array:
+    """The PRNG key of training step ``step`` (jit-safe)."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _loss_fn(graphdef, params, rest, tokens, key):
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    logits = model(tokens[:, :-1], key=key)
+    return cross_entropy(logits, tokens[:, 1:])
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, seed: int,
+                    inject: bool = False, param_shardings=None, opt_shardings=None,
+                    batch_sharding=None):
+    """``step(params, opt_state, rest, batch, step[, poison]) -> (params, opt_state, metrics)``.
+
+    ``batch``: int32 ``[grad_accum, micro, seq_len + 1]``; ``step``: int32 scalar (0-based
+    index of the batch); ``poison`` (only when ``inject``): a bool scalar that replaces the
+    gradient by NaN (tests of the non-finite path). ``metrics``: float32 ``loss``,
+    ``grad_norm``, ``lr`` and bool ``finite``.
+    """
+
+    def step_fn(params, opt_state, rest, batch, step, poison=None):
+        key = step_key(seed, step)
+        grad_fn = jax.value_and_grad(functools.partial(_loss_fn, graphdef))
+        n_micro = batch.shape[0]
+        if n_micro == 1:
+            loss, grads = grad_fn(params, rest, batch[0], key)
+        else:
+            def micro(carry, xs):
+                g_acc, l_acc = carry
+                tokens, i = xs
+                loss_i, g_i = grad_fn(params, rest, tokens, jax.random.fold_in(key, i))
+                g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, g_i)
+                return (g_acc, l_acc + loss_i), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (grads, loss), _ = jax.lax.scan(
+                micro, (zeros, jnp.float32(0.0)), (batch, jnp.arange(n_micro)))
+            grads = jax.tree.map(lambda g: g / n_micro, grads)
+            loss = loss / n_micro
+        if poison is not None:
+            grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        lr = schedule(step)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt, opt_state)
+        metrics = {"loss": loss.astype(jnp.float32), "grad_norm": grad_norm.astype(jnp.float32),
+                   "lr": lr, "finite": finite}
+        return params, opt_state, metrics
+
+    in_sh = out_sh = None
+    if param_shardings is not None:
+        in_sh = (param_shardings, opt_shardings, None, batch_sharding, None)
+        if inject:
+            in_sh = in_sh + (None,)
+        out_sh = (param_shardings, opt_shardings, None)
+    return jax.jit(step_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef, *, seed: int, param_shardings=None, batch_sharding=None):
+    """``eval(params, rest, batch [rows, seq_len + 1]) -> mean loss`` (float32).
+
+    A fixed key (never a training step's) feeds any randomness of the forward pass, so
+    evaluations are deterministic and comparable across steps.
+    """
+    key_id = 2**31 - 1
+
+    def eval_fn(params, rest, batch):
+        return _loss_fn(graphdef, params, rest, batch, step_key(seed, key_id))
+
+    in_sh = None
+    if param_shardings is not None:
+        in_sh = (param_shardings, None, batch_sharding)
+    return jax.jit(eval_fn, in_shardings=in_sh)
