@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from microscale.config import apply_overrides, dump_yaml, to_dict
-from microscale.train import TrainConfig, train
+from microscale.train import TrainConfig, TrainingAborted, train
 
 # name -> the overrides that make this run differ from the base config.
 RUNS: dict[str, dict[str, Any]] = {
@@ -173,7 +173,11 @@ def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
             if progress:
                 print(f"[compare] run {i + 1}/{len(jobs)}: {name} (seed {seed}) -> {rcfg.out}",
                       flush=True)
-            train(rcfg, progress=progress)
+            try:
+                train(rcfg, progress=progress)
+            except TrainingAborted as e:  # e.g. all-FP4 diverging: report it, go on
+                if progress:
+                    print(f"[compare] {name} aborted: {e}", flush=True)
     else:
         envs = _device_groups(cfg.parallel)
         pending = list(jobs)
@@ -191,7 +195,7 @@ def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
                 code = item[1].poll()
                 if code is not None:
                     running.remove(item)
-                    if code != 0:
+                    if code not in (0, 1):  # 1: aborted (non-finite), summary written
                         failed.append(item[0])
         if failed:
             raise RuntimeError(f"run(s) {failed} failed; see their train.log under {out}/runs")
@@ -347,7 +351,8 @@ def render_markdown(cfg: CompareConfig, summary: dict[str, Any]) -> str:
         val = _fmt(r["final_val_loss"])
         if r["final_val_loss_std"] is not None:
             val += f" ± {r['final_val_loss_std']:.4f}"
-        row = [name, r["recipe"] or "", _fmt(r["final_train_loss"]), val,
+        label = name if r["status"] == ["completed"] else f"{name} ({'/'.join(r['status'])})"
+        row = [label, r["recipe"] or "", _fmt(r["final_train_loss"]), val,
                _fmt(r["val_ppl"], ".3f"), _fmt(r["rel_gap_vs_bf16"], "+.2f", "%"),
                _fmt(r["rel_gap_vs_fp8"], "+.2f", "%")]
         for k in heldout_names:

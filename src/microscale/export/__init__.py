@@ -1,0 +1,79 @@
+"""Readers and writers of deployment layouts: compressed-tensors, ModelOpt, plain HF.
+
+Export a model (or PTQ's packed weights) in the layouts vLLM and TensorRT-LLM load::
+
+    from microscale.export import export_checkpoint, read_checkpoint
+
+    export_checkpoint(model, "out/nvfp4", layout="compressed-tensors")      # W4A16 NVFP4
+    export_checkpoint(model, "out/mixed", layer_formats={"layers.0.mlp.down_proj": "fp8_e4m3",
+                      ...}, layout="modelopt", input_amax=amax)             # W4A4 + W8A8
+    ck = read_checkpoint("out/nvfp4")          # packed QArrays, bytes as stored
+    model, cfg = import_model("meta-llama-like-folder")      # any HF Llama -> Transformer
+
+The NVFP4 tensors of one linear ``y = x W^T`` (``W`` is ``[N, K]``, blocks of 16 along
+``K``), as both layouts store them:
+
+* packed codes ``U8 [N, K/2]``: E2M1 code ``c = sign << 3 | index`` (magnitudes 0, 0.5, 1,
+  1.5, 2, 3, 4, 6 by index), element ``2i`` in the low nibble of byte ``i``:
+  ``[[0, 0.5, 4, -0], [-0, 1, -6, 3]]`` packs to ``[[0x10, 0x86], [0x28, 0x5F]]``;
+* block scales ``F8_E4M3 [N, K/16]``, row-major (block ``j`` of row ``r`` at ``[r, j]``);
+* a float32 tensor scale: compressed-tensors' ``weight_global_scale = 2688 / amax``
+  (encode direction), ModelOpt's ``weight_scale_2 = amax / 2688`` (decode direction);
+* decoding: ``W[r, k] = e2m1(code[r, k]) * scale[r, k // 16] * amax / 2688``.
+
+q/k/v and gate/up are fused by the engines, so they share one format and one global
+scale (quantized with the group's amax). The per-format tables of both layouts, W4A4
+input scales and mixed precision are in :mod:`microscale.export.layouts`; the file
+format and its validation in :mod:`microscale.export.tensorfile`; HF names, the config
+mapping and the RoPE convention in :mod:`microscale.export.hf`.
+
+Safety: only JSON and safetensors are read (never pickle); names, dtypes, shapes and the
+config are validated before any tensor is used, and errors name the offending tensor.
+"""
+
+from microscale.export.hf import (
+    fused_groups,
+    hf_config,
+    hf_module,
+    hf_param_name,
+    linear_paths,
+    model_config_from_hf,
+    ms_module,
+    ms_param_name,
+    param_shapes,
+)
+from microscale.export.layouts import (
+    CT_SCHEMES,
+    LAYOUTS,
+    MODELOPT_ALGOS,
+    LayerQuant,
+    exact_reciprocal,
+    input_decode_scales,
+    quantize_linear_weights,
+    resolve_layers,
+    tensor_decode_scale,
+    to_hf_orientation,
+    to_kernel_orientation,
+)
+from microscale.export.params import check_params, flat_params
+from microscale.export.reader import (
+    Checkpoint,
+    CheckpointError,
+    build_model,
+    import_model,
+    read_checkpoint,
+)
+from microscale.export.tensorfile import SafetensorsError, TensorStore, write_safetensors
+from microscale.export.tokenizer import byte_tokenizer_hf, write_tokenizer
+from microscale.export.writer import DEFAULT_SHARD_BYTES, ExportResult, export_checkpoint
+
+__all__ = [
+    "CT_SCHEMES", "DEFAULT_SHARD_BYTES", "LAYOUTS", "MODELOPT_ALGOS", "Checkpoint",
+    "CheckpointError", "ExportResult", "LayerQuant", "SafetensorsError", "TensorStore",
+    "build_model", "byte_tokenizer_hf", "check_params", "exact_reciprocal",
+    "export_checkpoint", "flat_params", "fused_groups", "hf_config", "hf_module",
+    "hf_param_name", "import_model", "input_decode_scales", "linear_paths",
+    "model_config_from_hf", "ms_module", "ms_param_name", "param_shapes",
+    "quantize_linear_weights", "read_checkpoint", "resolve_layers", "tensor_decode_scale",
+    "to_hf_orientation", "to_kernel_orientation", "write_safetensors", "write_tokenizer",
+]

@@ -1,0 +1,3 @@
+from microscale.cli import main
+
+raise SystemExit(main())

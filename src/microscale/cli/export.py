@@ -1,0 +1,133 @@
+"""``microscale export``: write a packed checkpoint vLLM / TensorRT-LLM load.
+
+    microscale export --checkpoint runs/x --format compressed-tensors --out out/x-nvfp4
+    microscale export --checkpoint runs/x --format modelopt --out out/x --rules runs/x/precision_rules.json
+    microscale export --checkpoint runs/x --out out/x --formats ptq/layers.json     # {path: format}
+    microscale export --checkpoint runs/x --out out/x --activations --calib-batches 8   # W4A4
+    microscale export --checkpoint hf-llama/ --out out/llama-nvfp4   # any HF Llama folder
+
+``--checkpoint`` is a training run folder (latest checkpoint, or ``--step``) or an HF-style
+folder (plain or already packed: converted between layouts byte for byte when no formats
+are given). Layers get NVFP4 unless ``--formats`` (a format name, or a JSON object / file
+``{layer path: format}``, optionally under a ``"layers"`` key) or ``--rules`` (a
+PrecisionRules JSON: each layer's recipe's forward formats) say otherwise.
+``--activations`` also quantizes layer inputs (W4A4 / W8A8) with static scales calibrated
+on ``--calib-batches`` batches of held-out data (the run's corpus or ``--data``).
+Exit codes: 0 done, 2 bad arguments or inconsistent inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", "-c", required=True,
+                        help="training run folder or HF-style model folder")
+    parser.add_argument("--out", "-o", required=True, help="output folder")
+    parser.add_argument("--format", dest="layout", default="compressed-tensors",
+                        choices=["compressed-tensors", "modelopt"],
+                        help="deployment layout (default: compressed-tensors)")
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--formats", help="format name for every layer (nvfp4, fp8_e4m3, mxfp4, "
+                   "mxfp8, bf16) or JSON {layer path: format} (text or file)")
+    g.add_argument("--rules", help="PrecisionRules JSON file (e.g. RUN/precision_rules.json)")
+    parser.add_argument("--activations", action="store_true",
+                        help="quantize layer inputs too (W4A4 / W8A8, calibrated static scales)")
+    parser.add_argument("--calib-batches", type=int, default=8,
+                        help="calibration batches for --activations (default: 8)")
+    parser.add_argument("--data", help="calibration corpus (default: the run's corpus)")
+    parser.add_argument("--step", type=int, help="run checkpoint step (default: latest)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of unquantized tensors (default: bfloat16)")
+    parser.add_argument("--shard-size", type=float, default=5.0,
+                        help="shard the weights above this many GB (default: 5)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+
+def parse_formats(text: str | None):
+    """A format name, or a {path: format} mapping from JSON text or a JSON file."""
+    if text is None:
+        return None
+    if not text.lstrip().startswith("{"):
+        p = Path(text)
+        if p.suffix != ".json" and not p.is_file():
+            from microscale.formats import get_format
+
+            return get_format(text.strip()).name  # a format name (validated early)
+        text = p.read_text(encoding="utf-8")
+    obj = json.loads(text)
+    if isinstance(obj, dict) and isinstance(obj.get("layers"), dict):
+        obj = obj["layers"]
+    if not isinstance(obj, dict):
+        raise ValueError("--formats JSON must be an object {layer path: format}")
+    return obj
+
+
+def run(args: argparse.Namespace) -> int:
+    from microscale.export import (
+        Checkpoint,
+        CheckpointError,
+        export_checkpoint,
+        read_checkpoint,
+    )
+    from microscale.inference import InferenceModel, is_run_dir
+    from microscale.model import PrecisionRules
+
+    try:
+        formats = parse_formats(args.formats)
+        if args.rules:
+            formats = PrecisionRules.load(args.rules)
+        src = Path(args.checkpoint)
+        tokenizer, data, seq_len = None, args.data, 128
+        if is_run_dir(src):
+            from microscale.data import load_tokenizer
+            from microscale.train import load_checkpoint
+
+            model, tcfg, _ = load_checkpoint(src, args.step)
+            config = tcfg.model
+            if (src / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(src / "tokenizer.json")
+            data, seq_len = data or tcfg.data.corpus, tcfg.data.seq_len
+        elif (src / "config.json").is_file():
+            # A packed folder without --formats is re-written as is (layout conversion keeps
+            # its bytes); otherwise its weights are decoded and quantized again.
+            ck = read_checkpoint(src, dequantize=formats is not None or args.activations)
+            if formats is None and (ck.layout == "hf" or args.activations):
+                formats = "nvfp4" if ck.layout == "hf" else \
+                    {p: lq.weights for p, lq in ck.layers.items()}
+            model, config, tokenizer = ck, ck.config, ck.tokenizer()
+            seq_len = min(config.max_seq_len, 256)
+        else:
+            raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
+                                    "(config.yaml + checkpoints/) nor an HF model folder")
+        input_amax = None
+        if args.activations:
+            from microscale.inference.evaldata import eval_batches
+            from microscale.inference.model import collect_input_amax
+
+            if data is None:
+                raise ValueError("--activations needs calibration data: pass --data")
+            dense = InferenceModel.from_params(
+                model.params if isinstance(model, Checkpoint) else model, config)
+            batches = eval_batches(data, tokenizer, seq_len=seq_len, batch_size=8,
+                                   max_batches=args.calib_batches,
+                                   vocab_size=config.vocab_size)
+            input_amax = collect_input_amax(dense, batches)
+        res = export_checkpoint(model, args.out, config=config, layout=args.layout,
+                                layer_formats=formats, activations=args.activations,
+                                input_amax=input_amax, tokenizer=tokenizer, dtype=args.dtype,
+                                shard_bytes=int(args.shard_size * 1e9),
+                                overwrite=args.overwrite)
+    except (ValueError, TypeError, OSError, CheckpointError) as e:
+        print(f"microscale export: error: {e}", file=sys.stderr)
+        return 2
+    counts: dict[str, int] = {}
+    for v in res.layers.values():
+        counts[v] = counts.get(v, 0) + 1
+    print(f"wrote {res.path} ({res.layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
+          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+    return 0

@@ -1,0 +1,470 @@
+"""Per-layer quantization choices and how each deployment layout names them.
+
+A linear layer is stored by a :class:`LayerQuant`: the format of its weights and,
+optionally, of its input activations (W4A4 / W8A8 deployment; ``inputs=None`` is
+weight-only, W4A16 / W8A16). All numerics come from ``microscale.formats``; this module
+only holds *tables* that map a format to an external layout's vocabulary:
+
+compressed-tensors (vLLM), per quantized linear ``<module>``:
+
+===========  ========================  =====================================  ==========
+weights      config group ``format``   tensors                                scale dtype
+===========  ========================  =====================================  ==========
+nvfp4        nvfp4-pack-quantized      weight_packed U8 [N, K/2],             F8_E4M3
+                                       weight_scale [N, K/16],
+                                       weight_global_scale F32 [1] = 2688/amax
+mxfp4        mxfp4-pack-quantized      weight_packed U8 [N, K/2],             U8 (E8M0
+                                       weight_scale [N, K/32]                 exponent)
+mxfp8        mxfp8-quantized           weight F8_E4M3 [N, K], weight_scale    U8
+                                       [N, K/32]
+fp8_e4m3     float-quantized           weight F8_E4M3 [N, K], weight_scale    F32
+                                       F32 [1] = amax/448
+===========  ========================  =====================================  ==========
+
+With quantized inputs, NVFP4 adds ``input_global_scale`` F32 [1] (``2688/amax`` of the
+calibrated input, the *encode* direction like ``weight_global_scale``) and FP8 adds
+``input_scale`` F32 [1] (``amax/448``, decode direction); MX inputs are dynamic (no tensor).
+
+ModelOpt (TensorRT-LLM, vLLM ``modelopt``): ``weight`` (packed U8 or F8_E4M3),
+``weight_scale`` (F8_E4M3 blocks, or an F32 scalar for FP8), ``weight_scale_2`` = amax/2688
+(NVFP4's global scale in the *decode* direction), ``input_scale`` (decode direction) as
+0-d F32 tensors; per-layer ``quant_algo`` ``NVFP4`` (W4A4), ``W4A16_NVFP4`` or ``FP8``.
+
+Element packing is the same everywhere: element ``2i`` of a row in the low nibble of byte
+``i``, sign in bit 3 (``[[0, .5, 4, -0], [-0, 1, -6, 3]] -> [[0x10, 0x86], [0x28, 0x5F]]``).
+
+Fused groups. vLLM and TensorRT-LLM run q/k/v as one GEMM and gate/up as another, with one
+tensor scale per GEMM, so the members of a group get one format and their weights are
+quantized with the group's amax (``quantize(w, fmt, amax=max_group_amax)``): identical
+global scales. Static input scales are shared the same way.
+
+Weight blocks always run along the contraction (input) dimension ``K``. microscale's
+kernels are ``[K, N]``; a weight quantized here is ``quantize(kernel, fmt, axis=0)`` (blocks
+along ``K``, packed along ``K``) and its leaves transposed give the layout's ``[N, ...]``
+arrays byte for byte. The layouts hold one scale per ``1 x 16`` row segment: weights are
+quantized that way (a training recipe's 16x16 weight tiles are not used for export), and
+a pre-quantized QArray with 16x16 tiles is stored by repeating each tile's scale over its
+16 rows, which leaves every decoded value unchanged.
+
+Tensor scales in the encode direction (compressed-tensors' ``*_global_scale``) are stored
+as a float32 ``r`` whose reciprocal is *exactly* microscale's decode scale ``s_dec``
+(:func:`exact_reciprocal`; within an ulp of ``2688/amax``), so ``1/r`` on import gives back
+the bits ``formats.quantize`` produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from microscale.export.hf import fused_groups, linear_paths, ms_module
+from microscale.formats import FormatSpec, QArray, get_format, quantize
+from microscale.model import ModelConfig, PrecisionRules
+from microscale.ops import get_recipe
+
+__all__ = [
+    "CT_SCHEMES",
+    "LAYOUTS",
+    "MODELOPT_ALGOS",
+    "LayerQuant",
+    "amax_from_decode_scale",
+    "ct_format_of",
+    "ct_scheme",
+    "exact_reciprocal",
+    "has_tensor_scale",
+    "input_decode_scales",
+    "modelopt_algo",
+    "quantize_linear_weights",
+    "resolve_layers",
+    "row_blocks",
+    "tensor_decode_scale",
+    "to_hf_orientation",
+    "to_kernel_orientation",
+]
+
+LAYOUTS = ("compressed-tensors", "modelopt")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerQuant:
+    """How one linear layer is stored and run."""
+
+    # Weight format (microscale.formats registry name); "bf16" = unquantized (the layouts
+    # list such layers as ignored / excluded).
+    weights: str = "bf16"
+    # Input-activation format for W4A4 / W8A8 deployment; None = weight-only (W4A16).
+    inputs: str | None = None
+
+    def __post_init__(self):
+        get_format(self.weights)  # raises with the known names
+        if self.inputs is not None:
+            if not get_format(self.inputs).quantized:
+                object.__setattr__(self, "inputs", None)
+            elif not get_format(self.weights).quantized:
+                raise ValueError(f"LayerQuant(weights={self.weights!r}, inputs="
+                                 f"{self.inputs!r}): quantized inputs need quantized weights")
+
+    @property
+    def weight_spec(self) -> FormatSpec:
+        return get_format(self.weights)
+
+    @property
+    def input_spec(self) -> FormatSpec | None:
+        return None if self.inputs is None else get_format(self.inputs)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_spec.quantized
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "inputs": self.inputs}
+
+    def __str__(self) -> str:
+        return self.weights if self.inputs is None else f"{self.weights}/a:{self.inputs}"
+
+
+# ---------------------------------------------------------------------- layout tables
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CTScheme:
+    """compressed-tensors vocabulary for one microscale format."""
+
+    # The config group's ``format`` (a compressed-tensors CompressionFormat value).
+    format: str
+    # QuantizationArgs JSON of weights in this format.
+    weights: dict[str, Any]
+    # QuantizationArgs JSON of input activations in this format.
+    inputs: dict[str, Any]
+    # safetensors dtype the block scales are stored as, when it differs from the
+    # QArray's (E8M0 scales are stored as their raw exponent byte, U8).
+    scale_storage: str | None = None
+
+
+_F = dict(type="float", symmetric=True)
+CT_SCHEMES: dict[str, CTScheme] = {
+    "nvfp4": CTScheme(
+        format="nvfp4-pack-quantized",
+        weights=dict(num_bits=4, **_F, group_size=16, strategy="tensor_group", dynamic=False,
+                     scale_dtype="torch.float8_e4m3fn"),
+        inputs=dict(num_bits=4, **_F, group_size=16, strategy="tensor_group",
+                    dynamic="local", scale_dtype="torch.float8_e4m3fn",
+                    observer="static_minmax")),
+    "mxfp4": CTScheme(
+        format="mxfp4-pack-quantized",
+        weights=dict(num_bits=4, **_F, group_size=32, strategy="group", dynamic=False,
+                     scale_dtype="torch.uint8"),
+        inputs=dict(num_bits=4, **_F, group_size=32, strategy="group", dynamic=True,
+                    scale_dtype="torch.uint8"),
+        scale_storage="U8"),
+    "mxfp8": CTScheme(
+        format="mxfp8-quantized",
+        weights=dict(num_bits=8, **_F, group_size=32, strategy="group", dynamic=False,
+                     scale_dtype="torch.uint8"),
+        inputs=dict(num_bits=8, **_F, group_size=32, strategy="group", dynamic=True,
+                    scale_dtype="torch.uint8"),
+        scale_storage="U8"),
+    "fp8_e4m3": CTScheme(
+        format="float-quantized",
+        weights=dict(num_bits=8, **_F, group_size=None, strategy="tensor", dynamic=False),
+        inputs=dict(num_bits=8, **_F, group_size=None, strategy="tensor", dynamic=False,
+                    observer="static_minmax")),
+}
+
+# ModelOpt quant_algo -> (weight format, input format or None); its group_size field.
+MODELOPT_ALGOS: dict[str, tuple[str, str | None]] = {
+    "NVFP4": ("nvfp4", "nvfp4"),
+    "W4A16_NVFP4": ("nvfp4", None),
+    "FP8": ("fp8_e4m3", "fp8_e4m3"),
+}
+
+
+def modelopt_algo(lq: LayerQuant) -> dict[str, Any]:
+    """The ``quantized_layers`` entry of a layer (``{"quant_algo": ..., "group_size"}``)."""
+    for algo, (w, i) in MODELOPT_ALGOS.items():
+        if (lq.weights, lq.inputs) == (w, i):
+            bs = lq.weight_spec.block_size
+            return {"quant_algo": algo} if bs is None else {"quant_algo": algo, "group_size": bs}
+    supported = ", ".join(f"{w}+{i or 'weight-only'}" for w, i in MODELOPT_ALGOS.values())
+    raise ValueError(f"the ModelOpt layout has no quant_algo for weights {lq.weights!r} with "
+                     f"inputs {lq.inputs!r}; it supports {supported} (use the "
+                     "compressed-tensors layout for other formats)")
+
+
+def ct_scheme(fmt: str) -> CTScheme:
+    if fmt not in CT_SCHEMES:
+        raise ValueError(f"format {fmt!r} has no compressed-tensors scheme; expected one of "
+                         f"{sorted(CT_SCHEMES)} (or bf16 for an unquantized layer)")
+    return CT_SCHEMES[fmt]
+
+
+def ct_format_of(weights: Mapping[str, Any], where: str) -> str:
+    """microscale format of a compressed-tensors weights QuantizationArgs dict."""
+    key = (weights.get("num_bits"), weights.get("type"), weights.get("group_size"),
+           weights.get("strategy"))
+    for name, s in CT_SCHEMES.items():
+        w = s.weights
+        if key == (w["num_bits"], w["type"], w["group_size"], w["strategy"]):
+            if weights.get("symmetric", True) is not True:
+                break
+            return name
+    raise ValueError(f"{where}: compressed-tensors weights {dict(weights)!r} match no format "
+                     "microscale can read; expected one of "
+                     + "; ".join(f"{n}: num_bits={s.weights['num_bits']} type=float "
+                                 f"group_size={s.weights['group_size']} "
+                                 f"strategy={s.weights['strategy']}"
+                                 for n, s in CT_SCHEMES.items()))
+
+
+# ---------------------------------------------------------------------- scales
+
+def has_tensor_scale(spec: FormatSpec) -> bool:
+    """True when the format carries one float32 scale per tensor (NVFP4's global scale,
+    FP8's per-tensor scale): static deployment needs it calibrated."""
+    return spec.quantized and (spec.has_global_scale or spec.block_size is None)
+
+
+def tensor_decode_scale(spec: FormatSpec, amax: float) -> np.float32:
+    """The per-tensor decode scale ``formats.quantize`` derives from ``amax`` (NVFP4:
+    ``amax/2688``; FP8: ``amax/448``), computed by ``formats`` itself on a dummy block."""
+    q = quantize(jnp.zeros((spec.block_size or 1,), jnp.float32), spec,
+                 amax=jnp.float32(amax))
+    s = q.global_scale if spec.has_global_scale else q.scales
+    return np.float32(np.asarray(s))
+
+
+def amax_from_decode_scale(spec: FormatSpec, scale) -> Any:
+    """Inverse of :func:`tensor_decode_scale` (to re-run ``quantize(..., amax=...)`` with a
+    stored static scale): NVFP4 ``scale * 6 * 448``, FP8 ``scale * 448``."""
+    factor = spec.elem_max * (spec.scale_max if spec.has_global_scale else 1.0)
+    return scale * np.float32(factor)
+
+
+def exact_reciprocal(s) -> np.float32:
+    """A float32 ``r`` with ``float32(1 / r) == s`` exactly (``1/s`` or a neighbour).
+
+    compressed-tensors stores NVFP4's global scale in the encode direction ``2688/amax``
+    while ``formats`` keeps the decode scale ``s = 1/s_enc``; a reader computes
+    ``1/stored``. Storing such an ``r`` makes that read exact, so export -> import
+    round-trips bit for bit.
+    """
+    s = np.float32(s)
+    one = np.float32(1.0)
+    if not np.isfinite(s) or s == 0:
+        return np.float32(one / s) if s != 0 else np.float32(np.inf)
+    r = np.float32(one / s)
+    for cand in (r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(0)),
+                 np.nextafter(np.nextafter(r, np.float32(np.inf)), np.float32(np.inf)),
+                 np.nextafter(np.nextafter(r, np.float32(0)), np.float32(0))):
+        if np.float32(one / cand) == s:
+            return np.float32(cand)
+    return r  # no float32 inverts exactly (cannot happen for a formats-computed scale)
+
+
+# ---------------------------------------------------------------------- orientation
+
+def to_hf_orientation(q: QArray) -> QArray:
+    """A weight QArray as the layouts store it: shape ``(N, K)``, blocks along axis 1.
+    Accepts microscale's kernel orientation ``(K, N)`` with ``axis=0`` (transposes the
+    leaves; packing along ``K`` is preserved) or an already ``(N, K)``, ``axis=1`` array."""
+    if len(q.shape) != 2:
+        raise ValueError(f"weight QArray of shape {q.shape}: expected a 2-D weight")
+    if q.axis == 1:
+        return q
+    return _transpose(q)
+
+
+def to_kernel_orientation(q: QArray) -> QArray:
+    """Inverse of :func:`to_hf_orientation`: shape ``(K, N)``, blocks along axis 0."""
+    if len(q.shape) != 2:
+        raise ValueError(f"weight QArray of shape {q.shape}: expected a 2-D weight")
+    return q if q.axis == 0 else _transpose(q)
+
+
+def _transpose(q: QArray) -> QArray:
+    def t(x):
+        return x if x is None or np.ndim(x) < 2 else x.T
+    bs = None if q.block_shape is None else tuple(reversed(q.block_shape))
+    return QArray(t(q.data), t(q.scales), q.global_scale, q.spec, 1 - q.axis,
+                  tuple(reversed(q.shape)), bs)
+
+
+def row_blocks(q: QArray) -> QArray:
+    """HF-oriented QArray with one scale per ``1 x block`` row segment (the layouts'
+    ``[N, K/block]`` scale array). 2-D tiles (training's 16x16 weights) are expanded by
+    repeating each tile's scale over its rows: the stored values are unchanged."""
+    if q.block_shape is None or q.block_shape[0] == 1:
+        return q
+    rows = q.block_shape[0]
+    sc = jnp.repeat(q.scales, rows, axis=0)[: q.data.shape[0]]
+    return QArray(q.data, sc, q.global_scale, q.spec, q.axis, q.shape, (1, q.block_shape[1]))
+
+
+# ---------------------------------------------------------------------- resolution
+
+LayerFormats = str | PrecisionRules | Mapping[str, Any] | None
+
+
+def _as_layer_quant(where: str, v: Any, activations: bool) -> LayerQuant:
+    if isinstance(v, LayerQuant):
+        return v
+    if isinstance(v, FormatSpec):
+        v = v.name
+    if isinstance(v, str):
+        spec = get_format(v)
+        return LayerQuant(weights=v, inputs=v if activations and spec.quantized else None)
+    if isinstance(v, Mapping):
+        unknown = sorted(set(v) - {"weights", "inputs"})
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; expected 'weights' and "
+                             "optionally 'inputs'")
+        return LayerQuant(**v)
+    raise TypeError(f"{where}: {v!r} ({type(v).__name__}): expected a format name, a "
+                    "LayerQuant or {'weights': fmt, 'inputs': fmt}")
+
+
+def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
+                   activations: bool = False) -> dict[str, LayerQuant]:
+    """{linear path: LayerQuant} for every linear layer of ``cfg``'s model.
+
+    ``layer_formats``:
+      * None — NVFP4 everywhere; a format name — that format everywhere;
+      * a ``PrecisionRules`` — each layer's recipe's forward formats (``fprop_w`` for the
+        weights, ``fprop_x`` for the inputs);
+      * a mapping {path: format name | LayerQuant | {"weights", "inputs"}} with microscale
+        paths (``layers.0.attn.q_proj``) or HF module names; layers it omits stay bf16.
+
+    ``activations``: whether inputs are quantized too (format names and rules then give
+    the inputs the layer's activation format); False gives weight-only layers. An
+    explicit ``LayerQuant`` is taken as is. Fused groups (q/k/v, gate/up) must agree.
+    """
+    paths = linear_paths(cfg)
+    out: dict[str, LayerQuant] = {}
+    if layer_formats is None or isinstance(layer_formats, (str, FormatSpec)):
+        lq = _as_layer_quant("layer_formats", layer_formats or "nvfp4", activations)
+        out = dict.fromkeys(paths, lq)
+    elif isinstance(layer_formats, PrecisionRules):
+        for p in paths:
+            recipe = layer_formats.resolve(p)
+            if recipe is None:
+                out[p] = LayerQuant()
+                continue
+            r = get_recipe(recipe)
+            w, x = r.fprop_w.spec, r.fprop_x.spec
+            out[p] = LayerQuant(weights=w.name,
+                                inputs=x.name if activations and x.quantized and w.quantized
+                                else None)
+    elif isinstance(layer_formats, Mapping):
+        known = set(paths)
+        for key, v in layer_formats.items():
+            p = key
+            if p not in known:
+                try:
+                    p = ms_module(key)
+                except ValueError:
+                    p = None
+            if p not in known:
+                raise ValueError(f"layer_formats: {key!r} is not a linear layer of this model; "
+                                 f"expected paths like {paths[0]!r} (or HF module names)")
+            out[p] = _as_layer_quant(f"layer_formats[{key!r}]", v, activations)
+        for p in paths:
+            out.setdefault(p, LayerQuant())
+    else:
+        raise TypeError(f"layer_formats={layer_formats!r}: expected None, a format name, a "
+                        "PrecisionRules or a {path: format} mapping")
+    for group in fused_groups(cfg):
+        first = out[group[0]]
+        for p in group[1:]:
+            if out[p] != first:
+                raise ValueError(
+                    f"{group[0]} ({first}) and {p} ({out[p]}) are fused into one GEMM by "
+                    "vLLM / TensorRT-LLM and must share one format; give the group "
+                    f"{list(group)} the same format")
+    return {p: out[p] for p in paths}
+
+
+# ---------------------------------------------------------------------- quantization
+
+def _group_amax(kernels: list) -> jnp.ndarray:
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(jnp.asarray(k, jnp.float32))) for k in kernels]))
+
+
+def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,
+                            layers: Mapping[str, LayerQuant]) -> dict[str, Any]:
+    """Quantize every linear kernel as ``layers`` says, sharing tensor scales in fused groups.
+
+    ``params``: flat {parameter path: array} (``layers.0.attn.q_proj.kernel`` -> ``[K, N]``
+    float array, or an already quantized ``QArray`` — e.g. from PTQ — in kernel or HF
+    orientation). Returns {linear path: QArray in kernel orientation ``(K, N)``, blocks along
+    axis 0} for quantized layers and {linear path: float kernel} for bf16 layers.
+    Pre-quantized groups are checked: same format, and one global scale per group.
+    """
+    out: dict[str, Any] = {}
+    for group in fused_groups(cfg):
+        lq = layers[group[0]]
+        spec = lq.weight_spec
+        ws = [params[f"{p}.kernel"] for p in group]
+        given = [isinstance(w, QArray) for w in ws]
+        if any(given) and not all(given):
+            raise ValueError(f"fused group {list(group)} mixes quantized (QArray) and float "
+                             "kernels; pass all of them quantized or all float")
+        if all(given):
+            qs = [to_kernel_orientation(w) for w in ws]
+            for p, q in zip(group, qs, strict=True):
+                if q.spec.name != spec.name:
+                    raise ValueError(f"{p}: the given QArray is {q.spec.name!r} but the layer's "
+                                     f"format is {spec.name!r}")
+            if spec.has_global_scale:
+                g = [np.float32(np.asarray(q.global_scale)) for q in qs]
+                if len(set(g)) > 1:
+                    raise ValueError(
+                        f"fused group {list(group)} has different global scales {g}; quantize "
+                        "its members with the group's amax (quantize(w, fmt, amax=max amax)) "
+                        "so vLLM / TensorRT-LLM can fuse them")
+            out.update(zip(group, qs, strict=True))
+            continue
+        if not spec.quantized:
+            out.update(zip(group, ws, strict=True))
+            continue
+        amax = _group_amax(ws) if has_tensor_scale(spec) else None
+        for p, w in zip(group, ws, strict=True):
+            out[p] = quantize(jnp.asarray(w, jnp.float32), spec, axis=0, amax=amax)
+    return out
+
+
+def input_decode_scales(cfg: ModelConfig, layers: Mapping[str, LayerQuant],
+                        input_amax: Mapping[str, Any] | None) -> dict[str, np.float32]:
+    """Static activation decode scales {linear path: float32} for layers whose input format
+    has a tensor scale, from calibrated ``input_amax`` (shared within fused groups).
+    A layer that needs one and has no amax raises, naming it."""
+    out: dict[str, np.float32] = {}
+    amax = dict(input_amax or {})
+    for key in list(amax):
+        if key not in layers:
+            try:
+                amax[ms_module(key)] = amax.pop(key)
+            except ValueError:
+                raise ValueError(f"input_amax: {key!r} is not a linear layer of this model; "
+                                 f"expected paths like {next(iter(layers))!r}") from None
+    for group in fused_groups(cfg):
+        spec = layers[group[0]].input_spec
+        if spec is None or not has_tensor_scale(spec):
+            continue
+        missing = [p for p in group if p not in amax]
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: its inputs are quantized to {spec.name} (W4A4/W8A8), which "
+                "needs a static input scale, but input_amax has no calibrated amax for it; "
+                "pass input_amax (e.g. from microscale.inference.collect_input_amax) or "
+                "export weight-only (activations=False)")
+        vals = [float(np.asarray(amax[p])) for p in group]
+        if not all(math.isfinite(v) and v >= 0 for v in vals):
+            raise ValueError(f"input_amax for {list(group)} = {vals}: expected finite values "
+                             ">= 0")
+        s = tensor_decode_scale(spec, max(vals))
+        out.update(dict.fromkeys(group, s))
+    return out

@@ -1,0 +1,400 @@
+"""``read_checkpoint``: HF Llama folders (plain, compressed-tensors, ModelOpt) -> microscale.
+
+What is read (JSON and safetensors only; nothing is executed):
+
+* ``config.json`` -> :class:`~microscale.model.ModelConfig` (``export.hf`` lists what maps
+  and what is rejected);
+* its ``quantization_config`` (or ModelOpt's ``hf_quant_config.json``) -> one
+  :class:`~microscale.export.LayerQuant` per linear layer: compressed-tensors config groups
+  are matched against module names (``"Linear"``, exact names, ``"re:"`` regexes; ``ignore``
+  wins), ModelOpt's ``quant_algo`` / ``quantized_layers`` / ``exclude_modules`` likewise;
+* the tensors, checked against that plan *before* use: every expected tensor present
+  with its exact dtype and shape, no unexpected tensor, finite positive tensor scales. A
+  failure names the tensor and what was expected.
+
+Result: a :class:`Checkpoint` whose ``params`` are microscale's flat parameter dict —
+float arrays (``[in, out]`` kernels) for unquantized tensors and, for quantized linears,
+``QArray``\\ s in kernel orientation ``(K, N)`` with blocks along axis 0, holding the
+file's packed bytes and scales unchanged (``dequantize=True`` decodes them to floats).
+Global scales come back in microscale's decode direction: compressed-tensors stores
+``s_enc = 2688/amax`` and ``1/s_enc`` is exactly what ``formats.quantize`` computes as
+``s_dec``; ModelOpt's ``weight_scale_2`` is ``s_dec`` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from microscale.export import layouts as L
+from microscale.export.hf import (
+    hf_module,
+    hf_param_name,
+    linear_paths,
+    model_config_from_hf,
+    param_shapes,
+)
+from microscale.export.tensorfile import DTYPES, SafetensorsError, TensorStore
+from microscale.formats import QArray, dequantize, get_format
+from microscale.model import ModelConfig, Transformer
+
+__all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+# numpy dtype -> safetensors dtype name.
+DTYPES_NAME = {dt: name for name, dt in DTYPES.items()}
+# Tensors some HF checkpoints carry that a Llama forward pass does not use.
+_HARMLESS = re.compile(r".*\.rotary_emb\.inv_freq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is inconsistent with its config (names the tensor / field)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Checkpoint:
+    """An HF-style model folder read into microscale's terms."""
+
+    # The folder.
+    path: Path
+    # "hf" (no quantization), "compressed-tensors" or "modelopt".
+    layout: str
+    # The model shape.
+    config: ModelConfig
+    # Flat {parameter path: float array | QArray (quantized linear kernels, (K, N))}.
+    params: dict[str, Any]
+    # {linear path: LayerQuant} (bf16 = stored unquantized).
+    layers: dict[str, L.LayerQuant]
+    # {linear path: static input decode scale (float32)} of W4A4 / W8A8 layers.
+    input_scales: dict[str, np.float32]
+    # The parsed config.json.
+    hf_config: dict[str, Any]
+    # tokenizer.json next to the weights, if any.
+    tokenizer_file: Path | None
+
+    def tokenizer(self):
+        """The folder's tokenizer (``microscale.data`` object) or None."""
+        if self.tokenizer_file is None:
+            return None
+        from microscale.data import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_file)
+
+    def dequantized_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
+        """``params`` with every QArray decoded to a float kernel ``[in, out]``."""
+        return {k: (np.asarray(dequantize(v, dtype)) if isinstance(v, QArray) else v)
+                for k, v in self.params.items()}
+
+    def to_model(self, *, param_dtype: str | None = None) -> Transformer:
+        """A microscale ``Transformer`` with these weights (quantized ones dequantized)."""
+        cfg = self.config if param_dtype is None else self.config.replace(
+            param_dtype=param_dtype)
+        return build_model(cfg, self.dequantized_params())
+
+
+def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> Transformer:
+    """A ``Transformer(cfg)`` holding ``params`` (flat float dict), without a random init."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    dt = jnp.dtype(cfg.param_dtype)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(p) for p in path)
+        if name not in params:
+            raise CheckpointError(f"parameter {name!r} is missing")
+        value = jnp.asarray(np.asarray(params[name]), dt)
+        if value.shape != var.shape:
+            raise CheckpointError(f"parameter {name!r} has shape {value.shape}; expected "
+                                  f"{var.shape}")
+        flat.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+# ---------------------------------------------------------------------- config parsing
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{str(path)!r} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a JSON file ({e})") from None
+
+
+def _ct_matches(name: str, target: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return name == target
+
+
+def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
+               ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError("quantization_config.config_groups: expected a non-empty object")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise CheckpointError(f"quantization_config.quantization_status="
+                              f"{qc.get('quantization_status')!r}: only 'compressed' "
+                              "checkpoints hold packed weights")
+    ignore = qc.get("ignore") or []
+    if not (isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
+        raise CheckpointError("quantization_config.ignore: expected a list of strings")
+    top = qc.get("format")
+    parsed = []
+    for gname, g in groups.items():
+        where = f"quantization_config.config_groups.{gname}"
+        if not isinstance(g, dict) or not isinstance(g.get("targets"), list):
+            raise CheckpointError(f"{where}: expected an object with a 'targets' list")
+        w = g.get("weights")
+        if not isinstance(w, dict):
+            raise CheckpointError(f"{where}.weights: expected QuantizationArgs, got {w!r}")
+        wf = L.ct_format_of(w, f"{where}.weights")
+        fmt = g.get("format") or top
+        if fmt != L.CT_SCHEMES[wf].format:
+            raise CheckpointError(f"{where}: format {fmt!r} does not hold {wf} weights; "
+                                  f"expected {L.CT_SCHEMES[wf].format!r}")
+        inp = g.get("input_activations")
+        inf, static = None, False
+        if inp:
+            inf = _ct_input_format(inp, f"{where}.input_activations")
+            static = L.has_tensor_scale(get_format(inf)) and inp.get("dynamic") in (False,
+                                                                                     "local")
+        parsed.append((g["targets"], L.LayerQuant(weights=wf, inputs=inf), static))
+    layers, static_in = {}, {}
+    for p in linear_paths(cfg):
+        name = hf_module(p)
+        layers[p], static_in[p] = L.LayerQuant(), False
+        if any(_ct_matches(name, t) for t in ignore):
+            continue
+        for targets, lq, static in parsed:
+            if any(_ct_matches(name, t) for t in targets):
+                layers[p], static_in[p] = lq, static
+                break
+    return layers, static_in
+
+
+def _ct_input_format(args: dict[str, Any], where: str) -> str:
+    key = (args.get("num_bits"), args.get("type"), args.get("group_size"),
+           args.get("strategy"))
+    for name, s in L.CT_SCHEMES.items():
+        i = s.inputs
+        if key == (i["num_bits"], i["type"], i["group_size"], i["strategy"]):
+            return name
+    raise CheckpointError(f"{where}: input activations {args!r} match no format microscale "
+                          "can emulate (expected NVFP4 tensor_group 16, MX group 32 or FP8 "
+                          "per-tensor)")
+
+
+def _modelopt_quant(path: Path, cfg_json: dict[str, Any]) -> dict[str, Any]:
+    if (path / "hf_quant_config.json").is_file():
+        obj = _load_json(path / "hf_quant_config.json")
+        q = obj.get("quantization") if isinstance(obj, dict) else None
+        if not isinstance(q, dict):
+            raise CheckpointError("hf_quant_config.json: expected {'quantization': {...}}")
+        return q
+    return cfg_json["quantization_config"]
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
+               for p in patterns)
+
+
+def _modelopt_layers(q: dict[str, Any], cfg: ModelConfig
+                     ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
+    if q.get("kv_cache_quant_algo") not in (None, "NONE"):
+        raise CheckpointError(f"kv_cache_quant_algo={q.get('kv_cache_quant_algo')!r}: "
+                              "quantized KV caches are not supported")
+    exclude = q.get("exclude_modules") or []
+
+    def algo(entry: Any, where: str) -> L.LayerQuant:
+        a = entry.get("quant_algo") if isinstance(entry, dict) else None
+        if a not in L.MODELOPT_ALGOS:
+            raise CheckpointError(f"{where}: quant_algo={a!r}; microscale reads "
+                                  f"{sorted(L.MODELOPT_ALGOS)}")
+        w, i = L.MODELOPT_ALGOS[a]
+        bs = get_format(w).block_size
+        gs = entry.get("group_size", bs)
+        if gs != bs:
+            raise CheckpointError(f"{where}: group_size={gs}; {a} uses blocks of {bs}")
+        return L.LayerQuant(weights=w, inputs=i)
+
+    layers = {}
+    if q.get("quant_algo") == "MIXED_PRECISION":
+        ql = q.get("quantized_layers")
+        if not isinstance(ql, dict):
+            raise CheckpointError("MIXED_PRECISION needs a 'quantized_layers' object")
+        known = {hf_module(p) for p in linear_paths(cfg)}
+        for name in ql:
+            if name not in known:
+                raise CheckpointError(f"quantized_layers: {name!r} is not a linear layer of "
+                                      "this model")
+        for p in linear_paths(cfg):
+            name = hf_module(p)
+            layers[p] = algo(ql[name], f"quantized_layers[{name!r}]") if name in ql \
+                else L.LayerQuant()
+    else:
+        lq = algo(q, "quant_algo")
+        for p in linear_paths(cfg):
+            layers[p] = L.LayerQuant() if _excluded(hf_module(p), exclude) else lq
+    return layers, {p: lq.inputs is not None for p, lq in layers.items()}
+
+
+# ---------------------------------------------------------------------- tensors
+
+def _expect(store: TensorStore, name: str, dtypes: tuple[str, ...], shapes: tuple, why: str
+            ) -> np.ndarray:
+    if name not in store:
+        raise CheckpointError(f"tensor {name!r} is missing ({why}; expected dtype "
+                              f"{dtypes[0]} shape {list(shapes[0])})")
+    info = store.info(name)
+    if info.dtype not in dtypes:
+        raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}; expected "
+                              f"{' or '.join(dtypes)} ({why})")
+    if info.shape not in shapes:
+        raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}; expected "
+                              f"{' or '.join(str(list(s)) for s in shapes)} ({why})")
+    return store.get(name)
+
+
+def _scale(store: TensorStore, name: str, why: str, *, encode: bool) -> np.float32:
+    v = np.float32(_expect(store, name, ("F32",), ((), (1,)), why).reshape(()))
+    if not (np.isfinite(v) and v > 0):
+        raise CheckpointError(f"tensor {name!r} = {v}: expected a finite scale > 0 ({why})")
+    return np.float32(np.float32(1.0) / v) if encode else v
+
+
+def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
+                 static_input: bool, kn: tuple[int, int]) -> tuple[QArray, np.float32 | None]:
+    spec = lq.weight_spec
+    k, n = kn
+    why = f"{mod} is {lq} in the {layout} layout"
+    ct = layout == "compressed-tensors"
+    if spec.block_size is not None and k % spec.block_size:
+        raise CheckpointError(f"{mod}: input dimension {k} is not a multiple of the "
+                              f"{spec.name} block size {spec.block_size}")
+    data_name = f"{mod}.weight_packed" if ct and spec.packed else f"{mod}.weight"
+    if spec.packed:
+        data = _expect(store, data_name, ("U8",), ((n, k // 2),), why)
+    else:
+        data = _expect(store, data_name, (DTYPES_NAME[np.dtype(spec.elem_dtype)],), ((n, k),),
+                       why)
+    if spec.block_size is None:
+        scales = np.asarray(_scale(store, f"{mod}.weight_scale", why, encode=False))
+        block_shape = None
+    else:
+        sdt = DTYPES_NAME[np.dtype(spec.scale_dtype)]
+        storage = L.CT_SCHEMES[spec.name].scale_storage if ct else None
+        names = (storage, sdt) if storage else (sdt,)
+        sc = _expect(store, f"{mod}.weight_scale", names, ((n, k // spec.block_size),), why)
+        scales = sc.view(np.dtype(spec.scale_dtype)).T
+        block_shape = (spec.block_size, 1)
+    gs = None
+    if spec.has_global_scale:
+        gs = np.asarray(_scale(store, f"{mod}.weight_global_scale" if ct
+                               else f"{mod}.weight_scale_2", why, encode=ct))
+    q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)
+    in_scale = None
+    ispec = lq.input_spec
+    if ispec is not None and static_input and L.has_tensor_scale(ispec):
+        enc = ct and ispec.has_global_scale
+        in_scale = _scale(store, f"{mod}.input_global_scale" if enc else f"{mod}.input_scale",
+                          why + " with static input scales", encode=enc)
+    return q, in_scale
+
+
+def read_checkpoint(path: str | Path, *, dequantize: bool = False,
+                    param_dtype: str = "float32") -> Checkpoint:
+    """Read an HF-style Llama folder (plain, compressed-tensors or ModelOpt).
+
+    ``dequantize``: decode quantized kernels to float (else they stay packed QArrays).
+    ``param_dtype``: dtype of the float parameters (and of ``config.param_dtype``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+    cfg_json = _load_json(path / "config.json")
+    try:
+        cfg = model_config_from_hf(cfg_json, param_dtype=param_dtype)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    qc = cfg_json.get("quantization_config")
+    if qc is None and not (path / "hf_quant_config.json").is_file():
+        layout = "hf"
+        layers = {p: L.LayerQuant() for p in linear_paths(cfg)}
+        static = dict.fromkeys(layers, False)
+    else:
+        method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
+        try:
+            if method == "compressed-tensors":
+                layout = "compressed-tensors"
+                layers, static = _ct_layers(qc, cfg)
+            elif method == "modelopt":
+                layout = "modelopt"
+                layers, static = _modelopt_layers(_modelopt_quant(path, cfg_json), cfg)
+            else:
+                raise CheckpointError(f"quantization_config.quant_method={method!r}: "
+                                      "expected 'compressed-tensors' or 'modelopt'")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    try:
+        store = TensorStore(path)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+
+    dt = np.dtype(jnp.dtype(param_dtype))
+    shapes = param_shapes(cfg)
+    params: dict[str, Any] = {}
+    input_scales: dict[str, np.float32] = {}
+    for pname, shape in shapes.items():
+        if pname.endswith(".kernel") and pname != "lm_head.kernel":
+            continue
+        hf = hf_param_name(pname)
+        hshape = shape[::-1] if pname == "lm_head.kernel" else shape
+        arr = _expect(store, hf, _FLOAT_DTYPES, (hshape,), "unquantized")
+        params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" \
+            else np.asarray(arr, dt)
+    for p in linear_paths(cfg):
+        mod, lq = hf_module(p), layers[p]
+        kn = shapes[f"{p}.kernel"]
+        if not lq.quantized:
+            arr = _expect(store, f"{mod}.weight", _FLOAT_DTYPES, (kn[::-1],),
+                          f"{mod} is unquantized")
+            params[f"{p}.kernel"] = np.asarray(arr, dt).T
+            continue
+        q, s = _read_linear(store, layout, mod, lq, static[p], kn)
+        params[f"{p}.kernel"] = q
+        if s is not None:
+            input_scales[p] = s
+    if cfg.tie_embeddings:
+        store.accessed.add("lm_head.weight")  # some tied checkpoints store it anyway (HF ignores it)
+    for name in store.names():
+        if name not in store.accessed and not _HARMLESS.fullmatch(name):
+            raise CheckpointError(f"tensor {name!r} is not expected in this checkpoint "
+                                  f"({layout} layout; config and tensors disagree)")
+    ck = Checkpoint(path=path, layout=layout, config=cfg, params=params, layers=layers,
+                    input_scales=input_scales, hf_config=cfg_json,
+                    tokenizer_file=(path / "tokenizer.json")
+                    if (path / "tokenizer.json").is_file() else None)
+    if dequantize:
+        ck = dataclasses.replace(ck, params=ck.dequantized_params(dt))
+    return ck
+
+
+def import_model(path: str | Path, *, param_dtype: str = "float32"
+                 ) -> tuple[Transformer, ModelConfig]:
+    """``(Transformer, ModelConfig)`` from an HF-style folder; quantized weights are
+    dequantized into the float kernels (keep them packed with :func:`read_checkpoint`)."""
+    ck = read_checkpoint(path, param_dtype=param_dtype)
+    return ck.to_model(), ck.config

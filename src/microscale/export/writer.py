@@ -1,0 +1,308 @@
+"""``export_checkpoint``: a microscale model as an HF-style folder vLLM / TensorRT-LLM load.
+
+Output folder::
+
+    config.json                     LlamaForCausalLM fields + "quantization_config"
+    model.safetensors               (or model-0000k-of-0000K.safetensors + index above
+                                    ``shard_bytes``; a layer's tensors share a shard)
+    hf_quant_config.json            ModelOpt layout only
+    tokenizer.json, tokenizer_config.json, generation_config.json
+                                    when a tokenizer is given (HF format; EOS stops)
+    microscale_export.json          provenance: producer, layout, {layer: formats}
+                                    (informative; readers use config.json only)
+
+``quantization_config`` (compressed-tensors)::
+
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"
+                                                     | "mixed-precision" | ...,
+     "quantization_status": "compressed",
+     "config_groups": {"group_0": {"targets": ["Linear"] or [module names],
+                                   "weights": {QuantizationArgs}, "input_activations":
+                                   {QuantizationArgs} | null, "format": ...}, ...},
+     "ignore": ["lm_head", "model.embed_tokens", <bf16 linears>], ...}
+
+One config group per distinct (weight format, input format) pair; a single group covering
+every linear targets ``"Linear"``, otherwise groups list their modules by name.
+
+ModelOpt (``hf_quant_config.json`` = ``{"producer": {...}, "quantization": Q}`` and
+``config.json["quantization_config"] = {"quant_method": "modelopt", **Q}``)::
+
+    Q = {"quant_algo": "NVFP4" | "W4A16_NVFP4" | "FP8", "group_size": 16,
+         "kv_cache_quant_algo": null, "exclude_modules": [...]}                (one algo)
+    Q = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": null,
+         "quantized_layers": {module: {"quant_algo": ..., "group_size": ...}},
+         "exclude_modules": [...]}                                          (several)
+
+A model with no quantized layer is written as a plain HF checkpoint (no
+``quantization_config``). Unquantized tensors (embeddings, norms, LM head, bf16 linears)
+are stored in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from microscale import __version__
+from microscale.data import load_tokenizer
+from microscale.export import layouts as L
+from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_paths
+from microscale.export.params import check_params, flat_params
+from microscale.export.tensorfile import DTYPES, write_sharded
+from microscale.export.tokenizer import write_tokenizer
+from microscale.formats import QArray
+from microscale.model import ModelConfig
+
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "export_checkpoint", "layer_tensors"]
+
+# Shard above 5 GB (the Hugging Face default ``max_shard_size="5GB"``).
+DEFAULT_SHARD_BYTES = 5 * 10**9
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+_MARKER = "microscale_export.json"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What ``export_checkpoint`` wrote."""
+
+    # The output folder.
+    path: Path
+    # "compressed-tensors" or "modelopt".
+    layout: str
+    # File names written into the folder.
+    files: tuple[str, ...]
+    # {linear path: "nvfp4" | "nvfp4/a:nvfp4" | "bf16" | ...}.
+    layers: dict[str, str]
+    # Bytes of the safetensors data (all shards).
+    tensor_bytes: int
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def _scalar(x, shape: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(x, np.float32).reshape(shape)
+
+
+def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
+                  input_scale: np.float32 | None) -> dict[str, np.ndarray]:
+    """The tensors of one quantized linear in ``layout`` (``q``: kernel or HF orientation)."""
+    q = L.row_blocks(L.to_hf_orientation(q))
+    spec = q.spec
+    n, k = q.shape
+    if tuple(q.data.shape) != tuple(q.shape[:1]) + (q.data.shape[1],) or (
+            spec.block_size is not None and k % spec.block_size):
+        raise ValueError(f"{module}: weight of shape {(n, k)} is padded to {q.data.shape}; "
+                         f"the input dimension must be a multiple of {spec.block_size}")
+    out: dict[str, np.ndarray] = {}
+    scalar = (1,) if layout == "compressed-tensors" else ()
+    if layout == "compressed-tensors":
+        scheme = L.ct_scheme(spec.name)
+        out[f"{module}.weight_packed" if spec.packed else f"{module}.weight"] = _host(q.data)
+        sc = _host(q.scales)
+        if spec.block_size is None:
+            sc = _scalar(sc, scalar)
+        elif scheme.scale_storage is not None:
+            sc = sc.view(DTYPES[scheme.scale_storage])
+        out[f"{module}.weight_scale"] = sc
+        if spec.has_global_scale:
+            out[f"{module}.weight_global_scale"] = _scalar(
+                L.exact_reciprocal(np.asarray(q.global_scale)), scalar)
+        if input_scale is not None:
+            ispec = lq.input_spec
+            if ispec.has_global_scale:
+                out[f"{module}.input_global_scale"] = _scalar(L.exact_reciprocal(input_scale),
+                                                              scalar)
+            else:
+                out[f"{module}.input_scale"] = _scalar(input_scale, scalar)
+    else:
+        L.modelopt_algo(lq)  # raises for combinations ModelOpt has no name for
+        out[f"{module}.weight"] = _host(q.data)
+        sc = _host(q.scales)
+        out[f"{module}.weight_scale"] = _scalar(sc, scalar) if spec.block_size is None else sc
+        if spec.has_global_scale:
+            out[f"{module}.weight_scale_2"] = _scalar(q.global_scale, scalar)
+        if input_scale is not None:
+            out[f"{module}.input_scale"] = _scalar(input_scale, scalar)
+    return out
+
+
+def _ct_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
+    kinds: dict[L.LayerQuant, list[str]] = {}
+    for p, lq in layers.items():
+        if lq.quantized:
+            kinds.setdefault(lq, []).append(hf_module(p))
+    groups = {}
+    every = len(kinds) == 1 and all(lq.quantized for lq in layers.values())
+    for i, (lq, mods) in enumerate(kinds.items()):
+        scheme = L.ct_scheme(lq.weights)
+        groups[f"group_{i}"] = {
+            "targets": ["Linear"] if every else mods,
+            "weights": dict(scheme.weights),
+            "input_activations": None if lq.inputs is None
+            else dict(L.ct_scheme(lq.inputs).inputs),
+            "output_activations": None,
+            "format": scheme.format,
+        }
+    fmts = {g["format"] for g in groups.values()}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmts.pop() if len(fmts) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+    }
+
+
+def _modelopt_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
+    per = {hf_module(p): L.modelopt_algo(lq) for p, lq in layers.items() if lq.quantized}
+    algos = {json.dumps(a, sort_keys=True) for a in per.values()}
+    if len(algos) == 1:
+        return {**json.loads(algos.pop()), "kv_cache_quant_algo": None,
+                "exclude_modules": ignore}
+    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+            "quantized_layers": per, "exclude_modules": ignore}
+
+
+def _source(model: Any, config: ModelConfig | None):
+    """(flat params, config, layers, input scales) from a model / params / Checkpoint."""
+    from microscale.export.reader import Checkpoint
+
+    if isinstance(model, Checkpoint):
+        return dict(model.params), config or model.config, dict(model.layers), \
+            dict(model.input_scales)
+    if config is None:
+        config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise TypeError("export_checkpoint needs the ModelConfig (pass config=...) unless the "
+                        "model carries one (a Transformer or a Checkpoint)")
+    return flat_params(model), config, None, None
+
+
+def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
+                      config: ModelConfig | None = None,
+                      layout: str = "compressed-tensors",
+                      layer_formats: L.LayerFormats = None,
+                      activations: bool | None = None,
+                      input_amax: Mapping[str, Any] | None = None,
+                      tokenizer: Any = None,
+                      dtype: str = "bfloat16",
+                      shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      overwrite: bool = False) -> ExportResult:
+    """Write ``model`` to ``out_dir`` in ``layout`` ("compressed-tensors" or "modelopt").
+
+    Args:
+      model: a ``Transformer``, its params (``nnx.State``, nested or flat dict; kernels may
+        be pre-quantized ``QArray``\\ s, e.g. from PTQ), or a ``Checkpoint`` from
+        :func:`read_checkpoint` (re-export / layout conversion keeps its packed bytes).
+      config: the ``ModelConfig`` (taken from a Transformer / Checkpoint when omitted).
+      layer_formats: per-layer formats (see :func:`~microscale.export.resolve_layers`):
+        None = NVFP4 everywhere, a format name, a ``PrecisionRules``, or {path: format}.
+        Default for a Checkpoint: its own layers.
+      activations: quantize inputs too (W4A4 / W8A8); None = True iff ``input_amax`` is
+        given. NVFP4 and FP8 inputs need a calibrated ``input_amax`` per layer.
+      input_amax: {linear path: max |x| of its input over calibration data}.
+      tokenizer: a microscale tokenizer or tokenizer file to ship with the model.
+      dtype: dtype of the unquantized tensors ("bfloat16", "float16", "float32").
+      shard_bytes: above this many bytes the weights are sharded with an index.
+      overwrite: replace an existing non-empty ``out_dir``.
+    """
+    if layout not in L.LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {L.LAYOUTS}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output folder {str(out)!r} is not empty; pass "
+                                  "overwrite=True (CLI: --overwrite) to replace it")
+        if not (out / "config.json").is_file():
+            raise FileExistsError(f"refusing to overwrite {str(out)!r}: it does not look like "
+                                  "an exported model (no config.json)")
+    params, cfg, ck_layers, ck_scales = _source(model, config)
+    check_params(params, cfg)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's "
+                         f"vocab_size is {cfg.vocab_size}")
+    if activations is None:
+        activations = input_amax is not None
+    if ck_layers is not None and layer_formats is None and input_amax is None:
+        layers, input_scales = ck_layers, ck_scales  # re-export: bytes and scales kept
+    else:
+        if ck_layers is not None and layer_formats is None:
+            layer_formats = {p: lq.weights for p, lq in ck_layers.items()}
+        layers = L.resolve_layers(cfg, layer_formats, activations=activations)
+        input_scales = L.input_decode_scales(cfg, layers, input_amax)
+    quantized = L.quantize_linear_weights(params, cfg, layers)
+
+    # Everything is computed and validated before the output folder is touched.
+    np_dtype = _DTYPES[dtype]
+    tensors: dict[str, np.ndarray] = {}
+    groups: list[list[str]] = []
+    for name, v in params.items():
+        if name.endswith(".kernel") and name != "lm_head.kernel":
+            continue
+        arr = np.asarray(jnp.asarray(v, jnp.float32)).astype(np_dtype)
+        tensors[hf_param_name(name)] = arr.T if name == "lm_head.kernel" else arr
+    for p in linear_paths(cfg):
+        lq, w = layers[p], quantized[p]
+        mod = hf_module(p)
+        if not lq.quantized:
+            tensors[f"{mod}.weight"] = np.asarray(jnp.asarray(w, jnp.float32)).T.astype(np_dtype)
+            continue
+        layer = layer_tensors(layout, mod, w, lq, input_scales.get(p))
+        tensors.update(layer)
+        groups.append(list(layer))
+
+    ignore = ["lm_head", "model.embed_tokens"] + [hf_module(p) for p in linear_paths(cfg)
+                                                  if not layers[p].quantized]
+    cfg_json = hf_config(cfg, dtype=dtype,
+                         eos_token_id=None if tokenizer is None else tokenizer.eos_id)
+    hq = None
+    if any(lq.quantized for lq in layers.values()):
+        if layout == "compressed-tensors":
+            cfg_json["quantization_config"] = _ct_config(layers, ignore)
+        else:
+            q = _modelopt_config(layers, ignore)
+            cfg_json["quantization_config"] = {"quant_method": "modelopt", **q}
+            hq = {"producer": {"name": "microscale", "version": __version__},
+                  "quantization": q}
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    files: list[str] = []
+    if hq is not None:
+        (out / "hf_quant_config.json").write_text(json.dumps(hq, indent=2) + "\n")
+        files.append("hf_quant_config.json")
+    files += write_sharded(out, tensors, shard_bytes=shard_bytes, groups=groups,
+                           metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+    files.append("config.json")
+    if tokenizer is not None:
+        files += write_tokenizer(tokenizer, out, max_len=cfg.max_seq_len)
+        gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        files.append("generation_config.json")
+    marker = {"producer": "microscale", "version": __version__, "layout": layout,
+              "layers": {p: lq.to_dict() for p, lq in layers.items()}}
+    (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    files.append(_MARKER)
+    return ExportResult(path=out, layout=layout, files=tuple(files),
+                        layers={p: str(lq) for p, lq in layers.items()},
+                        tensor_bytes=sum(a.nbytes for a in tensors.values()))

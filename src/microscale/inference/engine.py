@@ -1,0 +1,242 @@
+"""The inference forward pass over packed weights, with a KV cache.
+
+Weights. Each linear layer is a :class:`Linear`: either a dense ``[N, K]`` array in the
+compute dtype, or a ``QArray`` of shape ``(N, K)`` (blocks along ``K``) that *stays packed
+in memory* — NVFP4 holds ``uint8 [N, K/2]`` codes, ``float8_e4m3fn [N, K/16]`` block
+scales and one float32: ``4 + 8/16 = 4.5`` bits per weight instead of BF16's 16. Inside
+the jitted forward each layer is decoded just before its GEMM (W4A16)::
+
+    Wv = dequantize(q, bf16, with_global_scale=False)   # e2m1 * e4m3: exact in bf16
+    y  = (x @ Wv^T  in float32) * s_dec                   # tensor scale on the output
+
+(on CPU ``Wv`` is decoded to float32 instead -- equally exact -- because XLA:CPU runs a
+bf16 GEMM by converting to float32 anyway). Each weight passes an
+``optimization_barrier`` together with its layer's input, so XLA can neither hoist the
+decode out of the generation loop (which would keep every decoded layer resident for the
+whole call) nor decode a layer before the previous one has finished: only one layer's
+decoded weights are live at a time. With ``act`` set (W4A4 emulation) the
+input is quantized too, ``xv, xs = quantize_dequantize(x, act, amax=static amax or None)``
+(NVFP4 1x16 blocks along ``K``; a calibrated static scale when the checkpoint has one,
+else the amax of the current tensor), and ``y = (xv @ Wv^T) * xs * s_dec``.
+
+Everything else follows microscale's ``Transformer`` exactly (``model/``): float32
+residual stream and RMSNorm statistics, RoPE in float32 (HF "rotate half" layout),
+grouped-query attention with float32 scores and softmax, SwiGLU, float32 logits; so a
+bf16 model gives the same logits here as there.
+
+KV cache and batching. Prompts of different lengths are *left*-padded to a common length
+``P`` (rounded up to a multiple of 16 to limit recompilation); row ``b`` starts at slot
+``start[b]``. The cache holds ``k, v [B, S, KV, hd]`` per layer for ``S = P +
+max_new_tokens`` slots. A step writes its keys/values at slot ``index`` and its queries
+attend to slots ``j`` with ``start[b] <= j <= own slot``; RoPE positions are
+``slot - start[b]``, so every row sees positions ``0, 1, ...`` as in training. Prefill
+runs the whole padded prompt in one call; decode then runs one token per step inside
+one ``lax.while_loop`` (stopping early once every row has emitted a stop token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from microscale.export.hf import LINEAR_KINDS, hf_module
+from microscale.export.layouts import (
+    LayerQuant,
+    amax_from_decode_scale,
+    row_blocks,
+    to_hf_orientation,
+)
+from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize_dequantize
+from microscale.model import ModelConfig, apply_rope, rope_tables
+
+__all__ = ["Linear", "build_weights", "forward", "init_cache"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """One linear layer of the inference model (a pytree; ``act`` is static)."""
+
+    # Dense [N, K] array (compute dtype) or a packed QArray of shape (N, K), blocks along K.
+    weight: Any
+    # Static input decode scale (float32 scalar) for W4A4 emulation; None = dynamic.
+    input_scale: Any = None
+    # Input activation format for W4A4 emulation; None = inputs stay in the compute dtype.
+    act: FormatSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.weight, QArray)
+
+
+def _tensor_scale(q: QArray):
+    """The float32 scale ``dequantize(..., with_global_scale=False)`` leaves out."""
+    if q.global_scale is not None:
+        return q.global_scale
+    if q.block_shape is None and q.scales is not None:
+        return q.scales
+    return None
+
+
+def _apply_linear(lin: Linear, x: jax.Array, cdt) -> jax.Array:
+    # Tie the weight to this layer's input: XLA can then neither hoist its decode (or a
+    # converted copy) out of the decode loop -- loop-invariant code motion would keep every
+    # layer's decoded weights resident for the whole generation -- nor decode it before
+    # the previous layer has finished. Only one layer's decoded weights are live at a time.
+    w, x = jax.lax.optimization_barrier((lin.weight, x.astype(cdt)))
+    if not lin.packed:
+        return jnp.einsum("...k,nk->...n", x, w.astype(cdt), preferred_element_type=cdt)
+    q = w
+    # Decoded values (E2M1 x E4M3, E4M3, x 2^k) are exact in bf16 and in f32; XLA:CPU
+    # multiplies bf16 by converting to f32 anyway, so decode straight to f32 there.
+    mdt = jnp.float32 if jax.default_backend() == "cpu" else cdt
+    wv = dequantize(q, mdt, with_global_scale=False)
+    scale = _tensor_scale(q)
+    if lin.act is not None:
+        amax = None if lin.input_scale is None else amax_from_decode_scale(lin.act,
+                                                                           lin.input_scale)
+        x, xs = quantize_dequantize(x, lin.act, axis=-1, amax=amax, dtype=cdt)
+        scale = xs if scale is None else scale * xs
+    y = jnp.einsum("...k,nk->...n", x.astype(mdt), wv, preferred_element_type=jnp.float32)
+    if scale is not None:
+        y = y * scale
+    return y.astype(cdt)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, cdt) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(ms + eps) * scale.astype(jnp.float32)).astype(cdt)
+
+
+def _attention(q, k, v, q_slot, k_slot, start):
+    """q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]``; key ``j`` visible to query ``i`` of row
+    ``b`` iff ``start[b] <= k_slot[j] <= q_slot[i]``. float32 scores and softmax."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & \
+        (k_slot[None, None, :] >= start[:, None, None])  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> list[dict[str, jax.Array]]:
+    """Zeroed KV cache: per layer ``{"k", "v"}`` of shape ``[batch, slots, KV, head_dim]``."""
+    shp = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    return [{"k": jnp.zeros(shp, dtype), "v": jnp.zeros(shp, dtype)}
+            for _ in range(cfg.n_layers)]
+
+
+def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, cdt,
+            cache: list | None = None, index: Any = 0, start: jax.Array | None = None,
+            collect_amax: bool = False):
+    """Logits ``[B, T, V]`` (float32) of ``tokens [B, T]`` at slots ``index ... index+T-1``.
+
+    With ``cache`` the new keys/values are written at those slots and attention reads the
+    whole cache (returns ``(logits, cache)``); without, attention is over ``tokens`` only
+    (returns ``(logits, None)``). ``start [B]``: first non-padding slot of each row.
+    ``collect_amax`` adds a third output, {linear path: max |input|} (calibration).
+    """
+    b, t = tokens.shape
+    cdt = jnp.dtype(cdt)
+    if start is None:
+        start = jnp.zeros((b,), jnp.int32)
+    q_slot = index + jnp.arange(t, dtype=jnp.int32)
+    positions = jnp.maximum(q_slot[None, :] - start[:, None], 0)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    amax: dict[str, jax.Array] = {}
+
+    def lin(path: str, w: Linear, x):
+        if collect_amax:
+            amax[path] = jnp.max(jnp.abs(x.astype(jnp.float32)))
+        return _apply_linear(w, x, cdt)
+
+    x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
+    new_cache = [] if cache is not None else None
+    for i, lw in enumerate(weights["layers"]):
+        p = f"layers.{i}"
+        h = _rms_norm(x, lw["attn_norm"], cfg.norm_eps, cdt)
+        q = lin(f"{p}.attn.q_proj", lw["q_proj"], h).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = lin(f"{p}.attn.k_proj", lw["k_proj"], h).reshape(b, t, cfg.n_kv_heads,
+                                                             cfg.head_dim)
+        v = lin(f"{p}.attn.v_proj", lw["v_proj"], h).reshape(b, t, cfg.n_kv_heads,
+                                                             cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            k_all, v_all, k_slot = k, v, q_slot
+        else:
+            c = cache[i]
+            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype),
+                                                 (0, index, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype),
+                                                 (0, index, 0, 0))
+            new_cache.append({"k": k_all, "v": v_all})
+            k_slot = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+        o = _attention(q, k_all.astype(q.dtype), v_all.astype(v.dtype), q_slot, k_slot, start)
+        o = o.reshape(b, t, cfg.n_heads * cfg.head_dim)
+        x = x + lin(f"{p}.attn.o_proj", lw["o_proj"], o).astype(jnp.float32)
+        m = _rms_norm(x, lw["mlp_norm"], cfg.norm_eps, cdt)
+        g = lin(f"{p}.mlp.gate_proj", lw["gate_proj"], m)
+        u = lin(f"{p}.mlp.up_proj", lw["up_proj"], m)
+        hh = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+        x = x + lin(f"{p}.mlp.down_proj", lw["down_proj"], hh).astype(jnp.float32)
+    x = _rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt)
+    head = weights["embed"] if weights["lm_head"] is None else weights["lm_head"]  # [V, D]
+    head, x = jax.lax.optimization_barrier((head, x))  # no hoisted copy (see _apply_linear)
+    logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt),
+                        preferred_element_type=jnp.float32)
+    if collect_amax:
+        return logits, new_cache, amax
+    return logits, new_cache
+
+
+# ---------------------------------------------------------------------- building
+
+def build_weights(params: Mapping[str, Any], cfg: ModelConfig,
+                  layers: Mapping[str, LayerQuant], *, compute_dtype,
+                  input_scales: Mapping[str, Any] | None = None,
+                  activations: bool = False) -> dict[str, Any]:
+    """The forward pass's weight pytree from flat params (kernels float ``[K, N]`` or
+    QArrays in either orientation). Dense kernels become ``[N, K]`` arrays in
+    ``compute_dtype``; QArrays stay packed (moved to the device as they are)."""
+    cdt = jnp.dtype(compute_dtype)
+    input_scales = input_scales or {}
+    out_layers = []
+    for i in range(cfg.n_layers):
+        lw: dict[str, Any] = {
+            "attn_norm": jnp.asarray(params[f"layers.{i}.attn_norm.scale"]),
+            "mlp_norm": jnp.asarray(params[f"layers.{i}.mlp_norm.scale"]),
+        }
+        for kind in LINEAR_KINDS:
+            path = f"layers.{i}.{kind}"
+            w = params[f"{path}.kernel"]
+            lq = layers.get(path, LayerQuant())
+            name = kind.split(".")[1]
+            if isinstance(w, QArray):
+                q = row_blocks(to_hf_orientation(w))
+                q = jax.tree.map(jnp.asarray, q)
+                act = None
+                if activations:
+                    act = get_format(lq.inputs) if lq.inputs is not None else q.spec
+                s = input_scales.get(path) if act is not None else None
+                lw[name] = Linear(q, None if s is None else jnp.float32(s), act)
+            else:
+                if lq.quantized:
+                    raise ValueError(f"{hf_module(path)}: layer is {lq} but its kernel is not "
+                                     "quantized; quantize it first (quantize_linear_weights)")
+                lw[name] = Linear(jnp.asarray(jnp.asarray(w).T, cdt))
+        out_layers.append(lw)
+    head = params.get("lm_head.kernel")
+    return {"embed": jnp.asarray(params["embed.embedding"]),
+            "final_norm": jnp.asarray(params["final_norm.scale"]),
+            "lm_head": None if head is None else jnp.asarray(head).T,
+            "layers": out_layers}
