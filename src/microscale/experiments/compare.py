@@ -415,12 +415,23 @@ def reading(summary: dict[str, Any]) -> list[str]:
                else "") + ".")
         abl = {k: runs[k]["rel_gap_vs_bf16"] for k in ABLATIONS
                if k in runs and runs[k]["rel_gap_vs_bf16"] is not None}
+        noise = _noise_pct(runs)
         if abl:
-            parts = [f"`{k}` {v:+.2f}%" for k, v in abl.items()]
-            out.append("- Ablations (gap vs bf16; compare each with nvfp4's "
-                       f"{g:+.2f}%): " + ", ".join(parts) + ". An ablation whose gap is larger "
-                       "than nvfp4's shows that component helps at this scale; a smaller or "
-                       "equal one shows it does not matter here.")
+            out.append(f"- Ablations (gap vs bf16; full nvfp4 {g:+.2f}%): "
+                       + ", ".join(f"`{k}` {v:+.2f}%" for k, v in abl.items()) + ".")
+            if noise is None:
+                out.append("  With one seed the run-to-run spread is unknown, so an ablation "
+                           "that differs from nvfp4 by a percent or two is not evidence that "
+                           "the component helps or hurts; add `--seeds 0,1,2`.")
+            else:
+                tol = 2 * noise
+                for k, v in abl.items():
+                    d = v - g
+                    verdict = ("within noise of nvfp4" if abs(d) <= tol else
+                               "worse than nvfp4: the removed part helps here" if d > 0 else
+                               "better than nvfp4: the removed part does not help here")
+                    out.append(f"  - `{k}`: {d:+.2f} points vs nvfp4, {verdict} "
+                               f"(2 x seed std = {tol:.2f} points).")
         elif abs(g) > 2:
             out.append("- The NVFP4 gap exceeds 2%: run the ablations "
                        "(`--ablations all`) to see which part of the recipe it comes from.")
@@ -433,21 +444,36 @@ def reading(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _noise_pct(runs: dict[str, dict[str, Any]]) -> float | None:
+    """Largest seed standard deviation of a final val loss, in % of that loss."""
+    vals = [100 * r["final_val_loss_std"] / r["final_val_loss"] for r in runs.values()
+            if r.get("final_val_loss_std") and r.get("final_val_loss")]
+    return max(vals) if vals else None
+
+
 def _plots(out: Path, curves: dict[str, list[tuple[int, float, dict]]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, pts in curves.items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Convergence: validation loss vs tokens")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        if not pts:
+            continue
+        style = "--" if name in ABLATIONS else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=2, label=name)
+        tail = pts[len(pts) // 3:]  # zoom: the last two thirds, where the gaps show
+        zoom.plot([p[0] for p in tail], [p[1] for p in tail], style, marker="o", ms=2,
+                  label=name)
+    ax.set_yscale("log")
+    ax.set_title("Validation loss vs tokens (log scale)")
+    zoom.set_title("Last two thirds of training")
+    for a in (ax, zoom):
+        a.set_xlabel("training tokens")
+        a.set_ylabel("validation loss (nats/token)")
+        a.grid(alpha=0.3)
+    zoom.legend(fontsize=8)
     fig.tight_layout()
     _save_fig(fig, out / "convergence.png")
     plt.close(fig)
@@ -457,16 +483,17 @@ def _plots(out: Path, curves: dict[str, list[tuple[int, float, dict]]]) -> None:
     for name, pts in curves.items():
         if name == "bf16":
             continue
-        xs = [(t, 100 * (v - ref[t]) / ref[t]) for t, v, _ in pts if t in ref]
+        xs = [(t, 100 * (v - ref[t]) / ref[t]) for t, v, _ in pts if t in ref and t > 0]
         if xs:
-            ax.plot([x[0] for x in xs], [x[1] for x in xs], marker="o", ms=3, label=name)
+            ax.plot([x[0] for x in xs], [x[1] for x in xs], "--" if name in ABLATIONS else "-",
+                    marker="o", ms=3, label=name)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("relative val-loss gap to bf16 (%)")
     ax.set_title("Gap to bf16 vs tokens")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     _save_fig(fig, out / "gap.png")
     plt.close(fig)

@@ -238,7 +238,7 @@ class TrainConfig:
         return cls(model=ModelConfig.tiny(),
                    data=DataConfig(seq_len=128, batch_size=16, eval_batches=8),
                    optim=OptimConfig(lr=3e-3, warmup_steps=30),
-                   steps=300, eval_every=100, log_every=10)
+                   steps=300, eval_every=25, log_every=10)
 
     @classmethod
     def small(cls) -> TrainConfig:
