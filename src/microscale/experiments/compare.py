@@ -457,6 +457,7 @@ def _plots(out: Path, curves: dict[str, list[tuple[int, float, dict]]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, pts in curves.items():
         if not pts:
