@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
-from pathlib import Path
-
 import numpy as np
 import pytest
 from flax import nnx
@@ -33,17 +29,12 @@ def token_batches() -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory) -> str:
+def trained_run(tmp_path_factory, corpus_dir) -> str:
     """A run folder: TINY trained 30 steps on ~40 stdlib modules (seq 32)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 40_000)[:40]
-    corpus = tmp_path_factory.mktemp("q-corpus")
-    for p in files:
-        shutil.copy(p, corpus / p.name)
     out = tmp_path_factory.mktemp("q-run") / "run"
     cfg = TrainConfig(
         model=TINY,
-        data=DataConfig(corpus=str(corpus), heldout="none", seq_len=32, batch_size=8,
+        data=DataConfig(corpus=corpus_dir, heldout="none", seq_len=32, batch_size=8,
                         eval_batches=2, val_fraction=0.2,
                         cache_dir=str(tmp_path_factory.mktemp("q-cache")), prefetch=1),
         optim=OptimConfig(lr=3e-3, warmup_steps=5),

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
-from pathlib import Path
-
 import pytest
 
 from microscale.config import apply_overrides
@@ -16,17 +12,6 @@ from microscale.train import OptimConfig, TrainConfig
 # Test model: 2 blocks of width 64 (head_dim 32, one kv head), ~60k parameters.
 TEST_MODEL = ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
                          d_ff=64, max_seq_len=32)
-
-
-@pytest.fixture(scope="session")
-def corpus_dir(tmp_path_factory) -> str:
-    """~40 standard-library modules copied to a folder (a small, fixed corpus)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 40_000)[:40]
-    out = tmp_path_factory.mktemp("corpus")
-    for p in files:
-        shutil.copy(p, out / p.name)
-    return str(out)
 
 
 @pytest.fixture(scope="session")
