@@ -104,11 +104,6 @@ def float_round(y: jax.Array, elem_dtype, elem_max: float, rounding: str = "near
     return jnp.where(jnp.signbit(y), -v, v)
 
 
-def e2m1_round(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = None) -> jax.Array:
-    """float32 -> nearest E2M1 value (float32); ``e2m1_decode(e2m1_encode(y))`` bit for bit."""
-    return float_round(y, ml_dtypes.float4_e2m1fn, 6.0, rounding, u)
-
-
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     """uint8 codes 0..15 -> values (arithmetic, no gather)."""
     mag = (codes & 7).astype(jnp.float32)
@@ -124,11 +119,6 @@ def float8_encode(y: jax.Array, dtype, elem_max: float, rounding: str = "nearest
     Rounds in the value domain (:func:`float_round`), then casts the exact result.
     """
     return float_round(y, dtype, elem_max, rounding, u).astype(dtype)
-
-
-def e4m3_rne_value(v: jax.Array) -> jax.Array:
-    """``float(e4m3_rne(v))`` for float32 ``0 <= v <= 448`` (or NaN), in float32."""
-    return round_to_float(v, 3, -6)
 
 
 def abs_bits_max(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:

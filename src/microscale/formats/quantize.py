@@ -185,8 +185,9 @@ def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, sc
         s_dec = jnp.float32(1.0) / s_enc
         global_scale = jnp.where(jnp.isfinite(t_amax), s_dec, jnp.float32(jnp.nan))
         def scaled(target):
-            sb = elements.e4m3_rne_value(jnp.minimum(
-                bamax * (s_enc / jnp.float32(target)), jnp.float32(spec.scale_max)))
+            # bamax >= 0, so this is e4m3_rne(clip(bamax * s_enc / target, 0, 448)).
+            sb = elements.float_round(bamax * (s_enc / jnp.float32(target)), spec.scale_dtype,
+                                      spec.scale_max)
             enc = jnp.minimum(jnp.float32(1.0) / (sb * s_dec), jnp.float32(FLT_MAX))
             return sb, xb * enc
 
