@@ -257,7 +257,9 @@ def test_rht_invisible_without_quantization():
 
 def _lineages(jaxpr, env):
     """Walk a jaxpr (recursively through sub-jaxprs); return the lineage (set of op
-    tags upstream) of both operands of every bf16 x bf16 dot_general."""
+    tags upstream) of both operands of every bf16 x bf16 dot_general whose operands
+    both derive from the layer's inputs (tagged "input"): the GEMMs, not the Hadamard
+    transform (a dot with a constant matrix)."""
     from jax.extend import core as jcore
 
     def lin(v):
@@ -269,7 +271,8 @@ def _lineages(jaxpr, env):
         subs = [p for p in eqn.params.values()
                 if isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)]
         if eqn.primitive.name == "dot_general" and all(
-                getattr(v.aval, "dtype", None) == jnp.bfloat16 for v in eqn.invars):
+                getattr(v.aval, "dtype", None) == jnp.bfloat16 and "input" in lin(v)
+                for v in eqn.invars):
             dots.append(tuple(ins))
         tag = eqn.primitive.name
         if tag == "convert_element_type":
@@ -298,7 +301,7 @@ def _gemm_operand_lineages(name):
         return (y,) + pb(dy)
 
     closed = jax.make_jaxpr(f)(x, w, dy)
-    dots, _ = _lineages(closed.jaxpr, {})
+    dots, _ = _lineages(closed.jaxpr, {v: frozenset({"input"}) for v in closed.jaxpr.invars})
     return dots
 
 
@@ -310,7 +313,7 @@ def test_jaxpr_all_three_gemms_quantized_for_nvfp4():
             assert "reduce_max" in side  # block/tensor amax: the operand was quantized
             # rounding to the E2M1 grid (RNE: round; SR: floor + uniform) and to E4M3 scales
             assert "round" in side or "floor" in side
-    # The Hadamard transform (an f32 dot) feeds only the wgrad GEMM's operands.
+    # The Hadamard transform (a dot with a constant matrix) feeds only the wgrad operands.
     assert [("dot_general" in lhs, "dot_general" in rhs) for lhs, rhs in dots].count(
         (True, True)) == 1
     no_rht = _gemm_operand_lineages("nvfp4_no_rht")
