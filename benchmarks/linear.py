@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from microscale.ops import make_dot_general
+from microscale.ops import get_recipe, init_amax_history, make_dot_general
 
 DNUMS = (((1,), (0,)), ((), ()))
 
@@ -44,7 +44,8 @@ def _qwix_nvfp4():
 def candidates(recipes: list[str], key):
     out = {"jnp.dot bf16": lambda x, w: jnp.dot(x, w)}
     for name in recipes:
-        dg = make_dot_general(name, key=key)
+        hist = init_amax_history(name) if get_recipe(name).delayed else None
+        dg = make_dot_general(name, key=key, amax_history=hist)
         out[name] = lambda x, w, dg=dg: dg(x, w, DNUMS)
     q = _qwix_nvfp4()
     if q is not None:

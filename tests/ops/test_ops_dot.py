@@ -11,6 +11,7 @@ from flax import nnx
 from microscale.formats import fake_quantize, quantize, random_hadamard
 from microscale.formats.quantize import block_scales_f32
 from microscale.ops import (
+    SLOTS,
     OperandSpec,
     Recipe,
     get_recipe,
@@ -62,14 +63,28 @@ def reference(recipe: Recipe, x, w, dy, key, seed=0):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _vjp_jit(recipe, x, w, dy, key):
-    y, pb = jax.vjp(lambda x, w: qdot(x, w, recipe, key=key), x, w)
+def _vjp_jit(recipe, x, w, dy, key, hist):
+    y, pb = jax.vjp(lambda x, w: qdot(x, w, recipe, key=key, amax_history=hist), x, w)
     return (y,) + pb(dy)
 
 
+def current_amax_history(recipe, x, w, dy):
+    """A delayed-scaling history whose window max is each operand's own amax (the other
+    entries smaller), so delayed scaling must reproduce current scaling exactly."""
+    operand = {"fprop_x": x, "fprop_w": w, "dgrad_dy": dy, "dgrad_w": w, "wgrad_x": x,
+               "wgrad_dy": dy}
+    now = jnp.stack([jnp.max(jnp.abs(operand[s].astype(jnp.float32))) for s in SLOTS])
+    older = jax.random.uniform(jax.random.key(7), (len(SLOTS), recipe.amax_history_len),
+                               maxval=0.9)
+    return (older * now[:, None]).at[:, 3].set(now)
+
+
 def _vjp(recipe, x, w, dy, key):
-    """(y, dx, dw) of the jitted layer; one compile per (recipe, shapes), keys traced."""
-    return _vjp_jit(get_recipe(recipe), x, w, dy, key)
+    """(y, dx, dw) of the jitted layer; one compile per (recipe, shapes), keys traced.
+    Delayed-scaling recipes get :func:`current_amax_history`."""
+    recipe = get_recipe(recipe)
+    hist = current_amax_history(recipe, x, w, dy) if recipe.delayed else None
+    return _vjp_jit(recipe, x, w, dy, key, hist)
 
 
 def _close(a, b, rtol=2e-6):

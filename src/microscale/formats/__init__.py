@@ -20,6 +20,7 @@ from microscale.formats.quantize import (
     quantize,
     quantize_dequantize,
     storage_bits,
+    tensor_amax,
 )
 from microscale.formats.spec import REGISTRY, FormatSpec, get_format, list_formats
 
@@ -27,5 +28,5 @@ __all__ = [
     "E2M1_VALUES", "REGISTRY", "FormatSpec", "QArray", "block_scales_f32", "dequantize",
     "e2m1_decode", "e2m1_encode", "fake_quantize", "get_format", "hadamard_matrix",
     "list_formats", "pack_nibbles", "quantize", "quantize_dequantize", "random_hadamard", "random_signs",
-    "storage_bits", "unpack_nibbles",
+    "storage_bits", "tensor_amax", "unpack_nibbles",
 ]

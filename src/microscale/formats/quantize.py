@@ -231,15 +231,16 @@ def _prepare(x, fmt, axis, rounding, key, block_shape):
     return spec, x, axis, _resolve_blocks(spec, x.shape, axis, block_shape)
 
 
-def _tensor_amax(x) -> jax.Array:
-    """max|x| as float32 (see :func:`_encode` for why it is computed this way)."""
+def tensor_amax(x) -> jax.Array:
+    """max|x| over the whole array as float32, NaN-propagating (the amax that sets a
+    per-tensor scale; see :func:`_encode` for why it is computed this way)."""
     if jnp.dtype(x.dtype).itemsize == 2:
         return elements.abs_bits_max(x, tuple(range(x.ndim))).reshape(()).astype(jnp.float32)
     return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
 
 
 def _tensor_scale(x, spec: FormatSpec, amax):
-    t_amax = _tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
+    t_amax = tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
     scale = jnp.where(t_amax == 0, jnp.float32(1.0), t_amax / jnp.float32(spec.elem_max))
     return jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
 

@@ -67,6 +67,12 @@ class FormatSpec:
         return self.scale_kind != "none"
 
     @property
+    def has_tensor_scale(self) -> bool:
+        """True when an amax over the whole tensor sets a scale (per-tensor FP8, NVFP4's
+        global scale): such a format can take a given ``amax`` (delayed scaling)."""
+        return self.quantized and (self.block_size is None or self.has_global_scale)
+
+    @property
     def packed(self) -> bool:
         """True when two elements share one uint8 (4-bit elements)."""
         return self.elem_bits == 4

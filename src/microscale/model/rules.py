@@ -304,6 +304,12 @@ def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str
         out[path] = recipe_name(recipe)
         if recipe is None:
             continue
+        if get_recipe(recipe).delayed:
+            raise ValueError(f"layer {path!r}: recipe {recipe_name(recipe)!r} uses delayed "
+                             "scaling, whose amax history is per-layer state that precision "
+                             "rules do not carry (microscale train uses current scaling). "
+                             "For your own model, pass microscale.ops.delayed."
+                             "DelayedScalingDot(...) as the layer's dot_general")
         if isinstance(node, QLinear):
             node.recipe = recipe
             node.layer_id = path_id(path)

@@ -7,6 +7,7 @@ whose forward GEMM and both gradient GEMMs quantize their operands as the
 
 from microscale.ops.backend import device_capability, native_supported, resolve_backend
 from microscale.ops.dot import (
+    init_amax_history,
     make_dot_general,
     operand_key,
     qdot,
@@ -25,6 +26,7 @@ from microscale.ops.recipe import (
 
 __all__ = [
     "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "device_capability", "get_recipe",
+    "init_amax_history",
     "list_recipes", "make_dot_general", "native_supported", "operand_key", "qdot",
     "quantize_operand",
     "quantized_dot_general", "resolve_backend",

@@ -50,6 +50,7 @@ from microscale.formats import (
     hadamard_matrix,
     quantize_dequantize,
     random_signs,
+    tensor_amax,
 )
 from microscale.ops.backend import gemm_supported, native_gemm, resolve_backend
 from microscale.ops.recipe import SLOT_PAIRS, SLOTS, OperandSpec, Recipe, get_recipe
@@ -114,7 +115,7 @@ def _check_key(spec: OperandSpec, key, slot: str) -> None:
 
 
 def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=None,
-                     hadamard_seed: int = 0, slot: str = "operand"):
+                     hadamard_seed: int = 0, slot: str = "operand", amax=None):
     """One GEMM operand -> (bf16 values, f32 tensor scale).
 
     ``axis`` (-1 or -2) is the contraction axis: blocks, the Hadamard transform and
@@ -122,6 +123,8 @@ def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=Non
     block shape ``(along, other)`` covers the last two axes. The values are exactly
     ``dequantize(quantize(t', ...), bfloat16, with_global_scale=False)`` of the (rotated)
     operand ``t'``; the second output is the omitted float32 tensor scale (1 if none).
+    ``amax`` replaces the (rotated) operand's own amax in its tensor scale (delayed
+    scaling); values beyond it saturate.
     """
     if axis not in (-1, -2):
         raise ValueError(f"quantize_operand: axis must be -1 or -2 (a GEMM dim), got {axis}")
@@ -132,7 +135,7 @@ def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=Non
         block_shape = block_shape[::-1]  # (along, other) -> array order of the last two dims
     return quantize_dequantize(t, spec.spec, axis=axis, rounding=spec.rounding,
                                key=key if spec.stochastic else None, block_shape=block_shape,
-                               scale_rounding=spec.scale_rounding, dtype=COMPUTE)
+                               scale_rounding=spec.scale_rounding, dtype=COMPUTE, amax=amax)
 
 
 def _scaled(y: jax.Array, *scales) -> jax.Array:
@@ -185,25 +188,47 @@ def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b:
 
 
 def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:
-    return backend == "native" and gemm_supported(*recipe.gemms()[gemm])
+    # Delayed scaling runs emulated: the native operand path derives its own scales.
+    return (backend == "native" and not recipe.delayed
+            and gemm_supported(*recipe.gemms()[gemm]))
+
+
+def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: int = -1):
+    """Quantize the operand of ``slot`` (:func:`quantize_operand`). With an amax history
+    (delayed scaling) its tensor scale comes from the history, and the history row with
+    this step's amax pushed in front goes to ``updates[slot]``."""
+    spec = getattr(recipe, slot)
+    amax = None
+    if history is not None and spec.quantized:
+        row = history[SLOTS.index(slot)]
+        amax = jnp.max(row) if recipe.amax_compute == "max" else row[0]
+        now = tensor_amax(_rotate(t, spec, axis, recipe.hadamard_seed))
+        updates[slot] = jnp.concatenate([now[None], row[:-1]])
+    return quantize_operand(t, spec, axis=axis, key=operand_key(key, slot),
+                            hadamard_seed=recipe.hadamard_seed, slot=slot, amax=amax)
+
+
+def _new_history(history, updates: dict):
+    """The amax history with the rows in ``updates`` replaced (None stays None)."""
+    if history is None:
+        return None
+    return jnp.stack([updates.get(slot, history[i]) for i, slot in enumerate(SLOTS)])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qmatmul(recipe: Recipe, backend: str, out_dtype, x, w, key):
-    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, x, w, key)
+def _qmatmul(recipe: Recipe, backend: str, out_dtype, x, w, key, history):
+    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, x, w, key, history)
     return y
 
 
-def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key):
-    seed = recipe.hadamard_seed
+def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key, history):
     w_res = w
+    updates: dict = {}
     if _use_native(recipe, backend, "fprop"):
         y = _native_gemm(recipe, "fprop", x, w, key, axis_b=-2)
     else:
-        xq, sx = quantize_operand(x, recipe.fprop_x, key=operand_key(key, "fprop_x"),
-                                  hadamard_seed=seed, slot="fprop_x")
-        wq, sw = quantize_operand(w, recipe.fprop_w, axis=-2, key=operand_key(key, "fprop_w"),
-                                  hadamard_seed=seed, slot="fprop_w")
+        xq, sx = _operand(recipe, "fprop_x", x, key, history, updates)
+        wq, sw = _operand(recipe, "fprop_w", w, key, history, updates, axis=-2)
         y = _scaled(_gemm(xq, wq, -2), sx, sw)
         # dgrad reuses fprop's quantized W when quantizing along N gives the same values
         # (16x16 tiles, per-tensor scale, bf16): DESIGN's "same quantized W".
@@ -211,36 +236,36 @@ def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key):
             w_res = (wq, sw)
     # Cotangent dtypes must match the primals: carry them as zero-size arrays.
     tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return y.astype(out_dtype), (x, w_res, key, tags)
+    return y.astype(out_dtype), (x, w_res, key, tags, history, updates)
 
 
 def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, res, dy):
-    x, w_res, key, (x_tag, w_tag) = res
-    seed = recipe.hadamard_seed
+    x, w_res, key, (x_tag, w_tag), history, updates = res
+    updates = dict(updates)
     # dgrad: dX = dY W^T, contracting N.
     if _use_native(recipe, backend, "dgrad"):
         dx = _native_gemm(recipe, "dgrad", dy, w_res, key)
     else:
-        dyq, sdy = quantize_operand(dy, recipe.dgrad_dy, key=operand_key(key, "dgrad_dy"),
-                                    hadamard_seed=seed, slot="dgrad_dy")
+        dyq, sdy = _operand(recipe, "dgrad_dy", dy, key, history, updates)
         if isinstance(w_res, tuple):
             wq, sw = w_res
+            if "fprop_w" in updates:  # the same W (quantized with fprop's scale): same amax
+                row = history[SLOTS.index("dgrad_w")]
+                updates["dgrad_w"] = jnp.concatenate([updates["fprop_w"][:1], row[:-1]])
         else:
-            wq, sw = quantize_operand(w_res, recipe.dgrad_w, key=operand_key(key, "dgrad_w"),
-                                      hadamard_seed=seed, slot="dgrad_w")
+            wq, sw = _operand(recipe, "dgrad_w", w_res, key, history, updates)
         dx = _scaled(_gemm(dyq, wq), sdy, sw)
     # wgrad: dW = X^T dY, contracting M (tokens).
     if _use_native(recipe, backend, "wgrad"):
         dw = _native_gemm(recipe, "wgrad", _t(x), dy, key, axis_b=-2)
     else:
-        xqt, sx = quantize_operand(_t(x), recipe.wgrad_x, key=operand_key(key, "wgrad_x"),
-                                   hadamard_seed=seed, slot="wgrad_x")
-        dyq2, sdy2 = quantize_operand(dy, recipe.wgrad_dy, axis=-2,
-                                      key=operand_key(key, "wgrad_dy"), hadamard_seed=seed,
-                                      slot="wgrad_dy")
+        xqt, sx = _operand(recipe, "wgrad_x", _t(x), key, history, updates)
+        dyq2, sdy2 = _operand(recipe, "wgrad_dy", dy, key, history, updates, axis=-2)
         dw = _scaled(_gemm(xqt, dyq2, -2), sx, sdy2)
     dkey = None if key is None else np.zeros(jnp.shape(key), jax.dtypes.float0)
-    return dx.astype(x_tag.dtype), dw.astype(w_tag.dtype), dkey
+    # The history's "gradient" is its next value (overwrite-with-gradient; see
+    # microscale.ops.delayed): the only way state leaves a custom VJP's backward pass.
+    return dx.astype(x_tag.dtype), dw.astype(w_tag.dtype), dkey, _new_history(history, updates)
 
 
 _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
@@ -267,14 +292,44 @@ def _prod(shape, axes: Sequence[int]) -> int:
     return n
 
 
+def init_amax_history(recipe: Recipe | str) -> jax.Array:
+    """A zero amax history for a delayed-scaling recipe: float32 ``[6, amax_history_len]``,
+    one row per operand slot (:data:`~microscale.ops.recipe.SLOTS`), newest amax first.
+    An all-zero history means scale 1 (as Transformer Engine starts)."""
+    recipe = get_recipe(recipe)
+    return jnp.zeros((len(SLOTS), int(recipe.amax_history_len)), jnp.float32)
+
+
+def _check_history(recipe: Recipe, amax_history):
+    if not recipe.delayed:
+        if amax_history is not None:
+            raise ValueError(f"recipe {recipe.name!r} uses current scaling; amax_history "
+                             "applies only to delayed-scaling recipes (e.g. 'fp8_delayed')")
+        return None
+    if amax_history is None:
+        raise ValueError(f"recipe {recipe.name!r} uses delayed scaling: pass amax_history="
+                         "(init_amax_history(recipe), or the DelayedScaling module in "
+                         "microscale.ops.delayed, which carries it)")
+    want = (len(SLOTS), int(recipe.amax_history_len))
+    if tuple(jnp.shape(amax_history)) != want:
+        raise ValueError(f"amax_history has shape {tuple(jnp.shape(amax_history))}; recipe "
+                         f"{recipe.name!r} expects {want} (operand slots x amax_history_len)")
+    return jnp.asarray(amax_history, jnp.float32)
+
+
 def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "nvfp4", *,
-                          key=None, preferred_element_type=None,
-                          backend: str = "auto") -> jax.Array:
+                          key=None, preferred_element_type=None, backend: str = "auto",
+                          amax_history=None) -> jax.Array:
     """``jax.lax.dot_general`` whose three GEMMs (forward and both gradients) follow
     ``recipe``. lhs plays X (activations), rhs plays W (weights). Any dimension numbers:
-    operands are transposed/reshaped to ``[B, M, K] x [B, K, N]`` and back."""
+    operands are transposed/reshaped to ``[B, M, K] x [B, K, N]`` and back.
+
+    ``amax_history`` (delayed-scaling recipes only): the ``[6, L]`` history the tensor
+    scales come from. Its cotangent under ``jax.grad`` is the *next* history, with this
+    call's amaxes pushed in (overwrite it, do not apply it as a gradient)."""
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)
+    amax_history = _check_history(recipe, amax_history)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
     lc, rc, lb, rb, lf, rf = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
@@ -289,35 +344,39 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
     w = jnp.transpose(rhs, rb + rc + rf) if rb + rc + rf != tuple(range(rhs.ndim)) else rhs
     x = x.reshape(lead + (m, k))
     w = w.reshape(lead + (k, n))
-    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), x, w, key)
+    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), x, w, key, amax_history)
     out_shape = (tuple(lhs.shape[a] for a in lb) + tuple(lhs.shape[a] for a in lf)
                  + tuple(rhs.shape[a] for a in rf))
     return y.reshape(out_shape)
 
 
-def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto"):
+def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
+                     amax_history=None):
     """A drop-in for ``jax.lax.dot_general`` (``flax.nnx.Linear(dot_general=...)``).
 
     ``precision`` is ignored (the recipe decides); ``preferred_element_type`` sets the
     output dtype. ``key`` feeds stochastic rounding (required when the recipe uses it
-    and a gradient is taken); ``backend`` is "auto", "emulated" or "native".
+    and a gradient is taken); ``backend`` is "auto", "emulated" or "native";
+    ``amax_history`` feeds delayed scaling (see :func:`quantized_dot_general`).
     """
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)  # fail early on a bad name
+    _check_history(recipe, amax_history)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None,
                     preferred_element_type=None, **_ignored):
         del precision
         return quantized_dot_general(lhs, rhs, dimension_numbers, recipe, key=key,
                                      preferred_element_type=preferred_element_type,
-                                     backend=backend)
+                                     backend=backend, amax_history=amax_history)
 
     dot_general.recipe = recipe
     return dot_general
 
 
-def qdot(x, w, recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto"):
+def qdot(x, w, recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
+         amax_history=None):
     """``Y = X @ W`` for X ``[..., K]`` and W ``[K, N]`` with the recipe's three GEMMs."""
     x = jnp.asarray(x)
-    return make_dot_general(recipe, key=key, backend=backend)(
+    return make_dot_general(recipe, key=key, backend=backend, amax_history=amax_history)(
         x, w, (((x.ndim - 1,), (0,)), ((), ())))

@@ -24,6 +24,7 @@ recipe           fprop (X, W)                   dgrad (dY, W)                  w
 bf16             bf16, bf16                     bf16, bf16                     bf16, bf16
 fp8              E4M3, E4M3 (per tensor, RNE)   E5M2, E4M3 (W reused)          E4M3 (X reused), E5M2
 fp8_e4m3         E4M3, E4M3                     E4M3, E4M3                     E4M3, E4M3
+fp8_delayed      as fp8, tensor scales from a 16-step amax history (delayed scaling)
 mxfp8            MXFP8 1x32, MXFP8 1x32         MXFP8 1x32, MXFP8 1x32         MXFP8 1x32, MXFP8 1x32
 nvfp4            NVFP4 1x16 RNE, 16x16 RNE      1x16 SR, 16x16 (W reused)      1x16 RNE + RHT16, SR + RHT16
 nvfp4_no_rht     as nvfp4, no Hadamard in wgrad
@@ -45,7 +46,10 @@ operands are rotated by a random Hadamard transform along the token axis first (
 rotation cancels in ``X^T R R^T dY``).
 
 FP8 ``fp8`` is Transformer Engine's default hybrid: E4M3 (more mantissa) for the forward
-operands, E5M2 (more range) for gradients; per-tensor current scaling.
+operands, E5M2 (more range) for gradients; per-tensor current scaling. ``fp8_delayed``
+takes each tensor scale from the amax of earlier steps instead (Transformer Engine's
+``DelayedScaling``): the scale is known before the tensor is read, at the price of
+saturating when a tensor grows faster than its history.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from typing import Any, Literal
 from microscale.formats import FormatSpec, get_format
 
 Rounding = Literal["nearest", "stochastic"]
+Scaling = Literal["current", "delayed"]
 GEMMS = ("fprop", "dgrad", "wgrad")
 SLOTS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 # (lhs slot, rhs slot) of each GEMM.
@@ -169,12 +174,39 @@ class Recipe:
     wgrad_dy: OperandSpec = BF16
     # Seed of the fixed random sign vector of the Hadamard transform (not per step).
     hadamard_seed: int = 0
+    # Tensor-scale source: "current" (the operand's own amax, every call) or "delayed"
+    # (Transformer Engine's delayed scaling: the amax of earlier steps, kept in an amax
+    # history that the caller carries; see microscale.ops.delayed). Delayed scaling
+    # needs a per-tensor scale on every quantized operand (FP8 per-tensor, NVFP4's
+    # global scale), not MX formats.
+    scaling: Scaling = "current"
+    # Steps of amax history kept per operand (delayed scaling).
+    amax_history_len: int = 16
+    # How the history becomes the amax in use: "max" over the window, or "most_recent".
+    amax_compute: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self):
         for slot in SLOTS:
             if not isinstance(getattr(self, slot), OperandSpec):
                 raise TypeError(f"Recipe.{slot} must be an OperandSpec, "
                                 f"got {type(getattr(self, slot)).__name__}")
+        if self.scaling not in ("current", "delayed"):
+            raise ValueError(f"recipe {self.name!r}: unknown scaling {self.scaling!r}; "
+                             "expected 'current' or 'delayed'")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"recipe {self.name!r}: unknown amax_compute "
+                             f"{self.amax_compute!r}; expected 'max' or 'most_recent'")
+        if int(self.amax_history_len) < 1:
+            raise ValueError(f"recipe {self.name!r}: amax_history_len="
+                             f"{self.amax_history_len!r}; expected an int >= 1")
+        if self.scaling == "delayed":
+            bad = [slot for slot, s in self.operands().items()
+                   if s.quantized and not s.spec.has_tensor_scale]
+            if bad:
+                raise ValueError(f"recipe {self.name!r}: delayed scaling needs a per-tensor "
+                                 f"scale on every quantized operand; {bad} use "
+                                 f"{sorted({getattr(self, b).format for b in bad})}, which "
+                                 "have block scales only")
         for gemm, (a, b) in self.gemms().items():
             if a.hadamard != b.hadamard:
                 raise ValueError(f"recipe {self.name!r}: the two {gemm} operands need the same "
@@ -200,6 +232,11 @@ class Recipe:
         return any(s.stochastic for s in self.operands().values())
 
     @property
+    def delayed(self) -> bool:
+        """True when tensor scales come from an amax history (needs ``state=``)."""
+        return self.scaling == "delayed" and self.quantized
+
+    @property
     def reuses_fprop_w(self) -> bool:
         """dgrad uses fprop's quantized W (identical values; DESIGN: 2-D weights)."""
         return self.dgrad_w == self.fprop_w and self.fprop_w.transpose_invariant
@@ -208,7 +245,10 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "hadamard_seed": self.hadamard_seed}
+        d: dict[str, Any] = {"name": self.name, "hadamard_seed": self.hadamard_seed,
+                             "scaling": self.scaling,
+                             "amax_history_len": self.amax_history_len,
+                             "amax_compute": self.amax_compute}
         d.update({slot: spec.to_dict() for slot, spec in self.operands().items()})
         return d
 
@@ -228,12 +268,15 @@ class Recipe:
         return cls(name="bf16")
 
     @classmethod
-    def fp8(cls, *, grad_format: str = "fp8_e5m2", name: str = "fp8") -> Recipe:
-        """Per-tensor current scaling: E4M3 forward, ``grad_format`` for dY."""
+    def fp8(cls, *, grad_format: str = "fp8_e5m2", scaling: Scaling = "current",
+            amax_history_len: int = 16, name: str = "fp8") -> Recipe:
+        """Per-tensor scaling (current, or delayed with an amax history): E4M3 forward,
+        ``grad_format`` for dY."""
         fwd = OperandSpec(format="fp8_e4m3")
         grad = OperandSpec(format=grad_format)
         return cls(name=name, fprop_x=fwd, fprop_w=fwd, dgrad_dy=grad, dgrad_w=fwd,
-                   wgrad_x=fwd, wgrad_dy=grad)
+                   wgrad_x=fwd, wgrad_dy=grad, scaling=scaling,
+                   amax_history_len=amax_history_len)
 
     @classmethod
     def mx(cls, fmt: str, *, rht: int | None = None, stochastic_rounding: bool = False,
@@ -284,6 +327,7 @@ def _presets() -> dict[str, Recipe]:
         Recipe.bf16(),
         Recipe.fp8(),
         Recipe.fp8(grad_format="fp8_e4m3", name="fp8_e4m3"),
+        Recipe.fp8(scaling="delayed", name="fp8_delayed"),
         Recipe.mx("mxfp8"),
         Recipe.mx("mxfp8", fwd_only=True, name="mxfp8_fwd_only"),
         Recipe.nvfp4(),
