@@ -19,21 +19,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("microscale.cli.export", "write a packed checkpoint (compressed-tensors / ModelOpt)"),
     "generate": ("microscale.cli.generate", "generate text from a (packed) checkpoint"),
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),
-    "bench": ("microscale.cli.bench", "quick quantize/matmul speed check on this machine"),
 }
-
-
-def _available() -> dict[str, tuple[str, str]]:
-    out = {}
-    for name, (mod, helptext) in COMMANDS.items():
-        if importlib.util.find_spec(mod) is not None:
-            out[name] = (mod, helptext)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _available()
+    commands = COMMANDS
     parser = argparse.ArgumentParser(
         prog="microscale",
         description="NVFP4 training, verification and adaptive quantization in JAX.",
