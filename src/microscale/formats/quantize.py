@@ -128,15 +128,29 @@ def _resolve_blocks(spec: FormatSpec, shape, axis: int, block_shape) -> tuple[in
 
 
 def _blockify(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
-    """(d0, d1, ...) -> (d0/b0, b0, d1/b1, b1, ...) (x already padded)."""
+    """(d0, d1, ...) -> (d0/b0, b0, d1/b1, b1, ...) (x already padded); a dimension with
+    block extent 1 stays whole. Size-1 dimensions would be free in principle, but XLA:CPU
+    gives them a layout of their own and copies whole tensors to change it."""
     shp = []
     for d, b in zip(x.shape, blocks, strict=True):
-        shp += [d // b, b]
+        shp += [d // b, b] if b > 1 else [d]
     return x.reshape(shp)
 
 
-def _inner_axes(ndim: int) -> tuple[int, ...]:
-    return tuple(range(1, 2 * ndim, 2))
+def _inner_axes(blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """Axes of a :func:`_blockify` result that run inside a block."""
+    axes, pos = [], 0
+    for b in blocks:
+        if b > 1:
+            axes.append(pos + 1)
+        pos += 2 if b > 1 else 1
+    return tuple(axes)
+
+
+def _block_view(scales: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+    """A scale array (one entry per block) shaped to broadcast against :func:`_blockify`."""
+    return scales.reshape([d for s, b in zip(scales.shape, blocks, strict=True)
+                           for d in ((s, 1) if b > 1 else (s,))])
 
 
 def _uniform(key, shape):
@@ -162,7 +176,7 @@ def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, sc
     xb_in = _blockify(x, blocks)
     xb = xb_in.astype(jnp.float32)
     xf_shape = x.shape
-    inner = _inner_axes(len(shape))
+    inner = _inner_axes(blocks)
     if jnp.dtype(x.dtype).itemsize == 2:
         # 16-bit input: integer max of the sign-cleared bits (exact, NaN-propagating).
         bamax = elements.abs_bits_max(xb_in, inner).astype(jnp.float32)
@@ -217,7 +231,7 @@ def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, sc
     else:  # pragma: no cover - registry rows are fixed
         raise AssertionError(spec.scale_kind)
 
-    stored = stored.reshape([s for i, s in enumerate(bamax.shape) if i % 2 == 0])
+    stored = stored.reshape([s for i, s in enumerate(bamax.shape) if i not in inner])
     return y, u, scales, stored, global_scale, xf_shape
 
 
@@ -347,7 +361,7 @@ def _decode_blocks(q: QArray, codes: jax.Array, with_global_scale: bool) -> jax.
     """Unpacked codes (padded shape) -> float32 values in the original shape."""
     vals = elements.e2m1_decode(codes) if q.spec.packed else codes.astype(jnp.float32)
     sc = block_scales_f32(q)
-    vb = _blockify(vals, q.block_shape) * sc.reshape([d for s in sc.shape for d in (s, 1)])
+    vb = _blockify(vals, q.block_shape) * _block_view(sc, q.block_shape)
     return _scale_blocks(vb, q.global_scale if with_global_scale else None, vals.shape,
                          q.shape)
 
