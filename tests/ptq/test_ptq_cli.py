@@ -22,6 +22,8 @@ def test_cli_quantizes_a_training_run(trained_run, tmp_path, capsys):
     assert set(rep["val_ppl"]) >= {"bf16", "uniform_nvfp4", "heuristic", "searched"}
     assert set(rep["layers"].values()) <= {"nvfp4", "fp8_e4m3", "bf16"}
     assert rep["calibration"]["tokens"] >= 256 and rep["calibration"]["seed"] == 1
+    assert rep["method"] == "taylor" and rep["monotone"] is False  # the defaults
+    assert set(rep["comparisons"]) >= {"searched - heuristic", "searched - uniform_nvfp4"}
     ck = rep["checkpoint"]
     assert Path(ck["path"]).is_dir() and ck["files"] and "fallback_reason" not in ck, ck
     assert "searched" in capsys.readouterr().out

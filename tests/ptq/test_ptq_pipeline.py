@@ -147,3 +147,46 @@ def test_export_layout_roundtrip(result, tiny_model, tmp_path):
         np.testing.assert_array_equal(np.asarray(back[f"{p}.kernel"], np.float32),
                                       np.asarray(w.values.astype("bfloat16"), np.float32)
                                       if w.format == "bf16" else np.asarray(w.values))
+
+
+def test_default_method_is_taylor_and_monotone_follows_the_sign(result):
+    cfg = QuantizeConfig()
+    assert cfg.method == "taylor" and cfg.calib_tokens == 65536
+    assert not cfg.use_monotone  # signed loss changes: no monotone correction
+    assert not QuantizeConfig(method="loss").use_monotone
+    assert QuantizeConfig(method="gradient").use_monotone
+    assert QuantizeConfig(method="kl").use_monotone
+    assert QuantizeConfig(method="taylor", monotone=True).use_monotone
+    assert not QuantizeConfig(method="gradient", monotone=False).use_monotone
+    # the fixture run (default method): raw taylor scores go to the search as they are
+    assert result.config.method == "taylor" and result.report()["monotone"] is False
+    assert result.scores == result.scores_raw
+
+
+def test_paired_comparisons_and_markdown(result, tmp_path):
+    from microscale.ptq.report import write_markdown
+
+    rep = result.report()
+    comp = rep["comparisons"]
+    assert set(comp) == {"searched - heuristic", "searched - uniform_nvfp4", "searched - bf16"}
+    pts = rep["points"]
+    for name, c in comp.items():
+        ref = name.split(" - ")[1]
+        assert c["dloss"] == pytest.approx(pts["searched"]["val_loss"] - pts[ref]["val_loss"],
+                                           abs=1e-9)
+        assert c["batches"] == 2 and c["se"] >= 0
+        if c["se"] > 0:
+            assert c["t"] == pytest.approx(c["dloss"] / c["se"])
+    write_markdown(rep, tmp_path / "a.md")
+    md = (tmp_path / "a.md").read_text()
+    assert "## Paired differences" in md and "| searched - heuristic |" in md
+    assert "measured WORSE than round-to-nearest" not in md or any(
+        row["both"] > row["rtn"] for row in rep["ptq_effects"]["weights"].values()
+        if "both" in row)
+    # a PTQ choice that measured worse than RTN is called out
+    bad = json.loads(json.dumps(rep))
+    bad["ptq_effects"]["weights"]["uniform_nvfp4"].update(rtn=1.0, both=2.0)
+    write_markdown(bad, tmp_path / "b.md")
+    md = (tmp_path / "b.md").read_text()
+    assert "measured WORSE than round-to-nearest on uniform_nvfp4" in md
+    assert "| uniform_nvfp4 | 1.0000 |" in md and md.count("| rtn |") >= 1

@@ -162,3 +162,38 @@ def test_tap_outside_its_block_raises(tiny_model):
     logits = model(jnp.zeros((1, 4), jnp.int32))
     assert logits.shape == (1, 4, 257)
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_taylor_terms_combine_first_and_second_order(engine, qweights, token_batches):
+    """taylor = linear + (N/2) token_fisher per batch, averaged over batches; the linear
+    term is the signed first-order change (it sums per batch like the Fisher term)."""
+    calib, _ = token_batches
+    deltas = {f: {p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
+                  - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
+                  for p in engine.paths} for f in FMTS}
+    per = [engine.grad_terms(calib[i:i + 1], deltas) for i in range(2)]
+    n_tok = calib.shape[1] * (calib.shape[2] - 1)
+    tay = score(engine, calib, qweights, "taylor")
+    for p in engine.paths[:4]:
+        want = sum(t["linear"][p]["nvfp4"] + 0.5 * n_tok * t["token_fisher"][p]["nvfp4"]
+                   for t in per) / 2
+        assert tay[p]["nvfp4"] == pytest.approx(want, rel=1e-4, abs=1e-12)
+        assert tay[p]["bf16"] == 0.0
+        assert per[0]["fisher"][p]["nvfp4"] > 0 and per[0]["token_fisher"][p]["nvfp4"] > 0
+    assert score(engine, calib[:1], qweights, "gradient") == \
+        {p: row for p, row in per[0]["fisher"].items()}
+    signs = {np.sign(per[0]["linear"][p][f]) for p in engine.paths for f in ("nvfp4", "mxfp4")}
+    assert signs == {-1.0, 1.0}  # the first-order term is signed
+
+
+def test_taylor_tracks_the_measured_loss_change(engine, qweights, token_batches):
+    """The one-pass taylor estimate follows the measured per-layer loss change (the
+    "loss" method: one forward per layer and format) in sign and size."""
+    calib, _ = token_batches
+    tay = score(engine, calib[:1], qweights, "taylor")
+    _, dloss = kl_loss_scores(engine, calib[:1], qweights)
+    est = np.array([tay[p][f] for p in engine.paths for f in ("nvfp4", "mxfp4")])
+    meas = np.array([dloss[p][f] for p in engine.paths for f in ("nvfp4", "mxfp4")])
+    assert np.corrcoef(est, meas)[0, 1] > 0.9
+    big = np.abs(meas) > 0.2 * np.abs(meas).max()
+    assert big.sum() >= 3 and np.all(np.sign(est[big]) == np.sign(meas[big]))

@@ -30,10 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="effective bits per weight element (default 4.8)")
     parser.add_argument("--formats", default="nvfp4,mxfp4,mxfp8,fp8_e4m3,bf16",
                         help="candidate formats, comma-separated (fp8 = fp8_e4m3)")
-    parser.add_argument("--method", default="gradient", choices=("gradient", "kl", "loss"),
-                        help="sensitivity score (default gradient: one fwd+bwd per batch)")
-    parser.add_argument("--calib-tokens", type=int, default=16384,
-                        help="held-out calibration tokens (default 16384)")
+    parser.add_argument("--method", default="taylor",
+                        choices=("taylor", "gradient", "kl", "loss"),
+                        help="sensitivity score (default taylor: first+second order loss "
+                             "change, one fwd+bwd per batch; gradient: ModelOpt's Fisher "
+                             "score, same pass; kl/loss: one forward per layer and format)")
+    parser.add_argument("--calib-tokens", type=int, default=65536,
+                        help="held-out calibration tokens (default 65536)")
     parser.add_argument("--seed", type=int, default=0, help="calibration window seed")
     parser.add_argument("--corpus", default=None,
                         help="calibrate/evaluate on this corpus instead of the run's")
@@ -48,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no MSE search of the tensor scale (plain round-to-nearest)")
     parser.add_argument("--no-four-over-six", action="store_true",
                         help="no per-block 4-over-6 scale choice")
-    parser.add_argument("--no-monotone", action="store_true",
-                        help="use raw scores (no monotone correction)")
+    parser.add_argument("--monotone", default="auto", choices=("auto", "on", "off"),
+                        help="monotone score correction (auto: on for gradient/kl, off for "
+                             "the signed taylor/loss scores)")
     parser.add_argument("--no-ptq-effects", action="store_true",
                         help="skip the on/off evaluation of each PTQ choice")
     parser.add_argument("--count-other-params", action="store_true",
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
             ptq=WeightPTQ(mse_scale=not args.no_mse_scale,
                           four_over_six=not args.no_four_over_six),
             activations=args.w4a4, static_act_scales=not args.dynamic_act_scales,
-            monotone=not args.no_monotone, ptq_effects=not args.no_ptq_effects,
+            monotone={"auto": None, "on": True, "off": False}[args.monotone],
+            ptq_effects=not args.no_ptq_effects,
             count_other_params=args.count_other_params, solver=args.solver,
             pareto_budgets=budgets)
     except (TypeError, ValueError) as e:

@@ -13,7 +13,7 @@ cheapest format its sensitivity allows under an effective-bits budget::
     result.val_ppl                 # {"bf16", "uniform_nvfp4", "heuristic", "searched", ...}
 
 Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
-:mod:`~microscale.ptq.sensitivity` (gradient / KL / loss scores),
+:mod:`~microscale.ptq.sensitivity` (taylor / gradient / KL / loss scores),
 :mod:`~microscale.ptq.weights` (MSE tensor scale, four over six),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
@@ -42,7 +42,13 @@ from microscale.ptq.search import (
     group_layers,
     search,
 )
-from microscale.ptq.sensitivity import gradient_scores, kl_loss_scores, monotone, score
+from microscale.ptq.sensitivity import (
+    gradient_scores,
+    kl_loss_scores,
+    monotone,
+    score,
+    taylor_scores,
+)
 from microscale.ptq.tap import intercept_linears
 from microscale.ptq.weights import (
     QuantizedWeight,
@@ -59,5 +65,5 @@ __all__ = [
     "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
     "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
     "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",
-    "search", "write_outputs",
+    "search", "taylor_scores", "write_outputs",
 ]

@@ -37,6 +37,9 @@ __all__ = ["ActQuant", "Engine", "next_token_loss"]
 
 LossFn = Callable[[Any, jax.Array], jax.Array]
 
+# The Taylor terms of Engine.grad_terms, in the order the compiled function stacks them.
+_GRAD_TERMS = ("fisher", "linear", "token_fisher", "taylor")
+
 
 def next_token_loss(model: Any, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``model(tokens[:, :-1])`` against ``tokens[:, 1:]``."""
@@ -207,14 +210,18 @@ class Engine:
 
         return self._cached(("loss", static), build)
 
-    def loss(self, params: dict, batches, act: ActQuant | None = None) -> float:
-        """Mean loss over ``batches`` (int32 ``[n, rows, seq + 1]`` or a list of batches)."""
+    def batch_losses(self, params: dict, batches, act: ActQuant | None = None) -> np.ndarray:
+        """The loss of each batch (float64 ``[n]``; for paired comparisons)."""
         fn = self._loss_jit(act)
         _, sel, amax = self._act_inputs(act)
         vals = [float(fn(params, jnp.asarray(b), sel, amax)) for b in batches]
         if not vals:
             raise ValueError("Engine.loss: no batches")
-        return float(np.mean(vals))
+        return np.asarray(vals, np.float64)
+
+    def loss(self, params: dict, batches, act: ActQuant | None = None) -> float:
+        """Mean loss over ``batches`` (int32 ``[n, rows, seq + 1]`` or a list of batches)."""
+        return float(np.mean(self.batch_losses(params, batches, act)))
 
     def input_amax(self, batches) -> dict[str, float]:
         """``max |X_l|`` over ``batches`` of every linear layer's input (float32)."""
@@ -240,12 +247,22 @@ class Engine:
             out = {p: max(out[p], float(got[p])) for p in self.paths}
         return out
 
-    def grad_scores(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
-                    act_formats: Mapping[str, bool] | None = None,
-                    act_amax: Mapping[str, float] | None = None,
-                    quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
-                    ) -> dict[str, dict[str, float]]:
-        """Fisher scores ``{path: {format: sum_batches sum((dL/dY * dY)^2)}}``.
+    def grad_terms(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
+                   act_formats: Mapping[str, bool] | None = None,
+                   act_amax: Mapping[str, float] | None = None,
+                   quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
+                   ) -> dict[str, dict[str, dict[str, float]]]:
+        """Taylor terms ``{term: {path: {format: sum over batches}}}`` with ``g = dL/dY``
+        of the batch's mean loss and ``dY`` the output change of the layer in the format:
+
+        * ``"fisher"``: ``sum((g * dY)^2)`` (diagonal Fisher, ModelOpt's score);
+        * ``"linear"``: ``sum(g * dY)`` (the first-order loss change, signed);
+        * ``"token_fisher"``: ``sum_tokens (sum_features g * dY)^2`` (the empirical Fisher
+          quadratic form of each token's output change, cross-feature terms included);
+        * ``"taylor"``: ``linear + (N / 2) token_fisher``, the second-order estimate of the
+          loss change (``N`` = tokens the batch's mean loss averages over: ``g`` is
+          ``1/N`` times each token's own gradient, so the empirical Fisher of the mean
+          loss is ``N`` times the sum of the ``g g^T``).
 
         ``deltas[fmt][path] = bf16(W_q) - bf16(W)`` ``[in, out]``. One forward and one
         backward pass per batch capture every layer's ``X`` and ``dL/dY``; ``dY = X dW`` is
@@ -288,7 +305,13 @@ class Engine:
                             dy = xq.astype(jnp.float32) @ wq[fmt][p] - x @ w
                         else:
                             dy = x @ deltas[fmt][p]
-                        out[fmt][p] = jnp.sum(jnp.square(g[p].astype(jnp.float32) * dy))
+                        gp = g[p].astype(jnp.float32)
+                        lin = jnp.sum(gp * dy)                          # first order
+                        tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
+                        n_tok = np.prod(gp.shape[:-1])                  # loss terms
+                        out[fmt][p] = jnp.stack([
+                            jnp.sum(jnp.square(gp * dy)),               # diagonal Fisher
+                            lin, tok, lin + 0.5 * n_tok * tok])         # Taylor estimate
                 return out
             return jax.jit(f)
 
@@ -299,13 +322,20 @@ class Engine:
         amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
         dl = {f: {p: jnp.asarray(d[p], jnp.float32) for p in self.paths}
               for f, d in deltas.items()}
-        total = {p: {f: 0.0 for f in fmts} for p in self.paths}
+        terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
         for b in batches:
-            got = fn(self.params, jnp.asarray(b), dl, wq, amax)
+            got = jax.device_get(fn(self.params, jnp.asarray(b), dl, wq, amax))
             for f in fmts:
                 for p in self.paths:
-                    total[p][f] += float(got[f][p])
-        return total
+                    for i, k in enumerate(_GRAD_TERMS):
+                        terms[k][p][f] += float(got[f][p][i])
+        return terms
+
+    def grad_scores(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
+                    **kw) -> dict[str, dict[str, float]]:
+        """Diagonal Fisher scores ``{path: {format: sum_batches sum((dL/dY * dY)^2)}}``
+        (the ``"fisher"`` term of :meth:`grad_terms`, same arguments)."""
+        return self.grad_terms(batches, deltas, **kw)["fisher"]
 
     def ref_logp(self, tokens) -> jax.Array:
         """Log-probabilities ``[rows, seq, vocab]`` of the reference model on one batch."""

@@ -10,13 +10,18 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
 2. **quantize** every kernel in every candidate format with the PTQ choices
    (:mod:`~microscale.ptq.weights`: MSE tensor scale, four over six), fused groups
    sharing one tensor scale;
-3. **score** every (layer, format) (:mod:`~microscale.ptq.sensitivity`), monotone
-   corrected;
+3. **score** every (layer, format) (:mod:`~microscale.ptq.sensitivity`; default the
+   signed second-order Taylor estimate of the loss change, one fwd+bwd per calibration
+   batch), monotone corrected for the unsigned scores;
 4. **search** the allocation of least total score within the bit budget
    (:mod:`~microscale.ptq.search`), fused groups sharing a format, pinned layers fixed;
 5. **evaluate** validation perplexity of BF16, uniform formats, the fixed heuristic
    (first/last blocks and down-projections in FP8, the rest NVFP4) and the searched
-   allocation across budgets (the Pareto curve), and the effect of each PTQ choice.
+   allocation across budgets (the Pareto curve), the paired per-batch differences of the
+   searched allocation against the heuristic, uniform NVFP4 and BF16 (mean, standard
+   error, t: is a 0.1% perplexity difference more than evaluation noise?), and the
+   effect of each PTQ choice. Every allocation is evaluated with the same PTQ choices
+   (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
 
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
 ``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
@@ -53,7 +58,7 @@ from microscale.ptq.search import (
     group_layers,
     search,
 )
-from microscale.ptq.sensitivity import METHODS, monotone, score
+from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score
 from microscale.ptq.weights import (
     QuantizedWeight,
     WeightPTQ,
@@ -94,10 +99,13 @@ class QuantizeConfig:
     budget: float = 4.8
     # Candidate formats of the search (registry names).
     formats: tuple[str, ...] = DEFAULT_FORMATS
-    # Sensitivity estimator: "gradient" (Fisher, one fwd+bwd per batch), "kl", "loss".
-    method: str = "gradient"
-    # Calibration tokens (held-out windows; rounded up to whole batches).
-    calib_tokens: int = 16384
+    # Sensitivity estimator: "taylor" (first + second order loss change, one fwd+bwd per
+    # batch), "gradient" (ModelOpt's Fisher score, same pass), "kl", "loss" (one forward
+    # per layer, format and batch). See microscale.ptq.sensitivity and docs/ptq/.
+    method: str = "taylor"
+    # Calibration tokens (held-out windows; rounded up to whole batches). The first-order
+    # term needs enough of them: 16k tokens left the tiny model's allocation at chance.
+    calib_tokens: int = 65536
     # Seed of the calibration window choice (everything else is deterministic).
     seed: int = 0
     # Weight PTQ beyond round-to-nearest (MSE tensor scale, four over six).
@@ -107,7 +115,10 @@ class QuantizeConfig:
     # With activations: static calibrated input amax (True) or dynamic per batch (False).
     static_act_scales: bool = True
     # Replace each score by the least score of the formats costing at most as many bits.
-    monotone: bool = True
+    # None: on for the unsigned scores (gradient, kl), off for the signed loss changes
+    # (taylor, loss), where a cheaper format can measurably *lower* the loss and the
+    # correction would credit that gain to the dearer formats too.
+    monotone: bool | None = None
     # (regex, group template) fused groups sharing one format and one tensor scale.
     groups: tuple[tuple[str, str], ...] = DEFAULT_GROUPS
     # (regex, format) layers forced to a format (still counted in the budget).
@@ -168,6 +179,13 @@ class QuantizeConfig:
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
+
+    @property
+    def use_monotone(self) -> bool:
+        """Whether the monotone correction applies (``monotone``, or its method default)."""
+        if self.monotone is None:
+            return self.method not in SIGNED_METHODS
+        return bool(self.monotone)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -267,6 +285,9 @@ class QuantizeResult:
     points: dict[str, dict[str, Any]]
     # PTQ effect measurements ({} when config.ptq_effects is off).
     ptq_effects: dict[str, Any]
+    # Paired validation-loss differences {"searched - <ref>": {dloss, se, t, batches}}
+    # over the same evaluation batches (is the difference larger than its noise?).
+    comparisons: dict[str, dict[str, float]]
     # PrecisionRules of the searched allocation.
     rules: PrecisionRules
     # Quantized weights of the searched allocation {path: QuantizedWeight}.
@@ -305,6 +326,8 @@ class QuantizeResult:
             "points": self.points,
             "pareto": [dict(label=k, **v) for k, v in self.points.items()],
             "ptq_effects": self.ptq_effects,
+            "comparisons": self.comparisons,
+            "monotone": self.config.use_monotone,
             "groups": self.groups,
             "pinned": self.pinned,
             "numel": self.numel,
@@ -405,7 +428,7 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     t = time.perf_counter()
     static = act_amax if (cfg.activations and cfg.static_act_scales) else None
     raw = score(engine, calib, cand, cfg.method, activations=cfg.activations, act_amax=static)
-    scores = monotone(raw, cfg.formats) if cfg.monotone else raw
+    scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
     timings["score_s"] = time.perf_counter() - t
     say(f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
         f"in {timings['score_s']:.1f}s")
@@ -445,6 +468,12 @@ def quantize_model(model: Any, calib_batches, eval_batches,
             say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
             continue
         points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
+    comparisons = {}
+    refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
+            "bf16": _uniform(paths, "bf16", {})}
+    for name, ref in refs.items():
+        if name in points:
+            comparisons[f"searched - {name}"] = evaluator.paired(alloc.formats, ref, cfg.ptq)
     timings["evaluate_s"] = time.perf_counter() - t
     say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
                                          for k, v in points.items()
@@ -460,7 +489,7 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     return QuantizeResult(
         config=cfg, paths=paths, numel=dict(engine.numel), groups=groups, pinned=pinned,
         act_amax=act_amax, weight_stats=stats, scores_raw=raw, scores=scores,
-        allocation=alloc, points=points, ptq_effects=effects,
+        allocation=alloc, points=points, comparisons=comparisons, ptq_effects=effects,
         rules=allocation_rules(alloc.formats, cfg.activations),
         weights=weights.for_assignment(alloc.formats, cfg.ptq),
         calibration=dict(calibration or {}, batches=len(calib),
@@ -492,14 +521,17 @@ class _Evaluator:
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
         self.extra = extra_numel
-        self._cache: dict[Any, float] = {}
+        self._cache: dict[Any, np.ndarray] = {}
         # every format an evaluated allocation may use: one compiled W4A4 forward
         self.palette = tuple(sorted({f for f in (*cfg.formats, *cfg.uniform_formats,
                                                  *cfg.heuristic) if get_format(f).quantized}))
 
-    def loss(self, assignment: Mapping[str, str], ptq: WeightPTQ, *,
-             activations: bool | None = None, amax: Mapping[str, float] | None = None
-             ) -> float:
+    def loss(self, assignment: Mapping[str, str], ptq: WeightPTQ, **kw) -> float:
+        return float(np.mean(self.batch_losses(assignment, ptq, **kw)))
+
+    def batch_losses(self, assignment: Mapping[str, str], ptq: WeightPTQ, *,
+                     activations: bool | None = None,
+                     amax: Mapping[str, float] | None = None) -> np.ndarray:
         acts = self.cfg.activations if activations is None else activations
         amax = self.static_amax if amax is None and activations is None else amax
         key = (tuple(sorted(assignment.items())), ptq, acts,
@@ -508,8 +540,19 @@ class _Evaluator:
             qw = self.weights.for_assignment(assignment, ptq)
             params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
             act = ActQuant.matching(assignment, amax, self.palette) if acts else None
-            self._cache[key] = self.engine.loss(params, self.evals, act)
+            self._cache[key] = self.engine.batch_losses(params, self.evals, act)
         return self._cache[key]
+
+    def paired(self, a: Mapping[str, str], b: Mapping[str, str], ptq: WeightPTQ
+               ) -> dict[str, float]:
+        """Mean per-batch loss difference ``a - b`` on the evaluation batches, its standard
+        error and t = mean / se (the batches are the pairs: both see the same tokens)."""
+        d = self.batch_losses(a, ptq) - self.batch_losses(b, ptq)
+        se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+        mean = float(np.mean(d))
+        return {"dloss": mean, "se": se,
+                "t": mean / se if se and math.isfinite(se) and se > 0 else float("nan"),
+                "batches": int(len(d))}
 
     def point(self, assignment: Mapping[str, str], ptq: WeightPTQ, *, kind: str,
               budget: float | None = None, **kw) -> dict[str, Any]:

@@ -198,6 +198,13 @@ def _fmt(x: float, nd: int = 4) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
+def _ptq_name(ptq: Mapping[str, Any]) -> str:
+    """The ptq_effects column of a WeightPTQ dict ("rtn", "mse_scale", ...)."""
+    mse, f6 = bool(ptq.get("mse_scale")), bool(ptq.get("four_over_six"))
+    return {(False, False): "rtn", (True, False): "mse_scale",
+            (False, True): "four_over_six", (True, True): "both"}[(mse, f6)]
+
+
 def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``report.md``: summary, points, PTQ effects and the per-layer table."""
     pts = report["points"]
@@ -213,15 +220,34 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     for label, p in pts.items():
         lines.append(f"| {label} | {p['effective_bits']:.3f} | {p['val_ppl']:.4f} | "
                      f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |")
+    comp = report.get("comparisons") or {}
+    if comp:
+        lines += ["", "## Paired differences (val loss, same batches)", "",
+                  "| difference | mean dloss (nats) | std. error | t |", "|---|---:|---:|---:|"]
+        for label, c in comp.items():
+            lines.append(f"| {label} | {c['dloss']:+.5f} | {_fmt(c['se'], 5)} | "
+                         f"{_fmt(c['t'], 1)} |")
+        lines += ["", "|t| < 2: the difference is within the evaluation noise of "
+                  f"{next(iter(comp.values()))['batches']} batches."]
     eff = report.get("ptq_effects") or {}
     if eff.get("weights"):
         lines += ["", "## PTQ choices (val ppl)", "",
-                  "| allocation | rtn | mse_scale | four_over_six | both |",
-                  "|---|---:|---:|---:|---:|"]
+                  "Every allocation above uses the run's choice "
+                  f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
+                  "choice on its own.", "",
+                  "| allocation | rtn | mse_scale | four_over_six | both | best |",
+                  "|---|---:|---:|---:|---:|---|"]
         for label, row in eff["weights"].items():
             cells = [_fmt(row.get(k)) if k in row else "n/a"
                      for k in ("rtn", "mse_scale", "four_over_six", "both")]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            best = min(row, key=row.get) if row else "-"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {best} |")
+        used = _ptq_name(report.get("ptq") or {})
+        worse = [lab for lab, row in eff["weights"].items()
+                 if used in row and row[used] > row.get("rtn", row[used])]
+        if worse:
+            lines += ["", f"**Note**: the run's PTQ choice ({used}) measured WORSE than "
+                      f"round-to-nearest on {', '.join(worse)}."]
     if eff.get("activations"):
         lines += ["", "## Quantized inputs (W4A4 / W8A8, val ppl)", "",
                   "| allocation | weight-only | dynamic input amax | static calibrated amax |",
@@ -300,10 +326,20 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
     sc = report["scores_raw"]
     vals = np.array([[sc[p][f] if p in sc else np.nan for f in fmts] for p in layers],
                     np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logv = np.log10(np.where(vals > 0, vals, np.nan))
     fig, ax = plt.subplots(figsize=(2.2 + 1.1 * len(fmts), 1.2 + 0.22 * len(layers)))
-    im = ax.imshow(logv, aspect="auto", cmap="viridis")
+    signed = bool(np.nanmin(vals) < 0) if np.isfinite(vals).any() else False
+    if signed:  # loss changes of either sign: symmetric log scale around 0
+        from matplotlib.colors import SymLogNorm
+
+        top = float(np.nanmax(np.abs(vals))) or 1.0
+        im = ax.imshow(vals, aspect="auto", cmap="coolwarm",
+                       norm=SymLogNorm(linthresh=top * 1e-3, vmin=-top, vmax=top))
+        label = f"{report['method']} score (loss change, symlog)"
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logv = np.log10(np.where(vals > 0, vals, np.nan))
+        im = ax.imshow(logv, aspect="auto", cmap="viridis")
+        label = f"log10 {report['method']} score"
     ax.set_xticks(range(len(fmts)), fmts)
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
     for i, p in enumerate(layers):
@@ -311,7 +347,7 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
         if f in fmts:
             j = fmts.index(f)
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
-    fig.colorbar(im, ax=ax, label=f"log10 {report['method']} score")
+    fig.colorbar(im, ax=ax, label=label)
     ax.set_title("sensitivity (red: chosen; bf16 = 0 not shown)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
