@@ -9,9 +9,10 @@ needs:
   evaluating a quantized model = the same function with fake-quantized kernels in
   ``params`` (weight-only) and, for W4A4, each layer's input quantized by a hook;
 * ``input_amax(params, tokens)`` -- ``max|X_l|`` of every layer's input (calibration);
-* ``grad_scores(params, tokens, deltas)`` -- for every layer ``l`` and candidate format
-  ``f`` the Fisher score ``sum((dL/dY_l * dY_lf)^2)`` from ONE forward and backward pass,
-  with ``dY_lf = X_l (W_lf - W_l)`` (or ``Q_f(X_l) W_lf - X_l W_l`` for W4A4);
+* ``grad_terms(batches, deltas)`` -- for every layer ``l`` and candidate format ``f`` the
+  Taylor terms of the loss change (first order ``sum(dL/dY_l * dY_lf)``, the Fisher
+  forms) from ONE forward and backward pass per batch, with ``dY_lf = X_l (W_lf - W_l)``
+  (or ``Q_f(X_l) W_lf - X_l W_l`` for W4A4);
 * ``kl(params, tokens, ref_logp)`` -- ``KL(p_ref || p)`` of the next-token distributions.
 
 Kernels are ``[in, out]`` (``Y = X W``); the model casts them to bfloat16, so a weight
@@ -330,12 +331,6 @@ class Engine:
                     for i, k in enumerate(_GRAD_TERMS):
                         terms[k][p][f] += float(got[f][p][i])
         return terms
-
-    def grad_scores(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
-                    **kw) -> dict[str, dict[str, float]]:
-        """Diagonal Fisher scores ``{path: {format: sum_batches sum((dL/dY * dY)^2)}}``
-        (the ``"fisher"`` term of :meth:`grad_terms`, same arguments)."""
-        return self.grad_terms(batches, deltas, **kw)["fisher"]
 
     def ref_logp(self, tokens) -> jax.Array:
         """Log-probabilities ``[rows, seq, vocab]`` of the reference model on one batch."""
