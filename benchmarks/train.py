@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         if preset.strip() == "small":
             base = dataclasses.replace(base, data=dataclasses.replace(
                 base.data, batch_size=args.small_batch, grad_accum=1, seq_len=args.small_seq))
-        tokens = base.data.batch_size * base.data.seq_len
+        tokens = base.tokens_per_step
         fpt = base.model.flops_per_token(base.data.seq_len)
         recipes = [r.strip() for r in args.recipes.split(",")]
         runners = {r: StepRunner(dataclasses.replace(base, recipe=r)) for r in recipes}

@@ -43,7 +43,13 @@ from typing import Any
 import numpy as np
 
 from microscale.data.sources import Documents, read_documents
-from microscale.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from microscale.data.tokenizers import (
+    ByteTokenizer,
+    Tokenizer,
+    _atomic_write_text,
+    load_tokenizer,
+    train_bpe,
+)
 
 _CACHE_VERSION = 1
 
@@ -66,9 +72,7 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    _atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

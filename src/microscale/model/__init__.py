@@ -31,6 +31,7 @@ from microscale.model.sharding import (
     logical_to_mesh_spec,
     param_logical_axes,
     partition_specs,
+    var_logical_axes,
 )
 from microscale.model.transformer import MLP, Attention, Block, Transformer, causal_attention
 
@@ -39,5 +40,5 @@ __all__ = [
     "PrecisionRules", "QLinear", "RMSNorm", "Transformer", "apply_rope", "apply_rules",
     "assignments", "causal_attention", "default_bf16_last", "iter_linears", "late_switch",
     "list_presets", "logical_to_mesh_rules", "logical_to_mesh_spec", "param_logical_axes",
-    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables",
+    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables", "var_logical_axes",
 ]

@@ -111,19 +111,16 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact trainable parameter count (arithmetic; allocates nothing)."""
-        d, f, hd = self.d_model, self.d_ff, self.head_dim
-        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2  # q,o + k,v
-        mlp = 3 * d * f
-        norms = 2 * d
-        per_block = attn + mlp + norms
+        d = self.d_model
+        norms = self.n_layers * 2 * d + d  # 2 per block + final norm
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.n_layers * per_block + embed + head + d  # + final norm
+        return self.num_linear_params() + norms + embed + head
 
     def num_linear_params(self) -> int:
         """Parameters in the (quantizable) linear projections only."""
         d, f, hd = self.d_model, self.d_ff, self.head_dim
-        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2  # q,o + k,v
         return self.n_layers * (attn + 3 * d * f)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

@@ -37,8 +37,10 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from microscale.model.rules import path_str
+
 __all__ = ["LOGICAL_AXES", "MESH_AXES", "logical_to_mesh_rules", "logical_to_mesh_spec",
-           "param_logical_axes", "partition_specs"]
+           "param_logical_axes", "partition_specs", "var_logical_axes"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -96,7 +98,8 @@ def logical_to_mesh_spec(axes: tuple[str | None, ...] | None,
     return PartitionSpec(*out)
 
 
-def _var_axes(var: nnx.Variable) -> tuple[str | None, ...] | None:
+def var_logical_axes(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a variable was annotated with (None: unannotated)."""
     meta = var.get_metadata()
     axes = meta.get("out_sharding", meta.get("sharding"))
     return None if axes is None else tuple(axes)
@@ -107,7 +110,7 @@ def param_logical_axes(model: Any) -> dict[str, tuple[str | None, ...] | None]:
     out = {}
     for parts, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
-            out[".".join(str(p) for p in parts)] = _var_axes(node)
+            out[path_str(parts)] = var_logical_axes(node)
     return out
 
 
@@ -119,7 +122,7 @@ def partition_specs(tree: Any, rules: LogicalRules | None = None) -> Any:
 
     def spec(x):
         if isinstance(x, nnx.Variable):
-            return x.replace(logical_to_mesh_spec(_var_axes(x), rules))
+            return x.replace(logical_to_mesh_spec(var_logical_axes(x), rules))
         return PartitionSpec()
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

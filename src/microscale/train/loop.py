@@ -47,15 +47,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale import __version__
-from microscale.config import dump_yaml, load_yaml, to_dict
+from microscale.config import atomic_write_text, dump_yaml, load_yaml, to_dict
 from microscale.data import load_data
 from microscale.model import (
     PrecisionRules,
     Transformer,
+    assignments,
     iter_linears,
     late_switch,
     logical_to_mesh_rules,
+    var_logical_axes,
 )
+from microscale.model.rules import path_str
 from microscale.ops import get_recipe
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
@@ -117,18 +120,10 @@ def default_out(cfg: TrainConfig) -> str:
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- state
-
-
-def _logical_axes(var: nnx.Variable):
-    meta = var.get_metadata()
-    axes = meta.get("out_sharding", meta.get("sharding"))
-    return None if axes is None else tuple(axes)
 
 
 def _param_shardings(abs_params: nnx.State, mesh) -> dict:
@@ -136,8 +131,8 @@ def _param_shardings(abs_params: nnx.State, mesh) -> dict:
     rules = dict(logical_to_mesh_rules())
 
     def one(path, var):
-        spec = spec_for(_logical_axes(var), var.get_value().shape, mesh, rules,
-                        where=".".join(str(p) for p in path))
+        spec = spec_for(var_logical_axes(var), var.get_value().shape, mesh, rules,
+                        where=path_str(path))
         return var.replace(NamedSharding(mesh, spec))
 
     flat = [(p, one(p, v)) for p, v in nnx.to_flat_state(abs_params)]
@@ -257,13 +252,6 @@ def _quant_stats(model) -> dict[str, dict[str, float]]:
         if stats is not None:
             out[path] = stats
     return out
-
-
-def _assignments(graphdef, params_abs, rest) -> dict[str, str | None]:
-    model = nnx.merge(graphdef, nnx.State(params_abs), rest)
-    return {p: getattr(n, "recipe", None) if isinstance(getattr(n, "recipe", None), str)
-            else getattr(getattr(n, "recipe", None), "name", None)
-            for p, n in iter_linears(model)}
 
 
 # ----------------------------------------------------------------------------- train
@@ -433,7 +421,8 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             "wall_time_s": time.perf_counter() - t_start,
             "train_time_s": train_time,
             "compile_time_s": compile_s,
-            "precision": _assignments(st.graphdefs["main"], params, st.rest),
+            "precision": assignments(nnx.merge(st.graphdefs["main"], nnx.State(params),
+                                               st.rest)),
             "mesh": dict(mesh.shape),
             "devices": jax.device_count(),
             "backend": jax.default_backend(),

@@ -51,13 +51,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from microscale.model import MESH_AXES, logical_to_mesh_rules
+
 __all__ = ["AXES", "BATCH_AXES", "build_mesh", "maybe_initialize_distributed",
            "resolve_mesh_shape", "shard_batch", "spec_for"]
 
 log = logging.getLogger(__name__)
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = MESH_AXES
+BATCH_AXES = dict(logical_to_mesh_rules())["batch"]
 
 # Environment variables that mean "several processes were launched together".
 _MULTI_HOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
@@ -111,9 +113,7 @@ def maybe_initialize_distributed(mesh_cfg) -> bool:
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
     """``(data, fsdp, tensor)`` with one ``-1`` filled in; raises if it does not fit."""
     sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
-    free = [i for i, s in enumerate(sizes) if s == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh: at most one of data/fsdp/tensor may be -1, got {tuple(sizes)}")
+    free = [i for i, s in enumerate(sizes) if s == -1]  # at most one (MeshConfig checks)
     fixed = math.prod(s for s in sizes if s != -1)
     if free:
         if n_devices % fixed:

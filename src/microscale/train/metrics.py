@@ -6,7 +6,7 @@
   ``loss_avg`` (mean since the previous line), ``lr``, ``grad_norm`` (before clipping),
   ``tokens`` (seen so far), ``tokens_per_s`` (since the previous line, compile and eval
   time excluded), ``nonfinite`` (skipped updates so far), ``phase`` (``"main"`` or
-  ``"late_switch"``), ``time`` (seconds since start);
+  ``"late"``), ``time`` (seconds since start);
 * ``"eval"``: ``step``, ``tokens``, ``val_loss``, ``val_ppl``, and ``quant`` --
   per-layer weight-quantization statistics (below);
 * ``"event"``: ``step`` and ``event`` (``"late_switch"``, ``"nonfinite"``, ``"resume"``,
@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from microscale.config import atomic_write_text
 from microscale.formats import block_scales_f32, e2m1_decode, quantize
 
 __all__ = ["MetricsLogger", "format_duration", "weight_quant_stats"]
@@ -92,11 +93,9 @@ def weight_quant_stats(kernel: jax.Array, operand) -> dict[str, float] | None:
     spec = operand.spec
     if not spec.quantized:
         return None
-    bs = None
-    if operand.block_shape is not None:
-        along, other = operand.block_shape
-        bs = (along, other)  # array order for a [K, N] weight contracted on K
-    z, s, u = np.asarray(jax.device_get(_stats(kernel, spec, bs, operand.scale_rounding)))
+    # (along, other) is already array order for a [K, N] weight contracted on K.
+    z, s, u = np.asarray(jax.device_get(_stats(kernel, spec, operand.block_shape,
+                                               operand.scale_rounding)))
     return {"zero": float(z), "saturated": float(s), "scale_underflow": float(u)}
 
 
@@ -205,9 +204,7 @@ class MetricsLogger:
                     continue  # a torn last line of a killed process
                 if rec.get("step", 0) <= step:
                     keep.append(json.dumps(rec) + "\n")
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(keep))
 
     # ------------------------------------------------------------------ records
     def log(self, record: dict[str, Any]) -> None:
