@@ -7,17 +7,23 @@ import time
 import jax
 
 
-def time_fn(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
-    """Median wall time in milliseconds of ``fn(*args)`` (outputs blocked on)."""
+def time_wall_cpu(fn, *args, repeats: int = 10, warmup: int = 2) -> tuple[float, float]:
+    """(median wall seconds, median process-CPU seconds) of ``fn(*args)`` (outputs
+    blocked on) after ``warmup`` calls. CPU time is the steadier number on a shared machine."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1e3 * times[len(times) // 2]
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return sorted(wall)[len(wall) // 2], sorted(cpu)[len(cpu) // 2]
+
+
+def time_fn(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+    """Median wall time in milliseconds of ``fn(*args)`` (outputs blocked on)."""
+    return 1e3 * time_wall_cpu(fn, *args, repeats=repeats, warmup=warmup)[0]
 
 
 def print_table(rows: list[tuple[str, float]], baseline: str) -> None:

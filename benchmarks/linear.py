@@ -15,13 +15,15 @@ accumulation; faster on XLA:CPU). CPU time is the steadier number on a shared ma
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from microscale.ops import get_recipe, init_amax_history, make_dot_general
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import time_wall_cpu  # noqa: E402
+from microscale.ops import get_recipe, init_amax_history, make_dot_general  # noqa: E402
 
 DNUMS = (((1,), (0,)), ((), ()))
 
@@ -61,14 +63,7 @@ def time_fwd_bwd(f, x, w, ct, reps: int) -> tuple[float, float]:
         dx, dw = pullback(ct.astype(y.dtype))
         return y, dx, dw
 
-    jax.block_until_ready(step(x, w, ct))  # compile + warm-up
-    wall, cpu = [], []
-    for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        jax.block_until_ready(step(x, w, ct))
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return statistics.median(wall), statistics.median(cpu)
+    return time_wall_cpu(step, x, w, ct, repeats=reps, warmup=1)  # warm-up compiles
 
 
 def main(argv=None):

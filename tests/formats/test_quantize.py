@@ -67,15 +67,10 @@ def test_nvfp4_bit_identical_to_transformer_engine_formulas(name):
     assert q.data.shape == (64, 128) and q.scales.shape == (64, 16)
 
 
-def _jax_reference(mode):
-    from jax._src.cudnn import scaled_matmul_stablehlo as ref
-
-    return ref
-
-
 @pytest.mark.parametrize("name", ["normal", "heavy", "mixed"])
 def test_nvfp4_and_mxfp8_bit_identical_to_jax_reference_quantizer(name):
-    ref = _jax_reference("nvfp4")
+    from jax._src.cudnn import scaled_matmul_stablehlo as ref
+
     x = _datasets()[name]
     nonzero = np.ones(x.shape, bool)
     nonzero[5, 16:48] = False  # JAX's reference divides a zero block by its zero scale (NaN)
@@ -361,12 +356,19 @@ def test_mx_scale_rounding_default_and_override():
     assert float(block_scales_f32(ms.quantize(x, "mxfp8"))[0, 0]) == 2.0**-6  # ceil(log2 7/448)
 
 
-def test_codes_unpack_layout():
-    x = jnp.asarray([[0, 0.5, 4, -0.0] + [0.0] * 12], jnp.float32) * 1.0
-    q = ms.quantize(x, "nvfp4", amax=2688.0 / 448 * 4)  # block scale exactly 448 / 6 * ...
-    assert q.data.shape == (1, 8)
-    np.testing.assert_array_equal(np.asarray(unpack_nibbles(q.data))[0, :4],
-                                  np.asarray(q.codes())[0, :4])
+def test_packed_data_matches_design_golden_vector():
+    # DESIGN's golden rows, each in a 16-element block whose amax is 6: with amax=2688
+    # (s_enc = 1) every block scale is exactly 1, so the elements encode unscaled.
+    golden = [[0, 0.5, 4, -0.0], [-0.0, 1, -6, 3]]
+    x = np.zeros((2, 16), np.float32)
+    x[:, :4] = golden
+    x[0, 4] = 6.0
+    q = ms.quantize(jnp.asarray(x), "nvfp4", amax=2688.0)
+    assert q.data.shape == (2, 8)
+    np.testing.assert_array_equal(np.asarray(q.scales, np.float32), [[1.0], [1.0]])
+    np.testing.assert_array_equal(np.asarray(q.data)[:, :2], [[0x10, 0x86], [0x28, 0x5F]])
+    np.testing.assert_array_equal(np.asarray(q.data)[0, 2], 0x07)  # the 6 in element 4
+    np.testing.assert_array_equal(np.asarray(unpack_nibbles(q.data)), np.asarray(q.codes()))
 
 
 SHARDED = textwrap.dedent("""

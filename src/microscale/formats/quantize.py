@@ -93,7 +93,7 @@ class QArray:
         return self.data
 
 
-def _check_input(x, spec: FormatSpec, axis: int) -> tuple[jax.Array, int]:
+def _check_input(x, axis: int) -> tuple[jax.Array, int]:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
@@ -154,12 +154,10 @@ def _block_view(scales: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
 
 
 def _uniform(key, shape):
-    if key is None:
-        raise ValueError("rounding='stochastic' needs an explicit key (jax.random.key(...))")
-    return elements.uniform_for_rounding(key, tuple(shape))
+    return elements.uniform_for_rounding(key, tuple(shape))  # key checked in _prepare
 
 
-def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, scale_rounding,
+def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_rounding,
             four_over_six=False):
     """Shared core of quantize / quantize_dequantize (blocks is not None).
 
@@ -237,7 +235,7 @@ def _encode(x, spec: FormatSpec, axis: int, rounding: str, key, blocks, amax, sc
 
 def _prepare(x, fmt, axis, rounding, key, block_shape):
     spec = get_format(fmt)
-    x, axis = _check_input(x, spec, axis)
+    x, axis = _check_input(x, axis)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
     if rounding == "stochastic" and key is None:
@@ -253,10 +251,14 @@ def tensor_amax(x) -> jax.Array:
     return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
 
 
-def _tensor_scale(x, spec: FormatSpec, amax):
+def _tensor_round(x, spec: FormatSpec, rounding: str, key, amax):
+    """Per-tensor scaling: (``x / scale`` rounded to the element grid, float32; ``scale``)."""
     t_amax = tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
     scale = jnp.where(t_amax == 0, jnp.float32(1.0), t_amax / jnp.float32(spec.elem_max))
-    return jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
+    scale = jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
+    xf = x.astype(jnp.float32)
+    u = _uniform(key, xf.shape) if rounding == "stochastic" else None
+    return elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u), scale
 
 
 def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "nearest",
@@ -285,13 +287,10 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
     if not spec.quantized:
         return QArray(x.astype(spec.elem_dtype), None, None, spec, axis, shape, None)
     if blocks is None:  # per-tensor scaling (FP8 current scaling)
-        xf = x.astype(jnp.float32)
-        scale = _tensor_scale(x, spec, amax)
-        u = _uniform(key, xf.shape) if rounding == "stochastic" else None
-        data = elements.float8_encode(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
-        return QArray(data, scale, None, spec, axis, shape, None)
+        vals, scale = _tensor_round(x, spec, rounding, key, amax)
+        return QArray(vals.astype(spec.elem_dtype), scale, None, spec, axis, shape, None)
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, axis, rounding, key, blocks, amax, scale_rounding, four_over_six)
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six)
     if spec.packed:
         codes = elements.e2m1_encode(y, rounding, u).reshape(padded)
         data = elements.pack_nibbles(codes, axis)
@@ -322,15 +321,12 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
     if not spec.quantized:
         return x.astype(spec.elem_dtype).astype(dtype), one
     if blocks is None:
-        xf = x.astype(jnp.float32)
-        scale = _tensor_scale(x, spec, amax)
-        u = _uniform(key, xf.shape) if rounding == "stochastic" else None
-        vals = elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
+        vals, scale = _tensor_round(x, spec, rounding, key, amax)
         if with_global_scale:
             return (vals * scale).astype(dtype), one
         return vals.astype(dtype), scale
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, axis, rounding, key, blocks, amax, scale_rounding, four_over_six)
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six)
     # Round in the value domain: no codes, no packing, no float8 casts.
     vals = elements.float_round(y, spec.elem_dtype, spec.elem_max, rounding, u)
     out = _scale_blocks(vals * scales, global_scale if with_global_scale else None, padded,

@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from microscale.formats import e2m1_decode, quantize
+
 BACKENDS = ("auto", "emulated", "native")
 
 
@@ -96,20 +98,13 @@ def native_operand(t, spec, *, axis: int = -1, key=None):
     ``axis=-2`` quantizes ``t`` in its own layout (so stochastic-rounding noise matches
     the emulated backend) and hands the kernel its transpose.
     """
-    from microscale.formats import elements, quantize
-
-    bs = spec.block_shape
-    if bs is not None and axis == -1:
-        bs = bs[::-1]  # (along, other) -> array order of the last two dims
-    q = quantize(t, spec.spec, axis=axis, rounding=spec.rounding,
-                 key=key if spec.stochastic else None, block_shape=bs,
-                 scale_rounding=spec.scale_rounding)
+    q = quantize(t, spec.spec, **spec.quantize_kwargs(axis, key))
     fmt = q.spec
     if q.block_shape is None:  # per-tensor scale
         elems = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
         return elems, None, q.scales
     codes = q.codes()
-    elems = (elements.e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes)
+    elems = (e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes)
     scales = q.scales
     other = -2 if axis == -1 else -1
     if q.block_shape[other] > 1:  # a tile scale serves each of its rows

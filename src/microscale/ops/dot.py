@@ -40,7 +40,7 @@ A key is required only when an operand with stochastic rounding is actually comp
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import math
 
 import jax
 import jax.numpy as jnp
@@ -128,14 +128,14 @@ def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=Non
     """
     if axis not in (-1, -2):
         raise ValueError(f"quantize_operand: axis must be -1 or -2 (a GEMM dim), got {axis}")
-    t = _rotate(t, spec, axis, hadamard_seed)
+    return _quantize_rotated(_rotate(t, spec, axis, hadamard_seed), spec, axis, key, slot, amax)
+
+
+def _quantize_rotated(t, spec: OperandSpec, axis: int, key, slot: str, amax):
+    """:func:`quantize_operand` of an operand already rotated by :func:`_rotate`."""
     _check_key(spec, key, slot)
-    block_shape = spec.block_shape
-    if block_shape is not None and axis == -1:
-        block_shape = block_shape[::-1]  # (along, other) -> array order of the last two dims
-    return quantize_dequantize(t, spec.spec, axis=axis, rounding=spec.rounding,
-                               key=key if spec.stochastic else None, block_shape=block_shape,
-                               scale_rounding=spec.scale_rounding, dtype=COMPUTE, amax=amax)
+    return quantize_dequantize(t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE,
+                               amax=amax)
 
 
 def _scaled(y: jax.Array, *scales) -> jax.Array:
@@ -198,14 +198,13 @@ def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: in
     (delayed scaling) its tensor scale comes from the history, and the history row with
     this step's amax pushed in front goes to ``updates[slot]``."""
     spec = getattr(recipe, slot)
+    t = _rotate(t, spec, axis, recipe.hadamard_seed)
     amax = None
     if history is not None and spec.quantized:
         row = history[SLOTS.index(slot)]
         amax = jnp.max(row) if recipe.amax_compute == "max" else row[0]
-        now = tensor_amax(_rotate(t, spec, axis, recipe.hadamard_seed))
-        updates[slot] = jnp.concatenate([now[None], row[:-1]])
-    return quantize_operand(t, spec, axis=axis, key=operand_key(key, slot),
-                            hadamard_seed=recipe.hadamard_seed, slot=slot, amax=amax)
+        updates[slot] = jnp.concatenate([tensor_amax(t)[None], row[:-1]])
+    return _quantize_rotated(t, spec, axis, operand_key(key, slot), slot, amax)
 
 
 def _new_history(history, updates: dict):
@@ -285,13 +284,6 @@ def _canonical_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
     return lc, rc, lb, rb, lf, rf
 
 
-def _prod(shape, axes: Sequence[int]) -> int:
-    n = 1
-    for a in axes:
-        n *= shape[a]
-    return n
-
-
 def init_amax_history(recipe: Recipe | str) -> jax.Array:
     """A zero amax history for a delayed-scaling recipe: float32 ``[6, amax_history_len]``,
     one row per operand slot (:data:`~microscale.ops.recipe.SLOTS`), newest amax first.
@@ -337,8 +329,8 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
         if lhs.shape[a] != rhs.shape[b]:
             raise ValueError(f"dot_general: lhs dim {a} (size {lhs.shape[a]}) does not match "
                              f"rhs dim {b} (size {rhs.shape[b]})")
-    bsz = _prod(lhs.shape, lb)
-    m, k, n = _prod(lhs.shape, lf), _prod(lhs.shape, lc), _prod(rhs.shape, rf)
+    bsz, m, k = (math.prod(lhs.shape[a] for a in axes) for axes in (lb, lf, lc))
+    n = math.prod(rhs.shape[a] for a in rf)
     lead = (bsz,) if lb else ()
     x = jnp.transpose(lhs, lb + lf + lc) if lb + lf + lc != tuple(range(lhs.ndim)) else lhs
     w = jnp.transpose(rhs, rb + rc + rf) if rb + rc + rf != tuple(range(rhs.ndim)) else rhs

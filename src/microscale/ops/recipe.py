@@ -30,6 +30,7 @@ nvfp4            NVFP4 1x16 RNE, 16x16 RNE      1x16 SR, 16x16 (W reused)      1
 nvfp4_no_rht     as nvfp4, no Hadamard in wgrad
 nvfp4_no_sr      as nvfp4, dY rounded to nearest
 nvfp4_1d         as nvfp4, W in 1x16 blocks (requantized along N for dgrad)
+nvfp4_rne_1d     as nvfp4, no Hadamard, no SR, W in 1x16 blocks
 nvfp4_fwd_only   NVFP4 as nvfp4                 bf16                           bf16
 mxfp4            MXFP4 1x32 RNE                 MXFP4 1x32 RNE                 MXFP4 1x32 RNE
 mxfp4_rht_sr     MXFP4 1x32 RNE                 dY SR                          RHT32, dY SR
@@ -61,11 +62,11 @@ from microscale.formats import FormatSpec, get_format
 
 Rounding = Literal["nearest", "stochastic"]
 Scaling = Literal["current", "delayed"]
-GEMMS = ("fprop", "dgrad", "wgrad")
-SLOTS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 # (lhs slot, rhs slot) of each GEMM.
 SLOT_PAIRS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"),
               "wgrad": ("wgrad_x", "wgrad_dy")}
+GEMMS = tuple(SLOT_PAIRS)
+SLOTS = tuple(slot for pair in SLOT_PAIRS.values() for slot in pair)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,16 @@ class OperandSpec:
             return True
         bs = self.block_shape
         return bs is not None and bs[0] == bs[1]
+
+    def quantize_kwargs(self, axis: int, key=None) -> dict[str, Any]:
+        """Keyword arguments of ``formats.quantize`` / ``quantize_dequantize`` for this
+        operand contracting along ``axis`` (-1 or -2): ``block_shape`` (along, other)
+        becomes the array order of the last two dims; ``key`` only for stochastic rounding."""
+        bs = self.block_shape
+        if bs is not None and axis == -1:
+            bs = bs[::-1]
+        return dict(axis=axis, rounding=self.rounding, key=key if self.stochastic else None,
+                    block_shape=bs, scale_rounding=self.scale_rounding)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -215,8 +226,7 @@ class Recipe:
 
     def gemms(self) -> dict[str, tuple[OperandSpec, OperandSpec]]:
         """{gemm: (lhs spec, rhs spec)} in the order fprop, dgrad, wgrad."""
-        return {"fprop": (self.fprop_x, self.fprop_w), "dgrad": (self.dgrad_dy, self.dgrad_w),
-                "wgrad": (self.wgrad_x, self.wgrad_dy)}
+        return {gemm: (getattr(self, a), getattr(self, b)) for gemm, (a, b) in SLOT_PAIRS.items()}
 
     def operands(self) -> dict[str, OperandSpec]:
         return {slot: getattr(self, slot) for slot in SLOTS}
