@@ -33,30 +33,36 @@ def qweights(engine):
             for f in FMTS}
 
 
+def _tap_one(engine, params, path, eps, tokens):
+    """``(loss, (X, Y))``: the loss with ``eps`` added to layer ``path``'s output only, and
+    that layer's input and output (a hook of its own, not Engine.grad_terms')."""
+    model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+    seen = {}
+
+    def hook(p, call, x):
+        y = call(x)
+        if p == path:
+            seen["x"], seen["y"] = x, y
+            y = y + eps.astype(y.dtype)
+        return y
+
+    with intercept_linears(model, hook):
+        loss = next_token_loss(model, tokens)
+    return loss, (seen["x"], seen["y"])
+
+
 def _direct_score(engine, tokens, path, wq_values) -> float:
     """s = sum((dL/dY * (Y_q - Y))^2) for ONE layer, from scratch: Y and Y_q measured by
     running the model twice (fp, and with only this layer's kernel replaced), dL/dY by
     differentiating the loss w.r.t. a perturbation of this layer's output only."""
 
     def run(params, eps, tokens):
-        model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
-        seen = {}
-
-        def hook(p, call, x):
-            y = call(x)
-            if p == path:
-                seen["y"] = y
-                y = y + eps.astype(y.dtype)
-            return y
-
-        with intercept_linears(model, hook):
-            loss = next_token_loss(model, tokens)
-        return loss, seen["y"]
+        return _tap_one(engine, params, path, eps, tokens)
 
     @jax.jit
     def both(params, qparams, eps, tokens):
-        (_, y), g = jax.value_and_grad(run, argnums=1, has_aux=True)(params, eps, tokens)
-        _, yq = run(qparams, eps, tokens)
+        (_, (_, y)), g = jax.value_and_grad(run, argnums=1, has_aux=True)(params, eps, tokens)
+        _, (_, yq) = run(qparams, eps, tokens)
         return jnp.sum(jnp.square(g * (yq.astype(jnp.float32) - y.astype(jnp.float32))))
 
     out = engine.kernels[path].shape[1]
@@ -98,21 +104,11 @@ def test_gradient_linear_term_equals_kernel_gradient(engine, qweights, token_bat
     ref = float(jnp.sum(gw * dw))
 
     def tapped(eps):
-        model = nnx.merge(engine.graphdef, nnx.State(engine.params), engine.rest)
-        xs = {}
-
-        def hook(p, call, x):
-            y = call(x)
-            if p == path:
-                xs["x"] = x
-                y = y + eps.astype(y.dtype)
-            return y
-
-        with intercept_linears(model, hook):
-            return next_token_loss(model, tokens), xs["x"]
+        return _tap_one(engine, engine.params, path, eps, tokens)
 
     out = engine.kernels[path].shape[1]
-    g, x = jax.jit(jax.grad(tapped, has_aux=True))(jnp.zeros(tokens[:, :-1].shape + (out,)))
+    g, (x, _) = jax.jit(jax.grad(tapped, has_aux=True))(
+        jnp.zeros(tokens[:, :-1].shape + (out,)))
     got = float(jnp.sum(g * (x.astype(jnp.float32) @ dw)))
     assert got == pytest.approx(ref, rel=0.03, abs=1e-9)
 
@@ -156,10 +152,13 @@ def test_engine_leaves_the_model_alone(tiny_model):
 def test_tap_outside_its_block_raises(tiny_model):
     e = Engine(tiny_model)
     model = nnx.merge(e.graphdef, nnx.State(e.params), e.rest)
+    tokens = jnp.zeros((1, 4), jnp.int32)
     with intercept_linears(model, lambda p, call, x: call(x)):
-        pass
+        copy = nnx.clone(model)  # copies of tapped layers, unknown to the hook table
+        with pytest.raises(RuntimeError, match="outside its intercept_linears block"):
+            copy(tokens)
     # classes are restored: the model runs normally afterwards
-    logits = model(jnp.zeros((1, 4), jnp.int32))
+    logits = model(tokens)
     assert logits.shape == (1, 4, 257)
     assert np.isfinite(np.asarray(logits)).all()
 

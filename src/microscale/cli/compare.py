@@ -43,7 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from microscale.config import ConfigError
-    from microscale.experiments.compare import ABLATIONS, BASELINES, CompareConfig, find_previous
+    from microscale.experiments.compare import (
+        ABLATIONS,
+        BASELINES,
+        CompareConfig,
+        find_previous,
+        run_compare,
+    )
     from microscale.train.config import resolve_config
 
     out = None
@@ -69,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
         out = str(prev) if prev else time.strftime("runs/compare-%Y%m%d-%H%M%S")
         if prev and not args.quiet:
             print(f"[compare] reusing {prev} (same settings; finished runs are kept)")
-    from microscale.experiments.compare import run_compare
     from microscale.train import enable_compilation_cache
 
     enable_compilation_cache()

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from microscale.config import apply_overrides, dump_yaml, to_dict
+from microscale.config import apply_overrides, atomic_write_text, dump_yaml, to_dict
 from microscale.train import TrainConfig, TrainingAborted, train
 
 # name -> the overrides that make this run differ from the base config.
@@ -116,12 +116,6 @@ def find_previous(base_dir: str | os.PathLike, settings_hash: str) -> Path | Non
     return None
 
 
-def _atomic_write(path: Path, text: str | bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(text if isinstance(text, bytes) else text.encode())
-    os.replace(tmp, path)
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -163,7 +157,7 @@ def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train every run (skipping finished ones), then write the report. Returns summary."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "compare.json", json.dumps(
+    atomic_write_text(out / "compare.json", json.dumps(
         {"settings_hash": cfg.settings_hash(), "config": to_dict(cfg)}, indent=2))
     dump_yaml(cfg.base, out / "base_config.yaml")
     jobs = [(name, seed, cfg.run_config(name, seed)) for name in cfg.runs for seed in cfg.seeds]
@@ -328,10 +322,10 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
         "machine": _machine(),
     }
     summary = {"runs": runs, "setup": setup}
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     curves = {name: _curves(dirs[(name, cfg.seeds[0])]) for name in cfg.runs}
     _plots(out, curves)
-    _atomic_write(out / "report.md", render_markdown(cfg, summary))
+    atomic_write_text(out / "report.md", render_markdown(cfg, summary))
     return summary
 
 

@@ -62,7 +62,6 @@ from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score
 from microscale.ptq.weights import (
     QuantizedWeight,
     WeightPTQ,
-    has_tensor_scale,
     quantize_group,
     supports_four_over_six,
 )
@@ -577,7 +576,7 @@ def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allo
     out: dict[str, Any] = {"weights": {}, "activations": {}}
     for f in cfg.uniform_formats:
         spec = get_format(f)
-        tensor, four6 = has_tensor_scale(spec), supports_four_over_six(spec)
+        tensor, four6 = spec.has_tensor_scale, supports_four_over_six(spec)
         if not (tensor or four6):
             continue
         names = ["rtn"] + (["mse_scale"] if tensor else []) + \
@@ -590,7 +589,7 @@ def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allo
     # W4A4 / W8A8 inputs: dynamic (per batch) vs static calibrated amax, vs weight-only.
     for f in cfg.uniform_formats:
         spec = get_format(f)
-        if not has_tensor_scale(spec):
+        if not spec.has_tensor_scale:
             continue
         assign = _uniform(paths, f, pinned)
         out["activations"][f"uniform_{f}"] = {

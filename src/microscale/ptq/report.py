@@ -44,17 +44,6 @@ __all__ = ["plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_mark
 _MANIFEST_VERSION = 1
 
 
-def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping):
-            out.update(_flat(v, name))
-        else:
-            out[name] = v
-    return out
-
-
 def _raw(a) -> tuple[np.ndarray, str]:
     """An array as safetensors-storable numpy plus its logical dtype name."""
     a = np.asarray(a)
@@ -68,7 +57,7 @@ def _raw(a) -> tuple[np.ndarray, str]:
 
 def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> dict[str, Any]:
     """microscale's own layout (see the module doc); returns a description."""
-    from safetensors.numpy import save_file
+    from microscale.export import flat_params, write_safetensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +65,7 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
     tensors: dict[str, np.ndarray] = {}
     layers: dict[str, Any] = {}
     kernel_names = {f"{p}.kernel" for p in result.paths}
-    for name, v in _flat(engine.params).items():
+    for name, v in flat_params(engine.params).items():
         if name not in kernel_names:
             tensors[name] = np.asarray(v, np.float32)
     for p in result.paths:
@@ -99,7 +88,7 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
             tensors[f"{p}.input_amax"] = np.asarray([result.act_amax[p]], np.float32)
             entry["input_amax"] = result.act_amax[p]
         layers[p] = entry
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "microscale-ptq"})
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "microscale-ptq"})
     manifest = {"format": "microscale-ptq", "version": _MANIFEST_VERSION,
                 "activations": result.config.activations, "layers": layers,
                 "params": sorted(n for n in tensors if not any(n.startswith(p + ".")
@@ -113,14 +102,14 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
 def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str, Any],
                                                           dict[str, Any]]:
     """``({layer path: QArray [out, in]}, {param path: float32 array}, manifest)``."""
-    from safetensors.numpy import load_file
+    from microscale.export import TensorStore
 
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text())
     if manifest.get("format") != "microscale-ptq":
         raise ValueError(f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
                          "'microscale-ptq'")
-    tensors = load_file(str(path / "model.safetensors"))
+    store = TensorStore(path / "model.safetensors")
     qs = {}
     for p, e in manifest["layers"].items():
         spec = get_format(e["format"])
@@ -130,7 +119,7 @@ def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dic
             if t is None:
                 leaves[field] = None
                 continue
-            arr = tensors[t["name"]]
+            arr = store.get(t["name"])
             dt = np.dtype(getattr(ml_dtypes, t["dtype"], t["dtype"]))
             arr = arr.view(dt) if arr.dtype != dt else arr
             if field == "global_scale" or (field == "scales" and spec.block_size is None):
@@ -139,14 +128,14 @@ def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dic
         bs = None if e["block_shape"] is None else tuple(e["block_shape"])
         qs[p] = QArray(leaves["data"], leaves["scales"], leaves["global_scale"], spec,
                        1, tuple(e["shape"]), bs)
-    params = {n: tensors[n] for n in manifest["params"]}
+    params = {n: np.array(store.get(n)) for n in manifest["params"]}
     return qs, params, manifest
 
 
 def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: str):
-    from microscale.export import LayerQuant, export_checkpoint
+    from microscale.export import LayerQuant, export_checkpoint, flat_params
 
-    flat = _flat(result.engine.params)
+    flat = flat_params(result.engine.params)
     for p in result.paths:
         w = result.weights[p]
         if get_format(w.format).quantized:

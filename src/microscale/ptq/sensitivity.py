@@ -72,9 +72,9 @@ def _bf16(a):
 
 def _grad_terms(engine: Engine, batches, qweights: QWeights, activations: bool,
                 act_amax: Mapping[str, float] | None) -> dict[str, dict[str, dict[str, float]]]:
-    deltas = {f: {p: _bf16(qw[p].values) - _bf16(engine.kernels[p]) for p in engine.paths}
-              for f, qw in qweights.items()}
     kernels = {f: {p: _bf16(qw[p].values) for p in engine.paths} for f, qw in qweights.items()}
+    ref = {p: _bf16(engine.kernels[p]) for p in engine.paths}
+    deltas = {f: {p: k[p] - ref[p] for p in engine.paths} for f, k in kernels.items()}
     act_formats = {f: activations for f in qweights}
     return engine.grad_terms(batches, deltas, act_formats=act_formats, act_amax=act_amax,
                              quantized_kernels=kernels if activations else None)

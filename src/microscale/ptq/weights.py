@@ -50,8 +50,8 @@ import numpy as np
 
 from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize
 
-__all__ = ["QuantizedWeight", "WeightPTQ", "four_over_six", "has_tensor_scale",
-           "quantize_group", "quantize_weight", "supports_four_over_six", "weight_error"]
+__all__ = ["QuantizedWeight", "WeightPTQ", "four_over_six", "quantize_group",
+           "quantize_weight", "supports_four_over_six"]
 
 
 def _default_grid() -> tuple[float, ...]:
@@ -82,11 +82,6 @@ class WeightPTQ:
     def rtn(cls) -> WeightPTQ:
         """Plain round-to-nearest (both choices off)."""
         return cls(mse_scale=False, four_over_six=False)
-
-
-def has_tensor_scale(spec: FormatSpec) -> bool:
-    """True when ``quantize(..., amax=)`` sets a tensor scale (NVFP4 global, FP8)."""
-    return spec.quantized and (spec.has_global_scale or spec.scale_kind == "tensor")
 
 
 def supports_four_over_six(spec: FormatSpec) -> bool:
@@ -142,11 +137,6 @@ class QuantizedWeight:
     four_fraction: float = 0.0
 
 
-def weight_error(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None) -> float:
-    """Relative squared error ``||Q(W) - W||^2 / ||W||^2`` of :func:`quantize_weight`."""
-    return quantize_weight(kernel, fmt, ptq).rel_mse
-
-
 def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
                     ) -> QuantizedWeight:
     """Quantize a linear kernel ``[in, out]`` along ``in`` with the PTQ choices of ``ptq``
@@ -180,7 +170,7 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
             out.append(QuantizedWeight(format=spec.name, qarray=q, values=vals, amax=None,
                                        scale_multiplier=1.0, rel_mse=err, rel_mse_rtn=err))
         return out
-    tensor = has_tensor_scale(spec)
+    tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
     base = jnp.max(jnp.stack([jnp.max(jnp.abs(t)) for t in wts]))
 
@@ -189,7 +179,7 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
         return [float(_sq_error(t, a, spec, f6)) for t in wts]
 
     rtn = errors(1.0, False)
-    best_c, best = 1.0, errors(1.0, four6)
+    best_c, best = 1.0, errors(1.0, True) if four6 else rtn
     if ptq.mse_scale and tensor:
         for c in ptq.scale_grid:
             if c == 1.0:
