@@ -59,7 +59,7 @@ def main() -> None:
         "bf16": dict(compute_dtype="bfloat16"),
         "nvfp4": dict(formats="nvfp4", compute_dtype="bfloat16"),
         "nvfp4-a4": dict(formats="nvfp4", activations=True, compute_dtype="bfloat16"),
-        "f32": dict(compute_dtype="float32", weights_f32=True),
+        "f32": dict(compute_dtype="float32"),
     }
     print(f"# decode, {args.preset} ({cfg.num_params() / 1e6:.1f}M params), batch "
           f"{args.batch}, prompt {args.prompt_len}, {args.tokens} new tokens, "
@@ -68,7 +68,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     rows = []
     for name, kw in variants.items():
-        f32 = kw.pop("weights_f32", False)
+        f32 = kw["compute_dtype"] == "float32"
         im = InferenceModel.from_params(model, cfg.replace(compute_dtype=kw["compute_dtype"]),
                                         **kw)
         t_full = _time(im, prompts, args.tokens, args.repeats)

@@ -124,6 +124,22 @@ def test_unknown_quant_method_and_no_pickle(exported, tmp_path):
         read_checkpoint(d)
 
 
+@pytest.mark.parametrize("inputs, match", [
+    ({"num_bits": 4, "type": "int", "group_size": 128, "strategy": "group"},
+     "input_activations: input activations .* match no format"),
+    ("nvfp4", "input_activations: expected QuantizationArgs"),
+])
+def test_unreadable_input_activations_named(exported, tmp_path, inputs, match):
+    d = tmp_path / "x"
+    d.mkdir()
+    cfg = json.loads((exported / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = inputs
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes((exported / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=match):
+        read_checkpoint(d)
+
+
 BASE = dict(model_type="llama", vocab_size=257, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

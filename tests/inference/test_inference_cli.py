@@ -104,3 +104,17 @@ def test_hf_folder_to_nvfp4(tmp_path, capsys):
     assert mo.layout == "modelopt" and mo.tokenizer_file is not None
     q1, q2 = ct.params["layers.0.mlp.up_proj.kernel"], mo.params["layers.0.mlp.up_proj.kernel"]
     assert q1.data.tobytes() == q2.data.tobytes()
+    # --activations on a packed folder keeps its weight formats and adds input scales
+    corpus = tmp_path / "calib.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 600)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MICROSCALE_CACHE", str(tmp_path / "cache"))
+    try:
+        assert main(["export", "-c", str(tmp_path / "ct"), "-o", str(tmp_path / "a4"),
+                     "--activations", "--data", str(corpus), "--calib-batches", "1"]) == 0
+    finally:
+        mp.undo()
+    assert "14 x nvfp4/a:nvfp4" in capsys.readouterr().out
+    a4 = read_checkpoint(tmp_path / "a4")
+    assert {lq.weights for lq in a4.layers.values()} == {"nvfp4"}
+    assert set(a4.input_scales) == set(a4.layers)

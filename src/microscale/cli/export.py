@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
             data, seq_len = data or tcfg.data.corpus, tcfg.data.seq_len
         elif (src / "config.json").is_file():
             # A packed folder without --formats is re-written as is (layout conversion keeps
-            # its bytes); otherwise its weights are decoded and quantized again.
+            # its bytes); otherwise its weights are decoded and quantized again (with
+            # --activations, export_checkpoint keeps the folder's weight formats).
             ck = read_checkpoint(src, dequantize=formats is not None or args.activations)
-            if formats is None and (ck.layout == "hf" or args.activations):
-                formats = "nvfp4" if ck.layout == "hf" else \
-                    {p: lq.weights for p, lq in ck.layers.items()}
+            if formats is None and ck.layout == "hf":
+                formats = "nvfp4"
             model, config, tokenizer = ck, ck.config, ck.tokenizer()
             seq_len = min(config.max_seq_len, 256)
         else:

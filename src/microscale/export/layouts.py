@@ -74,9 +74,9 @@ __all__ = [
     "LayerQuant",
     "amax_from_decode_scale",
     "ct_format_of",
+    "ct_input_format_of",
     "ct_scheme",
     "exact_reciprocal",
-    "has_tensor_scale",
     "input_decode_scales",
     "modelopt_algo",
     "quantize_linear_weights",
@@ -202,16 +202,24 @@ def ct_scheme(fmt: str) -> CTScheme:
     return CT_SCHEMES[fmt]
 
 
+_CT_KEY = ("num_bits", "type", "group_size", "strategy")
+
+
+def _ct_match(args: Mapping[str, Any], role: str) -> str | None:
+    """The format whose ``role`` ("weights" / "inputs") QuantizationArgs agree with
+    ``args`` on :data:`_CT_KEY` (unique per role), or None."""
+    key = tuple(args.get(k) for k in _CT_KEY)
+    for name, s in CT_SCHEMES.items():
+        if key == tuple(getattr(s, role)[k] for k in _CT_KEY):
+            return name
+    return None
+
+
 def ct_format_of(weights: Mapping[str, Any], where: str) -> str:
     """microscale format of a compressed-tensors weights QuantizationArgs dict."""
-    key = (weights.get("num_bits"), weights.get("type"), weights.get("group_size"),
-           weights.get("strategy"))
-    for name, s in CT_SCHEMES.items():
-        w = s.weights
-        if key == (w["num_bits"], w["type"], w["group_size"], w["strategy"]):
-            if weights.get("symmetric", True) is not True:
-                break
-            return name
+    name = _ct_match(weights, "weights")
+    if name is not None and weights.get("symmetric", True) is True:
+        return name
     raise ValueError(f"{where}: compressed-tensors weights {dict(weights)!r} match no format "
                      "microscale can read; expected one of "
                      + "; ".join(f"{n}: num_bits={s.weights['num_bits']} type=float "
@@ -220,13 +228,17 @@ def ct_format_of(weights: Mapping[str, Any], where: str) -> str:
                                  for n, s in CT_SCHEMES.items()))
 
 
+def ct_input_format_of(inputs: Mapping[str, Any], where: str) -> str:
+    """microscale format of a compressed-tensors input_activations QuantizationArgs dict."""
+    name = _ct_match(inputs, "inputs")
+    if name is None:
+        raise ValueError(f"{where}: input activations {dict(inputs)!r} match no format "
+                         "microscale can emulate (expected NVFP4 tensor_group 16, MX group 32 "
+                         "or FP8 per-tensor)")
+    return name
+
+
 # ---------------------------------------------------------------------- scales
-
-def has_tensor_scale(spec: FormatSpec) -> bool:
-    """True when the format carries one float32 scale per tensor (NVFP4's global scale,
-    FP8's per-tensor scale): static deployment needs it calibrated."""
-    return spec.quantized and (spec.has_global_scale or spec.block_size is None)
-
 
 def tensor_decode_scale(spec: FormatSpec, amax: float) -> np.float32:
     """The per-tensor decode scale ``formats.quantize`` derives from ``amax`` (NVFP4:
@@ -430,7 +442,7 @@ def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,
         if not spec.quantized:
             out.update(zip(group, ws, strict=True))
             continue
-        amax = _group_amax(ws) if has_tensor_scale(spec) else None
+        amax = _group_amax(ws) if spec.has_tensor_scale else None
         for p, w in zip(group, ws, strict=True):
             out[p] = quantize(jnp.asarray(w, jnp.float32), spec, axis=0, amax=amax)
     return out
@@ -452,7 +464,7 @@ def input_decode_scales(cfg: ModelConfig, layers: Mapping[str, LayerQuant],
                                  f"expected paths like {next(iter(layers))!r}") from None
     for group in fused_groups(cfg):
         spec = layers[group[0]].input_spec
-        if spec is None or not has_tensor_scale(spec):
+        if spec is None or not spec.has_tensor_scale:
             continue
         missing = [p for p in group if p not in amax]
         if missing:

@@ -43,15 +43,13 @@ from microscale.export.hf import (
     model_config_from_hf,
     param_shapes,
 )
-from microscale.export.tensorfile import DTYPES, SafetensorsError, TensorStore
+from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorStore
 from microscale.formats import QArray, dequantize, get_format
 from microscale.model import ModelConfig, Transformer
 
 __all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
-# numpy dtype -> safetensors dtype name.
-DTYPES_NAME = {dt: name for name, dt in DTYPES.items()}
 # Tensors some HF checkpoints carry that a Llama forward pass does not use.
 _HARMLESS = re.compile(r".*\.rotary_emb\.inv_freq")
 
@@ -167,9 +165,11 @@ def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
         inp = g.get("input_activations")
         inf, static = None, False
         if inp:
-            inf = _ct_input_format(inp, f"{where}.input_activations")
-            static = L.has_tensor_scale(get_format(inf)) and inp.get("dynamic") in (False,
-                                                                                     "local")
+            if not isinstance(inp, dict):
+                raise CheckpointError(f"{where}.input_activations: expected QuantizationArgs "
+                                      f"or null, got {inp!r}")
+            inf = L.ct_input_format_of(inp, f"{where}.input_activations")
+            static = get_format(inf).has_tensor_scale and inp.get("dynamic") in (False, "local")
         parsed.append((g["targets"], L.LayerQuant(weights=wf, inputs=inf), static))
     layers, static_in = {}, {}
     for p in linear_paths(cfg):
@@ -182,18 +182,6 @@ def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
                 layers[p], static_in[p] = lq, static
                 break
     return layers, static_in
-
-
-def _ct_input_format(args: dict[str, Any], where: str) -> str:
-    key = (args.get("num_bits"), args.get("type"), args.get("group_size"),
-           args.get("strategy"))
-    for name, s in L.CT_SCHEMES.items():
-        i = s.inputs
-        if key == (i["num_bits"], i["type"], i["group_size"], i["strategy"]):
-            return name
-    raise CheckpointError(f"{where}: input activations {args!r} match no format microscale "
-                          "can emulate (expected NVFP4 tensor_group 16, MX group 32 or FP8 "
-                          "per-tensor)")
 
 
 def _modelopt_quant(path: Path, cfg_json: dict[str, Any]) -> dict[str, Any]:
@@ -288,13 +276,13 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
     if spec.packed:
         data = _expect(store, data_name, ("U8",), ((n, k // 2),), why)
     else:
-        data = _expect(store, data_name, (DTYPES_NAME[np.dtype(spec.elem_dtype)],), ((n, k),),
+        data = _expect(store, data_name, (DTYPE_NAMES[np.dtype(spec.elem_dtype)],), ((n, k),),
                        why)
     if spec.block_size is None:
         scales = np.asarray(_scale(store, f"{mod}.weight_scale", why, encode=False))
         block_shape = None
     else:
-        sdt = DTYPES_NAME[np.dtype(spec.scale_dtype)]
+        sdt = DTYPE_NAMES[np.dtype(spec.scale_dtype)]
         storage = L.CT_SCHEMES[spec.name].scale_storage if ct else None
         names = (storage, sdt) if storage else (sdt,)
         sc = _expect(store, f"{mod}.weight_scale", names, ((n, k // spec.block_size),), why)
@@ -307,7 +295,7 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
     q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)
     in_scale = None
     ispec = lq.input_spec
-    if ispec is not None and static_input and L.has_tensor_scale(ispec):
+    if ispec is not None and static_input and ispec.has_tensor_scale:
         enc = ct and ispec.has_global_scale
         in_scale = _scale(store, f"{mod}.input_global_scale" if enc else f"{mod}.input_scale",
                           why + " with static input scales", encode=enc)

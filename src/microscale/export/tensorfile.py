@@ -40,6 +40,7 @@ import numpy as np
 
 __all__ = [
     "DTYPES",
+    "DTYPE_NAMES",
     "INDEX_NAME",
     "SINGLE_NAME",
     "SafetensorsError",
@@ -69,7 +70,8 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
-_NAMES = {dt: name for name, dt in DTYPES.items()}
+# numpy dtype -> safetensors dtype string.
+DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -107,10 +109,10 @@ def _dtype_name(dtype: np.dtype) -> str:
     dt = np.dtype(dtype)
     if dt.byteorder == ">":
         raise SafetensorsError(f"big-endian dtype {dt} cannot be stored; convert to little-endian")
-    name = _NAMES.get(dt)
+    name = DTYPE_NAMES.get(dt)
     if name is None:
         raise SafetensorsError(f"dtype {dt} has no safetensors equivalent; expected one of "
-                               f"{sorted(str(d) for d in _NAMES)}")
+                               f"{sorted(str(d) for d in DTYPE_NAMES)}")
     return name
 
 

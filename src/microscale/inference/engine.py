@@ -50,7 +50,7 @@ from microscale.export.layouts import (
     row_blocks,
     to_hf_orientation,
 )
-from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize_dequantize
+from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize
 from microscale.model import ModelConfig, apply_rope, rope_tables
 
 __all__ = ["Linear", "build_weights", "forward", "init_cache"]
@@ -224,9 +224,7 @@ def build_weights(params: Mapping[str, Any], cfg: ModelConfig,
             if isinstance(w, QArray):
                 q = row_blocks(to_hf_orientation(w))
                 q = jax.tree.map(jnp.asarray, q)
-                act = None
-                if activations:
-                    act = get_format(lq.inputs) if lq.inputs is not None else q.spec
+                act = (lq.input_spec or q.spec) if activations else None
                 s = input_scales.get(path) if act is not None else None
                 lw[name] = Linear(q, None if s is None else jnp.float32(s), act)
             else:

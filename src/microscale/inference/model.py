@@ -252,7 +252,7 @@ class InferenceModel:
                 if v.packed:
                     q = v.weight
                     n = math.prod(q.shape)
-                    q_bytes += _nbytes((q.data, q.scales, q.global_scale))
+                    q_bytes += q.nbytes
                     q_bf16 += 2 * n
                     bits += n * q.spec.bits_per_element
                     n_packed += 1
