@@ -41,10 +41,12 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from microscale.files import atomic_write_text
+
 T = TypeVar("T")
 
 __all__ = [
-    "ConfigError", "apply_overrides", "atomic_write_text", "config_keys", "describe", "dump_yaml", "field_comments",
+    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "field_comments",
     "from_dict", "load_yaml", "parse_overrides", "to_dict", "to_yaml",
 ]
 
@@ -201,18 +203,8 @@ def to_yaml(cfg: Any) -> str:
     return buf.getvalue()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file in the same folder
-    (created if missing), then ``os.replace``; readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def dump_yaml(cfg: Any, path: str | os.PathLike) -> None:
-    """Write :func:`to_yaml` to ``path`` atomically (:func:`atomic_write_text`)."""
+    """Write :func:`to_yaml` to ``path`` atomically (:func:`microscale.files.atomic_write_text`)."""
     atomic_write_text(path, to_yaml(cfg))
 
 

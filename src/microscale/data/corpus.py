@@ -46,10 +46,10 @@ from microscale.data.sources import Documents, read_documents
 from microscale.data.tokenizers import (
     ByteTokenizer,
     Tokenizer,
-    _atomic_write_text,
     load_tokenizer,
     train_bpe,
 )
+from microscale.files import atomic_write_json, atomic_writer
 
 _CACHE_VERSION = 1
 
@@ -65,14 +65,12 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_writer(path, "wb") as f:
         np.save(f, arr)
-    os.replace(tmp, path)
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    _atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(path, obj, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

@@ -34,6 +34,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from microscale.files import atomic_write_json, atomic_write_text
+
 EOS_TOKEN = "<|eos|>"
 # End-of-text tokens recognised in foreign HF tokenizer files, in order of preference.
 _KNOWN_EOS = (EOS_TOKEN, "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -59,14 +61,6 @@ class Tokenizer(Protocol):
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray: ...
     def save(self, path: str | os.PathLike) -> None: ...
     def to_dict(self) -> dict: ...
-
-
-def _atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class ByteTokenizer:
@@ -96,7 +90,7 @@ class ByteTokenizer:
         return out
 
     def save(self, path: str | os.PathLike) -> None:
-        _atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_json(path, self.to_dict())
 
     def to_dict(self) -> dict:
         return {"type": "byte", "id": self.id, "vocab_size": self.vocab_size,
@@ -152,7 +146,7 @@ class BPETokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the standard HF ``tokenizer.json`` (atomically)."""
-        _atomic_write_text(path, self._json)
+        atomic_write_text(path, self._json)
 
     def to_dict(self) -> dict:
         return {"type": "bpe", "id": self.id, "vocab_size": self.vocab_size,

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from microscale.config import apply_overrides, atomic_write_text, dump_yaml, to_dict
+from microscale.config import apply_overrides, dump_yaml, to_dict
+from microscale.files import atomic_write_text, atomic_writer
 from microscale.train import TrainConfig, TrainingAborted, train
 
 # name -> the overrides that make this run differ from the base config.
@@ -495,6 +496,5 @@ def _plots(out: Path, curves: dict[str, list[tuple[int, float, dict]]]) -> None:
 
 
 def _save_fig(fig, path: Path) -> None:
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)

@@ -38,6 +38,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from microscale.files import atomic_write_json, atomic_writer
+
 __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
@@ -312,13 +314,11 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, object],
             raise SafetensorsError(f"tensor names must be non-empty strings, got {name!r}")
         arrays[name] = _as_array(name, x)
     raw, order = _header_bytes(arrays, metadata)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_writer(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name in order:
             f.write(arrays[name].tobytes(order="C"))
-    os.replace(tmp, path)
     return path.stat().st_size
 
 
@@ -361,7 +361,5 @@ def write_sharded(folder: str | os.PathLike, tensors: Mapping[str, object], *,
         weight_map.update({n: fname for n in members})
     index = {"metadata": {"total_size": total},
              "weight_map": dict(sorted(weight_map.items()))}
-    tmp = folder / f".{INDEX_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / INDEX_NAME)
+    atomic_write_json(folder / INDEX_NAME, index)
     return names + [INDEX_NAME]

@@ -47,8 +47,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale import __version__
-from microscale.config import atomic_write_text, dump_yaml, load_yaml, to_dict
+from microscale.config import dump_yaml, load_yaml, to_dict
 from microscale.data import load_data
+from microscale.files import atomic_write_json
 from microscale.model import (
     PrecisionRules,
     Transformer,
@@ -117,10 +118,6 @@ def default_out(cfg: TrainConfig) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     m = cfg.model
     return os.path.join("runs", f"d{m.d_model}x{m.n_layers}-{cfg.recipe}-{stamp}")
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- state
@@ -556,7 +553,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         logger.close()
         summary = summary_for("aborted", last_eval, error=msg, last_good_checkpoint=good)
         if main:
-            _atomic_json(out / "summary.json", summary)
+            atomic_write_json(out / "summary.json", summary)
         raise TrainingAborted(msg, summary) from None
     except BaseException:
         logger.close()
@@ -570,7 +567,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         logger.close()
     summary = summary_for("completed", last_eval)
     if main:
-        _atomic_json(out / "summary.json", summary)
+        atomic_write_json(out / "summary.json", summary)
         if progress:
             ent = entropy["val"]
             val = summary["final_val_loss"]

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from microscale.config import atomic_write_text
+from microscale.files import atomic_write_text
 from microscale.formats import block_scales_f32, e2m1_decode, quantize
 
 __all__ = ["MetricsLogger", "format_duration", "weight_quant_stats"]

@@ -1,0 +1,336 @@
+"""Safe file output: atomic writes, atomic folders, one writer per folder, early path checks.
+
+Every file and folder microscale writes goes through this module, so that a process killed
+at any moment leaves either the old content or the new one, never a mix or a stub:
+
+* :func:`atomic_writer` (and :func:`atomic_write_bytes` / ``_text`` / ``_json`` / ``_yaml``)
+  writes into a temporary sibling ``.NAME.tmp-PID-N``, flushes it to disk (``fsync``) and
+  renames it over ``NAME`` (``os.replace``: atomic on POSIX). On an exception the temporary
+  file is removed and ``NAME`` is untouched.
+* :func:`atomic_folder` yields a temporary sibling folder ``.NAME.tmp-PID``; when the block
+  ends without an exception the folder replaces ``NAME``. An existing ``NAME`` (only with
+  ``overwrite=True``) is swapped out in one step (Linux ``renameat2(RENAME_EXCHANGE)``; two
+  renames elsewhere) and deleted only after the new folder is in place. Leftovers of killed
+  writers (temporary siblings of dead PIDs) are removed, or moved back, on the next call.
+* :class:`FolderLock` / :func:`lock_folder`: one writer per output folder, with an OS lock
+  (``fcntl.flock``) on the sibling file ``.NAME.lock`` -- the kernel drops it when the holder
+  dies, so it never goes stale. A second writer fails at once with
+  :class:`FolderLockedError`, naming the folder and the holder's PID. Re-entrant within a
+  process.
+* :func:`check_output_dir`: before any work, the output must not be a file and its parent
+  must be writable (tested by creating a probe file: permission bits lie to root).
+
+This module imports only the standard library (``yaml`` lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import itertools
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "FolderLock", "FolderLockedError", "atomic_folder", "atomic_write_bytes", "atomic_write_json",
+    "atomic_write_text", "atomic_write_yaml", "atomic_writer", "check_output_dir", "lock_folder",
+    "replace_folder",
+]
+
+_counter = itertools.count()
+
+
+def _tmp_sibling(path: Path, tag: str = "tmp") -> Path:
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{next(_counter)}")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "wb", *,
+                  encoding: str | None = None) -> Iterator[IO]:
+    """``with atomic_writer(p, "wb") as f: ...``: ``f`` is a temporary sibling of ``p``; at
+    the end of the block it is synced and renamed to ``p``. The parent folder is created if
+    missing. On an exception nothing is renamed and the temporary file is removed."""
+    if mode not in ("w", "wb", "wt"):
+        raise ValueError(f"atomic_writer mode={mode!r}: expected 'w', 'wt' or 'wb'")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    if "b" not in mode and encoding is None:
+        encoding = "utf-8"
+    try:
+        with open(tmp, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_writer`)."""
+    with atomic_writer(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_writer`)."""
+    with atomic_writer(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2,
+                      sort_keys: bool = False, allow_nan: bool = True) -> None:
+    """``obj`` as JSON (plus a final newline) written atomically. ``allow_nan=False``
+    raises on NaN/infinity (which strict JSON readers reject) instead of writing them."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
+    atomic_write_text(path, text + "\n")
+
+
+def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> None:
+    """Plain data (dicts, lists, scalars) as YAML, keys in insertion order, atomically."""
+    import yaml
+
+    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False, default_flow_style=False,
+                                           width=100))
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _leftovers(path: Path, tag: str) -> list[Path]:
+    """Siblings ``.NAME.<tag>-PID[-N]`` whose PID is dead (a killed writer's leftovers)."""
+    out = []
+    prefix = f".{path.name}.{tag}-"
+    with contextlib.suppress(OSError):
+        for p in path.parent.iterdir():
+            if p.name.startswith(prefix):
+                pid = p.name[len(prefix):].split("-")[0]
+                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                    out.append(p)
+    return out
+
+
+def _recover(path: Path) -> None:
+    """Undo a killed :func:`atomic_folder`: move back an old folder set aside by the two-
+    rename fallback (when ``path`` is missing), then delete dead writers' temporaries."""
+    for old in _leftovers(path, "old"):
+        if not path.exists():
+            os.rename(old, path)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in _leftovers(path, "tmp"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _libc_renameat2():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_renameat2 = _libc_renameat2()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step; False where the OS or file system cannot."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {b} into place: {os.strerror(err)}", str(b))
+
+
+def replace_folder(new: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Move folder ``new`` to ``dest``; an existing ``dest`` is replaced, and removed only
+    once ``new`` is in place (atomically where the OS can swap two paths)."""
+    new, dest = Path(new), Path(dest)
+    if not dest.exists():
+        os.rename(new, dest)
+        return
+    if not dest.is_dir():
+        raise NotADirectoryError(f"{dest} is a file; expected a folder to replace")
+    if _exchange(new, dest):
+        shutil.rmtree(new)  # now the old content
+        return
+    old = _tmp_sibling(dest, "old")
+    os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """``with atomic_folder(out) as tmp: write into tmp``: on success ``tmp`` replaces
+    ``out`` (:func:`replace_folder`); on an exception ``tmp`` is deleted and ``out`` is
+    untouched. An existing ``out`` raises ``FileExistsError`` unless ``overwrite``."""
+    path = Path(path).absolute()
+    _recover(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; expected an output folder")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_folder(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- locks
+
+
+class FolderLockedError(OSError):
+    """Another live process is writing the same output folder."""
+
+
+_held: dict[str, list] = {}  # lock file -> [fd, count]
+_held_guard = threading.Lock()
+
+
+def _lock_file(folder: Path) -> Path:
+    if not folder.name:
+        raise ValueError(f"{folder}: the file system root cannot be an output folder")
+    return folder.with_name(f".{folder.name}.lock")
+
+
+class FolderLock:
+    """Exclusive OS lock for writing ``folder`` (see the module docstring).
+
+    ``acquire()`` fails at once with :class:`FolderLockedError` when another process holds
+    it; the same process may acquire it again (counted). ``release()`` undoes one acquire.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder).absolute()
+        self.path = _lock_file(self.folder)
+
+    def acquire(self) -> FolderLock:
+        key = str(self.path)
+        with _held_guard:
+            if key in _held:
+                _held[key][1] += 1
+                return self
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+                    os.close(fd)
+                    raise FolderLockedError(
+                        f"{self.folder} is being written by another process (PID {holder}, "
+                        f"lock {self.path}); wait for it to finish or choose another "
+                        "output folder") from None
+                # The holder before us may have unlinked the file after we opened it:
+                # then we hold a lock on a deleted file; start again on the current one.
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            _held[key] = [fd, 1]
+        return self
+
+    def release(self) -> None:
+        key = str(self.path)
+        with _held_guard:
+            entry = _held.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _held[key]
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # while still locked: nobody can be mid-acquire on it
+            os.close(entry[0])
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(folder: str | os.PathLike) -> FolderLock:
+    """``with lock_folder(out): ...`` -- :class:`FolderLock` as a context manager."""
+    return FolderLock(folder)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_output_dir(path: str | os.PathLike, *, what: str = "output folder") -> Path:
+    """Fail fast, before any work, when ``path`` cannot become an output folder: it is a
+    file, a component of it is a file, or its parent (where the folder, or its temporary
+    sibling, is created) is not writable. Creates the parent folders. Returns the path."""
+    p = Path(path).expanduser()
+    shown = repr(str(path))
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(f"{what} {shown} is a file; expected a folder")
+    parent = p.absolute().parent
+    for anc in (parent, *parent.parents):
+        if anc.exists():
+            if not anc.is_dir():
+                raise NotADirectoryError(
+                    f"{what} {shown}: {anc} is a file, so no folder can be created under it")
+            break
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for d in (parent, p) if p.is_dir() else (parent,):
+            probe = d / f".{p.name or 'out'}.probe-{os.getpid()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"{what} {shown} is not writable: "
+                              f"{e.strerror or e} ({e.filename or parent})") from None
+    return p
