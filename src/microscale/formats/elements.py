@@ -238,24 +238,67 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+# Most elements one 32-bit counter numbers. Arrays with more elements split their
+# dimensions into groups of at most this many (tests lower it to run that path small).
+SR_INDEX_LIMIT = 2**32
+_GOLDEN = 0x9E3779B9  # odd multipliers (golden ratio; xxHash's PRIME32_2)
+_PRIME2 = 0x85EBCA77
+
+
+def _index_groups(shape: tuple[int, ...], limit: int) -> list[tuple[int, int]]:
+    """Contiguous dimension ranges ``[start, stop)``, innermost first, each holding at
+    most ``limit`` elements; one range when the whole array fits."""
+    groups, stop, size = [], len(shape), 1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] > limit:
+            raise ValueError(f"stochastic rounding: dimension {d} of shape {tuple(shape)} has "
+                             f"{shape[d]} elements; at most {limit} per dimension are supported")
+        if size * shape[d] > limit:
+            groups.append((d + 1, stop))
+            stop, size = d + 1, 1
+        size *= shape[d]
+    groups.append((0, stop))
+    return groups
+
+
+def _group_index(shape: tuple[int, ...], start: int, stop: int) -> jax.Array:
+    """The uint32 row-major index over dimensions ``[start, stop)``, size 1 elsewhere."""
+    n = 1
+    for d in shape[start:stop]:
+        n *= d
+    return jax.lax.iota(jnp.uint32, n).reshape(
+        [s if start <= i < stop else 1 for i, s in enumerate(shape)])
+
+
 def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform [0, 1) float32 samples for stochastic rounding, one per element.
 
     A counter-based generator: two 32-bit seeds are drawn from ``key`` with
-    ``jax.random``, then each element's linear index is hashed (two rounds of the
-    MurmurHash3 finaliser). Unlike materialising ``jax.random.uniform`` (threefry,
-    ~20x the cost of the quantizer itself on CPU) this fuses into the quantization
-    loop. Same key -> same samples; 24 bits of resolution (a rounding bias of at most
-    2^-25 of a grid step). Element indices follow the global shape, so sharded and
-    unsharded calls draw the same samples.
+    ``jax.random``, then each element's index is hashed (two rounds of the MurmurHash3
+    finaliser). Unlike materialising ``jax.random.uniform`` (threefry, ~20x the cost of
+    the quantizer itself on CPU) this fuses into the quantization loop. Same key -> same
+    samples; 24 bits of resolution (a rounding bias of at most 2^-25 of a grid step).
+    Indices follow the global shape, so sharded and unsharded calls draw the same samples.
+
+    Any size: an array of at most 2^32 elements hashes its row-major index ``i``:
+    ``fmix(fmix(i * G + s0) ^ s1)``. A larger one splits its dimensions into groups of at
+    most 2^32 elements (innermost first; one dimension may not exceed 2^32): ``i`` is the
+    index within the innermost group, and the indices ``o`` of the outer groups are folded
+    into the second round, ``fmix(fmix(i * G + s0) ^ s1 ^ fold)`` with
+    ``fold = fmix((fold' ^ o) * P)`` chained over the outer groups. ``fold`` is 0 where
+    every outer index is 0 (those elements draw what one counter would give them), and
+    distinct outer indices give unrelated second-round inputs: no row repeats or shifts
+    another row's samples, as adding an offset to the counter would.
     """
     seeds = jax.random.bits(key, (2,), jnp.uint32)
-    n = 1
-    for d in shape:
-        n *= d
-    if n >= 2**32:
-        raise ValueError(f"stochastic rounding supports arrays below 2^32 elements, got {n}")
-    idx = jax.lax.iota(jnp.uint32, n).reshape(shape)
-    h = _fmix32(idx * jnp.uint32(0x9E3779B9) + seeds[0])
+    shape = tuple(int(d) for d in shape)
+    groups = _index_groups(shape, SR_INDEX_LIMIT)
+    h = _fmix32(_group_index(shape, *groups[0]) * jnp.uint32(_GOLDEN) + seeds[0])
+    fold = None
+    for start, stop in reversed(groups[1:]):  # outermost first
+        o = _group_index(shape, start, stop)
+        fold = _fmix32((o if fold is None else fold ^ o) * jnp.uint32(_PRIME2))
+    if fold is not None:
+        h = h ^ fold
     h = _fmix32(h ^ seeds[1])
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
