@@ -1,4 +1,5 @@
-"""Element codecs: E2M1 codes, 8-bit float casts, rounding, nibble packing, E8M0 scales.
+"""Element codecs: E2M1 codes, 8-bit float casts, integer and float rounding, nibble
+packing, E8M0 scales.
 
 All functions are elementwise jnp code (jit/vmap friendly) working on float32 inputs
 that have already been divided by their scale.
@@ -110,6 +111,29 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     val = jnp.where(mag < 4.0, 0.5 * mag, jnp.where(mag < 6.0, mag - 2.0, 2.0 * mag - 8.0))
     val = jnp.where((codes & 8) != 0, -val, val)
     return val.astype(dtype)
+
+
+def int_round(y: jax.Array, elem_max: float, rounding: str = "nearest",
+              u: jax.Array | None = None) -> jax.Array:
+    """float32 -> the nearest integer, saturating at +-elem_max, as float32.
+
+    ``"nearest"`` rounds half away from zero, C's ``roundf`` (what ggml's Q8_0 reference
+    quantizer uses): ``floor(|y|) + floor(2 (|y| - floor(|y|)))`` with ``y``'s sign, exact
+    for every float32. ``"stochastic"`` rounds ``|y|`` up with probability
+    ``|y| - floor(|y|)`` (unbiased). NaN gives 0: callers mark NaN blocks through the scale.
+    """
+    a = jnp.minimum(jnp.abs(y), jnp.float32(elem_max))
+    f = jnp.floor(a)
+    if rounding == "nearest":
+        r = f + jnp.floor(2 * (a - f))
+    elif rounding == "stochastic":
+        if u is None:
+            raise ValueError("stochastic rounding needs uniform samples u")
+        r = jnp.where(u < a - f, f + 1, f)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
+    r = jnp.where(jnp.isnan(y), jnp.float32(0), jnp.minimum(r, jnp.float32(elem_max)))
+    return jnp.where(jnp.signbit(y), -r, r)
 
 
 def float8_encode(y: jax.Array, dtype, elem_max: float, rounding: str = "nearest",

@@ -33,7 +33,8 @@ codes (JAX computes 0 * inf = NaN there); both decode to zeros.
 
 MX (OCP v1.0): one E8M0 power of two per 32 elements (rule: see ``spec.py``), elements
 ``x / 2^k`` rounded to E2M1 / E4M3 with saturation. FP8 per-tensor (current scaling):
-``scale = amax / elem_max``, elements ``clip(x / scale)`` cast with RNE.
+``scale = amax / elem_max``, elements ``clip(x / scale)`` cast with RNE. ggml Q8_0: int8
+elements and a float16 scale per 32 (``spec.py`` has the exact rule).
 
 Blocks. ``block_shape`` gives the block extent per dimension, aligned to the trailing
 dimensions of ``x`` (``(16, 16)`` on a weight: one scale per 16x16 tile, so ``W`` and
@@ -258,6 +259,17 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
         y = elements.e8m0_divide(xb, byte)
         scales = elements.e8m0_to_float(byte)
         stored = jax.lax.bitcast_convert_type(byte, spec.scale_dtype)
+    elif spec.scale_kind == "f16":
+        # ggml Q8_0 (quantize_row_q8_0_ref): d = amax / 127 in float32, elements x * (1/d)
+        # (d == 0: zeros), d stored as float16 and decoded from that float16.
+        if four_over_six:
+            raise ValueError(f"four_over_six needs E4M3 block scales; format {spec.name!r} "
+                             f"has scale_kind={spec.scale_kind!r}")
+        d = bamax / jnp.float32(spec.elem_max)
+        inv = jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / jnp.where(d == 0, 1, d))
+        y = xb * inv
+        stored = d.astype(spec.scale_dtype)
+        scales = stored.astype(jnp.float32)
     else:  # pragma: no cover - registry rows are fixed
         raise AssertionError(spec.scale_kind)
 
@@ -266,6 +278,13 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
 
 
 SCALE_ORDERS = ("te", "jax")
+
+
+def _round_elements(y, spec: FormatSpec, rounding: str, u) -> jax.Array:
+    """Scaled values -> the element grid (float32): integers (Q8_0) or a float format."""
+    if spec.integer:
+        return elements.int_round(y, spec.elem_max, rounding, u)
+    return elements.float_round(y, spec.elem_dtype, spec.elem_max, rounding, u)
 
 
 def _prepare(x, fmt, axis, rounding, key, block_shape, scale_order="te"):
@@ -337,8 +356,7 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
         codes = elements.e2m1_encode(y, rounding, u).reshape(padded)
         data = elements.pack_nibbles(codes, axis)
     else:
-        data = elements.float8_encode(y, spec.elem_dtype, spec.elem_max, rounding, u)
-        data = data.reshape(padded)
+        data = _round_elements(y, spec, rounding, u).astype(spec.elem_dtype).reshape(padded)
     return QArray(data, stored, global_scale, spec, axis, shape, blocks)
 
 
@@ -370,7 +388,7 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
     y, u, scales, stored, global_scale, padded = _encode(
         x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order)
     # Round in the value domain: no codes, no packing, no float8 casts.
-    vals = elements.float_round(y, spec.elem_dtype, spec.elem_max, rounding, u)
+    vals = _round_elements(y, spec, rounding, u)
     out = _scale_blocks(vals * scales, global_scale if with_global_scale else None, padded,
                         tuple(x.shape))
     gs = one if (global_scale is None or with_global_scale) else global_scale
@@ -378,7 +396,8 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
 
 
 def block_scales_f32(q: QArray) -> jax.Array:
-    """The block scales as float32 (E4M3 value or E8M0 power of two), scale-array shape."""
+    """The block scales as float32 (E4M3 value, E8M0 power of two or float16), scale-array
+    shape."""
     if q.spec.scale_kind == "e8m0":
         return elements.e8m0_to_float(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
     return q.scales.astype(jnp.float32)

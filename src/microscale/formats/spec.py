@@ -14,8 +14,15 @@ mxfp4      E2M1      32     E8M0 (2^k)       -             4 + 8/32 = 4.25
 mxfp8      E4M3      32     E8M0 (2^k)       -             8 + 8/32 = 8.25
 fp8_e4m3   E4M3      tensor -                FP32          8
 fp8_e5m2   E5M2      tensor -                FP32          8
+q8_0       INT8      32     FP16             -             8 + 16/32 = 8.5
 bf16       BF16      -      -                -             16
 ========== ========= ====== ================ ============= ===============================
+
+``q8_0`` is ggml's ``GGML_TYPE_Q8_0`` (llama.cpp), exactly as ``quantize_row_q8_0_ref`` in
+``ggml/src/ggml-quants.c`` computes it: per block of 32, ``d = amax / 127`` (float32),
+codes ``roundf(x * (1 / d))`` (round half away from zero; ``d == 0`` gives zeros), ``d``
+stored as float16; decoding is ``code * float32(float16(d))``. It exists so that an 8-bit
+choice runs natively in llama.cpp (GGUF export, ``quantize --target gguf``).
 
 MX scale rounding (OCP Microscaling v1.0 vs NVIDIA): ``"floor"`` is the OCP rule
 ``2^(floor(log2 amax) - emax_elem)`` (the largest values may saturate); ``"ceil"`` is
@@ -32,7 +39,7 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
-ScaleKind = Literal["e4m3", "e8m0", "tensor", "none"]
+ScaleKind = Literal["e4m3", "e8m0", "f16", "tensor", "none"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,18 +48,18 @@ class FormatSpec:
 
     # Registry key, e.g. "nvfp4".
     name: str
-    # numpy/ml_dtypes dtype of one element (float4_e2m1fn, float8_e4m3fn, ...).
+    # numpy/ml_dtypes dtype of one element (float4_e2m1fn, float8_e4m3fn, int8, ...).
     elem_dtype: Any
     # Storage bits of one element (4 -> two codes packed per uint8).
     elem_bits: int
     # Largest finite element magnitude (6, 448, 57344, ...).
     elem_max: float
-    # Exponent of the largest element binade (E2M1: 2, E4M3: 8, E5M2: 15).
+    # Exponent of the largest element binade (E2M1: 2, E4M3: 8, E5M2: 15; INT8: 6).
     elem_emax: int
     # Elements per scale block along the quantized axis; None = one scale per tensor.
     block_size: int | None
-    # How block scales are stored: E4M3 (NVFP4), E8M0 powers of two (MX),
-    # one float32 per tensor (FP8 current scaling), or none (pass-through).
+    # How block scales are stored: E4M3 (NVFP4), E8M0 powers of two (MX), float16
+    # (ggml Q8_0), one float32 per tensor (FP8 current scaling), or none (pass-through).
     scale_kind: ScaleKind
     # dtype of the stored scales (None when there are none).
     scale_dtype: Any
@@ -89,6 +96,11 @@ class FormatSpec:
         return self.elem_bits + self.scale_bits / self.block_size
 
     @property
+    def integer(self) -> bool:
+        """True when elements are integers (ggml Q8_0) rather than floats."""
+        return bool(np.issubdtype(np.dtype(self.elem_dtype), np.integer))
+
+    @property
     def scale_max(self) -> float:
         """Largest finite block-scale value (E4M3: 448)."""
         return float(ml_dtypes.finfo(self.scale_dtype).max)
@@ -111,6 +123,8 @@ REGISTRY: dict[str, FormatSpec] = {
                    scale_dtype=np.float32),
         FormatSpec(name="fp8_e5m2", **_E5M2, block_size=None, scale_kind="tensor",
                    scale_dtype=np.float32),
+        FormatSpec(name="q8_0", elem_dtype=np.int8, elem_bits=8, elem_max=127.0, elem_emax=6,
+                   block_size=32, scale_kind="f16", scale_dtype=np.float16),
         FormatSpec(name="bf16", elem_dtype=ml_dtypes.bfloat16, elem_bits=16,
                    elem_max=float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), elem_emax=127,
                    block_size=None, scale_kind="none", scale_dtype=None),
