@@ -1,0 +1,404 @@
+"""GGUF export: one file that llama.cpp (ggml's CPU, Metal, CUDA... backends) loads and runs.
+
+Written with the ``gguf`` package's ``GGUFWriter`` (the container is never hand-made). Each
+linear layer keeps the format microscale quantized it in whenever ggml has a native type:
+
+=========  =====================  ==================================================
+microscale ggml type              block layout (ggml/src/ggml-common.h)
+=========  =====================  ==================================================
+nvfp4      ``NVFP4 = 40``         36 bytes per 64 values: 4 unsigned-E4M3 scale bytes
+                                  (one per 16), then 32 code bytes; in each 16-group
+                                  byte j = element j (low nibble) | element j+8 (high).
+                                  The FP32 tensor scale ``s_dec`` is a separate
+                                  ``<name>.scale`` F32 ``[1]`` tensor that llama.cpp
+                                  multiplies onto the matmul output.
+mxfp4      ``MXFP4 = 39``         17 bytes per 32 values: the E8M0 byte, then 16 bytes;
+                                  byte j = element j (low) | element j+16 (high).
+q8_0       ``Q8_0 = 8``           34 bytes per 32 values: float16 scale, 32 int8.
+8-bit      ``Q8_0``               FP8 / MXFP8 layers have no ggml type: requantized to
+                                  Q8_0 from the float weights (the master weights of a
+                                  run, the decoded 8-bit weights of a packed folder).
+bf16       ``BF16`` (or F16/F32)  unquantized layers, embeddings, LM head.
+=========  =====================  ==================================================
+
+Norm weights and ``.scale`` tensors are F32. ggml decodes E2M1 codes as doubled integers
+(``kvalues = 2 * e2m1``) times half the block scale; both products are exact in float32, so
+decoding a file gives microscale's ``dequantize`` bit for bit (tested with the ``gguf``
+package's own dequantizers). The byte of an E4M3 scale *is* its UE4M3 byte: block scales
+are never negative, and 0x7F (NaN in E4M3, 0 in UE4M3) never occurs for finite weights.
+Element packing reuses :func:`microscale.formats.pack_nibbles` on codes reordered so that
+each pair (j, j + half a scale block) lands in one byte.
+
+A row of ``K`` inputs holds ``K / 64`` NVFP4 blocks (``K / 32`` MXFP4 / Q8_0 blocks): other
+lengths cannot be stored and are refused, naming the tensor, as are non-finite weights.
+llama.cpp's Llama graph uses RoPE on adjacent pairs, microscale (and HF) on halves
+(``i`` with ``i + hd/2``), so the rows of q_proj and k_proj are permuted per head to
+``0, hd/2, 1, hd/2 + 1, ...`` (the permutation llama.cpp's ``convert_hf_to_gguf.py``
+applies); whole rows move, so codes and scales move with them unchanged.
+
+Tokenizer: byte-level BPE in ggml's ``gpt2`` vocabulary (token text = GPT-2's
+byte-to-unicode characters). microscale's byte tokenizer has no merges; llama.cpp's
+``gpt2`` vocabulary needs a merge list, so it gets one merge of two multi-character
+symbols that no merge creates, which therefore never fires, and every byte stays its
+own token (id = byte value, ``<|eos|>`` = 256). A trained or imported BPE keeps its vocab
+and merges; its pre-tokenizer must be one llama.cpp implements (GPT-2's ByteLevel regex ->
+``gpt-2``, Llama 3's split regex -> ``llama-bpe``), anything else is refused.
+
+The file is written to a temporary sibling and renamed when complete
+(:func:`microscale.files.atomic_writer`): a killed export leaves no file that loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from microscale.export import layouts as L
+from microscale.export.hf import linear_paths
+from microscale.export.params import check_params
+from microscale.export.tokenizer import byte_tokenizer_hf
+from microscale.files import atomic_writer
+from microscale.formats import (
+    QArray,
+    block_scales_f32,
+    dequantize,
+    get_format,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from microscale.model import ModelConfig
+
+__all__ = ["GGUF_FORMATS", "GGUFResult", "gguf_format", "gguf_layer_formats",
+           "gguf_tensor", "tensor_name", "write_gguf"]
+
+# microscale formats ggml runs natively -> GGMLQuantizationType member name.
+GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
+_FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
+_LINEAR_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
+                 "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_OTHER_NAMES = {"attn_norm.scale": "attn_norm.weight", "mlp_norm.scale": "ffn_norm.weight"}
+_ROPE_PERMUTED = ("attn.q_proj", "attn.k_proj")
+# Pre-tokenizer regexes llama.cpp implements (src/llama-vocab.cpp) -> tokenizer.ggml.pre.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# A merge that never fires: no merge creates either multi-character symbol.
+_NOOP_MERGE = "\u0120\u0120 \u0120\u0120"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - the [gguf] extra
+        raise ImportError("GGUF export needs the gguf package: pip install "
+                          "'microscale[gguf]' (or pip install 'gguf>=0.19')") from None
+    return gguf
+
+
+def gguf_format(fmt: str) -> str:
+    """The format a layer in ``fmt`` is stored in: ggml's native 4/8-bit types as is, other
+    8-bit formats (FP8, MXFP8) as ``q8_0``, unquantized ones as ``bf16``."""
+    spec = get_format(fmt)
+    if spec.name in GGUF_FORMATS or not spec.quantized:
+        return spec.name if spec.quantized else "bf16"
+    if spec.elem_bits == 8:
+        return "q8_0"
+    raise ValueError(f"format {spec.name!r} has no GGUF type; expected one of "
+                     f"{sorted(GGUF_FORMATS)}, an 8-bit format (stored as q8_0) or bf16")
+
+
+def tensor_name(path: str) -> str:
+    """GGUF name of a linear layer (``layers.3.mlp.up_proj`` -> ``blk.3.ffn_up``)."""
+    _, i, kind = path.split(".", 2)
+    return f"blk.{i}.{_LINEAR_NAMES[kind]}"
+
+
+def _rope_rows(n_rows: int, head_dim: int) -> np.ndarray:
+    """Row order that turns rotate-half RoPE pairs (i, i + hd/2) into adjacent pairs."""
+    half = head_dim // 2
+    per_head = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    return (np.arange(n_rows // head_dim)[:, None] * head_dim + per_head).reshape(-1)
+
+
+def _permute_rows(w: Any, rows: np.ndarray) -> Any:
+    if not isinstance(w, QArray):
+        return np.asarray(w)[rows]
+    return dataclasses.replace(w, data=np.asarray(w.data)[rows],
+                               scales=np.asarray(w.scales)[rows])
+
+
+def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
+    """(uint8 ``[N, bytes per row]``, GGMLQuantizationType) of a weight QArray in HF
+    orientation ``[N, K]`` (blocks along ``K``), in ggml's block layout (module doc)."""
+    gguf = _gguf()
+    spec = q.spec
+    if spec.name not in GGUF_FORMATS:
+        raise ValueError(f"{name}: format {spec.name!r} has no GGUF block type; expected one "
+                         f"of {sorted(GGUF_FORMATS)}")
+    qtype = gguf.GGMLQuantizationType[GGUF_FORMATS[spec.name]]
+    per_block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    q = L.row_blocks(L.to_hf_orientation(q))
+    n, k = q.shape
+    if k % per_block:
+        raise ValueError(f"{name}: input dimension {k} is not a multiple of {per_block}, "
+                         f"the {qtype.name} block length; ggml cannot hold this tensor "
+                         f"(use another format for this layer, e.g. bf16)")
+    sub = spec.block_size
+    groups = per_block // sub  # scale groups per ggml block
+    scales = np.asarray(q.scales)[:n]  # 16x16 tiles may pad rows
+    data = np.asarray(q.data)[:n]
+    if spec.has_global_scale and not np.isfinite(np.asarray(q.global_scale)):
+        raise ValueError(f"{name}: the tensor scale is {float(q.global_scale)} (non-finite "
+                         "weights); refusing to write a tensor llama.cpp would misread")
+    # Block scales must be finite and non-negative (decoded: E8M0 0xFF is NaN, which ggml
+    # does not handle; a UE4M3 byte has no sign bit and reads 0x7F as 0).
+    decoded = np.asarray(block_scales_f32(dataclasses.replace(q, scales=scales)))
+    if not (np.isfinite(decoded) & (decoded >= 0) & ~np.signbit(decoded)).all():
+        raise ValueError(f"{name}: non-finite or negative block scales (non-finite "
+                         "weights); refusing to write a tensor llama.cpp would misread")
+    sbytes = scales.view(np.uint8).reshape(n, k // per_block, -1)
+    if spec.packed:
+        codes = np.asarray(unpack_nibbles(jnp.asarray(data), 1)).reshape(n, -1, 2, sub // 2)
+        # (j, j + sub/2) side by side, then two codes per byte: element 2i low, 2i+1 high
+        pairs = np.swapaxes(codes, -1, -2).reshape(n, -1, sub)
+        elems = np.asarray(pack_nibbles(jnp.asarray(pairs), -1))
+    else:
+        elems = data.view(np.uint8)
+    elems = elems.reshape(n, k // per_block, -1)
+    blocks = np.concatenate([sbytes, elems], axis=-1)
+    assert blocks.shape[-1] == type_size and sbytes.shape[-1] == groups * scales.itemsize
+    return np.ascontiguousarray(blocks.reshape(n, -1)), qtype
+
+
+def _float_tensor(x, dtype: str) -> tuple[np.ndarray, Any]:
+    gguf = _gguf()
+    a = np.asarray(jnp.asarray(x, jnp.float32))
+    if dtype == "bfloat16":
+        b = a.astype(ml_dtypes.bfloat16).view(np.uint8)
+        return np.ascontiguousarray(b.reshape(*a.shape[:-1], -1)), \
+            gguf.GGMLQuantizationType.BF16
+    return np.ascontiguousarray(a.astype(np.float16 if dtype == "float16" else np.float32)), \
+        None
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+def _tokenizer_json(tokenizer) -> tuple[dict, int]:
+    from microscale.data import BPETokenizer, ByteTokenizer, load_tokenizer
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if isinstance(tokenizer, ByteTokenizer):
+        return json.loads(byte_tokenizer_hf().to_str()), tokenizer.eos_id
+    if isinstance(tokenizer, BPETokenizer):
+        return json.loads(tokenizer.hf.to_str()), tokenizer.eos_id
+    raise TypeError(f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
+                    "BPETokenizer or a tokenizer file path")
+
+
+def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
+    """tokenizer.ggml.pre for an HF byte-level pre-tokenizer (refuses unknown ones)."""
+    def is_bytelevel(p, regex):
+        return isinstance(p, dict) and p.get("type") == "ByteLevel" and \
+            bool(p.get("use_regex", True)) == regex and not p.get("add_prefix_space", False)
+
+    if not has_merges and (is_bytelevel(pre, False) or is_bytelevel(pre, True)):
+        return "default"  # every byte is its own token: how text is split cannot matter
+    if is_bytelevel(pre, True):
+        return "gpt-2"
+    if isinstance(pre, dict) and pre.get("type") == "Sequence":
+        seq = pre.get("pretokenizers") or []
+        if len(seq) == 2 and is_bytelevel(seq[1], False) and seq[0].get("type") == "Split" \
+                and (seq[0].get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT:
+            return "llama-bpe"
+    raise ValueError(f"tokenizer pre-tokenizer {json.dumps(pre)[:200]}: llama.cpp would split "
+                     "text differently; GGUF export supports byte-level BPE with GPT-2's "
+                     "ByteLevel regex or Llama 3's split regex")
+
+
+def _add_tokenizer(w, tokenizer, vocab_size: int) -> dict[str, Any]:
+    gguf = _gguf()
+    tj, eos = _tokenizer_json(tokenizer)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or tj.get("normalizer"):
+        raise ValueError("tokenizer: GGUF export supports byte-level BPE tokenizers (model "
+                         f"type {model.get('type')!r}, byte_fallback "
+                         f"{model.get('byte_fallback')!r}, normalizer "
+                         f"{(tj.get('normalizer') or {}).get('type')!r}); expected BPE, no "
+                         "byte fallback, no normalizer")
+    if (tj.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"tokenizer decoder {(tj.get('decoder') or {}).get('type')!r}: "
+                         "expected ByteLevel")
+    vocab = dict(model.get("vocab") or {})
+    special = {}
+    for t in tj.get("added_tokens") or []:
+        vocab[t["content"]] = int(t["id"])
+        special[int(t["id"])] = bool(t.get("special"))
+    n = max(vocab.values()) + 1
+    if n > vocab_size:
+        raise ValueError(f"the tokenizer has {n} ids but the model's vocab_size is {vocab_size}")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.NORMAL if i not in special else (
+            gguf.TokenType.CONTROL if special[i] else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pre = _pre_tokenizer(tj.get("pre_tokenizer"), bool(merges))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([int(t) for t in types])
+    w.add_token_merges(merges or [_NOOP_MERGE])
+    w.add_eos_token_id(eos)
+    w.add_bos_token_id(eos)  # no BOS is ever added; llama.cpp's gpt2 default (11) would be wrong
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    return {"model": "gpt2", "pre": pre, "tokens": n, "merges": len(merges)}
+
+
+# ---------------------------------------------------------------------- export
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GGUFResult:
+    """What :func:`write_gguf` wrote."""
+
+    # The file.
+    path: Path
+    # {linear path: stored format (nvfp4, mxfp4, q8_0, bf16)}.
+    layers: dict[str, str]
+    # Bytes of tensor data.
+    tensor_bytes: int
+    # Tokenizer entry written (model, pre, tokens, merges).
+    tokenizer: dict[str, Any]
+
+
+def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
+                       layer_formats: L.LayerFormats, ck_layers=None) -> dict[str, str]:
+    """{linear path: stored format}: the requested formats (default: a Checkpoint's own
+    layers, else NVFP4) mapped through :func:`gguf_format`."""
+    if layer_formats is None and ck_layers is not None:
+        layer_formats = {p: lq.weights for p, lq in ck_layers.items()}
+    layers = L.resolve_layers(cfg, layer_formats)
+    return {p: gguf_format(lq.weights) for p, lq in layers.items()}
+
+
+def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | None = None,
+               layer_formats: L.LayerFormats = None, tokenizer: Any = None,
+               dtype: str = "bfloat16", name: str | None = None,
+               overwrite: bool = False) -> GGUFResult:
+    """Write ``model`` as a llama.cpp GGUF file (see the module doc).
+
+    Args:
+      model: a ``Transformer``, its params (kernels may be pre-quantized QArrays, e.g. from
+        PTQ: stored byte for byte when their format is native to ggml), or a
+        ``Checkpoint`` from :func:`~microscale.export.read_checkpoint` (its layers' formats).
+      path: the ``.gguf`` file.
+      config: the ``ModelConfig`` (taken from a Transformer / Checkpoint when omitted).
+      layer_formats: per-layer formats as :func:`~microscale.export.resolve_layers` takes
+        them (default NVFP4); FP8 / MXFP8 become Q8_0, unquantized ones ``dtype``.
+      tokenizer: a microscale tokenizer or tokenizer file (required: llama.cpp needs a vocab).
+      dtype: unquantized tensors: "bfloat16" (default), "float16" or "float32".
+      name: ``general.name`` (default: the file's stem).
+      overwrite: replace an existing file.
+    """
+    from microscale.export.writer import _source
+
+    gguf = _gguf()
+    if dtype not in _FLOAT_TYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_FLOAT_TYPES)}")
+    out = Path(path)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {str(out)!r} is a folder; GGUF export writes one file "
+                                "(e.g. model.gguf)")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True (CLI: --overwrite)")
+    if tokenizer is None:
+        raise ValueError("GGUF export needs the model's tokenizer (llama.cpp stores the vocab "
+                         "in the file); pass tokenizer=... (a run or a folder with "
+                         "tokenizer.json provides it)")
+    params, cfg, ck_layers, _ = _source(model, config)
+    check_params(params, cfg)
+    for key, v in params.items():  # checked here: formats' amax may not see a NaN
+        a = dequantize(v) if isinstance(v, QArray) else jnp.asarray(v, jnp.float32)
+        if not np.isfinite(np.asarray(a)).all():
+            where = tensor_name(key[: -len(".kernel")]) if key.startswith("layers.") and \
+                key.endswith(".kernel") else key
+            raise ValueError(f"{where}: non-finite weights (NaN or Inf); refusing to write a "
+                             "file llama.cpp would misread")
+    formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
+    # Kernels that are not already in their stored format are decoded (8-bit -> Q8_0).
+    params = dict(params)
+    for p, f in formats.items():
+        v = params[f"{p}.kernel"]
+        if isinstance(v, QArray) and v.spec.name != f:
+            params[f"{p}.kernel"] = np.asarray(dequantize(L.to_kernel_orientation(v)))
+    layers = {p: L.LayerQuant(weights=f) for p, f in formats.items()}
+    quantized = L.quantize_linear_weights(params, cfg, layers)
+
+    # Every tensor is built and validated before the file is touched.
+    tensors: list[tuple[str, np.ndarray, Any]] = []
+
+    def add_float(tname, x, dt=dtype):
+        arr, raw = _float_tensor(x, dt)
+        tensors.append((tname, arr, raw))
+
+    add_float("token_embd.weight", params["embed.embedding"])
+    for i in range(cfg.n_layers):
+        for sub, gname in _OTHER_NAMES.items():
+            add_float(f"blk.{i}.{gname}", params[f"layers.{i}.{sub}"], "float32")
+    hd = cfg.head_dim
+    for p in linear_paths(cfg):
+        tname = tensor_name(p)
+        w = quantized[p]
+        w = L.to_hf_orientation(w) if isinstance(w, QArray) else np.asarray(
+            jnp.asarray(w, jnp.float32)).T
+        if p.split(".", 2)[2] in _ROPE_PERMUTED:
+            w = _permute_rows(w, _rope_rows(w.shape[0], hd))
+        if isinstance(w, QArray):
+            arr, qtype = gguf_tensor(w, tname)
+            tensors.append((f"{tname}.weight", arr, qtype))
+            if w.spec.has_global_scale:
+                tensors.append((f"{tname}.scale",
+                                np.asarray(w.global_scale, np.float32).reshape(1), None))
+        else:
+            if not np.isfinite(w).all():
+                raise ValueError(f"{tname}: non-finite weights; refusing to write them")
+            add_float(f"{tname}.weight", w)
+    add_float("output_norm.weight", params["final_norm.scale"], "float32")
+    if not cfg.tie_embeddings:
+        add_float("output.weight", np.asarray(jnp.asarray(params["lm_head.kernel"])).T)
+
+    w = gguf.GGUFWriter(None, "llama")
+    w.add_name(name or out.stem)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.d_ff)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(float(cfg.rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tok = _add_tokenizer(w, tokenizer, cfg.vocab_size)
+    for tname, arr, raw in tensors:
+        w.add_tensor(tname, arr, raw_dtype=raw)
+    with atomic_writer(out, "wb") as f:
+        w.open_output_file(Path(f.name))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
+                      tokenizer=tok)
