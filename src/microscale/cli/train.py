@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except TrainingAborted as e:
         print(f"microscale train: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, FileExistsError, ValueError) as e:
+    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"microscale train: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -23,6 +23,7 @@ from microscale.model.rules import (
     path_id,
     path_key,
     recipe_name,
+    rules_for_training,
 )
 from microscale.model.sharding import (
     LOGICAL_AXES,
@@ -40,5 +41,6 @@ __all__ = [
     "PrecisionRules", "QLinear", "RMSNorm", "Transformer", "apply_rope", "apply_rules",
     "assignments", "causal_attention", "default_bf16_last", "iter_linears", "late_switch",
     "list_presets", "logical_to_mesh_rules", "logical_to_mesh_spec", "param_logical_axes",
-    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables", "var_logical_axes",
+    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables", "rules_for_training",
+    "var_logical_axes",
 ]

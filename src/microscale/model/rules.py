@@ -79,6 +79,7 @@ __all__ = [
     "path_key",
     "path_str",
     "recipe_name",
+    "rules_for_training",
 ]
 
 RecipeLike = str | Recipe
@@ -357,3 +358,46 @@ def default_bf16_last(n_layers: int) -> int:
     blocks rounded half up, at least 1 (4 -> 1, 16 -> 2, 32 -> 5, 62 -> 9)."""
     return max(1, math.floor(0.15 * n_layers + 0.5))
 
+
+
+def rules_for_training(rules: PrecisionRules,
+                       mode: Literal["forward", "full", "as_written"] = "forward"
+                       ) -> PrecisionRules:
+    """How a rule set (e.g. the allocation ``microscale quantize`` searched) trains.
+
+    ``"forward"`` (quantization-aware fine-tuning): each quantized recipe keeps its forward
+    GEMM and runs dgrad/wgrad in bf16 (``Recipe.forward_only``: the backward pass sees the
+    unquantized weight and output gradient, i.e. straight-through gradients), named
+    ``"<name>_fwd_only"`` when that changes it. ``"full"``: each layer whose recipe leaves
+    the backward pass unquantized gets the full training recipe of its weight format (the
+    preset named like the format: ``nvfp4``, ``mxfp4``, ``mxfp8``, ``fp8_e4m3``); recipes
+    that already quantize the backward pass are kept. ``"as_written"``: unchanged.
+    """
+    if mode == "as_written":
+        return rules
+    if mode not in ("forward", "full"):
+        raise ValueError(f"rules mode={mode!r}: expected 'forward', 'full' or 'as_written'")
+
+    def convert(recipe: RecipeLike | None) -> RecipeLike | None:
+        if recipe is None:
+            return None
+        r = get_recipe(recipe)
+        if not r.quantized:
+            return recipe
+        fwd = r.forward_only()
+        backward_quantized = fwd != r
+        if mode == "forward":
+            if not backward_quantized:
+                return recipe
+            return fwd.replace(name=f"{r.name}_fwd_only")
+        if backward_quantized:
+            return recipe
+        fmt = r.fprop_w.format if r.fprop_w.quantized else r.fprop_x.format
+        try:
+            return get_recipe(fmt).name
+        except ValueError:
+            raise ValueError(f"recipe {r.name!r}: no full training recipe for its format "
+                             f"{fmt!r} (expected a preset named like the format)") from None
+
+    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),
+                          default=convert(rules.default))

@@ -32,10 +32,10 @@ from typing import Literal
 
 from microscale.config import ConfigError, apply_overrides, load_yaml, to_yaml
 from microscale.data import DataConfig
-from microscale.model import ModelConfig, PrecisionRules
+from microscale.model import ModelConfig, PrecisionRules, rules_for_training
 from microscale.ops import get_recipe
 
-__all__ = ["LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
+__all__ = ["AdaptiveConfig", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
            "preset_yaml", "resolve_config"]
 
 
@@ -130,6 +130,43 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig:
+    """``bf16_policy=sensitivity``: which layers stay bf16 (see ``train/adaptive.py``)."""
+
+    # Fraction of the steps trained fully in bf16 before the sensitivity is measured.
+    warmup_fraction: float = 0.1
+    # Largest fraction of the linear-layer FLOPs (= weight elements) kept in bf16; None =
+    # the fraction the positional rule keeps (bf16_first + bf16_last blocks).
+    bf16_flops: float | None = None
+    # Sensitivity score (microscale.ptq: "taylor", "gradient", "kl", "loss").
+    method: str = "taylor"
+    # Training-split tokens the scores are measured on (rounded up to whole batches).
+    calib_tokens: int = 16384
+    # Score with each layer's input quantized too (as the recipe's forward pass does).
+    activations: bool = True
+    # "layer": q/k/v and gate/up share a precision, other layers choose alone; "block":
+    # whole transformer blocks stay bf16 or not.
+    granularity: Literal["layer", "block"] = "layer"
+
+    def __post_init__(self):
+        if not 0 < self.warmup_fraction < 1:
+            raise ValueError(f"adaptive.warmup_fraction={self.warmup_fraction}: expected in "
+                             "(0, 1)")
+        if self.bf16_flops is not None and not 0 <= self.bf16_flops < 1:
+            raise ValueError(f"adaptive.bf16_flops={self.bf16_flops}: expected None or a "
+                             "fraction in [0, 1)")
+        from microscale.ptq.sensitivity import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"adaptive.method={self.method!r}: expected one of {METHODS}")
+        if self.calib_tokens < 1:
+            raise ValueError(f"adaptive.calib_tokens={self.calib_tokens}: expected an int >= 1")
+        if self.granularity not in ("layer", "block"):
+            raise ValueError(f"adaptive.granularity={self.granularity!r}: expected 'layer' or "
+                             "'block'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run. Serializes to/from YAML and ``key=value`` overrides."""
 
@@ -148,8 +185,25 @@ class TrainConfig:
     # Trailing blocks kept in bf16; None = the recipe default (15% of blocks, >= 1, for a
     # quantized recipe; 0 for bf16).
     bf16_last: int | None = None
-    # Path of a PrecisionRules JSON; replaces recipe/bf16_first/bf16_last when set.
+    # Path of a PrecisionRules JSON (e.g. a `microscale quantize` output's
+    # precision_rules.json, for QAT); replaces recipe/bf16_first/bf16_last when set.
     rules: str | None = None
+    # How the layers of `rules` train: "forward": each quantized recipe's forward pass
+    # only, gradients in bf16 through the quantizer (straight-through; QAT); "full": each
+    # layer in the full low-precision training recipe of its weight format (nvfp4, mxfp4,
+    # mxfp8, fp8_e4m3: dgrad and wgrad quantized too); "as_written": the recipes unchanged.
+    rules_mode: Literal["forward", "full", "as_written"] = "forward"
+    # Which blocks of a quantized recipe stay bf16: "position" (bf16_first/bf16_last) or
+    # "sensitivity" (after a bf16 warm-up, per-layer sensitivity picks the bf16 layers
+    # under a linear-FLOP budget; see the adaptive.* keys).
+    bf16_policy: Literal["position", "sensitivity"] = "position"
+    # Settings of bf16_policy=sensitivity.
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    # Start from these weights (weights only: optimizer, schedule and data position start
+    # fresh): a microscale run folder, a `microscale quantize` output or an HF Llama folder.
+    init_from: str | None = None
+    # Checkpoint step of an init_from run folder; None = its latest.
+    init_step: int | None = None
     # Switch to high precision for the final tokens.
     late_switch: LateSwitchConfig = LateSwitchConfig()
     # Optimizer steps.
@@ -210,12 +264,33 @@ class TrainConfig:
                         f"{name}={dim} is not a multiple of {b}")
         if self.rules is None:
             self.precision_rules()  # validates bf16_first/bf16_last against n_layers
+        if self.rules_mode not in ("forward", "full", "as_written"):
+            raise ValueError(f"rules_mode={self.rules_mode!r}: expected 'forward', 'full' or "
+                             "'as_written'")
+        if self.bf16_policy not in ("position", "sensitivity"):
+            raise ValueError(f"bf16_policy={self.bf16_policy!r}: expected 'position' or "
+                             "'sensitivity'")
+        if self.bf16_policy == "sensitivity":
+            if self.rules is not None:
+                raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
+                                 "cannot be combined with rules=")
+            if not recipe.quantized:
+                raise ValueError(f"bf16_policy=sensitivity needs a quantized recipe, got "
+                                 f"recipe={self.recipe!r}")
+        if self.init_step is not None and self.init_from is None:
+            raise ValueError(f"init_step={self.init_step} needs init_from=PATH")
+        if self.init_step is not None and self.init_step < 0:
+            raise ValueError(f"init_step={self.init_step}: expected None or an int >= 0")
 
     # ------------------------------------------------------------------ derived
     def precision_rules(self) -> PrecisionRules:
         """The per-layer rules of the main phase (from ``rules`` or the recipe)."""
         if self.rules is not None:
-            return PrecisionRules.load(self.rules)
+            try:
+                rules = PrecisionRules.load(self.rules)
+            except (OSError, ValueError, TypeError) as e:
+                raise ValueError(f"rules={self.rules!r}: {e}") from None
+            return rules_for_training(rules, self.rules_mode)
         return PrecisionRules.for_recipe(self.recipe, self.model.n_layers,
                                          bf16_first=self.bf16_first, bf16_last=self.bf16_last)
 

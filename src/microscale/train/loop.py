@@ -79,6 +79,7 @@ __all__ = ["TrainingAborted", "build_state", "default_out", "enable_compilation_
 
 # Config fields that must not change when resuming (they define the run).
 _RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "rules",
+                 "rules_mode", "bf16_policy", "adaptive", "init_from", "init_step",
                  "late_switch", "seed", "steps")
 
 
@@ -239,6 +240,23 @@ def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
             "change); use a new out= for a different run")
 
 
+def _init_params(cfg: TrainConfig, st: _State, weights: dict, src):
+    """``weights`` (of ``init_from``) checked against the model, sharded like ``st.params``."""
+    from microscale.train.init import check_init_shapes
+
+    def name(path) -> str:
+        return ".".join(str(getattr(k, "key", k)) for k in path)
+
+    leaves = jax.tree_util.tree_flatten_with_path(st.params)[0]
+    check_init_shapes(weights, {name(p): x.shape for p, x in leaves}, src, cfg.model)
+
+    def put(path, x, sharding):
+        arr = np.asarray(weights[name(path)], dtype=x.dtype)
+        return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+    return jax.tree_util.tree_map_with_path(put, st.params, st.param_shardings)
+
+
 def _quant_stats(model) -> dict[str, dict[str, float]]:
     out = {}
     for path, node in iter_linears(model):
@@ -303,6 +321,11 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     main = jax.process_index() == 0
     if main:
         dump_yaml(cfg, out / "config.yaml")
+    init = None  # read first: a bad init_from fails before data and model are built
+    if cfg.init_from is not None and resume_from is None:
+        from microscale.train.init import load_init_weights
+
+        init = load_init_weights(cfg.init_from, step=cfg.init_step)
 
     # ---- data
     data = load_data(cfg.data)
@@ -343,9 +366,10 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                                    batch_sharding=NamedSharding(mesh, eval_spec))
                 for ph, g in st.graphdefs.items()}
 
-    # ---- resume
+    # ---- resume, or the initial weights of init_from
     params, opt_state = st.params, st.opt_state
     start, nonfinite_total, streak, train_time = 0, 0, 0, 0.0
+    init_source: dict | None = None
     if resume_from is not None:
         state, meta = ckpt.restore(resume_from, {"params": params, "opt_state": opt_state})
         params, opt_state = state["params"], state["opt_state"]
@@ -353,10 +377,17 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         nonfinite_total = int(meta.get("nonfinite_total", 0))
         streak = int(meta.get("nonfinite_streak", 0))
         train_time = float(meta.get("train_time_s", 0.0))
+        init_source = meta.get("init_from")
+    elif init is not None:
+        params = _init_params(cfg, st, *init)
+        init_source = init[1].to_dict()
 
     logger = MetricsLogger(out, total_steps=cfg.steps, start_step=start, progress=progress,
                            tensorboard=cfg.tensorboard, main=main, callbacks=callbacks,
                            description=label)
+    if init_source is not None and not start:
+        logger.log({"kind": "event", "event": "init_from", "step": 0, "source": init_source})
+        logger.message(f"init_from: {init_source['note']}")
     if start:
         logger.log({"kind": "event", "event": "resume", "step": start,
                     "tokens": start * cfg.tokens_per_step})
@@ -395,7 +426,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                 "nonfinite_total": nonfinite_total, "nonfinite_streak": streak,
                 "phase": phase_of(step), "train_time_s": train_time,
                 "recipe": cfg.recipe, "microscale_version": __version__,
-                "config": to_dict(cfg)}
+                "init_from": init_source, "config": to_dict(cfg)}
 
     def summary_for(status: str, last_eval: dict | None, **extra) -> dict:
         val = last_eval["val_loss"] if last_eval else None
@@ -415,6 +446,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             "unigram_entropies": entropy,
             "nonfinite_steps": nonfinite_total,
             "late_switch_step": switch if "late" in st.graphdefs else None,
+            "init_from": init_source,
             "wall_time_s": time.perf_counter() - t_start,
             "train_time_s": train_time,
             "compile_time_s": compile_s,
