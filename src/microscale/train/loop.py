@@ -321,6 +321,9 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     main = jax.process_index() == 0
     if main:
         dump_yaml(cfg, out / "config.yaml")
+    if cfg.bf16_policy == "sensitivity":
+        raise ValueError("bf16_policy=sensitivity is not available yet in this build; use "
+                         "bf16_policy=position")
     init = None  # read first: a bad init_from fails before data and model are built
     if cfg.init_from is not None and resume_from is None:
         from microscale.train.init import load_init_weights
