@@ -211,5 +211,7 @@ def test_sharding_annotations():
     assert logical_to_mesh_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
     rules = dict(logical_to_mesh_rules())
     assert set(rules) >= {"embed", "heads", "kv_heads", "mlp", "vocab", "norm", "batch"}
-    with pytest.raises(KeyError, match="logical axis 'expert' has no mesh rule"):
-        logical_to_mesh_spec(("expert",))
+    # An unknown name is replicated (as the trainer always did) and reported.
+    recs = []
+    assert logical_to_mesh_spec(("expert",), replicated=recs) == P(None)
+    assert "no mesh rule for logical axis 'expert'" in recs[0].reason

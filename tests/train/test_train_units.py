@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from microscale.config import ConfigError, apply_overrides, field_comments, load_yaml, to_dict
 from microscale.data import DataConfig
+from microscale.model import logical_to_mesh_spec
 from microscale.ops import OperandSpec
 from microscale.train import (
     LateSwitchConfig,
@@ -26,7 +27,7 @@ from microscale.train import (
     resolve_config,
     weight_quant_stats,
 )
-from microscale.train.mesh import build_mesh, resolve_mesh_shape, spec_for
+from microscale.train.mesh import build_mesh, resolve_mesh_shape
 
 from .conftest import TEST_MODEL
 
@@ -133,7 +134,6 @@ def test_mesh_shapes_and_specs():
     with pytest.raises(ValueError, match="not divisible"):
         resolve_mesh_shape(MeshConfig(data=-1, fsdp=3), 8)
     mesh = build_mesh(MeshConfig())
-    rules = {"embed": "fsdp", "heads": "tensor", "batch": ("data", "fsdp")}
-    # Size-1 mesh axes shard nothing.
-    assert spec_for(("embed", "heads"), (64, 64), mesh, rules) == P(None, None)
-    assert spec_for(None, (3,), mesh, rules) == P()
+    # Size-1 mesh axes shard nothing (the trainer's specs: model.logical_to_mesh_spec).
+    assert logical_to_mesh_spec(("embed", "heads"), (64, 64), mesh) == P(None, None)
+    assert logical_to_mesh_spec(None, (3,), mesh) == P()

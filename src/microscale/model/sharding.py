@@ -24,23 +24,32 @@ one. ``AxisType.Explicit`` meshes are not (the embedding gather would need expli
 created; without a mesh, construct then ``jax.device_put`` the state with
 `partition_specs`.
 
-A mesh axis of size 1 costs nothing, so one mapping serves one CPU, 8 fake devices and a
-cluster. A dimension that a mesh axis does not divide must not be sharded on it; pick the
-mesh accordingly (e.g. ``tensor`` must divide ``n_kv_heads * head_dim``).
+One function, `logical_to_mesh_spec`, turns logical names into a ``PartitionSpec``; the
+trainer, ``microscale plan`` and `partition_specs` all call it. A mesh axis of size 1
+costs nothing, so one mapping serves one CPU, 8 fake devices and a cluster. A dimension
+whose length the mesh axes do not divide (e.g. 8 kv heads of 128 on ``tensor=3``), or
+whose logical name has no rule, is replicated rather than refused, so every preset runs on
+every mesh; each such dimension is logged and returned as a `Replicated` record, and
+``microscale plan`` lists them (a replicated weight costs memory on every device).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from microscale.model.rules import path_str
 
-__all__ = ["LOGICAL_AXES", "MESH_AXES", "logical_to_mesh_rules", "logical_to_mesh_spec",
-           "param_logical_axes", "partition_specs", "var_logical_axes"]
+__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "logical_to_mesh_rules",
+           "logical_to_mesh_spec", "param_logical_axes", "partition_specs", "var_logical_axes"]
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -73,28 +82,93 @@ def logical_to_mesh_rules() -> LogicalRules:
     )
 
 
-def logical_to_mesh_spec(axes: tuple[str | None, ...] | None,
-                         rules: LogicalRules | None = None) -> PartitionSpec:
-    """Translate one tuple of logical names to a mesh ``PartitionSpec``. Unknown names
-    raise with the known ones; a mesh axis is used at most once per spec (later repeats
-    are replicated)."""
+@dataclasses.dataclass(frozen=True)
+class Replicated:
+    """A dimension that its logical name asked to shard, left replicated instead."""
+
+    where: str  # the array's label (a parameter path) as passed to logical_to_mesh_spec
+    dim: int  # index of the dimension
+    name: str  # its logical axis name
+    size: int | None  # its length (None when the shape was not given)
+    axes: tuple[str, ...]  # the mesh axes its rule asked for
+    reason: str  # why it is replicated, in words
+
+    def __str__(self) -> str:
+        size = "" if self.size is None else f" ({self.size})"
+        return f"{self.where or '<array>'} dim {self.dim} {self.name!r}{size}: {self.reason}"
+
+
+def _rule_axes(rule) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def logical_to_mesh_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
+                         mesh: Mesh | Mapping[str, int] | None = None,
+                         rules: LogicalRules | Mapping | None = None, *, where: str = "",
+                         replicated: list[Replicated] | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of one array from its logical axis names (the one mapping
+    used by the trainer, ``microscale plan`` and `partition_specs`).
+
+    ``rules`` (default `logical_to_mesh_rules`) maps a logical name to a mesh axis, a
+    tuple of mesh axes, or None (replicated on purpose). A dimension is left replicated,
+    and recorded in ``replicated`` (and logged), when it was asked to shard but
+
+    * its name has no rule (an unknown name),
+    * none of its mesh axes is left: each mesh axis is used at most once per array, and
+      with ``mesh`` given, axes the mesh does not have are dropped,
+    * with ``mesh`` and ``shape`` given: the product of its mesh axes' sizes does not
+      divide its length.
+
+    Mesh axes of size 1 shard nothing and are dropped without a record. ``mesh`` is a
+    ``Mesh`` / ``AbstractMesh`` or a plain ``{axis: size}``; without it every rule's
+    axes are kept (no divisibility check).
+    """
     table = dict(logical_to_mesh_rules() if rules is None else rules)
-    if axes is None:
+    if not axes:
         return PartitionSpec()
+    if shape is not None and len(axes) != len(shape):
+        raise ValueError(f"{where or 'array'}: logical axes {tuple(axes)} do not match shape "
+                         f"{tuple(shape)}")
+    sizes = None if mesh is None else dict(mesh.shape if hasattr(mesh, "shape") else mesh)
     used: set[str] = set()
     out: list[Any] = []
-    for name in axes:
+
+    def skip(i: int, name: str, asked: tuple[str, ...], reason: str) -> None:
+        rec = Replicated(where=where, dim=i, name=name,
+                         size=None if shape is None else int(shape[i]), axes=asked,
+                         reason=reason)
+        log.info("replicated: %s", rec)
+        if replicated is not None:
+            replicated.append(rec)
+
+    for i, name in enumerate(axes):
         if name is None:
             out.append(None)
             continue
         if name not in table:
-            raise KeyError(f"logical axis {name!r} has no mesh rule; expected one of "
-                           f"{sorted(table)}")
-        mesh = table[name]
-        mesh_t = () if mesh is None else (mesh,) if isinstance(mesh, str) else tuple(mesh)
-        mesh_t = tuple(a for a in mesh_t if a not in used)
-        used.update(mesh_t)
-        out.append(None if not mesh_t else mesh_t[0] if len(mesh_t) == 1 else mesh_t)
+            skip(i, name, (), f"no mesh rule for logical axis {name!r} (rules for "
+                              f"{sorted(table)})")
+            out.append(None)
+            continue
+        asked = _rule_axes(table[name])
+        again = [a for a in asked if a in used]
+        keep = [a for a in asked if a not in used]
+        missing = [] if sizes is None else [a for a in keep if a not in sizes]
+        if sizes is not None:
+            keep = [a for a in keep if a in sizes and sizes[a] > 1]
+        if not keep and (again or missing):
+            skip(i, name, asked, f"mesh axis {again} already shards an earlier dimension"
+                 if again else f"the mesh has no axis {missing}")
+        if keep and sizes is not None and shape is not None:
+            n = math.prod(sizes[a] for a in keep)
+            if shape[i] % n:
+                skip(i, name, asked, f"length {shape[i]} is not divisible by mesh axes "
+                                     f"{tuple(keep)} (size {n})")
+                keep = []
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
     return PartitionSpec(*out)
 
 
@@ -114,15 +188,23 @@ def param_logical_axes(model: Any) -> dict[str, tuple[str | None, ...] | None]:
     return out
 
 
-def partition_specs(tree: Any, rules: LogicalRules | None = None) -> Any:
+def partition_specs(tree: Any, rules: LogicalRules | None = None, *,
+                    mesh: Mesh | Mapping[str, int] | None = None,
+                    replicated: list[Replicated] | None = None) -> Any:
     """Mesh ``PartitionSpec``\\ s for a model or an ``nnx.State`` (same tree structure as
-    ``nnx.state(model)``; unannotated leaves are replicated). Feed the result to
-    ``jax.sharding.NamedSharding(mesh, spec)`` per leaf."""
+    ``nnx.state(model)``; unannotated leaves are replicated), by `logical_to_mesh_spec`.
+    With ``mesh`` (a ``Mesh`` or ``{axis: size}``) each variable's shape is checked
+    against it, as the trainer does; dimensions left replicated are appended to
+    ``replicated``. Feed the result to ``jax.sharding.NamedSharding(mesh, spec)`` per
+    leaf."""
     state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
 
-    def spec(x):
+    def spec(path, x):
         if isinstance(x, nnx.Variable):
-            return x.replace(logical_to_mesh_spec(var_logical_axes(x), rules))
+            shape = None if mesh is None else x.get_value().shape
+            return x.replace(logical_to_mesh_spec(
+                var_logical_axes(x), shape, mesh, rules, where=path_str(path),
+                replicated=replicated))
         return PartitionSpec()
 
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.from_flat_state([(p, spec(p, v)) for p, v in nnx.to_flat_state(state)])

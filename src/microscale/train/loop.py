@@ -56,10 +56,8 @@ from microscale.model import (
     assignments,
     iter_linears,
     late_switch,
-    logical_to_mesh_rules,
-    var_logical_axes,
+    partition_specs,
 )
-from microscale.model.rules import path_str
 from microscale.ops import get_recipe
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
@@ -68,7 +66,6 @@ from microscale.train.mesh import (
     build_mesh,
     maybe_initialize_distributed,
     shard_batch,
-    spec_for,
 )
 from microscale.train.metrics import MetricsLogger, format_duration, weight_quant_stats
 from microscale.train.optim import lr_schedule, make_optimizer
@@ -124,17 +121,12 @@ def default_out(cfg: TrainConfig) -> str:
 # ----------------------------------------------------------------------------- state
 
 
-def _param_shardings(abs_params: nnx.State, mesh) -> dict:
-    """Pure-dict tree of NamedShardings from the parameters' logical axes."""
-    rules = dict(logical_to_mesh_rules())
-
-    def one(path, var):
-        spec = spec_for(var_logical_axes(var), var.get_value().shape, mesh, rules,
-                        where=path_str(path))
-        return var.replace(NamedSharding(mesh, spec))
-
-    flat = [(p, one(p, v)) for p, v in nnx.to_flat_state(abs_params)]
-    return nnx.to_pure_dict(nnx.from_flat_state(flat))
+def _param_shardings(abs_params: nnx.State, mesh, replicated: list | None = None) -> dict:
+    """Pure-dict tree of NamedShardings from the parameters' logical axes; dimensions
+    left replicated (not divisible, no rule) are appended to ``replicated``."""
+    specs = partition_specs(abs_params, mesh=mesh, replicated=replicated)
+    return nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())),
+                                         specs, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 @dataclasses.dataclass
@@ -151,6 +143,7 @@ class _State:
     tx: optax.GradientTransformation
     param_shardings: Any
     opt_shardings: Any
+    replicated: list  # model.Replicated: parameter dims the mesh could not shard
 
 
 def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _State:
@@ -174,7 +167,8 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
     if "late" in rules:
         abs_model.set_rules(rules["late"])
         graphdefs["late"] = nnx.split(abs_model, nnx.Param, ...)[0]
-    p_sh = _param_shardings(abs_params, mesh)
+    replicated: list = []
+    p_sh = _param_shardings(abs_params, mesh, replicated)
     replicated = NamedSharding(mesh, PartitionSpec())
     rest_sh = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abs_rest))
 
@@ -199,7 +193,7 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
                   rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
-                  param_shardings=p_sh, opt_shardings=opt_sh)
+                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=replicated)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,

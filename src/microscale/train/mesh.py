@@ -10,10 +10,11 @@ One code path for every scale: a ``jax.sharding.Mesh`` with three named axes
   dimension split (Megatron-style column / row parallel projections).
 
 The model annotates each parameter with *logical* axis names (``("embed", "mlp")``...);
-the model's ``logical_to_mesh_rules()`` maps them to mesh axes, and :func:`spec_for`
-turns that into a ``PartitionSpec`` per parameter. A dimension whose
-size is not divisible by its mesh axes is replicated instead (so every preset runs on
-every mesh; the choice is logged). Batches are ``[batch, seq]`` sharded over
+the model's ``logical_to_mesh_rules()`` maps them to mesh axes, and
+``microscale.model.logical_to_mesh_spec`` turns that into a ``PartitionSpec`` per
+parameter. A dimension whose size is not divisible by its mesh axes is replicated instead
+(so every preset runs on every mesh; the choice is logged and listed by
+``microscale plan``). Batches are ``[batch, seq]`` sharded over
 ``("data", "fsdp")``. Everything else -- the collectives, their overlap, the per-device
 programs -- is JAX's SPMD partitioner (``jax.jit`` with in/out shardings); microscale has
 no distribution code of its own.
@@ -45,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from microscale.model import MESH_AXES, logical_to_mesh_rules
 
 __all__ = ["AXES", "BATCH_AXES", "build_mesh", "maybe_initialize_distributed",
-           "resolve_mesh_shape", "shard_batch", "spec_for"]
+           "resolve_mesh_shape", "shard_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -168,38 +169,3 @@ def shard_batch(mesh: Mesh, local: np.ndarray, spec: PartitionSpec) -> jax.Array
     global_shape = list(local.shape)
     global_shape[axis] *= jax.process_count()
     return jax.make_array_from_process_local_data(sharding, local, tuple(global_shape))
-
-
-def _mesh_axes(rule) -> tuple[str, ...]:
-    if rule is None:
-        return ()
-    if isinstance(rule, str):
-        return (rule,)
-    return tuple(rule)
-
-
-def spec_for(names: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
-             rules: Mapping[str, str | Sequence[str] | None], *, where: str = "") -> PartitionSpec:
-    """PartitionSpec for one array from its logical axis names.
-
-    ``rules`` maps a logical name to a mesh axis, a tuple of mesh axes, or None
-    (replicated). A mesh axis is used at most once per array; a dimension not divisible
-    by the product of its mesh axes sizes is replicated.
-    """
-    if not names:
-        return PartitionSpec()
-    if len(names) != len(shape):
-        raise ValueError(f"{where}: logical axes {tuple(names)} do not match shape {tuple(shape)}")
-    used: set[str] = set()
-    out = []
-    for name, dim in zip(names, shape, strict=True):
-        axes = tuple(a for a in _mesh_axes(rules.get(name) if name else None)
-                     if a in mesh.shape and a not in used and mesh.shape[a] > 1)
-        size = math.prod(mesh.shape[a] for a in axes)
-        if axes and dim % size:
-            log.info("%s: dim %s (%d) not divisible by mesh axes %s (%d); replicated",
-                     where, name, dim, axes, size)
-            axes = ()
-        used.update(axes)
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*out)
