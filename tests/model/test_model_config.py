@@ -20,6 +20,7 @@ def _abstract_param_count(cfg: ModelConfig) -> int:
     ("gpt2-124m", 120e6, 128e6),
     ("llama-1b", 1.20e9, 1.27e9),
     ("llama-8b", 7.9e9, 8.1e9),
+    ("llama-70b", 70.0e9, 71.0e9),
 ])
 def test_preset_param_counts(name, lo, hi):
     cfg = ModelConfig.preset(name)
@@ -32,10 +33,12 @@ def test_preset_param_counts(name, lo, hi):
 def test_known_sizes_exact():
     assert ModelConfig.llama_1b().num_params() == 1_235_814_400  # Llama 3.2 1B
     assert ModelConfig.llama_8b().num_params() == 8_030_261_248  # Llama 3.1 8B
+    assert ModelConfig.llama_70b().num_params() == 70_553_706_496  # Llama 3.1 70B
 
 
 def test_preset_names():
-    assert list_presets() == ["tiny", "small", "gpt2-124m", "llama-1b", "llama-8b"]
+    assert list_presets() == ["tiny", "small", "gpt2-124m", "llama-1b", "llama-8b",
+                              "llama-70b"]
     assert ModelConfig.preset("gpt2_124m") == ModelConfig.gpt2_124m()
     assert ModelConfig.preset("LLAMA-1B") == ModelConfig.llama_1b()
     with pytest.raises(ValueError, match="unknown model preset 'huge'.*tiny"):

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("microscale.cli.export", "write a packed checkpoint (compressed-tensors / ModelOpt)"),
     "generate": ("microscale.cli.generate", "generate text from a (packed) checkpoint"),
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),
+    "plan": ("microscale.cli.plan", "compile a train step at scale on simulated devices: "
+                                    "memory fit, collectives, roofline"),
 }
 
 

@@ -24,10 +24,12 @@ vocabulary of each preset and include embeddings (counted once when tied).
 | gpt2-124m   | 768     | 12     | 12/12    | 2048  | 50304  | ~124M   |
 | llama-1b    | 2048    | 16     | 32/8     | 8192  | 128256 | ~1.24B  |
 | llama-8b    | 4096    | 32     | 32/8     | 14336 | 128256 | ~8.03B  |
+| llama-70b   | 8192    | 80     | 64/8     | 28672 | 128256 | ~70.6B  |
 
 `gpt2-124m` is GPT-2 small's size with a Llama block (SwiGLU with d_ff = 8/3 d_model keeps
-the MLP parameter count of GPT-2's 4x GELU MLP); `llama-1b`/`llama-8b` follow Llama 3.2 1B
-and Llama 3.1 8B.
+the MLP parameter count of GPT-2's 4x GELU MLP); `llama-1b`/`llama-8b`/`llama-70b` follow Llama 3.2 1B,
+Llama 3.1 8B and Llama 3.1 70B (its published config.json: hidden 8192, 80 layers, 64
+heads, 8 kv heads, intermediate 28672, rope theta 500000, untied; context 8192 here).
 """
 
 from __future__ import annotations
@@ -187,6 +189,13 @@ class ModelConfig:
                    remat=True)
 
     @classmethod
+    def llama_70b(cls) -> ModelConfig:
+        """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on."""
+        return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                   d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+                   remat=True)
+
+    @classmethod
     def preset(cls, name: str) -> ModelConfig:
         """A preset by name; '-' and '_' are interchangeable ('gpt2-124m' == 'gpt2_124m')."""
         key = name.strip().lower().replace("-", "_")
@@ -195,7 +204,7 @@ class ModelConfig:
         return getattr(cls, key)()
 
 
-_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b")
+_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b", "llama_70b")
 
 
 def list_presets() -> list[str]:

@@ -170,7 +170,7 @@ class AdaptiveConfig:
 class TrainConfig:
     """One training run. Serializes to/from YAML and ``key=value`` overrides."""
 
-    # Model shape and dtypes (presets: tiny, small, gpt2-124m, llama-1b, llama-8b).
+    # Model shape and dtypes (presets: tiny, small, gpt2-124m, llama-1b, llama-8b, llama-70b).
     model: ModelConfig = ModelConfig.tiny()
     # Corpus, tokenizer and batching: data.seq_len, data.batch_size (global sequences per
     # optimizer step), data.grad_accum, data.eval_batches live here.
@@ -354,6 +354,17 @@ class TrainConfig:
                    keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=1))
 
     @classmethod
+    def llama_70b(cls) -> TrainConfig:
+        """Llama 3.1 70B shape: 4M-token batches of 8k sequences, FSDP x 8-way tensor
+        parallelism (set mesh.fsdp; ``microscale plan`` before a cluster run)."""
+        return cls(model=ModelConfig.llama_70b(),
+                   data=DataConfig(seq_len=8192, batch_size=512, grad_accum=8,
+                                   eval_batches=32),
+                   optim=OptimConfig(lr=1.5e-4, warmup_steps=2000, schedule="wsd"),
+                   steps=500000, eval_every=2000, log_every=100, checkpoint_every=1000,
+                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=8))
+
+    @classmethod
     def preset(cls, name: str) -> TrainConfig:
         """A preset by name ('-' and '_' interchangeable)."""
         key = name.strip().lower().replace("-", "_")
@@ -362,11 +373,11 @@ class TrainConfig:
         return getattr(cls, key)()
 
 
-_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b")
+_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b", "llama_70b")
 
 
 def list_presets() -> list[str]:
-    """Preset names ('tiny', 'small', 'gpt2-124m', 'llama-1b', 'llama-8b')."""
+    """Preset names ('tiny', 'small', 'gpt2-124m', 'llama-1b', 'llama-8b', 'llama-70b')."""
     return [p.replace("_", "-") for p in _PRESETS]
 
 

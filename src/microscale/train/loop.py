@@ -167,8 +167,8 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
     if "late" in rules:
         abs_model.set_rules(rules["late"])
         graphdefs["late"] = nnx.split(abs_model, nnx.Param, ...)[0]
-    replicated: list = []
-    p_sh = _param_shardings(abs_params, mesh, replicated)
+    unsharded: list = []
+    p_sh = _param_shardings(abs_params, mesh, unsharded)
     replicated = NamedSharding(mesh, PartitionSpec())
     rest_sh = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abs_rest))
 
@@ -193,7 +193,7 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
                   rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
-                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=replicated)
+                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=unsharded)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,

@@ -1,0 +1,249 @@
+"""``plan(cfg, ...)``: will this run fit, what will it cost, and how fast could NVFP4 be.
+
+1. Checks the config against the mesh (clear errors: a mesh larger than the device
+   count, a ``tensor`` axis that does not divide the heads, a microbatch the data axes do
+   not divide, an unknown accelerator).
+2. Memory per device **from the shapes**: parameters, AdamW state and gradients from the
+   trainer's shardings (`model.logical_to_mesh_spec`, the function the trainer uses; its
+   replicated dimensions are listed) and an activation estimate (below).
+3. Unless ``compile=False``: the real sharded train step lowered and compiled on
+   simulated CPU devices in a child process (`plan.compile`): XLA's memory analysis,
+   matmul FLOPs and the collectives of the partitioned program.
+4. The roofline step-time model of `plan.roofline` for bf16, fp8 and the target recipe.
+
+Activation estimate (bytes per device, one microbatch of ``Tm`` tokens and ``S``
+sequences on this device): with remat, the float32 block inputs ``L * Tm * d * 4`` plus
+one block's working set; without, ``L`` working sets. A block's working set is its
+activations (``Tm * (16 d + 4 (q+k+v+o)/tp + 12 d_ff/tp)`` bytes) plus its attention
+scores, which this model materialises: ``S * heads/tp * T^2 * 14`` bytes (float32 scores,
+softmax and their gradient, bf16 probabilities). The float32 logits and their gradient
+add ``Tm * V/tp * 12``. It is a shape count, not a measurement; the compiled plan prints
+XLA's temporary bytes beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from microscale.plan.hardware import Accelerator, get_accelerator
+
+__all__ = ["check_config", "plan", "shape_memory"]
+
+GB = 1e9
+
+
+def check_config(cfg, devices: int | None) -> tuple[dict[str, int], int]:
+    """``({axis: size}, devices)`` for ``cfg.mesh`` on ``devices`` simulated devices
+    (default: the mesh's own size); raises ``ValueError`` naming the bad value."""
+    from microscale.train.mesh import AXES, resolve_mesh_shape
+
+    sizes = [getattr(cfg.mesh, a) for a in AXES]
+    if devices is None:
+        if -1 in sizes:
+            axis = AXES[sizes.index(-1)]
+            raise ValueError(f"mesh.{axis}=-1 means 'the remaining devices', which a plan "
+                             f"does not have: pass --devices N, or set mesh.{axis} to a "
+                             "size")
+        devices = math.prod(sizes)
+    if devices < 1:
+        raise ValueError(f"devices={devices}: expected a positive count")
+    mesh = dict(zip(AXES, resolve_mesh_shape(cfg.mesh, devices), strict=True))
+    m, tp = cfg.model, mesh["tensor"]
+    for name, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"mesh.tensor={tp} does not divide model.{name}={heads}: tensor "
+                             f"parallelism gives each device whole heads; pick a divisor of "
+                             f"{math.gcd(m.n_heads, m.n_kv_heads)}")
+    dp = mesh["data"] * mesh["fsdp"]
+    micro = cfg.data.batch_size // cfg.data.grad_accum
+    if cfg.data.batch_size % cfg.data.grad_accum or micro % dp:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} / data.grad_accum="
+                         f"{cfg.data.grad_accum} = {cfg.data.batch_size / cfg.data.grad_accum:g} "
+                         f"sequences per microbatch is not divisible by mesh.data * mesh.fsdp "
+                         f"= {dp}: each data-parallel device needs whole sequences")
+    return mesh, devices
+
+
+def shape_memory(cfg, mesh: dict[str, int]) -> dict[str, Any]:
+    """Bytes per device from the shapes and the trainer's shardings (nothing allocated)."""
+    import numpy as np
+    from flax import nnx
+
+    from microscale.model import Transformer, logical_to_mesh_spec
+    from microscale.model.rules import path_str
+    from microscale.model.sharding import var_logical_axes
+
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    replicated: list = []
+    params = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape = tuple(var.get_value().shape)
+        spec = logical_to_mesh_spec(var_logical_axes(var), shape, mesh,
+                                    where=path_str(path), replicated=replicated)
+        split = 1
+        for s in spec:
+            for a in (() if s is None else (s,) if isinstance(s, str) else s):
+                split *= mesh[a]
+        params += math.prod(shape) * np.dtype(var.get_value().dtype).itemsize / split
+    m, d = cfg.model, cfg.model.d_model
+    dp, tp = mesh["data"] * mesh["fsdp"], mesh["tensor"]
+    micro = cfg.data.batch_size // cfg.data.grad_accum
+    seqs = micro / dp
+    t = cfg.data.seq_len
+    tm = seqs * t
+    proj = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp
+    block = tm * (16 * d + 4 * proj + 12 * m.d_ff / tp) + seqs * m.n_heads / tp * t * t * 14
+    act = (m.n_layers * tm * d * 4 + block) if m.remat else m.n_layers * block
+    act += tm * m.vocab_size / tp * 12
+    grads = params * (2 if cfg.data.grad_accum > 1 else 1)  # + the f32 microbatch sum
+    mem = {"params": params, "opt_state": 2 * params, "grads": grads, "activations": act}
+    mem["total"] = sum(mem.values())
+    return {"bytes": mem, "replicated": [str(r) for r in replicated]}
+
+
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / GB:,.1f}" if x >= 10 * GB else f"{x / GB:.3g}"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.0f}" if x >= 10.0 else f"{x * 1e3:.3g}"
+
+
+def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = None,
+         compile: bool = True, lower_only: bool = False,
+         baselines: tuple[str, ...] = ("bf16", "fp8"), out: str | Path | None = None,
+         timeout: float | None = None, verbose: bool = True) -> dict[str, Any]:
+    """Plan ``cfg`` (a TrainConfig; its ``recipe`` is the one compiled and the roofline's
+    target) on ``accelerator``; see the module doc. Writes ``plan.json`` and ``plan.md``
+    to ``out`` when given. Returns the plan dict (``plan["markdown"]`` is the report)."""
+    from microscale.plan.compile import compile_in_subprocess
+    from microscale.plan.roofline import roofline
+
+    acc = accelerator if isinstance(accelerator, Accelerator) else get_accelerator(accelerator)
+    mesh, n_dev = check_config(cfg, devices)
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {
+        "model": cfg.model.to_dict(), "params": cfg.model.num_params(),
+        "recipe": cfg.recipe, "mesh": mesh, "devices": n_dev,
+        "batch": {"sequences": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+                  "grad_accum": cfg.data.grad_accum,
+                  "tokens": cfg.data.batch_size * cfg.data.seq_len},
+        "accelerator": dataclasses.asdict(acc),
+        "shapes": shape_memory(cfg, mesh),
+        "compiled": None,
+    }
+    tokens_dev = cfg.data.batch_size * cfg.data.seq_len / n_dev
+    res["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_dev
+    if compile or lower_only:
+        res["compiled"] = compile_in_subprocess(cfg, n_dev, lower_only=lower_only,
+                                                timeout=timeout, verbose=verbose)
+    comp = res["compiled"] or {}
+    have_mem = "memory" in comp
+    peak = comp["memory"]["peak"] if have_mem else res["shapes"]["bytes"]["total"]
+    res["fit"] = {"bytes": peak, "basis": "compiled" if have_mem else "shapes",
+                  "capacity": acc.hbm_bytes, "fits": peak <= acc.hbm_bytes}
+    comm = None
+    if "collectives" in comp:
+        comm = sum(c["bytes"] for c in comp["collectives"].values())
+    target = cfg.recipe
+    recipes = tuple(r for r in baselines if r != target) + (target,)
+    res["roofline"] = roofline(cfg, mesh, acc, recipes, comm_bytes=comm)
+    res["plan_s"] = time.perf_counter() - t0
+    res["markdown"] = report_markdown(res)
+    if out is not None:
+        from microscale.config import atomic_write_text
+
+        out = Path(out)
+        atomic_write_text(out / "plan.json", json.dumps(
+            {k: v for k, v in res.items() if k != "markdown"}, indent=2) + "\n")
+        atomic_write_text(out / "plan.md", res["markdown"])
+    return res
+
+
+def report_markdown(res: dict[str, Any]) -> str:
+    """The plan as markdown: setup, memory per device and fit, FLOPs, collectives,
+    replicated dimensions, the roofline terms and speed-ups."""
+    acc = res["accelerator"]
+    m = res["model"]
+    sh = res["shapes"]["bytes"]
+    comp = res["compiled"] or {}
+    lines = [
+        f"## Plan: d_model {m['d_model']} x {m['n_layers']} layers "
+        f"({res['params'] / 1e9:.2f}B params), recipe `{res['recipe']}`, "
+        f"mesh {res['mesh']} ({res['devices']} devices), {acc['label']}",
+        "",
+        f"Global batch {res['batch']['sequences']} x {res['batch']['seq_len']} tokens "
+        f"({res['batch']['tokens']:,}), {res['batch']['grad_accum']} microbatches.",
+        "",
+        "| memory per device (GB) | from shapes | compiled (XLA:CPU) |",
+        "|---|---:|---:|",
+    ]
+    cm = comp.get("memory")
+    rows = [("parameters (f32)", sh["params"], None), ("AdamW state", sh["opt_state"], None),
+            ("gradients (f32, + microbatch sum)", sh["grads"], None),
+            ("activations (estimate) / XLA temp", sh["activations"], cm and cm["temp"]),
+            ("arguments (params + state + batch)", None, cm and cm["argument"]),
+            ("**peak**", sh["total"], cm and cm["peak"])]
+    lines += [f"| {name} | {_gb(a)} | {_gb(b)} |" for name, a, b in rows]
+    fit = res["fit"]
+    lines += ["", f"**{'Fits' if fit['fits'] else 'Does not fit'}** in {acc['label']}'s "
+                  f"{acc['hbm_bytes'] / GB:.0f} GB: peak {_gb(fit['bytes'])} GB per device "
+                  f"({fit['basis']}).", ""]
+    if comp.get("error"):
+        lines += [f"Compilation failed ({comp.get('phase')}): `{comp['error'][:600]}`", ""]
+    elif comp:
+        lines.append(f"Lowered in {comp['lower_s']:.0f}s"
+                     + (f", compiled in {comp['compile_s']:.0f}s, compile process peak RSS "
+                        f"{comp['peak_rss_bytes'] / GB:.1f} GB." if "compile_s" in comp
+                        else " (not compiled)."))
+        lines.append("")
+    else:
+        lines += ["Not compiled: memory and traffic from the shapes only.", ""]
+    lines.append(f"Model FLOPs per device per step (6N + attention): "
+                 f"{res['model_flops_per_device']:.3e}"
+                 + (f"; matmul FLOPs in the compiled program: {comp['dot_flops']:.3e}"
+                    if "dot_flops" in comp else "") + ".")
+    if "collectives" in comp:
+        lines += ["", "| collective (compiled, per device per step) | count | GB moved |",
+                  "|---|---:|---:|"]
+        for kind, c in comp["collectives"].items():
+            if c["count"]:
+                lines.append(f"| {kind} | {c['count']:.0f} | {_gb(c['bytes'])} |")
+    rep = res["shapes"]["replicated"]
+    lines += ["", f"Dimensions the mesh could not shard (replicated): {len(rep)}"]
+    lines += [f"- {r}" for r in rep[:20]] + (["- ..."] if len(rep) > 20 else [])
+    lines += _roofline_md(res["roofline"], acc)
+    return "\n".join(lines) + "\n"
+
+
+def _roofline_md(roof: dict[str, Any], acc: dict[str, Any]) -> list[str]:
+    from microscale.plan.roofline import TERMS
+
+    rows = roof["recipes"]
+    head = "| term (ms per step) | " + " | ".join(f"`{r}`" for r in rows) + " |"
+    lines = ["", f"Roofline on {acc['label']} (dense peaks; see `microscale.plan.hardware`):",
+             "", head, "|---|" + "---:|" * len(rows)]
+    for t in TERMS:
+        lines.append(f"| {t} | " + " | ".join(_ms(v['terms'][t]) for v in
+                                              rows.values()) + " |")
+    lines.append("| **step** | " + " | ".join(
+        "n/a (no tensor cores for %s-bit)" % v["missing_bits"] if v["total"] is None
+        else f"**{_ms(v['total'])}**" for v in rows.values()) + " |")
+    if "comm_s" in roof:
+        lines += ["", f"Collectives of the compiled step at NVLink rate: "
+                      f"{_ms(roof['comm_s'])} ms (not in the sum: overlappable)."]
+    tgt = roof["target"]
+    lines += ["", f"| `{tgt}` speed-up over | step | GEMMs only | fused quantize reads | "
+                  "without quantize passes |", "|---|---:|---:|---:|---:|"]
+    for base, r in roof["speedup"].items():
+        if r is None:
+            lines.append(f"| `{base}` | n/a | n/a | n/a | n/a |")
+        else:
+            lines.append(f"| `{base}` | **{r['step']:.2f}x** | {r['gemm_only']:.2f}x | "
+                         f"{r['step_fused_quantize']:.2f}x | {r['step_without_quantize']:.2f}x |")
+    return lines
