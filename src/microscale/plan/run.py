@@ -232,7 +232,7 @@ def _roofline_md(roof: dict[str, Any], acc: dict[str, Any]) -> list[str]:
         lines.append(f"| {t} | " + " | ".join(_ms(v['terms'][t]) for v in
                                               rows.values()) + " |")
     lines.append("| **step** | " + " | ".join(
-        "n/a (no tensor cores for %s-bit)" % v["missing_bits"] if v["total"] is None
+        f"n/a (no tensor cores for {v['missing_bits']}-bit)" if v["total"] is None
         else f"**{_ms(v['total'])}**" for v in rows.values()) + " |")
     if "comm_s" in roof:
         lines += ["", f"Collectives of the compiled step at NVLink rate: "
