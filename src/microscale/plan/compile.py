@@ -153,7 +153,8 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--hlo")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    from microscale.config import atomic_write_text, load_yaml
+    from microscale.config import load_yaml
+    from microscale.files import atomic_write_text
     from microscale.train import TrainConfig
 
     cfg = load_yaml(TrainConfig, a.config)

@@ -163,6 +163,17 @@ class HloModule:
             rec["payload"] += m * size
         return out
 
+    def gathered_shapes(self) -> list[tuple[int, ...]]:
+        """Result dims of every all-gather (a gather's output is what one device holds
+        afterwards: a full weight here means the weight was not left sharded)."""
+        out = []
+        for _, shape, op, _ in self._instructions():
+            if op in ("all-gather", "all-gather-start"):
+                arrays = _arrays(shape)
+                if arrays:
+                    out.append(max(arrays, key=lambda a: math.prod(a[1]))[1])
+        return out
+
     def dot_flops(self) -> float:
         """2 * (output elements) * (contracted length) summed over every ``dot``, each
         counted as often as its computation runs."""

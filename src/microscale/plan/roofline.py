@@ -79,16 +79,17 @@ def _compute_share(axes, shape, mesh: dict[str, int], batch_axes) -> tuple[int, 
     return out[0], out[1]
 
 
-def linear_shapes(model_cfg, mesh: dict[str, int]) -> list[LinearShape]:
-    """Every linear layer of the model with its per-device compute shard (abstract model:
-    nothing allocated)."""
+def linear_shapes(model_cfg, mesh: dict[str, int], model=None) -> list[LinearShape]:
+    """Every linear layer of the model with its per-device compute shard (``model``: the
+    abstract Transformer, built from ``model_cfg`` when None; nothing allocated)."""
     from flax import nnx
 
     from microscale.model import Transformer, iter_linears, logical_to_mesh_rules
     from microscale.model.sharding import var_logical_axes
 
     batch_axes = dict(logical_to_mesh_rules())["batch"]
-    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    if model is None:
+        model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     out = []
     for path, node in iter_linears(model):
         shape = tuple(node.kernel.get_value().shape)
@@ -191,10 +192,11 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
 
 def roofline(cfg, mesh: dict[str, int], acc: Accelerator,
              recipes: tuple[str, ...] = ("bf16", "fp8", "nvfp4"), *,
-             comm_bytes: float | None = None) -> dict[str, Any]:
+             comm_bytes: float | None = None, model=None) -> dict[str, Any]:
     """Step-time terms of each recipe, and the speed-up of the last recipe over each other
-    one: total, GEMMs only, and with fused (one read per tensor) quantization."""
-    linears = linear_shapes(cfg.model, mesh)
+    one: total, GEMMs only, and with fused (one read per tensor) quantization. ``model``:
+    the abstract Transformer of ``cfg.model`` if already built."""
+    linears = linear_shapes(cfg.model, mesh, model)
     rows = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears) for r in recipes}
     fused = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears, fused=True)
              for r in recipes}

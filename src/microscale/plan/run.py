@@ -24,12 +24,12 @@ XLA's temporary bytes beside it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
 from typing import Any
 
+from microscale.files import atomic_write_json, atomic_write_text, check_output_dir
 from microscale.plan.hardware import Accelerator, get_accelerator
 
 __all__ = ["check_config", "plan", "shape_memory"]
@@ -69,16 +69,26 @@ def check_config(cfg, devices: int | None) -> tuple[dict[str, int], int]:
     return mesh, devices
 
 
-def shape_memory(cfg, mesh: dict[str, int]) -> dict[str, Any]:
-    """Bytes per device from the shapes and the trainer's shardings (nothing allocated)."""
+def abstract_model(model_cfg):
+    """The Transformer of ``model_cfg`` as shapes only (``nnx.eval_shape``)."""
+    from flax import nnx
+
+    from microscale.model import Transformer
+
+    return nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
+    """Bytes per device from the shapes and the trainer's shardings (nothing allocated;
+    ``model``: the abstract Transformer, built when None)."""
     import numpy as np
     from flax import nnx
 
-    from microscale.model import Transformer, logical_to_mesh_spec
+    from microscale.model import logical_to_mesh_spec
     from microscale.model.rules import path_str
     from microscale.model.sharding import var_logical_axes
 
-    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg.model) if model is None else model
     replicated: list = []
     params = 0.0
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -126,7 +136,10 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
 
     acc = accelerator if isinstance(accelerator, Accelerator) else get_accelerator(accelerator)
     mesh, n_dev = check_config(cfg, devices)
+    if out is not None:
+        out = check_output_dir(out, what="plan output folder")
     t0 = time.perf_counter()
+    model = abstract_model(cfg.model)
     res: dict[str, Any] = {
         "model": cfg.model.to_dict(), "params": cfg.model.num_params(),
         "recipe": cfg.recipe, "mesh": mesh, "devices": n_dev,
@@ -134,7 +147,7 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
                   "grad_accum": cfg.data.grad_accum,
                   "tokens": cfg.data.batch_size * cfg.data.seq_len},
         "accelerator": dataclasses.asdict(acc),
-        "shapes": shape_memory(cfg, mesh),
+        "shapes": shape_memory(cfg, mesh, model),
         "compiled": None,
     }
     tokens_dev = cfg.data.batch_size * cfg.data.seq_len / n_dev
@@ -152,15 +165,12 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
         comm = sum(c["bytes"] for c in comp["collectives"].values())
     target = cfg.recipe
     recipes = tuple(r for r in baselines if r != target) + (target,)
-    res["roofline"] = roofline(cfg, mesh, acc, recipes, comm_bytes=comm)
+    res["roofline"] = roofline(cfg, mesh, acc, recipes, comm_bytes=comm, model=model)
     res["plan_s"] = time.perf_counter() - t0
     res["markdown"] = report_markdown(res)
     if out is not None:
-        from microscale.config import atomic_write_text
-
-        out = Path(out)
-        atomic_write_text(out / "plan.json", json.dumps(
-            {k: v for k, v in res.items() if k != "markdown"}, indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "plan.json", {k: v for k, v in res.items() if k != "markdown"})
         atomic_write_text(out / "plan.md", res["markdown"])
     return res
 
