@@ -121,7 +121,7 @@ def _gb(x: float | None) -> str:
 
 
 def _ms(x: float) -> str:
-    return f"{x * 1e3:,.0f}" if x >= 10.0 else f"{x * 1e3:.3g}"
+    return f"{x * 1e3:,.0f}" if x >= 0.01 else f"{x * 1e3:.3g}"
 
 
 def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = None,
