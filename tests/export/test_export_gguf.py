@@ -35,6 +35,17 @@ ALLOC = {f"layers.{i}.{k}": f for i in range(2) for k, f in (
     ("mlp.down_proj", "fp8_e4m3" if i == 0 else "mxfp8"))}
 
 
+# llama.cpp's Llama tensor names (src/llama-arch.cpp) of microscale's linear layers
+GGUF_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
+              "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def gname(path: str) -> str:
+    _, i, kind = path.split(".", 2)
+    return f"blk.{i}.{GGUF_NAMES[kind]}"
+
+
 def _rope_unpermute(w: np.ndarray, head_dim: int) -> np.ndarray:
     """Inverse of llama.cpp's q/k row permutation (convert_hf_to_gguf.py ``permute``:
     rows of a head ordered 0, hd/2, 1, hd/2+1, ...)."""
@@ -103,14 +114,11 @@ def test_every_linear_tensor_decodes_to_microscale_weights(exported):
     qs = L.quantize_linear_weights(params, TINY, layers)
     assert res.layers == {p: lq.weights for p, lq in layers.items()}
     for p, fmt in ALLOC.items():
-        i, kind = p.split(".", 2)[1:]
-        name = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
-                "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-                "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[kind]
-        t = tensors[f"blk.{i}.{name}.weight"]
+        kind = p.split(".", 2)[2]
+        t = tensors[f"{gname(p)}.weight"]
         got = quants.dequantize(t.data, t.tensor_type)
-        if f"blk.{i}.{name}.scale" in tensors:
-            got = got * tensors[f"blk.{i}.{name}.scale"].data.astype(np.float32)
+        if f"{gname(p)}.scale" in tensors:
+            got = got * tensors[f"{gname(p)}.scale"].data.astype(np.float32)
         if kind in ("attn.q_proj", "attn.k_proj"):
             got = _rope_unpermute(got, TINY.head_dim)
         master = np.asarray(params[f"{p}.kernel"], np.float32).T
@@ -227,3 +235,26 @@ def test_killed_write_leaves_no_file(tmp_path, tiny_model, monkeypatch):
         write_gguf(tiny_model, path, tokenizer=ByteTokenizer(), overwrite=True)
     assert path.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["m.gguf"]
+
+
+def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, mixed, capsys):
+    from microscale.cli import main
+    from microscale.export import export_checkpoint, read_checkpoint
+
+    folder = tmp_path / "ct"
+    export_checkpoint(tiny_model, folder, layer_formats=mixed, tokenizer=ByteTokenizer())
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
+                 str(out)]) == 0, capsys.readouterr().err
+    assert "q8_0" in capsys.readouterr().out
+    ck = read_checkpoint(folder)
+    tensors = {t.name: t for t in GGUFReader(out).tensors}
+    for p, f in mixed.items():
+        t = tensors[f"{gname(p)}.weight"]
+        assert t.tensor_type.name == {"nvfp4": "NVFP4", "fp8_e4m3": "Q8_0", "bf16": "BF16"}[f]
+        if f == "nvfp4" and p.endswith("v_proj"):  # not RoPE-permuted: same bytes as the folder
+            blocks, _ = gguf_tensor(ck.params[f"{p}.kernel"], p)
+            np.testing.assert_array_equal(np.asarray(t.data).reshape(blocks.shape), blocks)
+    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
+                 str(out), "--activations"]) == 2
+    assert "weights only" in capsys.readouterr().err

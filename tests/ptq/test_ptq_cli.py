@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from microscale.cli import main
 
 
@@ -36,3 +38,41 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
     rc = main(["quantize", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "y"), "-q",
                "--no-compile-cache"])
     assert rc == 2 and "not a microscale run folder" in capsys.readouterr().err
+
+
+def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "qg"
+    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(out), "--target", "gguf",
+               "--budget", "5.0", "--calib-tokens", "256", "--pareto-budgets", "5",
+               "--no-ptq-effects", "--no-compile-cache", "-q"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["formats"] == ["nvfp4", "mxfp4", "q8_0", "bf16"]
+    assert set(rep["layers"].values()) <= {"nvfp4", "mxfp4", "q8_0", "bf16"}
+    assert rep["effective_bits"] <= 5.0 and "uniform_q8_0" in rep["val_ppl"]
+    assert rep["checkpoint"]["layout"] == "gguf" and not (out / "checkpoint").exists()
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    names = {"attn.q_proj": "attn_q", "attn.o_proj": "attn_output", "mlp.down_proj": "ffn_down"}
+    ggml = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0", "bf16": "BF16"}
+    for p, f in rep["layers"].items():
+        kind = p.split(".", 2)[2]
+        if kind in names:
+            assert types[f"blk.{p.split('.')[1]}.{names[kind]}.weight"] == ggml[f], p
+    # the quantize output and the run itself export to GGUF through `microscale export`
+    for src, name in ((trained_run, "run.gguf"), (str(out), None)):
+        if name is None:
+            rc = main(["export", "--checkpoint", src, "--format", "gguf", "--out",
+                       str(tmp_path / "again.gguf")])
+            assert rc == 2 and "already holds its GGUF" in capsys.readouterr().err
+            continue
+        rc = main(["export", "--checkpoint", src, "--format", "gguf", "--out",
+                   str(tmp_path / name), "--formats", "mxfp4"])
+        assert rc == 0, capsys.readouterr().err
+        assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_target_gguf_refuses_formats_llama_cpp_lacks(trained_run, tmp_path, capsys):
+    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(tmp_path / "x"),
+               "--target", "gguf", "--formats", "nvfp4,fp8,bf16", "-q", "--no-compile-cache"])
+    assert rc == 2 and "no native fp8_e4m3" in capsys.readouterr().err

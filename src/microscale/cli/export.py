@@ -5,6 +5,8 @@
     microscale export --checkpoint runs/x --out out/x --formats ptq/layers.json     # {path: format}
     microscale export --checkpoint runs/x --out out/x --activations --calib-batches 8   # W4A4
     microscale export --checkpoint hf-llama/ --out out/llama-nvfp4   # any HF Llama folder
+    microscale export --checkpoint runs/x --format gguf --out x.gguf  # llama.cpp (one file)
+    microscale export --checkpoint out/q --format gguf --out q.gguf   # a quantize output
 
 ``--checkpoint`` is a training run folder (latest checkpoint, or ``--step``) or an HF-style
 folder (plain or already packed: converted between layouts byte for byte when no formats
@@ -13,6 +15,10 @@ are given). Layers get NVFP4 unless ``--formats`` (a format name, or a JSON obje
 PrecisionRules JSON: each layer's recipe's forward formats) say otherwise.
 ``--activations`` also quantizes layer inputs (W4A4 / W8A8) with static scales calibrated
 on ``--calib-batches`` batches of held-out data (the run's corpus or ``--data``).
+``--format gguf`` writes one llama.cpp file (:mod:`microscale.export.gguf`): NVFP4, MXFP4
+and Q8_0 layers natively, FP8 / MXFP8 layers as Q8_0, bf16 layers as ``--dtype``. From a
+packed folder or a ``microscale quantize`` output (its ``checkpoint/``) each layer keeps
+its format, and NVFP4 / MXFP4 layers their bytes.
 Exit codes: 0 done, 2 bad arguments or inconsistent inputs.
 """
 
@@ -27,13 +33,14 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", "-c", required=True,
                         help="training run folder or HF-style model folder")
-    parser.add_argument("--out", "-o", required=True, help="output folder")
+    parser.add_argument("--out", "-o", required=True,
+                        help="output folder (--format gguf: output file)")
     parser.add_argument("--format", dest="layout", default="compressed-tensors",
-                        choices=["compressed-tensors", "modelopt"],
-                        help="deployment layout (default: compressed-tensors)")
+                        choices=["compressed-tensors", "modelopt", "gguf"],
+                        help="deployment layout (default: compressed-tensors; gguf: llama.cpp)")
     g = parser.add_mutually_exclusive_group()
     g.add_argument("--formats", help="format name for every layer (nvfp4, fp8_e4m3, mxfp4, "
-                   "mxfp8, bf16) or JSON {layer path: format} (text or file)")
+                   "mxfp8, q8_0, bf16) or JSON {layer path: format} (text or file)")
     g.add_argument("--rules", help="PrecisionRules JSON file (e.g. RUN/precision_rules.json)")
     parser.add_argument("--activations", action="store_true",
                         help="quantize layer inputs too (W4A4 / W8A8, calibrated static scales)")
@@ -67,6 +74,32 @@ def parse_formats(text: str | None):
     return obj
 
 
+def quantize_output_checkpoint(src: Path) -> Path:
+    """A ``microscale quantize`` output folder -> its packed ``checkpoint/``; else ``src``."""
+    if not ((src / "report.json").is_file() and (src / "precision_rules.json").is_file()):
+        return src
+    if (src / "checkpoint" / "config.json").is_file():
+        return src / "checkpoint"
+    if (src / "model.gguf").is_file():
+        raise ValueError(f"--checkpoint {str(src)!r} is a quantize output that already holds "
+                         f"its GGUF: {str(src / 'model.gguf')!r}")
+    raise FileNotFoundError(f"--checkpoint {str(src)!r}: a quantize output without an HF-style "
+                            "checkpoint/ (quantized with --layout microscale?)")
+
+
+def _write_gguf(model, args, config, formats, tokenizer) -> int:
+    from microscale.export.gguf import write_gguf
+
+    res = write_gguf(model, args.out, config=config, layer_formats=formats,
+                     tokenizer=tokenizer, dtype=args.dtype, overwrite=args.overwrite)
+    counts: dict[str, int] = {}
+    for v in res.layers.values():
+        counts[v] = counts.get(v, 0) + 1
+    print(f"wrote {res.path} (gguf, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
+          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from microscale.export import (
         Checkpoint,
@@ -82,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         if args.rules:
             formats = PrecisionRules.load(args.rules)
         src = Path(args.checkpoint)
+        gguf = args.layout == "gguf"
+        if gguf and args.activations:
+            raise ValueError("--activations: GGUF stores weights only (llama.cpp quantizes "
+                             "activations itself); drop --activations")
+        src = quantize_output_checkpoint(src)
         tokenizer, data, seq_len = None, args.data, 128
         if is_run_dir(src):
             from microscale.data import load_tokenizer
@@ -96,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             # A packed folder without --formats is re-written as is (layout conversion keeps
             # its bytes); otherwise its weights are decoded and quantized again (with
             # --activations, export_checkpoint keeps the folder's weight formats).
-            ck = read_checkpoint(src, dequantize=formats is not None or args.activations)
+            ck = read_checkpoint(src, dequantize=not gguf and (formats is not None
+                                                                 or args.activations))
             if formats is None and ck.layout == "hf":
                 formats = "nvfp4"
             model, config, tokenizer = ck, ck.config, ck.tokenizer()
@@ -104,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
                                     "(config.yaml + checkpoints/) nor an HF model folder")
+        if gguf:
+            return _write_gguf(model, args, config, formats, tokenizer)
         input_amax = None
         if args.activations:
             from microscale.inference.evaldata import eval_batches
@@ -122,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                                 input_amax=input_amax, tokenizer=tokenizer, dtype=args.dtype,
                                 shard_bytes=int(args.shard_size * 1e9),
                                 overwrite=args.overwrite)
-    except (ValueError, TypeError, OSError, CheckpointError) as e:
+    except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
     counts: dict[str, int] = {}

@@ -4,6 +4,8 @@
     microscale quantize --checkpoint runs/tiny --budget 5.0 --formats nvfp4,fp8,bf16 \\
         --method kl --calib-tokens 8192 --seed 1 --out out/q5
     microscale quantize --checkpoint runs/tiny --w4a4 --out out/w4a4   # inputs quantized too
+    microscale quantize --checkpoint runs/tiny --target gguf --budget 5.0 --out out/q
+        # llama.cpp: searches nvfp4, mxfp4, q8_0, bf16 only; writes out/q/model.gguf
 
 Everything else is :func:`microscale.ptq.quantize_run`. Exit codes: 0 done, 2 bad
 arguments (unknown format, infeasible budget, not a run folder).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 # Short names accepted on the command line for registry formats.
 _ALIASES = {"fp8": "fp8_e4m3"}
@@ -28,8 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--budget", type=float, default=4.8,
                         help="effective bits per weight element (default 4.8)")
-    parser.add_argument("--formats", default="nvfp4,mxfp4,mxfp8,fp8_e4m3,bf16",
-                        help="candidate formats, comma-separated (fp8 = fp8_e4m3)")
+    parser.add_argument("--formats", default=None,
+                        help="candidate formats, comma-separated (fp8 = fp8_e4m3; default "
+                             "nvfp4,mxfp4,mxfp8,fp8_e4m3,bf16; --target gguf: "
+                             "nvfp4,mxfp4,q8_0,bf16)")
+    parser.add_argument("--target", default=None, choices=("gguf",),
+                        help="gguf: search only formats llama.cpp runs natively (4.5, 4.25, "
+                             "8.5, 16 bits per weight) and write OUT/model.gguf")
     parser.add_argument("--method", default="taylor",
                         choices=("taylor", "gradient", "kl", "loss"),
                         help="sensitivity score (default taylor: first+second order loss "
@@ -74,8 +82,22 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         budgets = tuple(float(b) for b in args.pareto_budgets.split(",") if b.strip())
-        cfg = QuantizeConfig(
-            budget=args.budget, formats=_formats(args.formats), method=args.method,
+        make, layout = QuantizeConfig, args.layout
+        if args.target == "gguf":
+            from microscale.export.gguf import gguf_format
+
+            if args.w4a4:
+                raise ValueError("--w4a4 with --target gguf: a GGUF stores weights only "
+                                 "(llama.cpp quantizes activations itself)")
+            make, layout = QuantizeConfig.for_gguf, "gguf"
+            for f in _formats(args.formats or ""):
+                if gguf_format(f) != f:
+                    raise ValueError(f"--formats {f}: llama.cpp has no native {f} (it would "
+                                     f"run as {gguf_format(f)}); --target gguf searches "
+                                     "nvfp4, mxfp4, q8_0, bf16")
+        formats = {} if args.formats is None else {"formats": _formats(args.formats)}
+        cfg = make(
+            budget=args.budget, **formats, method=args.method,
             calib_tokens=args.calib_tokens, seed=args.seed,
             ptq=WeightPTQ(mse_scale=not args.no_mse_scale,
                           four_over_six=not args.no_four_over_six),
@@ -95,9 +117,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = quantize_run(args.checkpoint, args.out, cfg, corpus=args.corpus,
                               step=args.step, eval_batches=args.eval_batches,
-                              layout=args.layout, log=log)
+                              layout=layout, log=log)
     except (FileNotFoundError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
+        return 2
+    if layout == "gguf" and not (Path(args.out) / "model.gguf").is_file():
+        print(f"microscale quantize: error: the GGUF export failed (see "
+              f"{args.out}/report.json, checkpoint.fallback_reason); the allocation was "
+              f"written in microscale's layout to {args.out}/checkpoint", file=sys.stderr)
         return 2
     ppl = result.val_ppl
     print(f"searched {result.allocation.effective_bits:.3f} bits: val ppl "

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.export.gguf import GGUF_FORMATS
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import OperandSpec, Recipe
@@ -66,10 +67,12 @@ from microscale.ptq.weights import (
     supports_four_over_six,
 )
 
-__all__ = ["DEFAULT_FORMATS", "QuantizeConfig", "QuantizeResult", "allocation_rules",
-           "heuristic_allocation", "ptq_recipe", "quantize_model"]
+__all__ = ["DEFAULT_FORMATS", "GGUF_CANDIDATES", "QuantizeConfig", "QuantizeResult",
+           "allocation_rules", "heuristic_allocation", "ptq_recipe", "quantize_model"]
 
 DEFAULT_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
+# What ggml / llama.cpp runs natively (microscale.export.gguf), for --target gguf.
+GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 DEFAULT_PIN = ((r"(.*\.)?lm_head", "bf16"), (r"(.*\.)?embed(_tokens|ding)?", "bf16"))
 DEFAULT_PARETO = (4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5)
 
@@ -178,6 +181,14 @@ class QuantizeConfig:
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
+
+    @classmethod
+    def for_gguf(cls, **overrides: Any) -> QuantizeConfig:
+        """Search only what llama.cpp runs natively (``GGUF_CANDIDATES``: nvfp4, mxfp4, q8_0,
+        bf16 at 4.5, 4.25, 8.5 and 16 bits per weight, ggml's block sizes), with the
+        heuristic's 8-bit layers in q8_0."""
+        return cls(**{"formats": GGUF_CANDIDATES, "uniform_formats": GGUF_CANDIDATES,
+                      "heuristic": ("q8_0", "nvfp4"), **overrides})
 
     @property
     def use_monotone(self) -> bool:

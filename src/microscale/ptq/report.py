@@ -6,6 +6,7 @@
     checkpoint/            the quantized model: through microscale.export (compressed-tensors
                            or ModelOpt, vLLM-loadable) for a microscale Transformer; else
                            microscale's own layout (model.safetensors + manifest.json)
+    model.gguf             instead of checkpoint/ with layout="gguf": one llama.cpp file
     report.json            budget, effective_bits, val_ppl{bf16, uniform_*, heuristic,
                            searched}, layers{path: format}, scores, calibration, PTQ effects
     report.md              the same as tables
@@ -140,6 +141,13 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
         w = result.weights[p]
         if get_format(w.format).quantized:
             flat[f"{p}.kernel"] = w.qarray
+    if layout == "gguf":  # one llama.cpp file, the PTQ weights' bytes as they are
+        from microscale.export.gguf import write_gguf
+
+        res = write_gguf(flat, out, config=model_config, layer_formats=result.allocation.formats,
+                         tokenizer=tokenizer, overwrite=True)
+        return {"layout": "gguf", "path": str(res.path), "files": [res.path.name],
+                "tokenizer": res.tokenizer}
     acts = result.config.activations
     layers = {p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
               for p, f in result.allocation.formats.items()}
@@ -158,7 +166,7 @@ def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_c
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result.rules.save(out / "precision_rules.json")
-    ck_dir = out / "checkpoint"
+    ck_dir = out / ("model.gguf" if layout == "gguf" else "checkpoint")
     checkpoint: dict[str, Any]
     if model_config is not None and layout != "microscale":
         try:
@@ -166,10 +174,10 @@ def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_c
         except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
             reason = f"{type(e).__name__}: {e}"
             say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")
-            checkpoint = write_own_checkpoint(result, ck_dir)
+            checkpoint = write_own_checkpoint(result, out / "checkpoint")
             checkpoint["fallback_reason"] = reason
     else:
-        checkpoint = write_own_checkpoint(result, ck_dir)
+        checkpoint = write_own_checkpoint(result, out / "checkpoint")
     report = result.report()
     report["checkpoint"] = checkpoint
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
