@@ -16,7 +16,8 @@ TINY = ["steps=6", "eval_every=3", "model.d_model=64", "model.n_layers=2", "mode
 def test_compare_cli_report_matches_run_folders(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MICROSCALE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "cmp"
-    argv = ["compare", "--runs", "bf16,nvfp4", "--ablations", "nvfp4_no_sr", "--quiet",
+    argv = ["compare", "--runs", "bf16,nvfp4", "--ablations", "nvfp4_no_sr", "--seeds", "0",
+            "--quiet",
             *TINY, f"out={out}"]
     assert main(argv) == 0
     for f in ("report.md", "convergence.png", "gap.png", "summary.json"):

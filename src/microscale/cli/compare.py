@@ -1,13 +1,16 @@
-"""``microscale compare``: train several recipes on the same data and report the gaps.
+"""``microscale compare``: train several recipes on the same data and report paired gaps.
 
-    microscale compare                                   # tiny model, 5 recipes, ~10 min CPU
-    microscale compare --ablations all                   # + the NVFP4 ablations
-    microscale compare --runs bf16,nvfp4 --seeds 0,1,2 steps=500 out=runs/cmp
-    microscale compare --config small --parallel 4       # 4 processes, one device group each
+    microscale compare                          # bf16, fp8, nvfp4 x 4 seeds: verdicts with CIs
+    microscale compare --preset decisive        # 12 seeds: a +-0.5-point interval
+    microscale compare --ablations all --seeds 0,1,2
+    microscale compare --sizes 0.16M,0.6M,1.7M --runs bf16,nvfp4 --tokens-per-param 1
+    microscale compare --config small --parallel 4 steps=2000
 
-``key=value`` overrides apply to the shared training config (as for ``microscale train``).
-Without ``out=``, a previous ``runs/compare-*`` folder made with the same settings is
-reused (finished runs are not recomputed); otherwise a new ``runs/compare-<timestamp>``.
+A preset (``--preset``, default ``default``) sets the runs, the seeds and the training
+regime (overrides of the ``tiny`` config); ``--runs``/``--seeds`` replace its runs/seeds,
+``--config`` replaces its regime, and ``key=value`` overrides apply last. Without ``out=``,
+a previous ``runs/compare-*`` folder made with the same settings is reused (finished runs
+are not recomputed); otherwise a new ``runs/compare-<timestamp>``.
 """
 
 from __future__ import annotations
@@ -24,15 +27,28 @@ def _names(s: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default="tiny",
-                        help="training preset or YAML for the shared config (default: tiny)")
+    from microscale.experiments.compare import PRESETS
+    from microscale.experiments.scaling import SIZES
+
+    parser.add_argument("--preset", "-p", default="default", choices=list(PRESETS),
+                        help="; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))
+    parser.add_argument("--config", "-c", default=None,
+                        help="training preset or YAML for the shared config, replacing the "
+                             "compare preset's regime (default: tiny + the preset's regime)")
     parser.add_argument("--runs", default=None,
-                        help="comma-separated runs (default: bf16,fp8,mxfp8,nvfp4,mxfp4)")
+                        help="comma-separated runs (default: the preset's)")
     parser.add_argument("--ablations", default="",
                         help="comma-separated NVFP4 ablations to add, or 'all' "
                              "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
                              "nvfp4_fwd_only, nvfp4_late_bf16)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds (default: the preset's)")
+    parser.add_argument("--sizes", default=None,
+                        help=f"comma-separated model sizes for a trend sweep, from {list(SIZES)}")
+    parser.add_argument("--tokens-per-param", type=float, default=1.0,
+                        help="with --sizes: training tokens per parameter (default 1)")
+    parser.add_argument("--min-steps", type=int, default=100,
+                        help="with --sizes: fewest optimizer steps per size (default 100)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="concurrent training processes (default 1: in this process)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
@@ -42,14 +58,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from microscale.config import ConfigError
+    from microscale.config import ConfigError, apply_overrides
     from microscale.experiments.compare import (
         ABLATIONS,
-        BASELINES,
+        PRESETS,
         CompareConfig,
         find_previous,
         run_compare,
     )
+    from microscale.experiments.scaling import ScalingConfig, run_scaling
+    from microscale.train import TrainConfig
     from microscale.train.config import resolve_config
 
     out = None
@@ -60,24 +78,41 @@ def run(args: argparse.Namespace) -> int:
         else:
             overrides.append(o)
     try:
-        base = resolve_config(args.config, overrides)
-        runs = _names(args.runs) if args.runs else list(BASELINES)
+        if args.config is None:
+            regime = apply_overrides(TrainConfig.tiny(), list(PRESETS[args.preset][1]))
+        else:
+            regime = args.config
+        base = resolve_config(regime, overrides)
+        cfg = CompareConfig.preset(args.preset, base=base, parallel=args.parallel)
+        runs = _names(args.runs) if args.runs else list(cfg.runs)
         abl = list(ABLATIONS) if args.ablations.strip() == "all" else _names(args.ablations)
         runs += [a for a in abl if a not in runs]
-        seeds = tuple(int(s) for s in _names(args.seeds))
-        cfg = CompareConfig(base=base, runs=tuple(runs), seeds=seeds, out=out or "runs/compare",
-                            parallel=args.parallel)
+        seeds = tuple(int(s) for s in _names(args.seeds)) if args.seeds else cfg.seeds
+        cfg = dataclasses.replace(cfg, runs=tuple(runs), seeds=seeds)
+        scaling = None
+        if args.sizes:
+            scaling = ScalingConfig(compare=cfg, sizes=tuple(_names(args.sizes)),
+                                    tokens_per_param=args.tokens_per_param,
+                                    min_steps=args.min_steps)
     except (ConfigError, ValueError) as e:
         print(f"microscale compare: error: {e}", file=sys.stderr)
         return 2
+    from microscale.train import enable_compilation_cache
+
+    enable_compilation_cache()
+    if scaling is not None:
+        out = out or time.strftime("runs/compare-sizes-%Y%m%d-%H%M%S")
+        scaling = dataclasses.replace(scaling, compare=dataclasses.replace(cfg, out=out))
+        summary = run_scaling(scaling, progress=not args.quiet)
+        if not args.quiet:
+            print(Path(out, "report.md").read_text())
+            print(f"[compare] report: {out}/report.md, plot: scaling.png, summary.json")
+        return 0 if summary["sizes"] else 1
     if out is None:
         prev = find_previous("runs", cfg.settings_hash())
         out = str(prev) if prev else time.strftime("runs/compare-%Y%m%d-%H%M%S")
         if prev and not args.quiet:
             print(f"[compare] reusing {prev} (same settings; finished runs are kept)")
-    from microscale.train import enable_compilation_cache
-
-    enable_compilation_cache()
     cfg = dataclasses.replace(cfg, out=out)
     summary = run_compare(cfg, progress=not args.quiet)
     if not args.quiet:

@@ -1,14 +1,14 @@
-"""Run sets over the trainer: ``compare`` (recipes and ablations) and its reports."""
+"""Run sets over the trainer: ``compare`` (recipes, ablations, seeds, sizes), its paired
+statistics (``stats``) and reports (``report``)."""
 
 from microscale.experiments.compare import (
     ABLATIONS,
     BASELINES,
     RUNS,
     CompareConfig,
-    render_markdown,
     run_compare,
-    write_report,
 )
+from microscale.experiments.report import render_markdown, write_report
 
 __all__ = ["ABLATIONS", "BASELINES", "RUNS", "CompareConfig", "render_markdown", "run_compare",
            "write_report"]

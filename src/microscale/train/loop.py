@@ -405,14 +405,16 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     def evaluate(step: int, phase: str) -> dict:
         t0 = time.perf_counter()
         fn = evals_fn[phase]
-        losses = {}
+        losses, per_batch = {}, {}
         for name, batches in val_dev.items():
-            vals = [fn(params, st.rest, b) for b in batches]
-            losses[name] = float(np.mean(jax.device_get(vals)))
+            vals = [float(v) for v in jax.device_get([fn(params, st.rest, b) for b in batches])]
+            losses[name] = float(np.mean(vals))
+            per_batch[name] = vals
         model = nnx.merge(st.graphdefs[phase], nnx.State(params), st.rest)
         rec = {"kind": "eval", "step": step, "tokens": step * tps, "phase": phase,
                "val_loss": losses["val"], "val_ppl": math.exp(min(losses["val"], 50.0)),
-               "val_losses": losses, "quant": _quant_stats(model),
+               "val_losses": losses, "val_batch_losses": per_batch,
+               "quant": _quant_stats(model),
                "eval_time_s": time.perf_counter() - t0}
         logger.log(rec)
         logger.progress(step, val_loss=losses["val"], force=True)
@@ -433,6 +435,8 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             "final_val_loss": val,
             "val_ppl": last_eval["val_ppl"] if last_eval else None,
             "final_val_losses": last_eval["val_losses"] if last_eval else None,
+            # per fixed validation batch, so paired comparisons can measure eval noise
+            "final_val_batch_losses": last_eval["val_batch_losses"] if last_eval else None,
             "final_train_loss": float(np.mean(recent)) if recent else None,
             "steps": last_step,
             "tokens": last_step * tps,
