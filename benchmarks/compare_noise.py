@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -51,8 +50,8 @@ def _cpu_seconds(run_dir: Path) -> float | None:
     """CPU seconds of one run: ``timings.json`` of its compare, ``time.txt`` of a run
     started by hand (``/usr/bin/time``), or the last sample of ``cpu.log``."""
     t = run_dir / "time.txt"
-    if t.exists():
-        w = t.read_text().split()
+    w = t.read_text().split() if t.exists() else []
+    if "user" in w and "sys" in w:
         return float(w[w.index("user") + 1]) + float(w[w.index("sys") + 1])
     tj = run_dir.parent.parent / "timings.json"
     if tj.exists():
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(analyse(n, desc + ", eval 262k tokens", cfg))
         rows.append(analyse(n + "_eval16k", desc + ", eval 16k tokens (first 8 batches)",
                             cfg, SHORT_EVAL))
-    rows = [r for r in rows if not math.isnan(r["gap_mean"] or 0.0)]
+    rows = [r for r in rows if r["gap_mean"] is not None]  # settings with a finished pair
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     atomic_write_text(docs / "summary.json", json.dumps({"settings": rows}, indent=2))

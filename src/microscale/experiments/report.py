@@ -84,10 +84,16 @@ def weight_bits_per_param(cfg: TrainConfig) -> float:
 
 
 def _curves(run_dir: Path) -> list[tuple[int, float]]:
-    evs = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval"]
-    by_step = {}
-    for r in evs:  # a resumed run may repeat a step: keep the last
-        by_step[r["step"]] = (r["tokens"], r["val_loss"])
+    """(tokens, loss) per evaluation; the logged training loss when there are fewer than
+    two evaluations (``eval_every=0``: only the final one)."""
+    recs = _read_jsonl(run_dir / "metrics.jsonl")
+    for kind, key in (("eval", "val_loss"), ("train", "loss_avg")):
+        by_step = {}
+        for r in recs:  # a resumed run may repeat a step: keep the last
+            if r.get("kind") == kind and r.get(key) is not None:
+                by_step[r["step"]] = (r["tokens"], r[key])
+        if len(by_step) >= 2:
+            break
     return [v for _, v in sorted(by_step.items())]
 
 
@@ -401,11 +407,11 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
         zoom.plot([p[0] for p in tail], [p[1] for p in tail], style, marker="o", ms=2,
                   label=name)
     ax.set_yscale("log")
-    ax.set_title("Validation loss vs tokens (first seed; log scale)")
+    ax.set_title("Loss vs tokens (first seed; log scale)")
     zoom.set_title("Last two thirds of training")
     for a in (ax, zoom):
         a.set_xlabel("training tokens")
-        a.set_ylabel("validation loss (nats/token)")
+        a.set_ylabel("val loss (train loss without evals), nats/token")
         a.grid(alpha=0.3)
     if zoom.get_legend_handles_labels()[0]:
         zoom.legend(fontsize=8)
@@ -433,8 +439,8 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
                     ls="--" if name in ABLATIONS else "-", label=name)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("training tokens")
-    ax.set_ylabel("paired val-loss gap to bf16 (%), 95% CI")
-    ax.set_title("Gap to bf16 vs tokens (mean over seeds)")
+    ax.set_ylabel("paired loss gap to bf16 (%), 95% CI")
+    ax.set_title("Gap to bf16 vs tokens (mean over seeds; train loss without evals)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
