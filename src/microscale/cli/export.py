@@ -12,7 +12,9 @@
 folder (plain or already packed: converted between layouts byte for byte when no formats
 are given). Layers get NVFP4 unless ``--formats`` (a format name, or a JSON object / file
 ``{layer path: format}``, optionally under a ``"layers"`` key) or ``--rules`` (a
-PrecisionRules JSON: each layer's recipe's forward formats) say otherwise.
+PrecisionRules JSON: each layer's recipe's forward formats) say otherwise; a run trained
+with an allocation (``rules=``, e.g. QAT on a ``microscale quantize`` output, or
+``bf16_policy=sensitivity``) exports its own ``precision_rules.json`` by default.
 ``--activations`` also quantizes layer inputs (W4A4 / W8A8) with static scales calibrated
 on ``--calib-batches`` batches of held-out data (the run's corpus or ``--data``).
 ``--format gguf`` writes one llama.cpp file (:mod:`microscale.export.gguf`): NVFP4, MXFP4
@@ -127,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
 
             model, tcfg, _ = load_checkpoint(src, args.step)
             config = tcfg.model
+            if formats is None and (tcfg.rules is not None
+                                    or tcfg.bf16_policy == "sensitivity"):
+                # a run trained with an allocation (QAT, sensitivity-chosen bf16 layers)
+                # exports that allocation
+                formats = PrecisionRules.load(src / "precision_rules.json")
             if (src / "tokenizer.json").is_file():
                 tokenizer = load_tokenizer(src / "tokenizer.json")
             data, seq_len = data or tcfg.data.corpus, tcfg.data.seq_len

@@ -277,6 +277,11 @@ class TrainConfig:
             if not recipe.quantized:
                 raise ValueError(f"bf16_policy=sensitivity needs a quantized recipe, got "
                                  f"recipe={self.recipe!r}")
+            warm = self.warmup_steps
+            if warm >= self.switch_step:
+                raise ValueError(f"adaptive.warmup_fraction={self.adaptive.warmup_fraction} "
+                                 f"leaves no step between the bf16 warm-up ({warm} steps) and "
+                                 f"the late switch at step {self.switch_step}")
         if self.init_step is not None and self.init_from is None:
             raise ValueError(f"init_step={self.init_step} needs init_from=PATH")
         if self.init_step is not None and self.init_step < 0:
@@ -297,6 +302,13 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.data.batch_size * self.data.seq_len
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps trained all-bf16 before bf16_policy=sensitivity chooses (0 otherwise)."""
+        if self.bf16_policy != "sensitivity":
+            return 0
+        return max(1, int(round(self.adaptive.warmup_fraction * self.steps)))
 
     @property
     def switch_step(self) -> int:

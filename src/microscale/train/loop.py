@@ -59,6 +59,7 @@ from microscale.model import (
     partition_specs,
 )
 from microscale.ops import get_recipe
+from microscale.train.adaptive import bf16_rules, choose_bf16_layers
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
 from microscale.train.mesh import (
@@ -144,6 +145,33 @@ class _State:
     param_shardings: Any
     opt_shardings: Any
     replicated: list  # model.Replicated: parameter dims the mesh could not shard
+    abs_model: Any  # the abstract model the graphdefs are split from
+
+    def set_main_rules(self, main: PrecisionRules) -> None:
+        """Replace the main phase's rules (and the late phase's, derived from them)."""
+        self.rules = _phase_rules(self.cfg, main)
+        self.graphdefs = _graphdefs(self.abs_model, self.rules)
+
+
+def _phase_rules(cfg: TrainConfig, main: PrecisionRules) -> dict[str, PrecisionRules]:
+    """{phase: rules}: "main"; "late" with a late switch; "warmup" (all bf16) before a
+    sensitivity-chosen allocation."""
+    rules = {"main": main}
+    if cfg.late_switch.fraction > 0:
+        mode = "bf16" if cfg.late_switch.mode == "full" else "forward"
+        rules["late"] = late_switch(main, mode)
+    if cfg.bf16_policy == "sensitivity":
+        rules["warmup"] = PrecisionRules(default="bf16")
+    return rules
+
+
+def _graphdefs(abs_model, rules: dict[str, PrecisionRules]) -> dict[str, Any]:
+    out = {}
+    for phase, r in rules.items():
+        abs_model.set_rules(r)
+        out[phase] = nnx.split(abs_model, nnx.Param, ...)[0]
+    abs_model.set_rules(rules["main"])
+    return out
 
 
 def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _State:
@@ -153,20 +181,14 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
     ``jax.ShapeDtypeStruct``\\ s carrying their shardings (a checkpoint restore target).
     """
     mesh = build_mesh(cfg.mesh) if mesh is None else mesh
-    rules = {"main": cfg.precision_rules()}
-    if cfg.late_switch.fraction > 0:
-        mode = "bf16" if cfg.late_switch.mode == "full" else "forward"
-        rules["late"] = late_switch(rules["main"], mode)
+    rules = _phase_rules(cfg, cfg.precision_rules())
 
     def make():
         return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed), rules=rules["main"])
 
     abs_model = nnx.eval_shape(make)
-    graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-    graphdefs = {"main": graphdef}
-    if "late" in rules:
-        abs_model.set_rules(rules["late"])
-        graphdefs["late"] = nnx.split(abs_model, nnx.Param, ...)[0]
+    _, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
+    graphdefs = _graphdefs(abs_model, rules)
     unsharded: list = []
     p_sh = _param_shardings(abs_params, mesh, unsharded)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -193,7 +215,8 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
                   rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
-                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=unsharded)
+                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=unsharded,
+                  abs_model=abs_model)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
@@ -213,6 +236,8 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
         state, meta = ck.restore(step, {"params": st.params, "opt_state": st.opt_state})
     finally:
         ck.close()
+    if meta.get("bf16_allocation"):
+        st.set_main_rules(bf16_rules(cfg.recipe, meta["bf16_allocation"]["bf16_layers"]))
     phase = phase or meta.get("phase", "main")
     model = nnx.merge(st.graphdefs[phase], nnx.State(state["params"]), st.rest)
     return model, cfg, meta
@@ -315,9 +340,6 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     main = jax.process_index() == 0
     if main:
         dump_yaml(cfg, out / "config.yaml")
-    if cfg.bf16_policy == "sensitivity":
-        raise ValueError("bf16_policy=sensitivity is not available yet in this build; use "
-                         "bf16_policy=position")
     init = None  # read first: a bad init_from fails before data and model are built
     if cfg.init_from is not None and resume_from is None:
         from microscale.train.init import load_init_weights
@@ -346,22 +368,52 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             raise ValueError(f"{what} = {rows} is not divisible by the data-parallel ways "
                              f"mesh.data * mesh.fsdp = {dp}")
     st = build_state(cfg, mesh)
-    if main:
-        st.rules["main"].save(out / "precision_rules.json")
-        if "late" in st.rules:
-            st.rules["late"].save(out / "precision_rules_late.json")
+    adaptive = cfg.bf16_policy == "sensitivity"
+    warm_step = cfg.warmup_steps
+
+    def save_rules() -> None:
+        if main:
+            st.rules["main"].save(out / "precision_rules.json")
+            if "late" in st.rules:
+                st.rules["late"].save(out / "precision_rules_late.json")
+
+    if not adaptive:
+        save_rules()  # a sensitivity-chosen allocation is saved once chosen
     schedule = lr_schedule(cfg.optim, cfg.steps)
     inject = bool(cfg.inject_nonfinite_steps)
     batch_spec = PartitionSpec(None, BATCH_AXES, None)
     eval_spec = PartitionSpec(BATCH_AXES, None)
-    steps_fn = {ph: make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
-                                    param_shardings=st.param_shardings,
-                                    opt_shardings=st.opt_shardings,
-                                    batch_sharding=NamedSharding(mesh, batch_spec))
-                for ph, g in st.graphdefs.items()}
-    evals_fn = {ph: make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
-                                   batch_sharding=NamedSharding(mesh, eval_spec))
-                for ph, g in st.graphdefs.items()}
+    steps_fn: dict[str, Any] = {}
+    evals_fn: dict[str, Any] = {}
+
+    def compile_phases() -> None:
+        """(Re)build the per-phase train / eval steps from ``st.graphdefs``."""
+        for ph, g in st.graphdefs.items():
+            steps_fn[ph] = make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
+                                           param_shardings=st.param_shardings,
+                                           opt_shardings=st.opt_shardings,
+                                           batch_sharding=NamedSharding(mesh, batch_spec))
+            evals_fn[ph] = make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
+                                          batch_sharding=NamedSharding(mesh, eval_spec))
+
+    compile_phases()
+    allocation: dict | None = None  # the bf16_allocation record (bf16_policy=sensitivity)
+
+    def choose_allocation(step: int) -> None:
+        nonlocal allocation
+        model = nnx.merge(st.graphdefs["warmup"], nnx.State(params), st.rest)
+        rules, allocation = choose_bf16_layers(model, cfg, data.corpus.train)
+        allocation["step"] = step
+        st.set_main_rules(rules)
+        compile_phases()
+        save_rules()
+        logger.log({"kind": "event", "event": "bf16_allocation", "tokens": step * tps,
+                    **allocation})
+        logger.message(f"step {step}: {allocation['method']} sensitivity keeps "
+                       f"{len(allocation['bf16_layers'])} layers in bf16 "
+                       f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
+                       f"{allocation['budget_bf16_flops']:.1%}): "
+                       + (", ".join(allocation["bf16_layers"]) or "none"))
 
     # ---- resume, or the initial weights of init_from
     params, opt_state = st.params, st.opt_state
@@ -375,6 +427,10 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         streak = int(meta.get("nonfinite_streak", 0))
         train_time = float(meta.get("train_time_s", 0.0))
         init_source = meta.get("init_from")
+        allocation = meta.get("bf16_allocation")
+        if allocation:
+            st.set_main_rules(bf16_rules(cfg.recipe, allocation["bf16_layers"]))
+            compile_phases()
     elif init is not None:
         params = _init_params(cfg, st, *init)
         init_source = init[1].to_dict()
@@ -400,6 +456,8 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     switch = cfg.switch_step
 
     def phase_of(step: int) -> str:
+        if adaptive and step < warm_step:
+            return "warmup"
         return "late" if ("late" in st.graphdefs and step >= switch) else "main"
 
     def evaluate(step: int, phase: str) -> dict:
@@ -425,7 +483,8 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                 "nonfinite_total": nonfinite_total, "nonfinite_streak": streak,
                 "phase": phase_of(step), "train_time_s": train_time,
                 "recipe": cfg.recipe, "microscale_version": __version__,
-                "init_from": init_source, "config": to_dict(cfg)}
+                "init_from": init_source, "bf16_allocation": allocation,
+                "config": to_dict(cfg)}
 
     def summary_for(status: str, last_eval: dict | None, **extra) -> dict:
         val = last_eval["val_loss"] if last_eval else None
@@ -448,6 +507,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             "nonfinite_steps": nonfinite_total,
             "late_switch_step": switch if "late" in st.graphdefs else None,
             "init_from": init_source,
+            "bf16_allocation": allocation,
             "wall_time_s": time.perf_counter() - t_start,
             "train_time_s": train_time,
             "compile_time_s": compile_s,
@@ -472,11 +532,13 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     win_loss: list[float] = []
     win_t0, win_tokens = time.perf_counter(), 0
     phase = phase_of(start)
+    if adaptive and allocation is None and start >= warm_step:
+        choose_allocation(start)  # resumed from the checkpoint taken just before the choice
     if start == 0 and cfg.eval_every:
         last_eval = evaluate(0, phase)
     pending: tuple[int, dict] | None = None  # (batch index, metrics) read back one step late
     t_prev = time.perf_counter()
-    warm = {start, switch}  # first step of a compiled program: compile time, not throughput
+    warm = {start, switch, warm_step}  # first step of a compiled program: compile time, not throughput
 
     def process(item) -> None:
         nonlocal streak, nonfinite_total, last_step, t_prev, timed_tokens, timed_s
@@ -540,12 +602,17 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                     if pending is not None:
                         process(pending)
                         pending = None
+                    if phase == "warmup":
+                        t0 = time.perf_counter()
+                        choose_allocation(idx)
+                        pause_end(t0)
                     phase = ph
-                    logger.log({"kind": "event", "event": "late_switch", "step": idx,
-                                "tokens": idx * tps, "mode": cfg.late_switch.mode})
-                    logger.message(f"step {idx}: late switch to high precision "
-                                   f"({cfg.late_switch.mode}) for the last "
-                                   f"{cfg.steps - idx} steps")
+                    if ph == "late":
+                        logger.log({"kind": "event", "event": "late_switch", "step": idx,
+                                    "tokens": idx * tps, "mode": cfg.late_switch.mode})
+                        logger.message(f"step {idx}: late switch to high precision "
+                                       f"({cfg.late_switch.mode}) for the last "
+                                       f"{cfg.steps - idx} steps")
                 args = [params, opt_state, st.rest, shard_batch(mesh, batch, batch_spec),
                         jnp.int32(idx)]
                 if inject:

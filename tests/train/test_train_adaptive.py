@@ -1,0 +1,171 @@
+"""bf16_policy=sensitivity: the knapsack's choice, the run's phases and records, resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from microscale.config import apply_overrides
+from microscale.model import PrecisionRules, Transformer
+from microscale.train import train
+from microscale.train.adaptive import allocate_bf16, bf16_rules, choose_bf16_layers
+
+
+def _records(out, kind):
+    lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, 257, 20_000).astype(np.int32)
+
+
+PATHS = [f"layers.{b}.{m}" for b in range(3) for m in (
+    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj",
+    "mlp.up_proj", "mlp.down_proj")]
+
+
+def _group(path: str) -> str:
+    for a, b in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
+                 ("gate_proj", "gate_up"), ("up_proj", "gate_up")):
+        path = path.replace(a, b)
+    return path
+
+
+@pytest.mark.parametrize("seed, fraction", [(s, f) for s in range(3)
+                                            for f in (0.0, 0.1, 0.25, 0.5, 0.9)])
+def test_allocation_is_the_best_feasible_set(seed, fraction):
+    """Brute force over every set of fused groups: the bf16 layers avoid the largest total
+    score (signed: a layer whose rounding lowers the loss is never worth bf16) within the
+    FLOP budget."""
+    rng = np.random.default_rng(seed)
+    numel = {p: int(rng.choice([1024, 2048, 4096, 8192])) for p in PATHS}
+    scores = {p: {"nvfp4": float(rng.normal(0.01, 0.02)), "bf16": 0.0} for p in PATHS}
+    groups = {p: _group(p) for p in PATHS}
+    chosen = allocate_bf16(scores, numel, groups, "nvfp4", fraction)
+    members: dict[str, list[str]] = {}
+    for p in PATHS:
+        members.setdefault(groups[p], []).append(p)
+    total = sum(numel.values())
+    best, best_set = 0.0, set()
+    names = sorted(members)
+    for r in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, r):
+            layers = [p for g in combo for p in members[g]]
+            if sum(numel[p] for p in layers) > fraction * total:
+                continue
+            gain = sum(scores[p]["nvfp4"] for p in layers)
+            if gain > best + 1e-12:
+                best, best_set = gain, set(layers)
+    assert set(chosen) == best_set
+    assert sum(numel[p] for p in chosen) <= fraction * total
+
+
+def test_choice_on_a_model_block_granularity_and_positional_default(make_cfg, tokens):
+    cfg = make_cfg("recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.granularity=block",
+                   "adaptive.calib_tokens=512")
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    rules, rec = choose_bf16_layers(model, cfg, tokens)
+    paths = list(rec["scores"])
+    assert len(paths) == 14 and all(np.isfinite(v) for v in rec["scores"].values())
+    # default budget: what the positional rule keeps (the last of 2 blocks = half the FLOPs)
+    assert rec["positional_bf16_layers"] == [p for p in paths if p.startswith("layers.1.")]
+    assert rec["budget_bf16_flops"] == pytest.approx(0.5)
+    assert rec["bf16_flops"] <= 0.5 + 1e-12
+    blocks = {p.split(".")[1] for p in rec["bf16_layers"]}
+    for b in blocks:  # whole blocks only
+        assert {p for p in paths if p.split(".")[1] == b} <= set(rec["bf16_layers"])
+    # the block whose rounding costs more stays bf16 (when rounding costs anything at all)
+    cost = {b: sum(v for p, v in rec["scores"].items() if p.split(".")[1] == b)
+            for b in ("0", "1")}
+    worst = max(cost, key=cost.get)
+    assert blocks == ({worst} if cost[worst] > 0 else set())
+    for p in paths:
+        assert rules.resolve_name(p) == ("bf16" if p in rec["bf16_layers"] else "nvfp4")
+
+
+def test_bf16_rules_table():
+    r = bf16_rules("nvfp4", ["layers.0.attn.q_proj", "layers.1.mlp.down_proj"])
+    assert r.resolve_name("layers.0.attn.q_proj") == "bf16"
+    assert r.resolve_name("layers.1.mlp.down_proj") == "bf16"
+    assert r.resolve_name("layers.0.attn.k_proj") == "nvfp4"
+    assert r.resolve_name("layers.10.attn.q_proj") == "nvfp4"  # exact paths only
+    assert bf16_rules("nvfp4", []) == PrecisionRules(default="nvfp4")
+
+
+@pytest.mark.slow
+def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
+    common = ("recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.warmup_fraction=0.3",
+              "adaptive.calib_tokens=512", "steps=10", "eval_every=5", "checkpoint_every=4")
+    straight = make_cfg(*common, f"out={tmp_path / 'a'}")
+    s = train(straight, progress=False)
+    alloc = s["bf16_allocation"]
+    assert alloc["step"] == 3 and alloc["bf16_flops"] <= alloc["budget_bf16_flops"]
+    ev = [r for r in _records(straight.out, "event") if r["event"] == "bf16_allocation"]
+    assert len(ev) == 1 and ev[0]["bf16_layers"] == alloc["bf16_layers"]
+    phases = [r["phase"] for r in _records(straight.out, "train")]
+    assert phases == ["warmup"] * 3 + ["main"] * 7
+    saved = PrecisionRules.load(Path(straight.out) / "precision_rules.json")
+    assert saved == bf16_rules("nvfp4", alloc["bf16_layers"])
+    assert {p: r for p, r in s["precision"].items()} == {
+        p: saved.resolve_name(p) for p in s["precision"]}
+
+    class Crash(Exception):
+        pass
+
+    def crash(rec):
+        if rec["kind"] == "train" and rec["step"] == 6:
+            raise Crash
+
+    split = make_cfg(*common, f"out={tmp_path / 'b'}")
+    with pytest.raises(Crash):
+        train(split, progress=False, callbacks=[crash])
+    s2 = train(replace(split, resume=True), progress=False)
+    a = [(r["step"], r["loss"]) for r in _records(straight.out, "train")]
+    b = [(r["step"], r["loss"]) for r in _records(split.out, "train")]
+    assert a == b
+    assert s2["bf16_allocation"]["bf16_layers"] == alloc["bf16_layers"]
+
+
+@pytest.mark.parametrize("override, expected", [
+    (["bf16_policy=sometimes"], ("bf16_policy", "sometimes")),
+    (["bf16_policy=sensitivity"], ("needs a quantized recipe",)),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.warmup_fraction=1.5"],
+     ("adaptive.warmup_fraction=1.5",)),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.bf16_flops=1.2"],
+     ("adaptive.bf16_flops=1.2",)),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.method=magic"],
+     ("adaptive.method='magic'",)),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.granularity=head"],
+     ("granularity", "head")),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "late_switch.fraction=0.95"],
+     ("leaves no step",)),
+    (["recipe=nvfp4", "bf16_policy=sensitivity", "rules=r.json"], ("cannot be combined",)),
+    (["rules_mode=sideways"], ("rules_mode", "sideways")),
+])
+def test_bad_values_name_the_key(make_cfg, override, expected):
+    from microscale.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError)) as e:
+        apply_overrides(make_cfg(), override)
+    msg = str(e.value)
+    assert "\n" not in msg and all(x in msg for x in expected), msg
+
+
+def test_every_new_key_is_listed(capsys):
+    from microscale.cli import main
+
+    assert main(["train", "--list-keys"]) == 0
+    out = capsys.readouterr().out
+    for key in ("init_from", "init_step", "rules_mode", "bf16_policy",
+                "adaptive.warmup_fraction", "adaptive.bf16_flops", "adaptive.method",
+                "adaptive.calib_tokens", "adaptive.activations", "adaptive.granularity"):
+        line = next((x for x in out.splitlines() if x.startswith(key + " =")), None)
+        assert line is not None and "#" in line, key
