@@ -11,7 +11,9 @@ the trainer's resume logic and not recomputed when the command is re-run.
 Runs (``RUNS``): the baselines ``bf16``, ``fp8``, ``mxfp8``, ``nvfp4``, ``mxfp4`` and the
 NVFP4 ablations ``nvfp4_no_rht``, ``nvfp4_no_sr``, ``nvfp4_1d`` (1x16 weight blocks),
 ``nvfp4_all_fp4`` (no bf16 blocks), ``nvfp4_fwd_only`` (FP4 only in the forward GEMM) and
-``nvfp4_late_bf16`` (the last 18% of tokens in bf16, the paper's Appendix D).
+``nvfp4_late_bf16`` (the last 18% of tokens in bf16, the paper's Appendix D) and
+``nvfp4_adaptive`` (the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
+the same bf16 FLOP fraction as ``nvfp4``'s last blocks).
 
 Seeds: a seed sets both the initialisation and the data order, so the runs of one seed are
 paired and the seeds are independent replicates; the report (:mod:`.report`) gives every
@@ -54,11 +56,15 @@ RUNS: dict[str, dict[str, Any]] = {
     "nvfp4_fwd_only": {"recipe": "nvfp4_fwd_only"},
     "nvfp4_late_bf16": {"recipe": "nvfp4", "late_switch.fraction": 0.18,
                         "late_switch.mode": "full"},
+    # nvfp4 with the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
+    # the positional rule's bf16 FLOP fraction (train/adaptive.py)
+    "nvfp4_adaptive": {"recipe": "nvfp4", "bf16_policy": "sensitivity"},
 }
 BASELINES = ("bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
 ABLATIONS = tuple(n for n in RUNS if n not in BASELINES)
 # Fields a run is allowed to change; everything else must match across runs.
-PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch")
+PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch", "bf16_policy",
+                    "adaptive")
 
 
 # Compare presets: (what it is for, overrides of the `tiny` training preset, runs, seeds).
