@@ -295,9 +295,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"- data: `{setup['corpus']}` (sha256 `{setup['corpus_hash']}`), unigram entropy of "
         f"the val split {_fmt(setup['unigram_entropy'])} nats/token",
         f"- seeds: {setup['seeds']} (a seed sets the initialisation and the data order)",
-        f"- time: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU (user+sys) "
-        f"for the runs trained by this invocation; idle 2-core estimate (CPU / 2) "
-        f"{t['idle_2core_estimate_s'] / 60:.1f} min",
+        (f"- time: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU (user+sys) "
+         f"for the {len(t['runs'])} runs trained by `compare` here; idle 2-core estimate "
+         f"(CPU / 2) {t['idle_2core_estimate_s'] / 60:.1f} min" if t["runs"] else
+         "- time: not recorded (no run was trained by `compare` in this folder)"),
         f"- machine: {m['platform']} ({m['device']}), {m['devices']} device(s), "
         f"{m['cpu_count']} CPU cores, jax {m['jax']}; NVFP4 GEMM backend: "
         f"{m['backend_nvfp4']}",

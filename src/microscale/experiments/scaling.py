@@ -177,18 +177,19 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
                      "tokens (~800 tokens per parameter), ~1.5% above BF16 at 8B and 1T.")
     lines += [
         "- Caveat: this fit spans one decade or so of sizes at "
-        f"{cfg.tokens_per_param:g} tokens per parameter (at least {cfg.min_steps} steps), "
+        f"{cfg.tokens_per_param:.3g} tokens per parameter (at least {cfg.min_steps} steps), "
         "the paper is four decades further at hundreds of tokens per parameter. A log-linear "
         "trend may bend, and the extrapolated interval only covers the noise of this fit, "
         "not that model error: read the extrapolation as a direction, not a prediction.",
         "", "## Setup", "",
-        f"- token rule: tokens = {cfg.tokens_per_param:g} x parameters, rounded to whole "
+        f"- token rule: tokens = {cfg.tokens_per_param:.3g} x parameters, rounded to whole "
         f"steps of {cfg.compare.base.tokens_per_step:,} tokens, at least {cfg.min_steps} "
         "steps; same batch, sequence length, peak lr and schedule shape at every size",
         f"- runs: {', '.join(cfg.compare.runs)}; seeds {list(cfg.compare.seeds)} "
         "(paired within a size)",
-        f"- time: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (user+sys) for the runs "
-        f"trained by this invocation; idle 2-core estimate (CPU / 2) {cpu / 120:.1f} min",
+        (f"- time: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (user+sys) for the runs "
+         f"trained by `compare`; idle 2-core estimate (CPU / 2) {cpu / 120:.1f} min" if cpu else
+         "- time: not recorded (no run was trained by `compare` in these folders)"),
         "- per-size reports: " + ", ".join(f"[{s}]({s}/report.md)" for s in sizes), ""]
     return "\n".join(lines)
 
