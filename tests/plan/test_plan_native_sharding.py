@@ -9,7 +9,7 @@ lowering by its documented reference formula. The partitioning under test is JAX
 rule, which is what a GPU compile would use.
 
 Finding (this session): the native path gathers every tensor-parallel weight in full
-(e.g. q_proj's whole [128, 128] on each device) and all-gathers activations across the
+(e.g. gate_proj's whole [192, 320] on each device) and all-gathers activations across the
 data axes; the emulated path keeps weights split on ``tensor``. The native half is marked
 ``xfail(strict=True)``: fixing the native GEMM's partitioning turns it into an XPASS,
 which fails the suite until the marker is removed.
@@ -42,8 +42,8 @@ SCRIPT = textwrap.dedent("""
 
     mlir.register_lowering(smh._scaled_matmul_p,
                            mlir.lower_fun(reference, multiple_results=True), platform="cpu")
-    model = ModelConfig(vocab_size=256, d_model=128, n_layers=1, n_heads=4, n_kv_heads=4,
-                        d_ff=256, max_seq_len=32)
+    model = ModelConfig(vocab_size=256, d_model=192, n_layers=1, n_heads=4, n_kv_heads=4,
+                        d_ff=320, max_seq_len=32)
     cfg = TrainConfig(model=model, data=DataConfig(seq_len=32, batch_size=8),
                       recipe="nvfp4", bf16_last=0)
     cfg = apply_overrides(cfg, ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"])
@@ -58,7 +58,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 # The model's linear kernels [K, N]; tensor=4 splits N (q/k/v/gate/up) or K (o/down).
-WEIGHTS = [(128, 128), (128, 256), (256, 128)]
+# Dims differ from every activation's (256 global / 128 local tokens), so a gathered
+# [192, 320] can only be a whole weight.
+WEIGHTS = [(192, 192), (192, 320), (320, 192)]
 
 
 def _full_weights(gathers):
