@@ -43,6 +43,8 @@ def test_bf16_gemm_term_is_6_n_tokens_over_peak():
     tokens = 64 * 4096 / 8
     assert r["terms"]["gemm"] == pytest.approx(6 * n_lin * tokens / 2.25e15, rel=1e-3)
     assert r["terms"]["quantize"] == 0
+    # QK^T and PV, forward and backward: 12 * layers * d_model * seq FLOPs per token, BF16.
+    assert r["terms"]["attention"] == pytest.approx(12 * 2 * 4096 * 4096 * tokens / 2.25e15)
     # Tensor parallelism splits the GEMMs, data parallelism the tokens: the same FLOPs per
     # device (within 1%: k/v's 1024 outputs split 4 ways are memory-bound on B200).
     r2 = recipe_step_time(cfg, {"data": 2, "fsdp": 1, "tensor": 4}, B200, "bf16")

@@ -28,6 +28,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ __all__ = ["compile_in_subprocess", "compile_step"]
 
 def _say(msg: str, t0: float) -> None:
     print(f"[plan {time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _heartbeat(done, t0: float, every: float = 30.0) -> None:
+    while not done.wait(every):
+        _say("still compiling", t0)
 
 
 def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
@@ -81,7 +87,13 @@ def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
     if verbose:
         _say("compiling (XLA SPMD partitioner + CPU backend; minutes for large models)", t0)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    done = threading.Event()
+    if verbose:  # a heartbeat: XLA's compile is one call with no progress of its own
+        threading.Thread(target=_heartbeat, args=(done, t0), daemon=True).start()
+    try:
+        compiled = lowered.compile()
+    finally:
+        done.set()
     out["compile_s"] = time.perf_counter() - t1
     mem = compiled.memory_analysis()
     m = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)

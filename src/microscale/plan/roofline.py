@@ -19,7 +19,8 @@ One training step on one device is a sum of terms, each at the accelerator's pea
   Engine's cast-transpose kernels do; the writes stay.
 * **attention** -- ``QK^T`` and ``PV`` in BF16: ``12 * L * d * T`` FLOPs per token (the
   model's `ModelConfig.flops_per_token` convention: causal masking not halved; this model
-  computes full scores) plus a quarter more with remat, split over ``tensor``.
+  computes full scores) plus a third more with remat (the forward is 4 of the 12),
+  split over ``tensor``.
 * **lm_head** -- ``6 * d * V`` FLOPs per token in BF16 (plus the embedding's gradient).
 * **elementwise** -- norms, SwiGLU, RoPE, residual adds (about ``40 d + 6 d_ff`` bytes
   per token and layer forward, backward twice that, once more with remat) and the float32
@@ -174,11 +175,11 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
         terms["quantize"] += qbytes / acc.hbm_bw + qflops / bf16
     d, f, v, L = model.d_model, model.d_ff, model.vocab_size, model.n_layers
     t_seq = cfg.data.seq_len
-    attn = 12.0 * L * d * t_seq * (1 + 0.25 * refwd) * tokens / tp
+    attn = 12.0 * L * d * t_seq * (1 + refwd / 3) * tokens / tp  # fwd is 4 of the 12
     terms["attention"] = attn / bf16
     head = 6.0 * d * v * tokens / tp
     terms["lm_head"] = head / bf16
-    per_layer = (40 * d + 6 * f / tp) * COMPUTE_BYTES / 2 * (3 + refwd)
+    per_layer = (40 * d + 6 * f / tp) * (3 + refwd)  # bytes per token: fwd, 2x bwd, remat
     terms["elementwise"] = (L * per_layer + 12 * v / tp) * tokens / acc.hbm_bw
     local_params = sum(lin.k_full * lin.n_full for lin in linears) / (dp * tp)
     local_params += (v * d * (1 if model.tie_embeddings else 2)) / (dp * tp)
