@@ -11,6 +11,7 @@ from microscale.model import (
     LOGICAL_AXES,
     ModelConfig,
     PrecisionRules,
+    QLinear,
     Transformer,
     apply_rope,
     causal_attention,
@@ -20,6 +21,7 @@ from microscale.model import (
     partition_specs,
     rope_tables,
 )
+from microscale.ops import get_recipe, list_recipes, make_dot_general
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -215,3 +217,31 @@ def test_sharding_annotations():
     recs = []
     assert logical_to_mesh_spec(("expert",), replicated=recs) == P(None)
     assert "no mesh rule for logical axis 'expert'" in recs[0].reason
+
+
+@pytest.mark.parametrize("recipe", [r for r in list_recipes() if not get_recipe(r).delayed])
+def test_qlinear_kernel_gradient_is_the_float32_wgrad(recipe):
+    """The f32 master kernel receives the float32-accumulated wgrad: float32, not
+    bf16-representable in general, and exactly the value that the old cast-outside-the-VJP
+    path rounded to bf16 (same forward, same GEMMs)."""
+    layer = QLinear(64, 48, rngs=nnx.Rngs(0), recipe=recipe)
+    x = jax.random.normal(jax.random.key(1), (4, 64, 64), jnp.bfloat16)
+    key = jax.random.key(2)
+    w = layer.kernel[...]
+
+    def loss(y):
+        return jnp.sum(jnp.square(y.astype(jnp.float32)) * jnp.arange(48, dtype=jnp.float32))
+
+    g = nnx.grad(lambda m: loss(m(x, key=key)))(layer)["kernel"][...]
+    assert g.dtype == jnp.float32 and w.dtype == jnp.float32
+    g = np.asarray(g)
+    # (MXFP4 operands carry so few bits that a third of the sums still fit in bf16)
+    assert np.mean(g != g.astype(jnp.bfloat16).astype(np.float32)) > 0.25
+    # Casting outside the VJP (the old QLinear) gives the same gradient rounded to bf16.
+    lkey = jax.random.fold_in(key, layer.layer_id)
+    dg = make_dot_general(recipe, key=lkey)
+    dims = (((2,), (0,)), ((), ()))
+    outside = jax.grad(lambda w: loss(dg(x, w.astype(jnp.bfloat16), dims,
+                                         preferred_element_type=jnp.bfloat16)))(w)
+    np.testing.assert_array_equal(np.asarray(outside),
+                                  g.astype(jnp.bfloat16).astype(np.float32))

@@ -60,7 +60,9 @@ class QLinear(nnx.Module):
 
     kernel: ``[in_features, out_features]`` in ``param_dtype``; operands are cast to
     ``compute_dtype`` and the result is returned in ``compute_dtype`` (the GEMM itself
-    accumulates in float32). No bias (Llama).
+    accumulates in float32). The kernel's cast happens inside the quantized dot's custom
+    VJP (``operand_dtype``), so its gradient is the float32-accumulated wgrad, not one
+    rounded to ``compute_dtype`` (Transformer Engine's FP32 main grads). No bias (Llama).
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
@@ -80,11 +82,10 @@ class QLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         layer_key = None if key is None else jax.random.fold_in(key, self.layer_id)
-        dot_general = make_dot_general(self.recipe, key=layer_key)
         cdt = self.compute_dtype
+        dot_general = make_dot_general(self.recipe, key=layer_key, operand_dtype=cdt)
         x = x.astype(cdt)
-        w = self.kernel[...].astype(cdt)
-        return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+        return dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
                            preferred_element_type=cdt)
 
     def __repr__(self) -> str:  # short: graphs print these a lot

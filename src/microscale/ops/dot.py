@@ -214,13 +214,19 @@ def _new_history(history, updates: dict):
     return jnp.stack([updates.get(slot, history[i]) for i, slot in enumerate(SLOTS)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qmatmul(recipe: Recipe, backend: str, out_dtype, x, w, key, history):
-    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, x, w, key, history)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _qmatmul(recipe: Recipe, backend: str, out_dtype, operand_dtype, x, w, key, history):
+    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, operand_dtype, x, w, key, history)
     return y
 
 
-def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key, history):
+def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, x, w, key, history):
+    # Cotangent dtypes must match the primals: carry them as zero-size arrays. The cast to
+    # ``operand_dtype`` happens here, inside the VJP, so the float32-accumulated gradients
+    # reach float32 primals (master weights) without a round trip through bf16.
+    tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    if operand_dtype is not None:
+        x, w = x.astype(operand_dtype), w.astype(operand_dtype)
     w_res = w
     updates: dict = {}
     if _use_native(recipe, backend, "fprop"):
@@ -233,12 +239,10 @@ def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, x, w, key, history):
         # (16x16 tiles, per-tensor scale, bf16): DESIGN's "same quantized W".
         if recipe.reuses_fprop_w and not _use_native(recipe, backend, "dgrad"):
             w_res = (wq, sw)
-    # Cotangent dtypes must match the primals: carry them as zero-size arrays.
-    tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
     return y.astype(out_dtype), (x, w_res, key, tags, history, updates)
 
 
-def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, res, dy):
+def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, res, dy):
     x, w_res, key, (x_tag, w_tag), history, updates = res
     updates = dict(updates)
     # dgrad: dX = dY W^T, contracting N.
@@ -311,14 +315,19 @@ def _check_history(recipe: Recipe, amax_history):
 
 def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "nvfp4", *,
                           key=None, preferred_element_type=None, backend: str = "auto",
-                          amax_history=None) -> jax.Array:
+                          amax_history=None, operand_dtype=None) -> jax.Array:
     """``jax.lax.dot_general`` whose three GEMMs (forward and both gradients) follow
     ``recipe``. lhs plays X (activations), rhs plays W (weights). Any dimension numbers:
     operands are transposed/reshaped to ``[B, M, K] x [B, K, N]`` and back.
 
     ``amax_history`` (delayed-scaling recipes only): the ``[6, L]`` history the tensor
     scales come from. Its cotangent under ``jax.grad`` is the *next* history, with this
-    call's amaxes pushed in (overwrite it, do not apply it as a gradient)."""
+    call's amaxes pushed in (overwrite it, do not apply it as a gradient).
+
+    ``operand_dtype`` (e.g. bfloat16): both operands are cast to it *inside* the custom
+    VJP, before quantization. The gradients keep the operands' own dtypes, so a float32
+    master weight passed as ``rhs`` receives the float32-accumulated wgrad (Transformer
+    Engine's FP32 main grads) instead of one rounded to bf16 by an outside cast."""
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)
     amax_history = _check_history(recipe, amax_history)
@@ -336,20 +345,26 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
     w = jnp.transpose(rhs, rb + rc + rf) if rb + rc + rf != tuple(range(rhs.ndim)) else rhs
     x = x.reshape(lead + (m, k))
     w = w.reshape(lead + (k, n))
-    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), x, w, key, amax_history)
+    operand_dtype = None if operand_dtype is None else jnp.dtype(operand_dtype)
+    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), operand_dtype, x, w, key,
+                 amax_history)
     out_shape = (tuple(lhs.shape[a] for a in lb) + tuple(lhs.shape[a] for a in lf)
                  + tuple(rhs.shape[a] for a in rf))
     return y.reshape(out_shape)
 
 
 def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
-                     amax_history=None):
+                     amax_history=None, operand_dtype=None):
     """A drop-in for ``jax.lax.dot_general`` (``flax.nnx.Linear(dot_general=...)``).
 
     ``precision`` is ignored (the recipe decides); ``preferred_element_type`` sets the
     output dtype. ``key`` feeds stochastic rounding (required when the recipe uses it
     and a gradient is taken); ``backend`` is "auto", "emulated" or "native";
-    ``amax_history`` feeds delayed scaling (see :func:`quantized_dot_general`).
+    ``amax_history`` feeds delayed scaling and ``operand_dtype`` casts the operands
+    inside the VJP (see :func:`quantized_dot_general`). A flax ``nnx.Linear`` with
+    ``dtype=bfloat16`` casts its kernel itself, before this is called, so its kernel
+    gradient is bf16-rounded; microscale's ``QLinear`` passes the float32 kernel and
+    ``operand_dtype`` instead.
     """
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)  # fail early on a bad name
@@ -360,15 +375,17 @@ def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str =
         del precision
         return quantized_dot_general(lhs, rhs, dimension_numbers, recipe, key=key,
                                      preferred_element_type=preferred_element_type,
-                                     backend=backend, amax_history=amax_history)
+                                     backend=backend, amax_history=amax_history,
+                                     operand_dtype=operand_dtype)
 
     dot_general.recipe = recipe
     return dot_general
 
 
 def qdot(x, w, recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
-         amax_history=None):
+         amax_history=None, operand_dtype=None):
     """``Y = X @ W`` for X ``[..., K]`` and W ``[K, N]`` with the recipe's three GEMMs."""
     x = jnp.asarray(x)
-    return make_dot_general(recipe, key=key, backend=backend, amax_history=amax_history)(
+    return make_dot_general(recipe, key=key, backend=backend, amax_history=amax_history,
+                            operand_dtype=operand_dtype)(
         x, w, (((x.ndim - 1,), (0,)), ((), ())))
