@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from microscale.model import (
+    BF16_LAYOUTS,
     ModelConfig,
     PrecisionRules,
     QLinear,
@@ -15,6 +16,7 @@ from microscale.model import (
     assignments,
     default_bf16_last,
     late_switch,
+    quantized_blocks,
 )
 from microscale.ops import Recipe, get_recipe
 
@@ -63,6 +65,8 @@ def test_json_round_trip(tmp_path):
                                     (62, 9)])
 def test_default_last_15_percent(n, last):
     assert default_bf16_last(n) == last
+    if n == 1:
+        return  # refused: see test_defaults_that_quantize_little_warn_or_refuse
     rules = PrecisionRules.for_recipe("nvfp4", n)
     kept = [i for i in range(n) if rules.resolve(f"layers.{i}.attn.q_proj") == "bf16"]
     assert kept == list(range(n - last, n))
@@ -79,6 +83,61 @@ def test_for_recipe_options():
         PrecisionRules.for_recipe("nvfp4", 4, bf16_first=3, bf16_last=2)
     with pytest.raises(ValueError, match=r"bf16_last=-1: expected an int >= 0"):
         PrecisionRules.for_recipe("nvfp4", 4, bf16_last=-1)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8", "fp8"])
+def test_defaults_that_quantize_little_warn_or_refuse(recipe):
+    # 1 block: the default (last 15%, at least 1) would quantize nothing -> refused.
+    with pytest.raises(ValueError, match=rf"recipe '{recipe}' on 1 block\(s\) keeps 1 in bf16"
+                                         r".*no block would be quantized: set bf16_last=0"):
+        PrecisionRules.for_recipe(recipe, 1)
+    # Asked for explicitly: allowed, with a warning.
+    with pytest.warns(UserWarning, match="no block is quantized"):
+        r = PrecisionRules.for_recipe(recipe, 4, bf16_first=2, bf16_last=2)
+    assert r.resolve("layers.3.attn.q_proj") == "bf16"
+    # Half or more in bf16 (2 blocks -> 1; the paper's layout on 16 blocks): a warning.
+    with pytest.warns(UserWarning, match="only 1 of 2 blocks are quantized"):
+        PrecisionRules.for_recipe(recipe, 2)
+    with pytest.warns(UserWarning, match="only 6 of 16 blocks are quantized"):
+        PrecisionRules.for_recipe(recipe, 16, bf16_first=2, bf16_last=8)
+    # bf16 itself, bf16_last=0 and the usual sizes: silent.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PrecisionRules.for_recipe("bf16", 1)
+        PrecisionRules.for_recipe(recipe, 1, bf16_last=0)
+        PrecisionRules.for_recipe(recipe, 4)
+        PrecisionRules.for_recipe(recipe, 62, bf16_first=2, bf16_last=8)
+
+
+@pytest.mark.parametrize("assign, quantized, high", [
+    ({"layers.0.attn.q_proj": "nvfp4", "layers.0.mlp.up_proj": "bf16",
+      "layers.1.attn.q_proj": "bf16", "layers.10.mlp.down_proj": "fp8"}, [0, 10], [1]),
+    ({"layers.0.attn.q_proj": "bf16", "head": "nvfp4"}, [], [0]),
+    ({"blocks.2.fc1": None, "layers.3.x": "mxfp4"}, [3], []),
+    ({}, [], []),
+])
+def test_quantized_blocks_table(assign, quantized, high):
+    assert quantized_blocks(assign) == (quantized, high)
+
+
+def test_paper_12b_layout_is_named():
+    from microscale.train import TrainConfig
+
+    assert BF16_LAYOUTS["paper_12b"] == (2, 8)
+    cfg = TrainConfig(recipe="nvfp4", model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b")
+    rules = cfg.precision_rules()
+    kept = [i for i in range(62) if rules.resolve(f"layers.{i}.mlp.up_proj") == "bf16"]
+    assert kept == [0, 1, *range(54, 62)]
+    with pytest.raises(ValueError, match="bf16_layout='paper_12b' sets bf16_first and "
+                                         "bf16_last; got also bf16_first=0, bf16_last=3"):
+        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b", bf16_last=3)
+    with pytest.raises(ValueError, match=r"bf16_layout='paper': expected None or one of "
+                                         r"\['paper_12b'\]"):
+        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper")
+    with pytest.raises(ValueError, match="bf16_first=2 \\+ bf16_last=8 exceeds n_layers=4"):
+        TrainConfig(recipe="nvfp4", model=_small_cfg(max_seq_len=256), bf16_layout="paper_12b")
 
 
 def _small_cfg(**kw):

@@ -237,6 +237,44 @@ def test_sr_dgrad_is_unbiased():
     assert z_rne.max() > 20
 
 
+def _sr_probe(m=64):
+    """dY built so that stochastic rounding of every non-diagonal element is a fair coin
+    in both SR slots: in each 16x16 tile the diagonal holds the tensor amax ``A`` (each
+    1x16 and 16x1 block then has block amax ``A``, so its scale maps ``A`` to 6) and the
+    other elements are ``+-1.25 A / 6``: midway between E2M1 1 and 1.5."""
+    rng = np.random.default_rng(0)
+    a = 3.0
+    tile = np.eye(16, dtype=bool)
+    diag = np.tile(tile, (m // 16, m // 16))
+    dy = np.where(diag, a, 1.25 * a / 6) * rng.choice([-1.0, 1.0], (m, m))
+    return jnp.asarray(dy, jnp.float32), ~diag, a
+
+
+def test_sr_slots_fair_and_independent_at_ops_level():
+    """Through the layer's VJP (X = I and W = I expose the quantized dY of each GEMM):
+    dgrad's and wgrad's stochastic rounding round a 50/50 element up half the time (a
+    1.5% bias in P(up) is ~15 standard errors here), and the two slots draw independent
+    noise (one key shared by the slots would make their decisions identical)."""
+    m, samples = 64, 64
+    dy, live, a = _sr_probe(m)
+    eye = jnp.eye(m)
+    recipe = get_recipe("nvfp4_no_rht")
+    keys = jax.random.split(jax.random.key(11), samples)
+    out = jax.jit(jax.vmap(lambda k: _vjp_jit(recipe, eye, eye, dy, k, None)))(keys)
+    step_ = a / 6 * 0.5  # the E2M1 step between 1 and 1.5, in dY units
+    up = {}
+    for name, q in (("dgrad", out[1]), ("wgrad", out[2])):
+        q = np.abs(np.asarray(q, np.float64))[:, live]
+        lo = 1.0 * a / 6
+        assert np.all(np.isclose(q, lo) | np.isclose(q, lo + step_)), name
+        up[name] = q > lo + step_ / 2
+        n = up[name].size
+        frac = up[name].mean()
+        assert abs(frac - 0.5) < 5 * 0.5 / np.sqrt(n), (name, frac)
+    corr = np.corrcoef(up["dgrad"].ravel(), up["wgrad"].ravel())[0, 1]
+    assert abs(corr) < 5 / np.sqrt(up["dgrad"].size), corr
+
+
 # ---- structure -------------------------------------------------------------------------
 
 def test_2d_weights_same_w_in_fprop_and_dgrad():
@@ -253,7 +291,9 @@ def test_2d_weights_same_w_in_fprop_and_dgrad():
 
 def test_rht_invisible_without_quantization():
     """With every operand in bf16, rotating both wgrad operands leaves dW unchanged
-    (up to the bf16 rounding of the rotated operands)."""
+    (up to the bf16 rounding of the rotated operands), and the rotation really runs: dW
+    equals the explicitly rotated reference to float32 accuracy, where the unrotated
+    bf16 product is off by its (different) bf16 rounding."""
     x, w, dy = _data(m=64)
     rht = Recipe(name="rht_only", wgrad_x=OperandSpec(hadamard=16),
                  wgrad_dy=OperandSpec(hadamard=16))
@@ -264,6 +304,10 @@ def test_rht_invisible_without_quantization():
     np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(rotated[1]))
     _close(rotated[2], exact, rtol=1e-2)
     _close(plain[2], exact, rtol=1e-2)
+    want = reference(rht, x, w, dy, KEY)[2]  # bf16(X^T R) . bf16(R^T dY), explicitly
+    _close(rotated[2], want, rtol=2e-6)
+    err_plain = np.max(np.abs(np.asarray(plain[2]) - np.asarray(want)))
+    assert err_plain > 100 * np.max(np.abs(np.asarray(rotated[2]) - np.asarray(want)))
     # A recipe whose two sides used different rotations would not cancel:
     xr = random_hadamard(x.T, -1, seed_or_key=0)
     dyr = random_hadamard(dy.T, -1, seed_or_key=1)

@@ -38,6 +38,7 @@ def test_cli_trains(corpus_dir, tmp_path, compile_cache):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: fp8 val_loss" in proc.stdout  # plain progress lines off a TTY
+    assert "fp8: 1 of 2 blocks quantized; blocks [1] in high precision" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recipe"] == "fp8" and summary["steps"] == 4
     assert Path(out, "checkpoints", "4").is_dir()

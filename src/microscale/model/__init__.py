@@ -14,6 +14,7 @@ The model never quantizes by itself: formats live in ``microscale.formats``, rec
 from microscale.model.config import ModelConfig, list_presets
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
 from microscale.model.rules import (
+    BF16_LAYOUTS,
     PrecisionRules,
     apply_rules,
     assignments,
@@ -22,6 +23,7 @@ from microscale.model.rules import (
     late_switch,
     path_id,
     path_key,
+    quantized_blocks,
     recipe_name,
     rules_for_training,
 )
@@ -37,10 +39,10 @@ from microscale.model.sharding import (
 from microscale.model.transformer import MLP, Attention, Block, Transformer, causal_attention
 
 __all__ = [
-    "LOGICAL_AXES", "MESH_AXES", "MLP", "Attention", "Block", "Embed", "LMHead", "ModelConfig",
+    "BF16_LAYOUTS", "LOGICAL_AXES", "MESH_AXES", "MLP", "Attention", "Block", "Embed", "LMHead", "ModelConfig",
     "PrecisionRules", "QLinear", "RMSNorm", "Transformer", "apply_rope", "apply_rules",
     "assignments", "causal_attention", "default_bf16_last", "iter_linears", "late_switch",
     "list_presets", "logical_to_mesh_rules", "logical_to_mesh_spec", "param_logical_axes",
-    "partition_specs", "path_id", "path_key", "recipe_name", "rope_tables", "rules_for_training",
-    "var_logical_axes",
+    "partition_specs", "path_id", "path_key", "quantized_blocks", "recipe_name", "rope_tables",
+    "rules_for_training", "var_logical_axes",
 ]

@@ -17,8 +17,12 @@ Default layout (``PrecisionRules.for_recipe``). NVIDIA's NVFP4 recipe (arXiv 250
 keeps a few blocks in BF16: the first 2 and last 8 of a 62-block model (~16%). The blocks
 nearest the loss see the largest, most outlier-prone gradients, so by default we keep the
 **last 15%** of blocks in BF16 (rounded half up, at least 1): 4 layers -> last 1,
-16 -> last 2, 32 -> last 5, 62 -> last 9. ``bf16_first``/``bf16_last`` override.
-A recipe that quantizes nothing (``bf16``) gets no special rules.
+16 -> last 2, 32 -> last 5, 62 -> last 9. ``bf16_first``/``bf16_last`` override, and
+`BF16_LAYOUTS` names layouts: ``"paper_12b"`` is the paper's first 2 + last 8.
+A recipe that quantizes nothing (``bf16``) gets no special rules. On very small models
+the default would keep most blocks in BF16 (2 layers -> 1 of 2): ``for_recipe`` warns
+when it keeps half or more, and refuses when it would leave no block quantized
+(1 layer), since a run labelled "nvfp4" would then train entirely in BF16.
 
 Embeddings, norms, attention score/value products and the LM head are not linear layers
 here: microscale's `Transformer` always runs them in high precision and the rules never
@@ -57,6 +61,7 @@ import json
 import math
 import os
 import re
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -68,6 +73,7 @@ from flax import nnx
 from microscale.ops import OperandSpec, Recipe, get_recipe, make_dot_general
 
 __all__ = [
+    "BF16_LAYOUTS",
     "PrecisionRules",
     "RecipeLike",
     "apply_rules",
@@ -78,11 +84,18 @@ __all__ = [
     "path_id",
     "path_key",
     "path_str",
+    "quantized_blocks",
     "recipe_name",
     "rules_for_training",
 ]
 
 RecipeLike = str | Recipe
+
+# Named (bf16_first, bf16_last) layouts of the blocks kept in high precision.
+BF16_LAYOUTS: dict[str, tuple[int, int]] = {
+    # arXiv 2509.25149's 12B model (62 blocks): the first 2 and the last 8 in BF16.
+    "paper_12b": (2, 8),
+}
 
 # Flax layer types whose matmul apply_rules can redirect, by attribute it replaces.
 _FLAX_DOT_GENERAL = (nnx.Linear, nnx.LinearGeneral)
@@ -162,7 +175,8 @@ class PrecisionRules:
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
             raise ValueError(f"n_layers={n_layers!r}: expected a positive int")
         quantized = get_recipe(recipe).quantized
-        if bf16_last is None:
+        default = bf16_last is None
+        if default:
             bf16_last = default_bf16_last(n_layers) if quantized else 0
         for name, v in (("bf16_first", bf16_first), ("bf16_last", bf16_last)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -172,6 +186,9 @@ class PrecisionRules:
                              f"n_layers={n_layers}: expected at most n_layers blocks kept "
                              "in high precision")
         keep = sorted(set(range(bf16_first)) | set(range(n_layers - bf16_last, n_layers)))
+        if quantized and keep:
+            _check_kept(recipe_name(recipe), n_layers, len(keep), bf16_first, bf16_last,
+                        default)
         rules: tuple[tuple[str, RecipeLike], ...] = ()
         if keep:
             alts = "|".join(str(i) for i in keep)
@@ -351,6 +368,38 @@ def late_switch(rules: PrecisionRules, mode: Literal["bf16", "forward"] = "bf16"
 
     return PrecisionRules(rules=tuple((p, fwd_bf16(r)) for p, r in rules.rules),
                           default=fwd_bf16(rules.default))
+
+
+def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
+                default: bool) -> None:
+    """Refuse a *default* that quantizes no block; warn when half or more stay in BF16."""
+    what = (f"recipe {name!r} on {n_layers} block(s) keeps {kept} in bf16 "
+            f"(bf16_first={first}, bf16_last={last}"
+            + (", the default: last 15%, at least 1)" if default else ")"))
+    if kept == n_layers:
+        if default:
+            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 to "
+                             "quantize every block, or use more layers")
+        warnings.warn(f"{what}: no block is quantized", UserWarning, stacklevel=3)
+    elif 2 * kept >= n_layers:
+        warnings.warn(f"{what}: only {n_layers - kept} of {n_layers} blocks are quantized",
+                      UserWarning, stacklevel=3)
+
+
+def quantized_blocks(assign: dict[str, str | None], block_prefix: str = "layers"
+                     ) -> tuple[list[int], list[int]]:
+    """(blocks with a quantized linear, blocks without one) of ``{path: recipe name}``
+    (`assignments`); a block is ``"<block_prefix>.<i>"``."""
+    blocks: dict[int, bool] = {}
+    pat = re.compile(rf"{re.escape(block_prefix)}\.(\d+)\..*")
+    for path, name in assign.items():
+        m = pat.fullmatch(path)
+        if m:
+            i = int(m.group(1))
+            q = name is not None and get_recipe(name).quantized
+            blocks[i] = blocks.get(i, False) or q
+    return ([i for i in sorted(blocks) if blocks[i]],
+            [i for i in sorted(blocks) if not blocks[i]])
 
 
 def default_bf16_last(n_layers: int) -> int:

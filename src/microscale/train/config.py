@@ -32,7 +32,7 @@ from typing import Literal
 
 from microscale.config import ConfigError, apply_overrides, load_yaml, to_yaml
 from microscale.data import DataConfig
-from microscale.model import ModelConfig, PrecisionRules, rules_for_training
+from microscale.model import BF16_LAYOUTS, ModelConfig, PrecisionRules, rules_for_training
 from microscale.ops import get_recipe
 
 __all__ = ["AdaptiveConfig", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
@@ -185,6 +185,9 @@ class TrainConfig:
     # Trailing blocks kept in bf16; None = the recipe default (15% of blocks, >= 1, for a
     # quantized recipe; 0 for bf16).
     bf16_last: int | None = None
+    # A named (bf16_first, bf16_last) layout instead of the two fields (which must then be
+    # left at 0 / None): "paper_12b" = first 2 + last 8 blocks in bf16 (arXiv 2509.25149).
+    bf16_layout: str | None = None
     # Path of a PrecisionRules JSON (e.g. a `microscale quantize` output's
     # precision_rules.json, for QAT); replaces recipe/bf16_first/bf16_last when set.
     rules: str | None = None
@@ -246,6 +249,14 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 0")
         if self.bf16_last is not None and self.bf16_last < 0:
             raise ValueError(f"bf16_last={self.bf16_last}: expected None or an int >= 0")
+        if self.bf16_layout is not None:
+            if self.bf16_layout not in BF16_LAYOUTS:
+                raise ValueError(f"bf16_layout={self.bf16_layout!r}: expected None or one of "
+                                 f"{sorted(BF16_LAYOUTS)}")
+            if self.bf16_first != 0 or self.bf16_last is not None:
+                raise ValueError(f"bf16_layout={self.bf16_layout!r} sets bf16_first and "
+                                 f"bf16_last; got also bf16_first={self.bf16_first}, "
+                                 f"bf16_last={self.bf16_last} (set one or the other)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}: lower seq_len or raise max_seq_len")
@@ -274,6 +285,9 @@ class TrainConfig:
             if self.rules is not None:
                 raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
                                  "cannot be combined with rules=")
+            if self.bf16_layout is not None:
+                raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
+                                 f"cannot be combined with bf16_layout={self.bf16_layout!r}")
             if not recipe.quantized:
                 raise ValueError(f"bf16_policy=sensitivity needs a quantized recipe, got "
                                  f"recipe={self.recipe!r}")
@@ -296,8 +310,10 @@ class TrainConfig:
             except (OSError, ValueError, TypeError) as e:
                 raise ValueError(f"rules={self.rules!r}: {e}") from None
             return rules_for_training(rules, self.rules_mode)
+        first, last = (BF16_LAYOUTS[self.bf16_layout] if self.bf16_layout is not None
+                       else (self.bf16_first, self.bf16_last))
         return PrecisionRules.for_recipe(self.recipe, self.model.n_layers,
-                                         bf16_first=self.bf16_first, bf16_last=self.bf16_last)
+                                         bf16_first=first, bf16_last=last)
 
     @property
     def tokens_per_step(self) -> int:

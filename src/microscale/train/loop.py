@@ -57,6 +57,7 @@ from microscale.model import (
     iter_linears,
     late_switch,
     partition_specs,
+    quantized_blocks,
 )
 from microscale.ops import get_recipe
 from microscale.train.adaptive import bf16_rules, choose_bf16_layers
@@ -76,8 +77,8 @@ __all__ = ["TrainingAborted", "build_state", "default_out", "enable_compilation_
            "load_checkpoint", "train"]
 
 # Config fields that must not change when resuming (they define the run).
-_RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "rules",
-                 "rules_mode", "bf16_policy", "adaptive", "init_from", "init_step",
+_RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "bf16_layout",
+                 "rules", "rules_mode", "bf16_policy", "adaptive", "init_from", "init_step",
                  "late_switch", "seed", "steps")
 
 
@@ -441,6 +442,13 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     if init_source is not None and not start:
         logger.log({"kind": "event", "event": "init_from", "step": 0, "source": init_source})
         logger.message(f"init_from: {init_source['note']}")
+    q_blocks, hp_blocks = quantized_blocks(assignments(
+        nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest)))
+    logger.log({"kind": "event", "event": "precision", "step": start,
+                "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
+    logger.message(f"{cfg.recipe}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
+                   f"blocks quantized" + (f"; blocks {hp_blocks} in high precision"
+                                          if hp_blocks else ""))
     if start:
         logger.log({"kind": "event", "event": "resume", "step": start,
                     "tokens": start * cfg.tokens_per_step})
