@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablations", default="",
                         help="comma-separated NVFP4 ablations to add, or 'all' "
                              "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
-                             "nvfp4_fwd_only, nvfp4_late_bf16)")
+                             "nvfp4_fwd_only, nvfp4_late_bf16, nvfp4_adaptive)")
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds (default: the preset's)")
     parser.add_argument("--sizes", default=None,
