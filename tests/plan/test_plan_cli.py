@@ -25,12 +25,13 @@ def test_plan_tiny_on_eight_simulated_devices(tmp_path, capsys):
     assert (tmp_path / "plan.md").read_text() == md
     comp = res["compiled"]
     assert comp["devices"] == 8 and comp["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
-    # Every dimension divides the mesh: each device holds 1/8 of every weight (norm scales
-    # are replicated by rule) and the same share of AdamW state.
+    # Every dimension divides the mesh: each device holds 1/(fsdp * tensor) = 1/4 of every
+    # weight (the data axis replicates; norm scales are replicated by rule), and the same
+    # share of AdamW state.
     shapes = res["shapes"]["bytes"]
     m = ModelConfig.tiny().replace(n_layers=1, vocab_size=256)
     norms = 3 * m.d_model
-    assert shapes["params"] == pytest.approx((m.num_params() - norms) * 4 / 8 + norms * 4)
+    assert shapes["params"] == pytest.approx((m.num_params() - norms) * 4 / 4 + norms * 4)
     assert res["shapes"]["replicated"] == []
     # XLA's arguments: params + 2 Adam moments (+ the batch shard and a few scalars).
     assert comp["memory"]["argument"] == pytest.approx(3 * shapes["params"], rel=0.02)
