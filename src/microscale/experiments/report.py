@@ -380,8 +380,10 @@ def reading(summary: dict[str, Any]) -> list[str]:
                    "verdicts (DESIGN.md). Use `--seeds 0,1,2,...`.")
     sd = b and b.get("final_val_loss_std")
     if sd and nv and nv["gap_sd"] is not None:
-        out.append(f"- Pairing matters: bf16's own final loss moves by {100 * sd / b['final_val_loss']:.2f}% "
-                   f"(sd over seeds), the paired nvfp4-bf16 gap by {nv['gap_sd']:.2f} points.")
+        out.append(f"- Seed spread: bf16's own final loss moves by "
+                   f"{100 * sd / b['final_val_loss']:.2f}% (sd over seeds), the paired "
+                   f"nvfp4-bf16 gap by {nv['gap_sd']:.2f} points; the interval narrows as "
+                   "1/sqrt(seeds).")
     out.append("- What this does not show: behaviour at billions of parameters and trillions "
                "of tokens (the paper's regime), downstream-task accuracy, or speed on FP4 "
                "hardware (the GEMMs here are emulated unless the backend says native).")

@@ -121,7 +121,11 @@ def write_scaling_report(cfg: ScalingConfig) -> dict[str, Any]:
     for size in cfg.sizes:
         sc = cfg.size_config(size)
         s = write_report(sc)
+        ref = s["runs"].get("bf16") or next(iter(s["runs"].values()))
         per_size[size] = {"params": s["setup"]["params"], "tokens": s["setup"]["tokens"],
+                          "ref_run": "bf16" if "bf16" in s["runs"] else next(iter(s["runs"])),
+                          "ref_val_loss": ref["final_val_loss"],
+                          "unigram_entropy": s["setup"]["unigram_entropy"],
                           "steps": sc.base.steps, "comparisons": s["comparisons"],
                           "timings": s["setup"]["timings"]}
     trends = {}
@@ -147,11 +151,14 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
     sizes, trends = summary["sizes"], summary["trends"]
     keys = [k for k in (f"{r}_vs_{f}" for r, f in TREND_PAIRS)
             if any(k in v["comparisons"] for v in sizes.values())]
-    head = ["size", "params", "steps", "tokens"] + [f"{k} (95% CI)" for k in keys]
+    head = ["size", "params", "steps", "tokens", "val loss (reference run)"] + [
+        f"{k} (95% CI)" for k in keys]
     lines = ["# microscale compare --sizes", "", "![scaling](scaling.png)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, v in sizes.items():
-        row = [name, f"{v['params']:,}", str(v["steps"]), f"{v['tokens']:,}"]
+        loss = v["ref_val_loss"]
+        row = [name, f"{v['params']:,}", str(v["steps"]), f"{v['tokens']:,}",
+               "—" if loss is None else f"{loss:.3f} ({v['ref_run']})"]
         for k in keys:
             c = v["comparisons"].get(k)
             if c is None or c["gap_mean"] is None:
@@ -162,6 +169,11 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
                 row.append(f"{c['gap_mean']:+.2f}% ({c['gap_ci95'][0]:+.2f}..."
                            f"{c['gap_ci95'][1]:+.2f})")
         lines.append("| " + " | ".join(row) + " |")
+    ent = next(iter(sizes.values()))["unigram_entropy"]
+    if ent:
+        lines += ["", f"The val split's unigram entropy is {ent:.3f} nats/token: a loss near "
+                  "it means a model that has learned little beyond token frequencies, where "
+                  "a precision gap has little to act on."]
     cpu = sum(v["timings"]["cpu_s"] for v in sizes.values())
     wall = sum(v["timings"]["wall_s"] for v in sizes.values())
     lines += ["", "## Trend", ""]
