@@ -58,8 +58,10 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def weight_bits_per_param(cfg: TrainConfig) -> float:
-    """Average stored bits per parameter of the model's weights under ``cfg``'s rules.
+def weight_bits_per_param(cfg: TrainConfig, precision: dict | None = None) -> float:
+    """Average stored bits per parameter of the model's weights under ``cfg``'s rules
+    (or ``precision``, a run summary's {layer: recipe}, when the run chose its own, as
+    ``bf16_policy=sensitivity`` does).
 
     Quantized linear kernels count their fprop weight format's ``bits_per_element``;
     embeddings, norms, the LM head and bf16 layers count 16.
@@ -72,7 +74,7 @@ def weight_bits_per_param(cfg: TrainConfig) -> float:
 
     rules = cfg.precision_rules()
     model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), rules=rules))
-    assigned = assignments(model, rules)
+    assigned = precision or assignments(model, rules)
     total = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     bits = 16.0 * total
     for path, layer in iter_linears(model):
@@ -202,7 +204,7 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
             "seeds": len(sums),
             "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
             "weight_bits_per_param": weight_bits_per_param(
-                cfg.run_config(name, cfg.seeds[0])),
+                cfg.run_config(name, cfg.seeds[0]), sums[0].get("precision")),
         }
         for ref in ("bf16", "fp8"):
             c = comparisons.get(f"{name}_vs_{ref}")
