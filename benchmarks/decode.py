@@ -14,7 +14,15 @@ Decode tokens/s = generated tokens / (time of a prompt + N tokens - time of the 
 1 token), so prefill and compilation are excluded. Also printed: resident weight bytes of
 the linear layers. Ratios are against bf16.
 
+With a llama.cpp binding installed (``pip install '.[llama]'``, see the README's "On device
+(llama.cpp)"), the same weights are also exported to GGUF in NVFP4, MXFP4, Q8_0 and BF16
+(embeddings and the tied LM head stay BF16 in all four) and llama.cpp's greedy decode
+(batch 1, one ``llama_decode`` per token, prefill excluded) is timed on each, in the same
+run: the on-device path next to microscale's own engine. ``--gguf-only`` skips the
+microscale rows. Use a model large enough to be memory-bound (``--preset gpt2-124m``).
+
 Run:  python benchmarks/decode.py [--preset small] [--tokens 128] [--batch 1] [--repeats 3]
+      python benchmarks/decode.py --preset gpt2-124m --tokens 64 --repeats 2   # + llama.cpp
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gguf-only", action="store_true",
+                    help="only the llama.cpp GGUF rows (needs a llama.cpp binding)")
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
     args = ap.parse_args()
 
     cfg = ModelConfig.preset(args.preset)
@@ -67,7 +78,7 @@ def main() -> None:
     print("| weights | decode tokens/s | x bf16 | linear weight MiB | x bf16 |")
     print("|---|---:|---:|---:|---:|")
     rows = []
-    for name, kw in variants.items():
+    for name, kw in ({} if args.gguf_only else variants).items():
         f32 = kw["compute_dtype"] == "float32"
         im = InferenceModel.from_params(model, cfg.replace(compute_dtype=kw["compute_dtype"]),
                                         **kw)
@@ -80,6 +91,38 @@ def main() -> None:
         base_tps, base_mib = rows[0][1], rows[0][2]
         print(f"| {name}{' (float32 compute)' if f32 else ''} | {tps:.1f} | "
               f"{tps / base_tps:.2f} | {mib:.2f} | {mib / base_mib:.3f} |")
+    _llama_cpp_rows(model, cfg, prompts[0], args)
+
+
+def _llama_cpp_rows(model, cfg: ModelConfig, prompt: list[int], args) -> None:
+    """The same weights as GGUF files, decoded by llama.cpp (when a binding is installed)."""
+    import tempfile
+    from pathlib import Path
+
+    from microscale.data import ByteTokenizer
+    from microscale.export.gguf import write_gguf
+    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available
+
+    if llama_cpp_available() is None:
+        print("\n(llama.cpp rows skipped: pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")
+        return
+    print(f"\n# llama.cpp ({llama_cpp_available()}) on GGUF exports of the same weights, "
+          f"batch 1, {args.tokens} new tokens, best of {args.repeats}")
+    print("| GGUF linear layers | decode tokens/s | x BF16 GGUF | file MiB | x BF16 GGUF |")
+    print("|---|---:|---:|---:|---:|")
+    base = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("bf16", "nvfp4", "mxfp4", "q8_0"):
+            path = Path(tmp) / f"{fmt}.gguf"
+            write_gguf(model, path, config=cfg, layer_formats=fmt, tokenizer=ByteTokenizer())
+            llm = LlamaCpp(path, n_ctx=len(prompt) + args.tokens + 8, n_threads=args.threads)
+            tps = max(llm.greedy(prompt, args.tokens)[1] for _ in range(args.repeats))
+            llm.close()
+            mib = path.stat().st_size / 2**20
+            base = base or (tps, mib)
+            print(f"| {fmt} | {tps:.1f} | {tps / base[0]:.2f} | {mib:.1f} | "
+                  f"{mib / base[1]:.3f} |")
+            path.unlink()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,213 @@
+"""Run a GGUF file in llama.cpp from Python: the independent check of an export, and the
+peer of microscale's engine in ``benchmarks/decode.py``.
+
+Two ways to reach llama.cpp work (both optional, tried in this order):
+
+* ``llama-cpp-python`` (``import llama_cpp``), built from source (see the README's "On
+  device (llama.cpp)" for the build flags);
+* any llama.cpp shared library named by ``MICROSCALE_LIBLLAMA=/path/libllama.so`` (e.g. a
+  llama.cpp build, or the prebuilt CPU libraries of the ``@node-llama-cpp/linux-x64`` npm
+  package), called through ``ctypes`` with the few C functions of ``llama.h`` that have been
+  stable for a long time (model/context creation, ``llama_batch``, ``llama_decode``,
+  ``llama_get_logits_ith``, ``llama_tokenize``). Only the first three fields of
+  ``llama_context_params`` (n_ctx, n_batch, n_ubatch) are set; structs received by value
+  are given spare room, so the library's own defaults fill the rest.
+
+:class:`LlamaCpp` gives next-token logits for every position of a prompt (a fresh KV cache
+per call), greedy generation and llama.cpp's own tokenizer. llama.cpp computes in its own
+way: on CPU it quantizes a matmul's activations to 8 bits for the quantized weight types,
+so its logits agree with microscale's, they are not bit-identical.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["LlamaCpp", "llama_cpp_available"]
+
+
+def llama_cpp_available() -> str | None:
+    """The name of an importable llama.cpp binding, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return "llama_cpp"
+    lib = os.environ.get("MICROSCALE_LIBLLAMA")
+    return "libllama" if lib and os.path.isfile(lib) else None
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("n_tokens", ctypes.c_int32), ("token", ctypes.POINTER(ctypes.c_int32)),
+                ("embd", ctypes.POINTER(ctypes.c_float)), ("pos", ctypes.POINTER(ctypes.c_int32)),
+                ("n_seq_id", ctypes.POINTER(ctypes.c_int32)),
+                ("seq_id", ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))),
+                ("logits", ctypes.POINTER(ctypes.c_int8))]
+
+
+class _Params(ctypes.Structure):  # opaque, larger than any llama.cpp params struct
+    _fields_ = [("head", ctypes.c_uint32 * 3), ("rest", ctypes.c_uint8 * 1012)]
+
+
+class _LibLlama:
+    """The minimal ctypes surface of libllama used by :class:`LlamaCpp`."""
+
+    def __init__(self, path: str, model_path: str, n_ctx: int, n_threads: int):
+        c = ctypes
+        lib = self.lib = c.CDLL(path)
+        P = c.c_void_p
+        for name, res, args in (
+                ("llama_backend_init", None, []),
+                ("llama_model_default_params", _Params, []),
+                ("llama_model_load_from_file", P, [c.c_char_p, _Params]),
+                ("llama_context_default_params", _Params, []),
+                ("llama_init_from_model", P, [P, _Params]),
+                ("llama_set_n_threads", None, [P, c.c_int32, c.c_int32]),
+                ("llama_batch_init", _Batch, [c.c_int32, c.c_int32, c.c_int32]),
+                ("llama_batch_free", None, [_Batch]),
+                ("llama_decode", c.c_int32, [P, _Batch]),
+                ("llama_get_logits_ith", c.POINTER(c.c_float), [P, c.c_int32]),
+                ("llama_model_get_vocab", P, [P]),
+                ("llama_vocab_n_tokens", c.c_int32, [P]),
+                ("llama_tokenize", c.c_int32, [P, c.c_char_p, c.c_int32,
+                                               c.POINTER(c.c_int32), c.c_int32, c.c_bool,
+                                               c.c_bool]),
+                ("llama_get_memory", P, [P]),
+                ("llama_memory_clear", None, [P, c.c_bool]),
+                ("llama_free", None, [P]), ("llama_model_free", None, [P])):
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, args
+        lib.llama_backend_init()
+        try:  # builds with dynamically loaded backends (GGML_BACKEND_DL) load them first
+            load = lib.ggml_backend_load_all_from_path
+        except AttributeError:
+            load = None
+        if load is not None:
+            load.restype, load.argtypes = None, [c.c_char_p]
+            load(os.path.dirname(os.path.abspath(path)).encode())
+        self.model = lib.llama_model_load_from_file(str(model_path).encode(),
+                                                    lib.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {model_path}")
+        cp = lib.llama_context_default_params()
+        cp.head[0] = cp.head[1] = cp.head[2] = n_ctx  # n_ctx, n_batch, n_ubatch
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        lib.llama_set_n_threads(self.ctx, n_threads, n_threads)
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+
+    def decode(self, toks: list[int], n_past: int, all_logits: bool, n_vocab: int):
+        lib = self.lib
+        batch = lib.llama_batch_init(len(toks), 0, 1)
+        try:
+            batch.n_tokens = len(toks)
+            for i, t in enumerate(toks):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, n_past + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if all_logits or i == len(toks) - 1 else 0
+            rc = lib.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+        finally:
+            lib.llama_batch_free(batch)
+        idx = range(len(toks)) if all_logits else [len(toks) - 1]
+        return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i),
+                                               (n_vocab,)).copy() for i in idx])
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def tokenize(self, text: str) -> list[int]:
+        b = text.encode("utf-8")
+        buf = (ctypes.c_int32 * (len(b) + 8))()
+        n = self.lib.llama_tokenize(self.vocab, b, len(b), buf, len(buf), False, False)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} slots")
+        return list(buf[:n])
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.lib.llama_model_free(self.model)
+            self.ctx = self.model = None
+
+
+class LlamaCpp:
+    """One GGUF model loaded in llama.cpp (CPU)."""
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 256,
+                 n_threads: int | None = None, backend: str | None = None):
+        self.backend = backend or llama_cpp_available()
+        if self.backend is None:
+            raise ImportError("no llama.cpp: pip install llama-cpp-python (builds llama.cpp) "
+                              "or set MICROSCALE_LIBLLAMA=/path/to/libllama.so")
+        self.n_ctx = int(n_ctx)
+        threads = n_threads or os.cpu_count() or 1
+        if self.backend == "llama_cpp":
+            from llama_cpp import Llama
+
+            self._llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx,
+                              n_threads=threads, logits_all=True, verbose=False)
+            self.n_vocab = int(self._llm.n_vocab())
+        else:
+            self._llm = _LibLlama(os.environ["MICROSCALE_LIBLLAMA"], str(path), self.n_ctx,
+                                  threads)
+            self.n_vocab = self._llm.n_vocab
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _decode(self, tokens: Sequence[int], n_past: int, all_logits: bool) -> np.ndarray:
+        """Feed ``tokens`` at positions ``n_past...``; logits of every fed position
+        (``all_logits``) or of the last one, float32 ``[n, V]``."""
+        toks = [int(t) for t in tokens]
+        if n_past + len(toks) > self.n_ctx:
+            raise ValueError(f"{n_past + len(toks)} tokens exceed n_ctx={self.n_ctx}")
+        if self.backend == "llama_cpp":
+            self._llm.n_tokens = n_past
+            self._llm.eval(toks)
+            rows = range(n_past, n_past + len(toks)) if all_logits else [n_past + len(toks) - 1]
+            return np.array([self._llm.scores[r] for r in rows], np.float32)
+        return self._llm.decode(toks, n_past, all_logits, self.n_vocab)
+
+    def _reset(self) -> None:
+        if self.backend == "llama_cpp":
+            self._llm.reset()
+            self._llm._ctx.kv_cache_clear()
+        else:
+            self._llm.clear()
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Next-token logits at every position of ``tokens`` (float32 ``[T, V]``)."""
+        self._reset()
+        return self._decode(tokens, 0, True)
+
+    def greedy(self, tokens: Sequence[int], n: int) -> tuple[list[int], float]:
+        """``n`` greedily generated tokens after ``tokens``, and the decode rate in tokens/s
+        (the ``n - 1`` single-token steps after the prompt, prefill excluded)."""
+        self._reset()
+        last = self._decode(tokens, 0, False)[-1]
+        out, pos = [int(np.argmax(last))], len(tokens)
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            last = self._decode(out[-1:], pos, False)[-1]
+            pos += 1
+            out.append(int(np.argmax(last)))
+        dt = time.perf_counter() - t0
+        return out, (n - 1) / dt if n > 1 and dt > 0 else float("nan")
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's tokenization of ``text`` (no BOS, special tokens as text)."""
+        if self.backend == "llama_cpp":
+            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+        return self._llm.tokenize(text)
+
+    def close(self) -> None:
+        close = getattr(self._llm, "close", None)
+        if close is not None:
+            close()
