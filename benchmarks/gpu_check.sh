@@ -91,7 +91,7 @@ if [ -n "$CC" ]; then
   part train 150 train.txt "$PY" benchmarks/train.py --presets tiny --recipes bf16,fp8,nvfp4 \
     --steps 10 --rounds 2
   # 6. One short compare run.
-  part compare 150 compare.txt "$PY" -m microscale compare --runs bf16,fp8,nvfp4 --quiet \
+  part compare 150 compare.txt "$PY" -m microscale compare --runs bf16,fp8,nvfp4 --seeds 0 --quiet \
     steps=60 eval_every=30 "out=$OUT/compare"
 else
   note linear "skipped (GPU timing; the CPU numbers are in README)"
