@@ -110,7 +110,7 @@ def trend(points: list[tuple[float, list[float]]]) -> dict[str, Any] | None:
     except ValueError:
         return None
     lo, hi = fit["slope_ci95"]
-    word = "grows" if lo > 0 else "shrinks" if hi < 0 else "is flat within the resolution"
+    word = "grows" if lo > 0 else "shrinks" if hi < 0 else "has no resolved trend (flat within the CI)"
     return {"fit": fit, "direction": word, "at_paper_size": stats.predict(fit, PAPER_PARAMS)}
 
 
