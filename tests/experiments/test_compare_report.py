@@ -13,7 +13,7 @@ import pytest
 from microscale.experiments import CompareConfig, write_report
 from microscale.train.config import resolve_config
 
-SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=2", "model.n_kv_heads=2",
          "model.d_ff=128", "seq_len=32", "batch_size=4"]
 # bf16 losses move a lot between seeds; the paired gaps do not.
 BF16 = {0: 2.00, 1: 2.20, 2: 1.80}
