@@ -44,3 +44,19 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
     marker = next(out.glob("*microscale*.json"))
     layers = json.loads(marker.read_text())["layers"]
     assert {p: v["weights"] for p, v in layers.items()} == formats
+
+
+def test_rules_with_custom_recipes_train(make_cfg, tmp_path):
+    """A quantize output's rules hold recipes that are not presets (ptq_<fmt>_w)."""
+    from microscale.ptq import allocation_rules
+
+    rules = allocation_rules({"layers.0.attn.q_proj": "fp8_e4m3",
+                              "layers.0.attn.k_proj": "fp8_e4m3",
+                              "layers.0.attn.v_proj": "fp8_e4m3",
+                              "layers.1.mlp.down_proj": "nvfp4"})
+    path = tmp_path / "rules.json"
+    rules.save(path)
+    s = train(make_cfg(f"rules={path}", "steps=1", f"out={tmp_path / 'r'}"), progress=False)
+    assert s["status"] == "completed"
+    assert s["precision"]["layers.0.attn.q_proj"] == "ptq_fp8_e4m3_w"
+    assert s["precision"]["layers.1.mlp.down_proj"] == "ptq_nvfp4_w"

@@ -386,10 +386,11 @@ def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
                       UserWarning, stacklevel=3)
 
 
-def quantized_blocks(assign: dict[str, str | None], block_prefix: str = "layers"
+def quantized_blocks(assign: dict[str, RecipeLike | None], block_prefix: str = "layers"
                      ) -> tuple[list[int], list[int]]:
-    """(blocks with a quantized linear, blocks without one) of ``{path: recipe name}``
-    (`assignments`); a block is ``"<block_prefix>.<i>"``."""
+    """(blocks with a quantized linear, blocks without one) of ``{path: recipe}`` (a
+    preset name or a Recipe, e.g. `assignments` or `PrecisionRules.resolve`); a block is
+    ``"<block_prefix>.<i>"``."""
     blocks: dict[int, bool] = {}
     pat = re.compile(rf"{re.escape(block_prefix)}\.(\d+)\..*")
     for path, name in assign.items():

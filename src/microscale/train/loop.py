@@ -442,8 +442,11 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     if init_source is not None and not start:
         logger.log({"kind": "event", "event": "init_from", "step": 0, "source": init_source})
         logger.message(f"init_from: {init_source['note']}")
-    q_blocks, hp_blocks = quantized_blocks(assignments(
-        nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest)))
+    # recipes, not names: a rules file may hold custom recipes (QAT on a quantize output)
+    start_rules = st.rules["warmup" if adaptive and start < warm_step else "main"]
+    q_blocks, hp_blocks = quantized_blocks({
+        p: start_rules.resolve(p) for p, _ in iter_linears(
+            nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest))})
     logger.log({"kind": "event", "event": "precision", "step": start,
                 "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
     logger.message(f"{cfg.recipe}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
