@@ -41,7 +41,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from microscale.files import atomic_write_text
+from microscale.files import atomic_write_text, read_text
 
 T = TypeVar("T")
 
@@ -427,11 +427,20 @@ def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
     """Read a YAML file into ``cls`` (strictly: unknown keys and bad types raise)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        data = yaml.safe_load(read_text(path, what="config file"))
+    except OSError as e:  # missing, a folder, unreadable: the message names the file
+        raise ConfigError(str(e)) from None
+    except ValueError as e:  # not UTF-8
+        raise ConfigError(str(e)) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: "
+                          f"{problem}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} holds a YAML {type(data).__name__}; "
+                          "expected a mapping of config keys (key: value)")
     try:
         return from_dict(cls, data or {})
     except ConfigError as e:

@@ -42,7 +42,7 @@ from typing import IO, Any
 __all__ = [
     "FolderLock", "FolderLockedError", "atomic_folder", "atomic_write_bytes", "atomic_write_json",
     "atomic_write_text", "atomic_write_yaml", "atomic_writer", "check_output_dir", "lock_folder",
-    "replace_folder",
+    "read_json", "read_text", "replace_folder",
 ]
 
 _counter = itertools.count()
@@ -254,9 +254,13 @@ class FolderLock:
             if key in _held:
                 _held[key][1] += 1
                 return self
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot lock output folder {self.folder}: "
+                                  f"{e.strerror} ({e.filename})") from None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -304,6 +308,41 @@ class FolderLock:
 def lock_folder(folder: str | os.PathLike) -> FolderLock:
     """``with lock_folder(out): ...`` -- :class:`FolderLock` as a context manager."""
     return FolderLock(folder)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_text(path: str | os.PathLike, *, what: str = "file") -> str:
+    """A UTF-8 text file's content; a missing, unreadable or non-UTF-8 file raises an error
+    (``FileNotFoundError`` / ``ValueError``) that names the file."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{what} {str(p)!r} is a folder; expected a file") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {str(p)!r} does not exist") from None
+    except OSError as e:
+        raise OSError(f"cannot read {what} {str(p)!r}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}: "
+                         f"{data[e.start:e.start + 1]!r})") from None
+
+
+def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
+    """A JSON file's content; errors name the file and, for bad JSON, the line and column
+    (an empty file -- e.g. from a killed non-atomic writer -- is called empty)."""
+    text = read_text(path, what=what)
+    if not text.strip():
+        raise ValueError(f"{what} {str(path)!r} is empty; expected JSON")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e.msg} at line "
+                         f"{e.lineno} column {e.colno}") from None
 
 
 # ----------------------------------------------------------------------------- checks

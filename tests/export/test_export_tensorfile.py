@@ -29,7 +29,9 @@ def _tensors():
         elif np.issubdtype(dt, np.integer):
             out[name.lower()] = rng.integers(0, 100, (3, 5)).astype(dt)
         else:
-            out[name.lower()] = rng.standard_normal((3, 5)).astype(np.float32).astype(dt)
+            # (positive: E8M0 has no sign, a negative would cast to NaN, which reads refuse)
+            x = np.abs(rng.standard_normal((3, 5))) + 0.01
+            out[name.lower()] = x.astype(np.float32).astype(dt)
     out["scalar"] = np.float32(2.5).reshape(())
     out["empty"] = np.zeros((0, 4), np.float32)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -24,24 +25,60 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (no usage block) naming the help flag."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``microscale COMMAND ...``; returns the exit status.
+
+    No input ends in a traceback: argument errors and every error a command raises are
+    printed as one line on stderr, ``microscale COMMAND: error: ...`` (exit 2; 130 when
+    interrupted). ``MICROSCALE_TRACEBACK=1`` adds the traceback, for bug reports.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = COMMANDS
-    parser = argparse.ArgumentParser(
-        prog="microscale",
-        description="NVFP4 training, verification and adaptive quantization in JAX.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    # Only the requested subcommand's module is imported.
-    wanted = argv[0] if argv and argv[0] in commands else None
-    for name, (mod, helptext) in commands.items():
-        p = sub.add_parser(name, help=helptext, description=helptext)
-        if name == wanted:
-            importlib.import_module(mod).add_arguments(p)
-    args = parser.parse_args(argv)
-    module = importlib.import_module(commands[args.command][0])
-    return int(module.run(args) or 0)
+    if argv and argv[0] in COMMANDS:
+        name = argv[0]
+        mod, helptext = COMMANDS[name]
+        parser = ArgumentParser(prog=f"microscale {name}", description=helptext)
+        module = importlib.import_module(mod)
+        module.add_arguments(parser)
+        # Options may come after `key=value` overrides (`train steps=3 --quiet out=x`).
+        args = parser.parse_intermixed_args(argv[1:])
+        args.command = name
+    else:
+        parser = ArgumentParser(prog="microscale",
+                                description="NVFP4 training, verification and adaptive "
+                                            "quantization in JAX.")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        sub.required = True
+        for name, (_, helptext) in COMMANDS.items():
+            sub.add_parser(name, help=helptext, description=helptext)
+        parser.parse_args(argv)  # --help, or an unknown command: exits
+        return 2
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"microscale {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback (see above)
+        known = isinstance(e, (ValueError, OSError, LookupError, TypeError))
+        print(f"microscale {name}: error: {_one_line(e)}"
+              + ("" if known else f" ({type(e).__name__}; MICROSCALE_TRACEBACK=1 shows where)"),
+              file=sys.stderr)
+        if os.environ.get("MICROSCALE_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

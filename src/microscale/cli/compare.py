@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from microscale.cli.args import int_list, positive_float, positive_int
+
 
 def _names(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
@@ -41,15 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated NVFP4 ablations to add, or 'all' "
                              "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
                              "nvfp4_fwd_only, nvfp4_late_bf16, nvfp4_adaptive)")
-    parser.add_argument("--seeds", default=None,
+    parser.add_argument("--seeds", type=int_list, default=None,
                         help="comma-separated seeds (default: the preset's)")
     parser.add_argument("--sizes", default=None,
                         help=f"comma-separated model sizes for a trend sweep, from {list(SIZES)}")
-    parser.add_argument("--tokens-per-param", type=float, default=1.0,
+    parser.add_argument("--tokens-per-param", type=positive_float, default=1.0,
                         help="with --sizes: training tokens per parameter (default 1)")
-    parser.add_argument("--min-steps", type=int, default=100,
+    parser.add_argument("--min-steps", type=positive_int, default=100,
                         help="with --sizes: fewest optimizer steps per size (default 100)")
-    parser.add_argument("--parallel", type=int, default=1,
+    parser.add_argument("--parallel", type=positive_int, default=1,
                         help="concurrent training processes (default 1: in this process)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         runs = _names(args.runs) if args.runs else list(cfg.runs)
         abl = list(ABLATIONS) if args.ablations.strip() == "all" else _names(args.ablations)
         runs += [a for a in abl if a not in runs]
-        seeds = tuple(int(s) for s in _names(args.seeds)) if args.seeds else cfg.seeds
+        seeds = args.seeds if args.seeds is not None else cfg.seeds
         cfg = dataclasses.replace(cfg, runs=tuple(runs), seeds=seeds)
         scaling = None
         if args.sizes:

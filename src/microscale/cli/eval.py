@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+from microscale.cli.args import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,10 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exported model folder or training run folder")
     parser.add_argument("--data", "-d", help="corpus (default: the run's corpus, or stdlib)")
     parser.add_argument("--split", default="val", choices=["val", "train"])
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's "
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's "
                         "seq_len, or min(max_seq_len, 256))")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=16, help="at most this many batches")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--batches", type=positive_int, default=16,
+                        help="at most this many batches")
     parser.add_argument("--formats", help="quantize a run's weights in memory: a format name "
                         "or JSON {layer path: format}")
     parser.add_argument("--activations", action="store_true",
@@ -61,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError, CheckpointError) as e:
         print(f"microscale eval: error: {e}", file=sys.stderr)
         return 2
+    if not (math.isfinite(res["nll"]) and math.isfinite(res["ppl"])):
+        print(f"microscale eval: error: {args.model} on {data}: the result is not finite "
+              f"(nll {res['nll']}, ppl {res['ppl']}); the model's weights or the data are "
+              "damaged or the model has diverged", file=sys.stderr)
+        return 1
     mem = model.memory_stats()
     if args.json:
         print(json.dumps({**res, "model": str(args.model), "data": data, "split": args.split,

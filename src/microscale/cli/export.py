@@ -31,6 +31,8 @@ import json
 import sys
 from pathlib import Path
 
+from microscale.cli.args import nonnegative_int, positive_float, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", "-c", required=True,
@@ -46,13 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rules", help="PrecisionRules JSON file (e.g. RUN/precision_rules.json)")
     parser.add_argument("--activations", action="store_true",
                         help="quantize layer inputs too (W4A4 / W8A8, calibrated static scales)")
-    parser.add_argument("--calib-batches", type=int, default=8,
+    parser.add_argument("--calib-batches", type=positive_int, default=8,
                         help="calibration batches for --activations (default: 8)")
     parser.add_argument("--data", help="calibration corpus (default: the run's corpus)")
-    parser.add_argument("--step", type=int, help="run checkpoint step (default: latest)")
+    parser.add_argument("--step", type=nonnegative_int,
+                        help="run checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of unquantized tensors (default: bfloat16)")
-    parser.add_argument("--shard-size", type=float, default=5.0,
+    parser.add_argument("--shard-size", type=positive_float, default=5.0,
                         help="shard the weights above this many GB (default: 5)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
@@ -61,18 +64,27 @@ def parse_formats(text: str | None):
     """A format name, or a {path: format} mapping from JSON text or a JSON file."""
     if text is None:
         return None
+    where = f"--formats {text!r}"
     if not text.lstrip().startswith("{"):
         p = Path(text)
         if p.suffix != ".json" and not p.is_file():
             from microscale.formats import get_format
 
             return get_format(text.strip()).name  # a format name (validated early)
-        text = p.read_text(encoding="utf-8")
-    obj = json.loads(text)
+        from microscale.files import read_json
+
+        obj = read_json(p, what="--formats file")
+    else:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON: {e.msg} at column {e.colno}; "
+                             "expected a format name or {layer path: format}") from None
     if isinstance(obj, dict) and isinstance(obj.get("layers"), dict):
         obj = obj["layers"]
     if not isinstance(obj, dict):
-        raise ValueError("--formats JSON must be an object {layer path: format}")
+        raise ValueError(f"{where}: the JSON must be an object {{layer path: format}}, got "
+                         f"a {type(obj).__name__}")
     return obj
 
 
@@ -103,6 +115,22 @@ def _write_gguf(model, args, config, formats, tokenizer) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from microscale.export.writer import check_export_out
+    from microscale.files import lock_folder
+
+    try:
+        check_export_out(args.out, overwrite=args.overwrite)
+        lock = lock_folder(args.out).acquire()  # before any work; held until the end
+    except (OSError, ValueError) as e:
+        print(f"microscale export: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
     from microscale.export import (
         Checkpoint,
         CheckpointError,

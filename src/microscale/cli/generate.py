@@ -17,18 +17,20 @@ import argparse
 import sys
 import time
 
+from microscale.cli.args import nonnegative_float, nonnegative_int, positive_int, probability
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True,
                         help="exported model folder or training run folder")
     parser.add_argument("--prompt", "-p", required=True, action="append",
                         help="prompt text (repeat for a batch of prompts)")
-    parser.add_argument("--max-new-tokens", "-n", type=int, default=64)
-    parser.add_argument("--temperature", "-t", type=float, default=0.0,
+    parser.add_argument("--max-new-tokens", "-n", type=positive_int, default=64)
+    parser.add_argument("--temperature", "-t", type=nonnegative_float, default=0.0,
                         help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed")
     parser.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
     parser.add_argument("--formats", help="quantize a run's weights in memory: a format name "
                         "or JSON {layer path: format}")
@@ -45,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from microscale.inference import GenerationConfig, load_model
 
     try:
+        for p in args.prompt:
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"--prompt {p!r} is not valid UTF-8 text (undecodable byte "
+                                 f"at character {e.start})") from None
         model = load_model(args.model, formats=parse_formats(args.formats),
                            activations=args.activations or None)
         tok = model.tokenizer

@@ -17,6 +17,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from microscale.cli.args import (
+    nonnegative_int,
+    positive_float,
+    positive_float_list,
+    positive_int,
+)
+
 # Short names accepted on the command line for registry formats.
 _ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -29,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", "-c", required=True, metavar="RUN_DIR",
                         help="a training run folder (the out= of microscale train)")
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--budget", type=float, default=4.8,
+    parser.add_argument("--budget", type=positive_float, default=4.8,
                         help="effective bits per weight element (default 4.8)")
     parser.add_argument("--formats", default=None,
                         help="candidate formats, comma-separated (fp8 = fp8_e4m3; default "
@@ -43,13 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sensitivity score (default taylor: first+second order loss "
                              "change, one fwd+bwd per batch; gradient: ModelOpt's Fisher "
                              "score, same pass; kl/loss: one forward per layer and format)")
-    parser.add_argument("--calib-tokens", type=int, default=65536,
+    parser.add_argument("--calib-tokens", type=positive_int, default=65536,
                         help="held-out calibration tokens (default 65536)")
-    parser.add_argument("--seed", type=int, default=0, help="calibration window seed")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="calibration window seed")
     parser.add_argument("--corpus", default=None,
                         help="calibrate/evaluate on this corpus instead of the run's")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-    parser.add_argument("--eval-batches", type=int, default=None,
+    parser.add_argument("--step", type=nonnegative_int, default=None,
+                        help="checkpoint step (default latest)")
+    parser.add_argument("--eval-batches", type=positive_int, default=None,
                         help="validation batches for perplexity (default: the run's)")
     parser.add_argument("--w4a4", action="store_true",
                         help="quantize layer inputs too (W4A4/W8A8) with static calibrated amax")
@@ -66,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the on/off evaluation of each PTQ choice")
     parser.add_argument("--count-other-params", action="store_true",
                         help="count embeddings/norms/LM head (16 bits) in the effective bits")
-    parser.add_argument("--pareto-budgets", default="4.5,5,5.5,6,6.5,7,7.5,8,8.5",
+    parser.add_argument("--pareto-budgets", type=positive_float_list,
+                        default=(4.5, 5, 5.5, 6, 6.5, 7, 7.5, 8, 8.5),
                         help="budgets of the searched Pareto points, comma-separated")
     parser.add_argument("--solver", default="auto", choices=("auto", "dp", "milp"))
     parser.add_argument("--layout", default="compressed-tensors",
@@ -81,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from microscale.ptq import QuantizeConfig, WeightPTQ, quantize_run
 
     try:
-        budgets = tuple(float(b) for b in args.pareto_budgets.split(",") if b.strip())
+        budgets = args.pareto_budgets
         make, layout = QuantizeConfig, args.layout
         if args.target == "gguf":
             from microscale.export.gguf import gguf_format

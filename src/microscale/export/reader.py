@@ -119,6 +119,33 @@ def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> Transformer:
 
 # ---------------------------------------------------------------------- config parsing
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
+    """config.json's layer count and embedding size against the tensors present (a
+    ``num_hidden_layers`` of 10^9 must fail here, not allocate)."""
+    by_layer: dict[int, str] = {}
+    for n in store.names():
+        if m := _LAYER.match(n):
+            by_layer.setdefault(int(m.group(1)), n)
+    extra = sorted(i for i in by_layer if i >= cfg.n_layers)
+    if extra:
+        raise CheckpointError(f"tensor {by_layer[extra[0]]!r} is not expected: "
+                              f"{path / 'config.json'} says num_hidden_layers={cfg.n_layers}; "
+                              "config and tensors disagree")
+    if len(by_layer) != cfg.n_layers:
+        raise CheckpointError(f"{path / 'config.json'}: num_hidden_layers={cfg.n_layers} but "
+                              f"the tensors hold {len(by_layer)} layers; config and tensors "
+                              "disagree")
+    emb = store.infos.get("model.embed_tokens.weight")
+    want = (cfg.vocab_size, cfg.d_model)
+    if emb is not None and tuple(emb.shape) != want:
+        raise CheckpointError(f"{path / 'config.json'}: vocab_size={cfg.vocab_size}, "
+                              f"hidden_size={cfg.d_model} but model.embed_tokens.weight has "
+                              f"shape {list(emb.shape)}; config and tensors disagree")
+
+
 def _load_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -253,7 +280,10 @@ def _expect(store: TensorStore, name: str, dtypes: tuple[str, ...], shapes: tupl
     if info.shape not in shapes:
         raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}; expected "
                               f"{' or '.join(str(list(s)) for s in shapes)} ({why})")
-    return store.get(name)
+    try:
+        return store.get(name)  # checksum and finiteness verified on first read
+    except SafetensorsError as e:
+        raise CheckpointError(f"{e} ({why})") from None
 
 
 def _scale(store: TensorStore, name: str, why: str, *, encode: bool) -> np.float32:
@@ -318,28 +348,29 @@ def read_checkpoint(path: str | Path, *, dequantize: bool = False,
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     qc = cfg_json.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
+    if qc is not None and method not in ("compressed-tensors", "modelopt"):
+        raise CheckpointError(f"quantization_config.quant_method={method!r}: "
+                              "expected 'compressed-tensors' or 'modelopt'")
+    try:
+        store = TensorStore(path)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    _check_sizes(path, cfg, store)  # before anything of config.json's size is built
     if qc is None and not (path / "hf_quant_config.json").is_file():
         layout = "hf"
         layers = {p: L.LayerQuant() for p in linear_paths(cfg)}
         static = dict.fromkeys(layers, False)
     else:
-        method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
         try:
             if method == "compressed-tensors":
                 layout = "compressed-tensors"
                 layers, static = _ct_layers(qc, cfg)
-            elif method == "modelopt":
+            else:
                 layout = "modelopt"
                 layers, static = _modelopt_layers(_modelopt_quant(path, cfg_json), cfg)
-            else:
-                raise CheckpointError(f"quantization_config.quant_method={method!r}: "
-                                      "expected 'compressed-tensors' or 'modelopt'")
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
-    try:
-        store = TensorStore(path)
-    except SafetensorsError as e:
-        raise CheckpointError(str(e)) from None
 
     dt = np.dtype(jnp.dtype(param_dtype))
     shapes = param_shapes(cfg)

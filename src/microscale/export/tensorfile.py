@@ -16,6 +16,13 @@ object of known dtypes with non-negative integer shapes, each tensor's byte rang
 exactly ``prod(shape) * itemsize`` bytes, lies inside the file, and no two ranges overlap.
 A truncated file fails with the name of the first tensor that runs past its end.
 
+Integrity: microscale's writer stores a CRC-32 of every tensor's bytes in the header's
+``__metadata__`` under ``"microscale.crc32"`` (a JSON object ``{tensor: 8 hex digits}``;
+other readers ignore it). :meth:`TensorStore.get` checks a tensor's checksum (when the file
+has one) and that its floating-point values are finite the first time it is read, and
+raises :class:`SafetensorsError` naming the file and tensor -- a bit-flipped file is never
+computed on.
+
 Large checkpoints are split into shards ``model-00001-of-0000K.safetensors`` next to
 ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes},
 "weight_map": {tensor name: shard file}}`` (the Hugging Face convention). Shard names
@@ -39,9 +46,11 @@ import ml_dtypes
 import numpy as np
 
 from microscale.files import atomic_write_json, atomic_writer
+from microscale.integrity import CorruptDataError, check_finite, crc32_many, verify_crc32
 
 __all__ = [
     "DTYPES",
+    "CRC_KEY",
     "DTYPE_NAMES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -52,6 +61,9 @@ __all__ = [
     "write_safetensors",
     "write_sharded",
 ]
+
+# __metadata__ key of the per-tensor CRC-32 checksums (see the module docstring).
+CRC_KEY = "microscale.crc32"
 
 # safetensors dtype string -> numpy dtype (little-endian).
 DTYPES: dict[str, np.dtype] = {
@@ -212,8 +224,11 @@ class TensorStore:
             files, weight_map = found, None
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
+        self._crc: dict[str, str] = {}  # tensor -> stored CRC-32 (files microscale wrote)
+        self._verified: set[str] = set()
         for file in files:
             infos, meta = read_safetensors_header(file)
+            self._crc.update(_stored_crc(file, meta.pop(CRC_KEY, None), infos))
             self.metadata.update(meta)
             for name, info in infos.items():
                 if name in self.infos:
@@ -268,16 +283,44 @@ class TensorStore:
         return self.infos[name]
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as a read-only numpy array (memory-mapped)."""
+        """The tensor as a read-only numpy array (memory-mapped), verified on first read:
+        its stored checksum (if any) and, for floats, that every value is finite."""
         info = self.info(name)
         mm = self._maps.get(info.file)
         if mm is None:
             mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
         raw = mm[info.begin:info.end]
-        return raw.view(info.np_dtype).reshape(info.shape)
+        arr = raw.view(info.np_dtype).reshape(info.shape)
+        if name not in self._verified:
+            try:
+                if name in self._crc:
+                    verify_crc32({name: raw}, {name: self._crc[name]}, where=str(info.file))
+                check_finite([(name, arr)], where=str(info.file))
+            except CorruptDataError as e:
+                raise SafetensorsError(str(e)) from None
+            self._verified.add(name)
+        return arr
 
 
 # ---------------------------------------------------------------------- writing
+
+def _stored_crc(file: Path, text: str | None, infos: Mapping[str, TensorInfo]
+                ) -> dict[str, str]:
+    if text is None:
+        return {}
+    try:
+        crc = json.loads(text)
+    except json.JSONDecodeError:
+        crc = None
+    if not (isinstance(crc, dict) and all(isinstance(v, str) for v in crc.values())):
+        raise SafetensorsError(f"{file}: __metadata__[{CRC_KEY!r}] is not a JSON object of "
+                               "checksums; the header is damaged")
+    unknown = sorted(set(crc) - set(infos))
+    if unknown:
+        raise SafetensorsError(f"{file}: a checksum is stored for tensor {unknown[0]!r}, "
+                               "which the header does not list; the header is damaged")
+    return crc
+
 
 def _as_array(name: str, x) -> np.ndarray:
     arr = np.asarray(x)
@@ -313,7 +356,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, object],
         if not isinstance(name, str) or not name:
             raise SafetensorsError(f"tensor names must be non-empty strings, got {name!r}")
         arrays[name] = _as_array(name, x)
-    raw, order = _header_bytes(arrays, metadata)
+    sums = json.dumps(crc32_many(arrays), separators=(",", ":"), sort_keys=True)
+    raw, order = _header_bytes(arrays, {**(metadata or {}), CRC_KEY: sums})
     with atomic_writer(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)

@@ -11,11 +11,11 @@ exactly the ids ``ByteTokenizer`` gives. A BPE tokenizer is already an HF
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from microscale.data import BPETokenizer, ByteTokenizer, load_tokenizer
+from microscale.files import atomic_write_json, atomic_write_text
 
 __all__ = ["byte_tokenizer_hf", "write_tokenizer"]
 
@@ -62,10 +62,9 @@ def write_tokenizer(tokenizer, out_dir: str | os.PathLike, *, max_len: int) -> l
     else:
         raise TypeError(f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
                         "BPETokenizer or the path of a tokenizer file")
-    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    atomic_write_text(out / "tokenizer.json", text)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
               "model_max_length": int(max_len), "clean_up_tokenization_spaces": False,
               "add_bos_token": False, "add_eos_token": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
-                                               encoding="utf-8")
+    atomic_write_json(out / "tokenizer_config.json", config)
     return ["tokenizer.json", "tokenizer_config.json"]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,10 +58,12 @@ from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_pat
 from microscale.export.params import check_params, flat_params
 from microscale.export.tensorfile import DTYPES, write_sharded
 from microscale.export.tokenizer import write_tokenizer
+from microscale.files import atomic_folder, atomic_write_json, check_output_dir, lock_folder
 from microscale.formats import QArray
 from microscale.model import ModelConfig
 
-__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "export_checkpoint", "layer_tensors"]
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "check_export_out", "export_checkpoint",
+           "layer_tensors"]
 
 # Shard above 5 GB (the Hugging Face default ``max_shard_size="5GB"``).
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -225,13 +226,33 @@ def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    check_output_dir(out)
+    lock = lock_folder(out).acquire()  # released at the end, after the rename into place
+    try:
+        return _export(model, out, config=config, layout=layout, layer_formats=layer_formats,
+                       activations=activations, input_amax=input_amax, tokenizer=tokenizer,
+                       dtype=dtype, shard_bytes=shard_bytes, overwrite=overwrite)
+    finally:
+        lock.release()
+
+
+def check_export_out(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
+    """Fail fast unless ``out_dir`` can take an export: a writable new or empty folder, or
+    (with ``overwrite``) an earlier exported model (``config.json`` present)."""
+    out = check_output_dir(out_dir, what="output folder")
+    if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"output folder {str(out)!r} is not empty; pass "
                                   "overwrite=True (CLI: --overwrite) to replace it")
         if not (out / "config.json").is_file():
             raise FileExistsError(f"refusing to overwrite {str(out)!r}: it does not look like "
                                   "an exported model (no config.json)")
+    return out
+
+
+def _export(model, out: Path, *, config, layout, layer_formats, activations, input_amax,
+            tokenizer, dtype, shard_bytes, overwrite) -> ExportResult:
+    check_export_out(out, overwrite=overwrite)
     params, cfg, ck_layers, ck_scales = _source(model, config)
     check_params(params, cfg)
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -283,26 +304,26 @@ def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
             hq = {"producer": {"name": "microscale", "version": __version__},
                   "quantization": q}
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    # Written into a temporary sibling folder that replaces `out` only once complete: a
+    # killed export leaves the old model (or none), never a partial one.
     files: list[str] = []
-    if hq is not None:
-        (out / "hf_quant_config.json").write_text(json.dumps(hq, indent=2) + "\n")
-        files.append("hf_quant_config.json")
-    files += write_sharded(out, tensors, shard_bytes=shard_bytes, groups=groups,
-                           metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    files.append("config.json")
-    if tokenizer is not None:
-        files += write_tokenizer(tokenizer, out, max_len=cfg.max_seq_len)
-        gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        files.append("generation_config.json")
-    marker = {"producer": "microscale", "version": __version__, "layout": layout,
-              "layers": {p: lq.to_dict() for p, lq in layers.items()}}
-    (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    files.append(_MARKER)
+    with atomic_folder(out, overwrite=True) as tmp:
+        if hq is not None:
+            atomic_write_json(tmp / "hf_quant_config.json", hq)
+            files.append("hf_quant_config.json")
+        files += write_sharded(tmp, tensors, shard_bytes=shard_bytes, groups=groups,
+                               metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", cfg_json)
+        files.append("config.json")
+        if tokenizer is not None:
+            files += write_tokenizer(tokenizer, tmp, max_len=cfg.max_seq_len)
+            gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
+            atomic_write_json(tmp / "generation_config.json", gen)
+            files.append("generation_config.json")
+        marker = {"producer": "microscale", "version": __version__, "layout": layout,
+                  "layers": {p: lq.to_dict() for p, lq in layers.items()}}
+        atomic_write_json(tmp / _MARKER, marker)
+        files.append(_MARKER)
     return ExportResult(path=out, layout=layout, files=tuple(files),
                         layers={p: str(lq) for p, lq in layers.items()},
                         tensor_bytes=sum(a.nbytes for a in tensors.values()))

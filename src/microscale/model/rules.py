@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from microscale.files import atomic_write_text, read_json
 from microscale.ops import OperandSpec, Recipe, get_recipe, make_dot_general
 
 __all__ = [
@@ -248,13 +249,16 @@ class PrecisionRules:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        atomic_write_text(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PrecisionRules:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """Read a rules JSON file; errors name the file."""
+        obj = read_json(path, what="precision rules")
+        try:
+            return cls.from_dict(obj)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"precision rules {str(path)!r}: {e}") from None
 
 
 # ---------------------------------------------------------------------- graph helpers

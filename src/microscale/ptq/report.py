@@ -25,7 +25,6 @@ paths. :func:`read_own_checkpoint` reads it back into QArrays.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -36,10 +35,19 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from microscale.files import (
+    atomic_folder,
+    atomic_write_json,
+    atomic_write_text,
+    atomic_writer,
+    check_output_dir,
+    lock_folder,
+    read_json,
+)
 from microscale.formats import QArray, get_format
 from microscale.ptq.pipeline import QuantizeResult
 
-__all__ = ["plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_markdown",
+__all__ = ["check_quantize_out", "plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_markdown",
            "write_outputs", "write_own_checkpoint"]
 
 _MANIFEST_VERSION = 1
@@ -95,7 +103,7 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
                 "params": sorted(n for n in tensors if not any(n.startswith(p + ".")
                                                                for p in result.paths)),
                 "rules": result.rules.to_dict()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_json(out / "manifest.json", manifest)
     return {"layout": "microscale-ptq", "path": str(out),
             "files": ["model.safetensors", "manifest.json"]}
 
@@ -106,7 +114,7 @@ def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dic
     from microscale.export import TensorStore
 
     path = Path(path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = read_json(path / "manifest.json", what="PTQ manifest")
     if manifest.get("format") != "microscale-ptq":
         raise ValueError(f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
                          "'microscale-ptq'")
@@ -161,10 +169,32 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
 def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_config=None,
                   tokenizer=None, layout: str = "compressed-tensors",
                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Write every output file under ``out_dir`` (see the module doc); returns the report."""
+    """Write every output file under ``out_dir`` (see the module doc); returns the report.
+
+    The files are written into a temporary sibling folder that replaces ``out_dir`` only
+    when complete (:func:`microscale.files.atomic_folder`); ``out_dir`` must be new, empty
+    or an earlier quantize output (:func:`check_quantize_out`)."""
+    with lock_folder(out_dir):
+        check_quantize_out(out_dir)
+        with atomic_folder(out_dir, overwrite=True) as tmp:
+            return _write_outputs(result, tmp, model_config=model_config, tokenizer=tokenizer,
+                                  layout=layout, log=log, shown=Path(out_dir))
+
+
+def check_quantize_out(out_dir: str | os.PathLike) -> Path:
+    """Fail fast unless ``out_dir`` can take quantize outputs: a writable new or empty
+    folder, or an earlier quantize output (``report.json`` present), which is replaced."""
+    out = check_output_dir(out_dir, what="quantize output folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "report.json").is_file():
+        raise FileExistsError(f"quantize output folder {str(out_dir)!r} is not empty and is "
+                              "not an earlier quantize output (no report.json); choose a new "
+                              "or empty folder")
+    return out
+
+
+def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer, layout: str,
+                   log, shown: Path) -> dict[str, Any]:
     say = log or (lambda _m: None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     result.rules.save(out / "precision_rules.json")
     ck_dir = out / ("model.gguf" if layout == "gguf" else "checkpoint")
     checkpoint: dict[str, Any]
@@ -180,11 +210,11 @@ def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_c
         checkpoint = write_own_checkpoint(result, out / "checkpoint")
     report = result.report()
     report["checkpoint"] = checkpoint
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    atomic_write_json(out / "report.json", report)
     write_markdown(report, out / "report.md")
     plot_pareto(report, out / "pareto.png")
     plot_sensitivity(report, out / "sensitivity.png")
-    say(f"quantize: wrote {out}/{{precision_rules.json, checkpoint/, report.json, report.md, "
+    say(f"quantize: wrote {shown}/{{precision_rules.json, checkpoint/, report.json, report.md, "
         "pareto.png, sensitivity.png}")
     return report
 
@@ -269,7 +299,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     ck = report.get("checkpoint")
     if ck:
         lines.append(f"Checkpoint: `{ck['path']}` ({ck['layout']}).")
-    Path(path).write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 # ---------------------------------------------------------------------- plots
@@ -307,7 +337,8 @@ def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -347,5 +378,6 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
     fig.colorbar(im, ax=ax, label=label)
     ax.set_title("sensitivity (red: chosen; bf16 = 0 not shown)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.files import lock_folder
 from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
 
 __all__ = ["calibration_windows", "quantize_run"]
@@ -65,15 +66,25 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
     (default: the run's ``data.eval_batches``); ``layout``: checkpoint layout
     ("compressed-tensors", "modelopt" or "microscale").
     """
-    from microscale.data import load_data
-    from microscale.ptq.report import write_outputs
-    from microscale.train import load_checkpoint
+    from microscale.ptq.report import check_quantize_out
 
     cfg = QuantizeConfig() if config is None else config
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder "
                                 "(no config.yaml); expected the out= folder of a training run")
+    check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
+    with lock_folder(out_dir):
+        return _quantize_run(run_dir, out_dir, cfg, corpus=corpus, step=step,
+                             eval_batches=eval_batches, layout=layout, log=log)
+
+
+def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches,
+                  layout, log) -> QuantizeResult:
+    from microscale.data import load_data
+    from microscale.ptq.report import write_outputs
+    from microscale.train import load_checkpoint
+
     model, train_cfg, meta = load_checkpoint(run_dir, step)
     data_cfg = train_cfg.data
     if corpus is not None:

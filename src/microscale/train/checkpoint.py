@@ -15,6 +15,14 @@ so a process killed during a save leaves the previous checkpoint untouched. Only
 host memory first and written in a background thread); :meth:`Checkpointer.wait` blocks
 until the last save is committed.
 
+Integrity: ``meta`` also carries a CRC-32 of every array of the state, computed from the
+host copy at save time (:mod:`microscale.integrity`); :meth:`Checkpointer.restore` checks
+them and that every float is finite, and reports a checkpoint that does not restore (a
+truncated or missing file, a bit flip, bad JSON) as :class:`CheckpointCorruptError`
+naming the step folder and the tensor. :meth:`Checkpointer.restore_newest_intact` (used to
+resume) then moves the damaged step to ``OUT/damaged-checkpoints/`` and falls back to the
+next older one.
+
 Restoring needs an *abstract* target (``jax.ShapeDtypeStruct`` leaves with shardings), so
 the arrays come back directly sharded on the current mesh, which may differ from the
 mesh that saved them.
@@ -23,13 +31,48 @@ mesh that saved them.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "abstract_like"]
+from microscale.integrity import CorruptDataError, check_finite, crc32_many, verify_crc32
+
+__all__ = ["CheckpointCorruptError", "Checkpointer", "abstract_like", "host_leaves"]
+
+
+class CheckpointCorruptError(CorruptDataError):
+    """A checkpoint step does not restore, fails its checksums or holds non-finite values."""
+
+
+def host_leaves(tree) -> dict[str, np.ndarray]:
+    """``{tree path: numpy array}`` of a pytree's array leaves (fully addressable ones; PRNG
+    keys as their key data), fetched from the devices in one call."""
+    names, arrays = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array):
+            if not x.is_fully_addressable:
+                continue
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x = jax.random.key_data(x)
+        elif not isinstance(x, (np.ndarray, np.generic)):
+            continue
+        names.append(jax.tree_util.keystr(path))
+        arrays.append(x)
+    return dict(zip(names, (np.asarray(a) for a in jax.device_get(arrays)), strict=True))
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first line of the innermost cause (tensorstore names the array and file there;
+    the outer orbax messages are pages of spec dumps)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
 
 
 def abstract_like(tree):
@@ -70,29 +113,83 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save / restore
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Save (asynchronously when enabled); a step already on disk is left alone."""
+        """Save (asynchronously when enabled); a step already on disk is left alone. The
+        state's checksums are stored in ``meta["checksums"]``."""
         if step in self._mgr.all_steps():
             return
+        meta = {**meta, "checksums": crc32_many(host_leaves(state))}
         self._mgr.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore ``step`` (None: latest) into the structure/shardings of ``target``."""
+        """Restore ``step`` (None: latest) into the structure/shardings of ``target``,
+        verified: raises :class:`CheckpointCorruptError` naming the step folder (and the
+        tensor) when it does not restore, fails a checksum or holds non-finite values."""
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint under {self.directory}")
-        out = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_like(target)),
-            meta=ocp.args.JsonRestore()))
-        return out["state"], dict(out["meta"])
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint step {step} under {self.directory}; "
+                                    f"available steps: {self.all_steps()}")
+        where = f"checkpoint {self.directory / str(step)}"
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_like(target)),
+                meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+            raise CheckpointCorruptError(f"{where} cannot be restored (a damaged, truncated "
+                                         f"or missing file): {_root_cause(e)}") from e
+        meta = dict(out["meta"] or {})
+        sums = meta.pop("checksums", None)
+        host = host_leaves(out["state"])
+        try:
+            if isinstance(sums, dict):
+                verify_crc32(host, sums, where=where)
+            check_finite(host.items(), where=where)
+        except CorruptDataError as e:
+            raise CheckpointCorruptError(str(e)) from None
+        return out["state"], meta
+
+    def restore_newest_intact(self, target: Any, *, upto: int | None = None,
+                              say: Callable[[str], None] = print
+                              ) -> tuple[Any, dict[str, Any], int] | None:
+        """Restore the newest step (at most ``upto``) that passes :meth:`restore`'s
+        checks; damaged newer steps are moved to ``../damaged-checkpoints/`` (kept for
+        inspection, out of the way of later saves) and reported through ``say``. None
+        when no step is left."""
+        for step in sorted(self.all_steps(), reverse=True):
+            if upto is not None and step > upto:
+                continue
+            try:
+                state, meta = self.restore(step, target)
+            except CorruptDataError as e:
+                dest = self._set_aside(step)
+                say(f"{e}\n  -> moved to {dest}; falling back to an older checkpoint")
+                continue
+            return state, meta, step
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        dest = self.directory.parent / "damaged-checkpoints" / f"{step}-{int(time.time())}"
+        if jax.process_index() == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.directory / str(step), dest)
+        self._mgr.reload()
+        return dest
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the JSON metadata of a checkpoint (cheap: no arrays are read)."""
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint under {self.directory}")
-        out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out["meta"])
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)}: its "
+                                         f"metadata cannot be read: {_root_cause(e)}") from e
+        meta = dict(out["meta"] or {})
+        meta.pop("checksums", None)
+        return meta
 
     def wait(self) -> None:
         """Block until any in-flight asynchronous save is committed."""

@@ -30,10 +30,11 @@ resume + 10 give identical losses (``tests/train/test_train_loop.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from microscale import __version__
 from microscale.config import dump_yaml, load_yaml, to_dict
 from microscale.data import load_data
-from microscale.files import atomic_write_json
+from microscale.files import atomic_write_json, check_output_dir, lock_folder, read_json
 from microscale.model import (
     PrecisionRules,
     Transformer,
@@ -252,12 +253,23 @@ def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
     if not path.exists():
         return
     old = load_yaml(TrainConfig, path)
-    diff = [k for k in _RUN_DEFINING if getattr(old, k) != getattr(cfg, k)]
+    diff = [(k, a, b) for k in _RUN_DEFINING
+            for k, a, b in _leaf_diff(k, to_dict(old).get(k), to_dict(cfg).get(k))]
     if diff:
+        shown = ", ".join(f"{k}={b!r} (the run has {a!r})" for k, a, b in diff[:8])
+        more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
         raise ValueError(
-            f"resume=true but the config in {path} differs in {diff}: a resumed run must "
-            "keep the run-defining settings (only cadence, mesh and output options may "
-            "change); use a new out= for a different run")
+            f"resume=true but {len(diff)} run-defining setting(s) differ from {path}: "
+            f"{shown}{more}. A resumed run must keep them (only cadence, mesh and output "
+            "options may change); use a new out= for a different run")
+
+
+def _leaf_diff(key: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old, new)`` for every differing leaf of two plain-data values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b])
+                for d in _leaf_diff(f"{key}.{k}", a.get(k), b.get(k))]
+    return [] if a == b else [(key, a, b)]
 
 
 def _init_params(cfg: TrainConfig, st: _State, weights: dict, src):
@@ -313,9 +325,17 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     maybe_initialize_distributed(cfg.mesh)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=default_out(cfg))
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(cfg.out, what="out=")
+    # One writer per run folder (on multi-host runs, process 0 speaks for all).
+    lock = lock_folder(out) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock:
+        out.mkdir(parents=True, exist_ok=True)
+        return _train_locked(cfg, out, t_start=t_start, progress=progress,
+                             callbacks=callbacks, label=label)
 
+
+def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool, callbacks,
+                  label) -> dict[str, Any]:
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
     try:
         latest = ckpt.latest_step()
@@ -323,11 +343,12 @@ def train(cfg: TrainConfig, *, progress: bool = True,
             raise FileExistsError(
                 f"{out} already holds checkpoints (latest step {latest}); pass resume=true "
                 "to continue that run, or choose another out=")
-        if cfg.resume and latest is not None:
+        if cfg.resume:
             _check_resume_compatible(out, cfg)
+        if cfg.resume and latest is not None:
             done = out / "summary.json"
             if latest >= cfg.steps and done.exists():
-                summary = json.loads(done.read_text())
+                summary = read_json(done, what="run summary")
                 if summary.get("status") == "completed":
                     return summary
         return _train(cfg, out, ckpt, latest if cfg.resume else None, t_start=t_start,
@@ -420,8 +441,16 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     params, opt_state = st.params, st.opt_state
     start, nonfinite_total, streak, train_time = 0, 0, 0, 0.0
     init_source: dict | None = None
+    restored = None
     if resume_from is not None:
-        state, meta = ckpt.restore(resume_from, {"params": params, "opt_state": opt_state})
+        restored = ckpt.restore_newest_intact(
+            {"params": params, "opt_state": opt_state}, upto=resume_from,
+            say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True))
+        if restored is None:
+            print(f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
+                  "starting from step 0", file=sys.stderr, flush=True)
+    if restored is not None:
+        state, meta, _ = restored
         params, opt_state = state["params"], state["opt_state"]
         start = int(meta["step"])
         nonfinite_total = int(meta.get("nonfinite_total", 0))
