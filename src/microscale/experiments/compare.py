@@ -39,7 +39,7 @@ from typing import Any
 
 from microscale.config import apply_overrides, dump_yaml, to_dict
 from microscale.experiments.report import write_report
-from microscale.files import atomic_write_text
+from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.train import TrainConfig, TrainingAborted, train
 
 # name -> the overrides that make this run differ from the base config.
@@ -275,9 +275,16 @@ def _run_parallel(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
 
 
 def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Train every run (skipping finished ones), then write the report. Returns summary."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Train every run (skipping finished ones), then write the report. Returns summary.
+    One writer per compare folder: a second compare into ``cfg.out`` while this one runs
+    fails at once (:func:`microscale.files.lock_folder`)."""
+    out = check_output_dir(cfg.out, what="out=")
+    with lock_folder(out):
+        out.mkdir(parents=True, exist_ok=True)
+        return _run_compare(cfg, out, progress=progress)
+
+
+def _run_compare(cfg: CompareConfig, out: Path, *, progress: bool) -> dict[str, Any]:
     atomic_write_text(out / "compare.json", json.dumps(
         {"settings_hash": cfg.settings_hash(), "config": to_dict(cfg)}, indent=2))
     dump_yaml(cfg.base, out / "base_config.yaml")

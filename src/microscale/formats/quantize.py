@@ -449,6 +449,41 @@ _quantize_dequantize_jit = jax.jit(_quantize_dequantize,
 _dequantize_jit = jax.jit(_dequantize, static_argnames=("dtype", "with_global_scale"))
 
 
+def check_prng_key(key) -> None:
+    """Raise ``TypeError`` naming ``key`` unless it is None or a JAX PRNG key (typed, or
+    raw uint32 ``[..., 2]``)."""
+    if key is None:
+        return
+    dt = getattr(key, "dtype", None)
+    ok = dt is not None and (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) or (
+        dt == jnp.uint32 and tuple(jnp.shape(key)[-1:]) == (2,)))
+    if not ok:
+        raise TypeError(f"key={key!r}: expected a JAX PRNG key (jax.random.key(seed))")
+
+
+def _check_key_amax(x, key, amax) -> None:
+    """Eager checks of the traced arguments (values only when concrete)."""
+    if math.prod(jnp.shape(x)) == 0:
+        raise ValueError(f"quantize got an empty array of shape {tuple(np.shape(x))}: nothing "
+                         "to quantize (expected at least one element)")
+    check_prng_key(key)
+    if amax is not None and not isinstance(amax, jax.core.Tracer):
+        a = np.asarray(amax, dtype=np.float64) if not isinstance(amax, str) else None
+        if a is None or a.ndim != 0:
+            raise ValueError(f"amax={amax!r}: expected a scalar max |x| >= 0")
+        if a < 0:
+            raise ValueError(f"amax={float(a)}: expected a max |x| >= 0 (a negative amax "
+                             "would flip the scale's sign)")
+
+
+def _check_dtype(dtype) -> jnp.dtype:
+    dt = jnp.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dtype={dt}: expected a floating-point dtype (dequantized values "
+                        "are not integers)")
+    return dt
+
+
 def _static_args(x, fmt, axis, block_shape, dtype=None):
     """Normalise arguments so they hash (jit static args) and validate eagerly."""
     spec = get_format(fmt)
@@ -459,7 +494,7 @@ def _static_args(x, fmt, axis, block_shape, dtype=None):
             raise ValueError(f"block_shape={block_shape!r} must be a tuple of ints") from None
     if not isinstance(axis, int | np.integer):
         raise TypeError(f"axis must be an int, got {axis!r}")
-    dtype = None if dtype is None else jnp.dtype(dtype)
+    dtype = None if dtype is None else _check_dtype(dtype)
     return spec, int(axis), block_shape, dtype
 
 
@@ -467,6 +502,7 @@ def _static_args(x, fmt, axis, block_shape, dtype=None):
 def quantize(x, fmt, *, axis=-1, rounding="nearest", key=None, block_shape=None, amax=None,
              scale_rounding=None, four_over_six=False, scale_order="te") -> QArray:
     spec, axis, block_shape, _ = _static_args(x, fmt, axis, block_shape)
+    _check_key_amax(x, key, amax)
     return _quantize_jit(x, spec, axis=axis, rounding=rounding, key=key,
                          block_shape=block_shape, amax=amax, scale_rounding=scale_rounding,
                          four_over_six=bool(four_over_six), scale_order=scale_order)
@@ -477,6 +513,7 @@ def quantize_dequantize(x, fmt, *, axis=-1, rounding="nearest", key=None, block_
                         amax=None, scale_rounding=None, dtype=jnp.bfloat16,
                         with_global_scale=False, four_over_six=False, scale_order="te"):
     spec, axis, block_shape, dtype = _static_args(x, fmt, axis, block_shape, dtype)
+    _check_key_amax(x, key, amax)
     return _quantize_dequantize_jit(x, spec, axis=axis, rounding=rounding, key=key,
                                     block_shape=block_shape, amax=amax,
                                     scale_rounding=scale_rounding, dtype=dtype,
@@ -489,7 +526,8 @@ def quantize_dequantize(x, fmt, *, axis=-1, rounding="nearest", key=None, block_
 def dequantize(q: QArray, dtype=jnp.float32, *, with_global_scale: bool = True) -> jax.Array:
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize expects a QArray, got {type(q).__name__}")
-    return _dequantize_jit(q, dtype=jnp.dtype(dtype), with_global_scale=bool(with_global_scale))
+    return _dequantize_jit(q, dtype=_check_dtype(dtype),
+                           with_global_scale=bool(with_global_scale))
 
 
 def fake_quantize(x, fmt: str | FormatSpec, **kwargs) -> jax.Array:

@@ -52,6 +52,7 @@ from microscale.formats import (
     random_signs,
     tensor_amax,
 )
+from microscale.formats.quantize import check_prng_key
 from microscale.ops.backend import gemm_supported, native_gemm, resolve_backend
 from microscale.ops.recipe import SLOT_PAIRS, SLOTS, OperandSpec, Recipe, get_recipe
 
@@ -366,6 +367,7 @@ def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str =
     gradient is bf16-rounded; microscale's ``QLinear`` passes the float32 kernel and
     ``operand_dtype`` instead.
     """
+    check_prng_key(key)
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)  # fail early on a bad name
     _check_history(recipe, amax_history)

@@ -1,0 +1,152 @@
+"""Damaged checkpoints and safetensors files are detected, named and never computed on;
+resume falls back to the newest intact checkpoint and continues bit-exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from microscale.export import CheckpointError, read_checkpoint, write_safetensors
+from microscale.export.tensorfile import CRC_KEY, SafetensorsError, TensorStore
+from microscale.train import load_checkpoint
+from microscale.train.checkpoint import CheckpointCorruptError, host_leaves
+
+from .conftest import copy_tree
+
+
+def _data_files(step_dir: Path) -> list[Path]:
+    """The array data files of an orbax step (largest first)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()
+             and p.parent.name == "d"]
+    return sorted(files, key=lambda p: -p.stat().st_size)
+
+
+def _flip(path: Path, at: float) -> None:
+    b = bytearray(path.read_bytes())
+    b[int(len(b) * at)] ^= 0x01  # one bit
+    path.write_bytes(bytes(b))
+
+
+def _truncate(path: Path, at: float) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * at)])
+
+
+def _damage(kind: str, path: Path) -> None:
+    {"flip-early": lambda p: _flip(p, 0.2), "flip-late": lambda p: _flip(p, 0.9),
+     "truncate-half": lambda p: _truncate(p, 0.5), "truncate-empty": lambda p: _truncate(p, 0),
+     "delete": Path.unlink}[kind](path)
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    from flax import nnx
+
+    return host_leaves(nnx.state(model, nnx.Param))
+
+
+DAMAGE = ["flip-early", "flip-late", "truncate-half", "truncate-empty", "delete"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_checkpoint_is_named(tiny_run, tmp_path, kind):
+    run = copy_tree(tiny_run, tmp_path / "run")
+    for f in _data_files(run / "checkpoints" / "4")[:2]:
+        _damage(kind, f)
+    with pytest.raises(CheckpointCorruptError, match=r"checkpoints/4\b") as e:
+        load_checkpoint(run)
+    assert "\n" not in str(e.value)
+    model, _, meta = load_checkpoint(run, 2)  # the older step is intact
+    assert meta["step"] == 2 and all(np.isfinite(v).all() for v in _params(model).values())
+
+
+def test_damaged_metadata_is_named(tiny_run, tmp_path):
+    run = copy_tree(tiny_run, tmp_path / "run")
+    (run / "checkpoints" / "4" / "meta" / "metadata").write_text('{"step": 4, "che')
+    with pytest.raises(CheckpointCorruptError, match=r"checkpoints/4\b"):
+        load_checkpoint(run)
+
+
+def test_resume_falls_back_to_newest_intact_and_matches(tiny_run, tmp_path, capsys):
+    """Step 4 damaged and the run not marked completed (as after a crash): resume=true
+    restores step 2, says so, moves step 4 aside and recomputes it bit-exactly."""
+    from microscale.config import load_yaml
+    from microscale.train import TrainConfig, train
+
+    run = copy_tree(tiny_run, tmp_path / "run")
+    _flip(_data_files(run / "checkpoints" / "4")[0], 0.5)
+    (run / "summary.json").unlink()
+    cfg = dataclasses.replace(load_yaml(TrainConfig, run / "config.yaml"), out=str(run),
+                              resume=True)
+    train(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert "checkpoints/4" in err and "falling back" in err
+    assert len(list((run / "damaged-checkpoints").iterdir())) == 1
+    got = _params(load_checkpoint(run)[0])
+    want = _params(load_checkpoint(tiny_run)[0])
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+# ---------------------------------------------------------------------- safetensors
+
+
+def test_checksums_written_and_checked(tmp_path):
+    t = {"a": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.ones(16, np.uint8)}
+    write_safetensors(tmp_path / "m.safetensors", t, {"format": "pt"})
+    store = TensorStore(tmp_path / "m.safetensors")
+    assert CRC_KEY not in store.metadata
+    np.testing.assert_array_equal(store.get("a"), t["a"])
+    # independent reference: zlib's CRC-32 of the raw little-endian bytes
+    import zlib
+
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    sums = json.loads(json.loads(raw[8:8 + n])["__metadata__"][CRC_KEY])
+    assert sums == {k: f"{zlib.crc32(v.tobytes()):08x}" for k, v in t.items()}
+
+
+def test_nonfinite_tensor_refused(tmp_path):
+    write_safetensors(tmp_path / "m.safetensors", {"w": np.array([1.0, np.nan], np.float32)})
+    with pytest.raises(SafetensorsError, match=r"m\.safetensors.*'w'.*non-finite"):
+        TensorStore(tmp_path / "m.safetensors").get("w")
+
+
+@pytest.mark.parametrize("at", [0.3, 0.6, 0.95])
+def test_bitflipped_export_is_named(tiny_export, tmp_path, at):
+    exp = copy_tree(tiny_export, tmp_path / "exp")
+    raw = (exp / "model.safetensors").read_bytes()
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    pos = data_start + int((len(raw) - data_start) * at)
+    b = bytearray(raw)
+    b[pos] ^= 0x04
+    (exp / "model.safetensors").write_bytes(bytes(b))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(checksum|non-finite)"):
+        read_checkpoint(exp)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.004, 0.5, 0.999])
+def test_truncated_export_is_named(tiny_export, tmp_path, keep):
+    exp = copy_tree(tiny_export, tmp_path / "exp")
+    _truncate(exp / "model.safetensors", keep)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        read_checkpoint(exp)
+
+
+def test_header_damage_is_named(tiny_export, tmp_path):
+    exp = copy_tree(tiny_export, tmp_path / "exp")
+    raw = bytearray((exp / "model.safetensors").read_bytes())
+    i = raw.index(b'"data_offsets":[') + len(b'"data_offsets":[')
+    raw[i] = ord("9") if raw[i] != ord("9") else ord("8")  # an offset digit changes
+    (exp / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        read_checkpoint(exp)
+
+
+def test_intact_export_reads(tiny_export, tmp_path):
+    shutil.copytree(tiny_export, tmp_path / "exp")
+    assert read_checkpoint(tmp_path / "exp").layout == "compressed-tensors"
