@@ -41,7 +41,8 @@ from typing import IO, Any
 
 __all__ = [
     "FolderLock", "FolderLockedError", "atomic_folder", "atomic_write_bytes", "atomic_write_json",
-    "atomic_write_text", "atomic_write_yaml", "atomic_writer", "check_output_dir", "lock_folder",
+    "atomic_write_text", "atomic_write_yaml", "atomic_writer", "check_output_dir",
+    "check_output_file", "lock_folder",
     "read_json", "read_text", "replace_folder",
 ]
 
@@ -353,15 +354,34 @@ def check_output_dir(path: str | os.PathLike, *, what: str = "output folder") ->
     file, a component of it is a file, or its parent (where the folder, or its temporary
     sibling, is created) is not writable. Creates the parent folders. Returns the path."""
     p = Path(path).expanduser()
-    shown = repr(str(path))
     if p.exists() and not p.is_dir():
-        raise NotADirectoryError(f"{what} {shown} is a file; expected a folder")
+        raise NotADirectoryError(f"{what} {str(path)!r} is a file; expected a folder")
+    _check_parent(p, what, path)
+    return p
+
+
+def check_output_file(path: str | os.PathLike, *, what: str = "output file",
+                      overwrite: bool = False) -> Path:
+    """As :func:`check_output_dir` for an output *file*: not a folder, not existing unless
+    ``overwrite``, and its folder writable."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise IsADirectoryError(f"{what} {str(path)!r} is a folder; expected a file path")
+    if p.exists() and not overwrite:
+        raise FileExistsError(f"{what} {str(path)!r} exists; pass --overwrite (overwrite=True) "
+                              "to replace it")
+    _check_parent(p, what, path)
+    return p
+
+
+def _check_parent(p: Path, what: str, given) -> None:
+    shown = repr(str(given))
     parent = p.absolute().parent
     for anc in (parent, *parent.parents):
         if anc.exists():
             if not anc.is_dir():
                 raise NotADirectoryError(
-                    f"{what} {shown}: {anc} is a file, so no folder can be created under it")
+                    f"{what} {shown}: {anc} is a file, so nothing can be created under it")
             break
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -372,4 +392,3 @@ def check_output_dir(path: str | os.PathLike, *, what: str = "output folder") ->
     except OSError as e:
         raise PermissionError(f"{what} {shown} is not writable: "
                               f"{e.strerror or e} ({e.filename or parent})") from None
-    return p

@@ -140,12 +140,27 @@ def test_check_output_dir(tmp_path):
     f.write_text("x")
     with pytest.raises(NotADirectoryError, match="'.*file' is a file"):
         check_output_dir(f)
-    with pytest.raises(NotADirectoryError, match="so no folder can be created under it"):
+    with pytest.raises(NotADirectoryError, match="so nothing can be created under it"):
         check_output_dir(f / "sub" / "out")
     with pytest.raises(PermissionError, match="not writable"):
         check_output_dir("/proc/microscale-test/out")
     assert check_output_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
     assert (tmp_path / "a").is_dir() and _siblings(tmp_path / "a") == []
+
+
+def test_check_output_file(tmp_path):
+    from microscale.files import check_output_file
+
+    f = tmp_path / "m.gguf"
+    assert check_output_file(f) == f
+    f.write_text("old")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        check_output_file(f)
+    assert check_output_file(f, overwrite=True) == f
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        check_output_file(tmp_path)
+    with pytest.raises(PermissionError, match="not writable"):
+        check_output_file("/proc/microscale-test/m.gguf")
 
 
 def test_lock_is_reentrant_and_released(tmp_path):

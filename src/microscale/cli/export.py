@@ -116,10 +116,13 @@ def _write_gguf(model, args, config, formats, tokenizer) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from microscale.export.writer import check_export_out
-    from microscale.files import lock_folder
+    from microscale.files import check_output_file, lock_folder
 
     try:
-        check_export_out(args.out, overwrite=args.overwrite)
+        if args.layout == "gguf":
+            check_output_file(args.out, what="--out", overwrite=args.overwrite)
+        else:
+            check_export_out(args.out, overwrite=args.overwrite)
         lock = lock_folder(args.out).acquire()  # before any work; held until the end
     except (OSError, ValueError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
