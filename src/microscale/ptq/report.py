@@ -208,6 +208,8 @@ def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer
             checkpoint["fallback_reason"] = reason
     else:
         checkpoint = write_own_checkpoint(result, out / "checkpoint")
+    # where it will be once the temporary folder is renamed into place
+    checkpoint["path"] = str(shown / Path(checkpoint["path"]).name)
     report = result.report()
     report["checkpoint"] = checkpoint
     atomic_write_json(out / "report.json", report)
