@@ -11,10 +11,13 @@ Per seed ``S`` (every stage is skipped when its output exists, so the command re
    ``qat_fraction`` of the test bed's steps (forward-only recipes, straight-through
    gradients; learning rate ``--qat-lr``) -> ``qat-S-M``;
 4. ``microscale quantize`` of the QAT run with the same flags -> ``qq-S-M``: PTQ of the
-   fine-tuned weights (the same PTQ choices and evaluation batches as step 2).
+   fine-tuned weights (the same PTQ choices and evaluation batches as step 2);
+5. control: the same fine-tune in bf16 (``ft-S``, no rules) and its PTQ (``qf-S-M``), which
+   separates quantization awareness from the extra tokens.
 
 Recovered fraction of the gap to bf16, per seed: ``(ppl_PTQ - ppl_QAT) / (ppl_PTQ -
-ppl_bf16)`` (the source's bf16 ppl), for the searched allocation and uniform NVFP4. Mean and
+ppl_bf16)`` (the source's bf16 ppl), and against the control ``(ppl_ctrl_PTQ - ppl_QAT) /
+(ppl_ctrl_PTQ - ppl_ctrl_bf16)``, for the searched allocation and uniform NVFP4. Mean and
 95% Student-t interval over seeds (paired: one source model per seed). Writes
 ``ROOT/results.json`` and prints a markdown table.
 """
@@ -82,13 +85,26 @@ def main() -> None:
                    f"rules={q / 'precision_rules.json'}", f"out={qat}", "resume=true")
             if not (qq / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(qat), "--out", str(qq), *flags)
+            # control: the same fine-tune in bf16 (more tokens, no quantization awareness)
+            ft, qf = root / f"ft-{seed}", root / f"qf-{seed}-{mode}"
+            if not (ft / "summary.json").is_file():
+                sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}",
+                   f"steps={qat_steps}", f"eval_every={qat_steps}", "optim.warmup_steps=10",
+                   f"optim.lr={a.qat_lr}", f"init_from={src}", f"out={ft}", "resume=true")
+            if not (qf / "report.json").is_file():
+                sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
             ptq = json.loads((q / "report.json").read_text())["val_ppl"]
             after = json.loads((qq / "report.json").read_text())["val_ppl"]
+            ctrl = json.loads((qf / "report.json").read_text())["val_ppl"]
             row = {"seed": seed, "mode": mode, "bf16": ptq["bf16"],
-                   "qat_bf16": after["bf16"]}
+                   "qat_bf16": after["bf16"], "ctrl_bf16": ctrl["bf16"]}
             for k in ("uniform_nvfp4", "searched"):
                 row[f"ptq_{k}"], row[f"qat_{k}"] = ptq[k], after[k]
+                row[f"ctrl_{k}"] = ctrl[k]
                 row[f"recovered_{k}"] = (ptq[k] - after[k]) / (ptq[k] - ptq["bf16"])
+                # against the bf16 fine-tune of the same length: the part that is due to
+                # quantization awareness, as a fraction of that model's own PTQ gap
+                row[f"recovered_vs_ctrl_{k}"] = (ctrl[k] - after[k]) / (ctrl[k] - ctrl["bf16"])
             rows.append(row)
     summary = {}
     for mode in a.modes.split(","):
@@ -107,7 +123,8 @@ def main() -> None:
               f"{r['qat_searched']:.4f} | {r['recovered_uniform_nvfp4']:.1%} | "
               f"{r['recovered_searched']:.1%} |")
     for mode, s in summary.items():
-        for k in ("recovered_uniform_nvfp4", "recovered_searched"):
+        for k in ("recovered_uniform_nvfp4", "recovered_searched",
+                  "recovered_vs_ctrl_uniform_nvfp4", "recovered_vs_ctrl_searched"):
             c = s[k]
             band = "n=1, no interval" if c["lo"] is None else \
                 f"95% CI {c['lo']:.1%}..{c['hi']:.1%}, n={c['n']}"
