@@ -478,7 +478,10 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
             nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest))})
     logger.log({"kind": "event", "event": "precision", "step": start,
                 "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
-    logger.message(f"{cfg.recipe}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
+    what = cfg.recipe if cfg.rules is None else f"rules {cfg.rules}"
+    if adaptive and start < warm_step:
+        what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
+    logger.message(f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
                    f"blocks quantized" + (f"; blocks {hp_blocks} in high precision"
                                           if hp_blocks else ""))
     if start:
