@@ -77,7 +77,7 @@ def test_exact_resume_across_late_switch(make_cfg):
     assert s1["final_val_loss"] == s2["final_val_loss"]
     assert s2["late_switch_step"] == 15
     events = [r["event"] for r in _records(split.out, "event")]
-    assert events == ["resume", "late_switch"]
+    assert events == ["precision", "precision", "resume", "late_switch"]  # one per start
     # A completed run re-invoked with resume=true returns its summary without training.
     s3 = train(replace(split, resume=True), progress=False)
     assert s3["final_val_loss"] == s2["final_val_loss"]
@@ -92,7 +92,7 @@ def test_nonfinite_skip_then_abort_keeps_last_checkpoint(make_cfg):
     assert s["status"] == "aborted" and s["nonfinite_steps"] == 4 and s["steps"] == 9
     assert json.loads((Path(cfg.out) / "summary.json").read_text())["status"] == "aborted"
     events = [(r["event"], r["step"]) for r in _records(cfg.out, "event")]
-    assert events == [("nonfinite", 3), ("nonfinite", 7), ("nonfinite", 8), ("nonfinite", 9),
+    assert events == [("precision", 0), ("nonfinite", 3), ("nonfinite", 7), ("nonfinite", 8), ("nonfinite", 9),
                       ("abort", 9)]
     train_recs = {r["step"]: r for r in _records(cfg.out, "train")}
     assert train_recs[4]["nonfinite"] == 1 and np.isfinite(train_recs[4]["loss"])

@@ -59,7 +59,7 @@ def test_train_config_overrides_and_validation():
     with pytest.raises(ConfigError, match="mxfp4.*blocks of 32.*d_ff=48"):
         resolve_config("tiny", ["model.dim_multiple=16", "model.d_ff=48", "recipe=mxfp4"])
     with pytest.raises(ConfigError, match="bf16_first=3 \\+ bf16_last=3 exceeds n_layers=4"):
-        resolve_config("tiny", ["recipe=nvfp4", "bf16_first=3", "bf16_last=3"])
+        resolve_config("tiny", ["recipe=nvfp4", "bf16_last=3", "bf16_first=3"])
     with pytest.raises(ConfigError, match="late_switch.fraction"):
         resolve_config("tiny", ["late_switch.fraction=1.5"])
     with pytest.raises(ConfigError, match="did you mean 'optim.warmup_steps'"):
