@@ -41,6 +41,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
                           "optim.min_lr_ratio=0"]),
     "s3_lr3e-3_decay0": ("peak lr 3e-3, cosine to 0",
                          ["steps=150", "optim.warmup_steps=15", "optim.min_lr_ratio=0"]),
+    "s4_lr1e-3_decay0_d64": ("s2's schedule on a smaller model: d_model 64, d_ff 128",
+                             ["steps=150", "optim.warmup_steps=15", "lr=1e-3",
+                              "optim.min_lr_ratio=0", "model.d_model=64", "model.d_ff=128"]),
 }
 SHORT_EVAL = 8  # batches of the old default eval (8 x 16 x 128 = 16,384 tokens)
 TARGET = 0.5

@@ -122,6 +122,16 @@ def test_wrong_type_names_key_value_and_type():
         apply_overrides(Outer(), ["lr.x=1"])
 
 
+def test_overrides_are_validated_once_after_the_last():
+    # An intermediate state may be invalid (width 6); only the final config is checked, so
+    # the order of the overrides does not decide whether a request is accepted.
+    assert apply_overrides(Outer(), ["inner.width=6", "inner.width=12"]).inner.width == 12
+    assert apply_overrides(Outer(), ["inner=big", "inner.width=6", "inner.width=16"]).inner == \
+        Inner(width=16, scale=2.0)
+    with pytest.raises(ConfigError, match="inner.*width=6"):
+        apply_overrides(Outer(), ["inner.width=12", "inner.width=6"])
+
+
 def test_post_init_errors_carry_the_path():
     with pytest.raises(ConfigError, match="inner.*divisible by 4"):
         apply_overrides(Outer(), ["inner.width=6"])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -44,15 +43,12 @@ def sh(*args: str) -> None:
 
 
 def ci(xs: list[float]) -> dict:
-    n = len(xs)
-    mean = sum(xs) / n
-    if n < 2:
-        return {"mean": mean, "n": n, "lo": None, "hi": None}
-    from scipy.stats import t
+    """Mean and 95% Student-t interval over seeds (the compare harness's statistics)."""
+    from microscale.experiments.stats import mean_ci
 
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    h = t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "n": n, "lo": mean - h, "hi": mean + h}
+    c = mean_ci(xs)
+    lo, hi = c["ci95"] or (None, None)
+    return {"mean": c["mean"], "n": c["n"], "lo": lo, "hi": hi}
 
 
 def main() -> None:
@@ -100,6 +96,9 @@ def main() -> None:
                    "qat_bf16": after["bf16"], "ctrl_bf16": ctrl["bf16"]}
             for k in ("uniform_nvfp4", "searched"):
                 row[f"ptq_{k}"], row[f"qat_{k}"] = ptq[k], after[k]
+                # PTQ alone: the paired relative ppl gap to the source's bf16, in percent
+                row[f"ptq_gap_{k}"] = 100 * (ptq[k] - ptq["bf16"]) / ptq["bf16"]
+                row[f"qat_gap_{k}"] = 100 * (after[k] - ptq["bf16"]) / ptq["bf16"]
                 row[f"ctrl_{k}"] = ctrl[k]
                 row[f"recovered_{k}"] = (ptq[k] - after[k]) / (ptq[k] - ptq["bf16"])
                 # against the bf16 fine-tune of the same length: the part that is due to
@@ -123,6 +122,12 @@ def main() -> None:
               f"{r['qat_searched']:.4f} | {r['recovered_uniform_nvfp4']:.1%} | "
               f"{r['recovered_searched']:.1%} |")
     for mode, s in summary.items():
+        for k in ("ptq_gap_uniform_nvfp4", "ptq_gap_searched", "qat_gap_uniform_nvfp4",
+                  "qat_gap_searched"):
+            c = s[k]
+            band = "n=1, no interval" if c["lo"] is None else \
+                f"95% CI {c['lo']:+.2f}..{c['hi']:+.2f}, n={c['n']}"
+            print(f"{mode} {k}: mean {c['mean']:+.2f}% ({band})")
         for k in ("recovered_uniform_nvfp4", "recovered_searched",
                   "recovered_vs_ctrl_uniform_nvfp4", "recovered_vs_ctrl_searched"):
             c = s[k]

@@ -465,35 +465,54 @@ def parse_overrides(overrides: typing.Iterable[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _set(cfg: Any, parts: list[str], raw: str, prefix: str) -> Any:
-    cls = type(cfg)
-    fields = _fields(cls)
+class _Pending:
+    """A config being edited by overrides: its class and field values, not yet validated.
+
+    Overrides edit these in place; the config objects are built (and their ``__post_init__``
+    checks run) once, after the last override, so a check that relates two fields never sees
+    a half-applied combination and the order of the overrides does not matter.
+    """
+
+    def __init__(self, cls: type, values: dict[str, Any]):
+        self.cls, self.values = cls, values
+
+    @classmethod
+    def of(cls, cfg: Any) -> _Pending:
+        return cls(type(cfg), {n: getattr(cfg, n) for n in _fields(type(cfg))})
+
+
+def _set(node: _Pending, parts: list[str], raw: Any, prefix: str) -> None:
+    fields = _fields(node.cls)
     name = parts[0]
     key = prefix + name
     if name not in fields:
-        raise _unknown_key(cls, prefix + ".".join(parts), name, prefix)
-    tp = _hints(cls)[name]
-    if len(parts) > 1:
-        sub = getattr(cfg, name)
-        sub_tp = _strip_optional(tp)
-        if not _is_dataclass_type(sub_tp):
-            raise ConfigError(f"key {prefix + '.'.join(parts)!r}: {key!r} is a "
-                              f"{_type_name(tp)}, not a nested config")
-        if sub is None:
-            sub = sub_tp()
-        new = _set(sub, parts[1:], raw, key + ".")
-    else:
+        raise _unknown_key(node.cls, prefix + ".".join(parts), name, prefix)
+    tp = _hints(node.cls)[name]
+    if len(parts) == 1:
         try:
-            new = _coerce(raw, tp, key)
+            node.values[name] = _coerce(raw, tp, key)
         except _Mismatch:
             raise _type_error(key, raw, tp) from None
-    kwargs = {n: getattr(cfg, n) for n in fields}
-    kwargs[name] = new
-    return _construct(cls, kwargs, prefix)
+        return
+    sub = node.values[name]
+    sub_tp = _strip_optional(tp)
+    if not _is_dataclass_type(sub_tp):
+        raise ConfigError(f"key {prefix + '.'.join(parts)!r}: {key!r} is a "
+                          f"{_type_name(tp)}, not a nested config")
+    if not isinstance(sub, _Pending):
+        sub = node.values[name] = _Pending.of(sub_tp() if sub is None else sub)
+    _set(sub, parts[1:], raw, key + ".")
+
+
+def _build(node: _Pending, prefix: str) -> Any:
+    kwargs = {n: _build(v, prefix + n + ".") if isinstance(v, _Pending) else v
+              for n, v in node.values.items()}
+    return _construct(node.cls, kwargs, prefix)
 
 
 def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) -> T:
-    """Return ``cfg`` with ``key=value`` overrides applied, left to right.
+    """Return ``cfg`` with ``key=value`` overrides applied, left to right, then validated once
+    (so ``bf16_first=3 bf16_last=0`` and ``bf16_last=0 bf16_first=3`` are the same request).
 
     Keys are dotted for nested dataclasses (``model.d_model=256``). Values are strings
     coerced from the field annotation: numbers (``1e-3``, ``10_000``), booleans
@@ -504,6 +523,9 @@ def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) ->
     """
     items = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
     aliases = getattr(type(cfg), "_aliases", None) or {}
+    if not items:
+        return cfg
+    root = _Pending.of(cfg)
     for k, v in items:
-        cfg = _set(cfg, aliases.get(k, k).split("."), v, "")
-    return cfg
+        _set(root, aliases.get(k, k).split("."), v, "")
+    return _build(root, "")

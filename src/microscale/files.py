@@ -112,6 +112,20 @@ def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> None:
 # ----------------------------------------------------------------------------- folders
 
 
+def save_figure(fig: Any, path: str | os.PathLike, *, legend_ax: Any = None,
+                dpi: int = 120) -> None:
+    """Finish a matplotlib figure and write it as PNG atomically, then close it: a legend on
+    ``legend_ax`` when it has labelled artists, ``tight_layout``, save, ``plt.close``."""
+    import matplotlib.pyplot as plt
+
+    if legend_ax is not None and legend_ax.get_legend_handles_labels()[0]:
+        legend_ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    plt.close(fig)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

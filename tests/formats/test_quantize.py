@@ -17,6 +17,7 @@ from microscale.formats import (
     get_format,
     quantize_dequantize,
     storage_bits,
+    tensor_amax,
     unpack_nibbles,
 )
 
@@ -139,6 +140,35 @@ def test_nonfinite_input_propagates_as_nan(fmt, bad):
         assert np.isfinite(out[0]).all()
     else:  # tensor-scaled formats: everything is NaN
         assert np.isnan(out).all()
+
+
+# Sizes past the point where XLA:CPU vectorises float max reductions (which then drop NaN:
+# a (64, 128) float32 tensor with one NaN used to get a finite NVFP4 global scale), both
+# element widths, NaN/Inf at the first, an inner and the last element, and 2D blocks.
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, block_shape", [((64, 128), None), ((8192,), None),
+                                                 ((128, 96), (16, 16))])
+@pytest.mark.parametrize("bad, where", [(np.nan, 4133), (np.nan, -1), (-np.inf, 0)])
+def test_nonfinite_propagates_at_any_size(fmt, dtype, shape, block_shape, bad, where):
+    spec = get_format(fmt)
+    if block_shape is not None and (spec.block_size is None or spec.block_size != 16):
+        pytest.skip("2D blocks are exercised with the 16-element formats")
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    x.flat[where] = bad
+    xj = jnp.asarray(x, dtype)
+    amax = float(tensor_amax(xj))
+    assert np.isnan(amax) if np.isnan(bad) else amax == np.inf
+    kw = {} if block_shape is None else {"block_shape": block_shape}
+    q = ms.quantize(xj, fmt, **kw)
+    out = np.asarray(ms.dequantize(q))
+    if spec.has_tensor_scale:  # one non-finite element makes the whole tensor NaN
+        assert np.isnan(out).all()
+    else:  # per-block scale only: exactly the blocks holding it are NaN
+        bad_idx = np.unravel_index(where % x.size, shape)
+        assert np.isnan(out[bad_idx])
+        assert 0 < np.isnan(out).sum() <= spec.block_size
+        assert np.isfinite(out[~np.isnan(out)]).all()
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)

@@ -157,6 +157,10 @@ CASES = [
     ("e-bitflip-safetensors", ["eval", "-m", "{flipped_exp}", "--data", "{corpus}"],
      "model.safetensors"),
     ("e-bitflip-ckpt", ["eval", "-m", "{flipped_run}"], "checkpoints"),
+    ("p-devices-zero", ["plan", "--devices", "0", "--no-compile"], "--devices"),
+    ("p-devices-word", ["plan", "--devices", "eight", "--no-compile"], "eight"),
+    ("p-accelerator-unknown", ["plan", "--accelerator", "tpu9", "--no-compile"], "tpu9"),
+    ("p-override-unknown", ["plan", "mesh.fdsp=2", "--no-compile"], "mesh.fdsp"),
 ]
 
 

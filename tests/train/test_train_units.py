@@ -60,6 +60,12 @@ def test_train_config_overrides_and_validation():
         resolve_config("tiny", ["model.dim_multiple=16", "model.d_ff=48", "recipe=mxfp4"])
     with pytest.raises(ConfigError, match="bf16_first=3 \\+ bf16_last=3 exceeds n_layers=4"):
         resolve_config("tiny", ["recipe=nvfp4", "bf16_last=3", "bf16_first=3"])
+    # Validated once after all overrides: both orders of a valid pair are accepted, even
+    # where the first alone would exceed the layer count with the other's old value.
+    for order in (["bf16_first=3", "bf16_last=0"], ["bf16_last=0", "bf16_first=3"]):
+        with pytest.warns(UserWarning, match="only 1 of 4 blocks are quantized"):
+            cfg = resolve_config("tiny", ["recipe=nvfp4", *order])
+        assert (cfg.bf16_first, cfg.bf16_last) == (3, 0), order
     with pytest.raises(ConfigError, match="late_switch.fraction"):
         resolve_config("tiny", ["late_switch.fraction=1.5"])
     with pytest.raises(ConfigError, match="did you mean 'optim.warmup_steps'"):

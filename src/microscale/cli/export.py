@@ -101,16 +101,21 @@ def quantize_output_checkpoint(src: Path) -> Path:
                             "checkpoint/ (quantized with --layout microscale?)")
 
 
+def _print_written(res, layout: str) -> None:
+    """One line: the file or folder written, its layout and size, and layers per format."""
+    counts: dict[str, int] = {}
+    for v in res.layers.values():
+        counts[v] = counts.get(v, 0) + 1
+    print(f"wrote {res.path} ({layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
+          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+
+
 def _write_gguf(model, args, config, formats, tokenizer) -> int:
     from microscale.export.gguf import write_gguf
 
     res = write_gguf(model, args.out, config=config, layer_formats=formats,
                      tokenizer=tokenizer, dtype=args.dtype, overwrite=args.overwrite)
-    counts: dict[str, int] = {}
-    for v in res.layers.values():
-        counts[v] = counts.get(v, 0) + 1
-    print(f"wrote {res.path} (gguf, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
-          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+    _print_written(res, "gguf")
     return 0
 
 
@@ -204,9 +209,5 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    counts: dict[str, int] = {}
-    for v in res.layers.values():
-        counts[v] = counts.get(v, 0) + 1
-    print(f"wrote {res.path} ({res.layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
-          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+    _print_written(res, res.layout)
     return 0

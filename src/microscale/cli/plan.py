@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from microscale.cli.args import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", default="tiny",
@@ -27,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="b200, gb200, gb300, h100 or h200 (default: b200)")
     parser.add_argument("--recipe", default="nvfp4",
                         help="recipe compiled and compared with bf16 and fp8 (default: nvfp4)")
-    parser.add_argument("--devices", type=int, default=None,
+    parser.add_argument("--devices", type=positive_int, default=None,
                         help="simulated devices (default: the mesh's size; needed when a "
                              "mesh axis is -1)")
     parser.add_argument("--no-compile", action="store_true",

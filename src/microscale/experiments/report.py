@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from microscale.config import to_dict
 from microscale.experiments import stats
-from microscale.files import atomic_write_text, atomic_writer
+from microscale.files import atomic_write_text, save_figure
 
 if TYPE_CHECKING:
     from microscale.experiments.compare import CompareConfig
@@ -418,11 +418,7 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
         a.set_xlabel("training tokens")
         a.set_ylabel("val loss (train loss without evals), nats/token")
         a.grid(alpha=0.3)
-    if zoom.get_legend_handles_labels()[0]:
-        zoom.legend(fontsize=8)
-    fig.tight_layout()
-    _save_fig(fig, out / "convergence.png")
-    plt.close(fig)
+    save_figure(fig, out / "convergence.png", legend_ax=zoom)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ref = curves.get("bf16", {})
@@ -447,13 +443,4 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
     ax.set_ylabel("paired loss gap to bf16 (%), 95% CI")
     ax.set_title("Gap to bf16 vs tokens (mean over seeds; train loss without evals)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save_fig(fig, out / "gap.png")
-    plt.close(fig)
-
-
-def _save_fig(fig, path: Path) -> None:
-    with atomic_writer(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
+    save_figure(fig, out / "gap.png", legend_ax=ax)

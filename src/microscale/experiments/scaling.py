@@ -212,7 +212,7 @@ def _plot(path: Path, sizes: dict[str, dict], trends: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from microscale.experiments.report import _save_fig
+    from microscale.files import save_figure
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     params = [v["params"] for v in sizes.values()]
@@ -236,8 +236,4 @@ def _plot(path: Path, sizes: dict[str, dict], trends: dict[str, dict]) -> None:
     ax.set_ylabel("paired final val-loss gap (%), 95% CI")
     ax.set_title("Gap vs model size (log-linear fit, 95% band)")
     ax.grid(alpha=0.3, which="both")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save_fig(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, legend_ax=ax)

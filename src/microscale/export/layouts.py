@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.export.hf import fused_groups, linear_paths, ms_module
-from microscale.formats import FormatSpec, QArray, get_format, quantize
+from microscale.formats import FormatSpec, QArray, get_format, quantize, tensor_amax
 from microscale.model import ModelConfig, PrecisionRules
 from microscale.ops import get_recipe
 
@@ -402,7 +402,7 @@ def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
 # ---------------------------------------------------------------------- quantization
 
 def _group_amax(kernels: list) -> jnp.ndarray:
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(jnp.asarray(k, jnp.float32))) for k in kernels]))
+    return tensor_amax(jnp.stack([tensor_amax(k) for k in kernels]))
 
 
 def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,

@@ -50,7 +50,7 @@ from microscale.export.layouts import (
     row_blocks,
     to_hf_orientation,
 )
-from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize
+from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize, tensor_amax
 from microscale.model import ModelConfig, apply_rope, rope_tables
 
 __all__ = ["Linear", "build_weights", "forward", "init_cache"]
@@ -157,7 +157,7 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
 
     def lin(path: str, w: Linear, x):
         if collect_amax:
-            amax[path] = jnp.max(jnp.abs(x.astype(jnp.float32)))
+            amax[path] = tensor_amax(x)
         return _apply_linear(w, x, cdt)
 
     x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)

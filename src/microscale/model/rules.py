@@ -361,17 +361,22 @@ def late_switch(rules: PrecisionRules, mode: Literal["bf16", "forward"] = "bf16"
     if mode != "forward":
         raise ValueError(f"late_switch mode={mode!r}: expected 'bf16' or 'forward'")
 
-    def fwd_bf16(recipe: RecipeLike | None) -> RecipeLike | None:
+    hp = OperandSpec()  # the default operand spec is the bf16 pass-through
+    return _map_quantized(rules, lambda r, _: r.replace(name=f"{r.name}+bf16_fprop",
+                                                        fprop_x=hp, fprop_w=hp))
+
+
+def _map_quantized(rules: PrecisionRules, fn) -> PrecisionRules:
+    """``rules`` with every quantizing recipe replaced by ``fn(Recipe, as_written)``; layers
+    left unassigned (None) or in a non-quantizing recipe are kept as written."""
+    def convert(recipe: RecipeLike | None) -> RecipeLike | None:
         if recipe is None:
             return None
         r = get_recipe(recipe)
-        if not r.quantized:
-            return recipe
-        hp = OperandSpec()  # the default operand spec is the bf16 pass-through
-        return r.replace(name=f"{r.name}+bf16_fprop", fprop_x=hp, fprop_w=hp)
+        return fn(r, recipe) if r.quantized else recipe
 
-    return PrecisionRules(rules=tuple((p, fwd_bf16(r)) for p, r in rules.rules),
-                          default=fwd_bf16(rules.default))
+    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),
+                          default=convert(rules.default))
 
 
 def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
@@ -413,7 +418,6 @@ def default_bf16_last(n_layers: int) -> int:
     return max(1, math.floor(0.15 * n_layers + 0.5))
 
 
-
 def rules_for_training(rules: PrecisionRules,
                        mode: Literal["forward", "full", "as_written"] = "forward"
                        ) -> PrecisionRules:
@@ -432,12 +436,7 @@ def rules_for_training(rules: PrecisionRules,
     if mode not in ("forward", "full"):
         raise ValueError(f"rules mode={mode!r}: expected 'forward', 'full' or 'as_written'")
 
-    def convert(recipe: RecipeLike | None) -> RecipeLike | None:
-        if recipe is None:
-            return None
-        r = get_recipe(recipe)
-        if not r.quantized:
-            return recipe
+    def convert(r: Recipe, recipe: RecipeLike) -> RecipeLike:
         fwd = r.forward_only()
         backward_quantized = fwd != r
         if mode == "forward":
@@ -453,5 +452,4 @@ def rules_for_training(rules: PrecisionRules,
             raise ValueError(f"recipe {r.name!r}: no full training recipe for its format "
                              f"{fmt!r} (expected a preset named like the format)") from None
 
-    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),
-                          default=convert(rules.default))
+    return _map_quantized(rules, convert)

@@ -203,7 +203,7 @@ def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: in
     amax = None
     if history is not None and spec.quantized:
         row = history[SLOTS.index(slot)]
-        amax = jnp.max(row) if recipe.amax_compute == "max" else row[0]
+        amax = tensor_amax(row) if recipe.amax_compute == "max" else row[0]
         updates[slot] = jnp.concatenate([tensor_amax(t)[None], row[:-1]])
     return _quantize_rotated(t, spec, axis, operand_key(key, slot), slot, amax)
 

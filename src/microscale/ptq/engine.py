@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from microscale.formats import get_format, quantize_dequantize
+from microscale.formats import get_format, quantize_dequantize, tensor_amax
 from microscale.model import PrecisionRules, apply_rules
 from microscale.ptq.tap import intercept_linears, linear_paths, without_remat
 
@@ -233,7 +233,7 @@ class Engine:
                 seen = {}
 
                 def hook(path, call, x):
-                    seen[path] = jnp.max(jnp.abs(x.astype(jnp.float32)))
+                    seen[path] = tensor_amax(x)
                     return call(x)
 
                 with intercept_linears(model, hook):

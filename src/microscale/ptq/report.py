@@ -39,10 +39,10 @@ from microscale.files import (
     atomic_folder,
     atomic_write_json,
     atomic_write_text,
-    atomic_writer,
     check_output_dir,
     lock_folder,
     read_json,
+    save_figure,
 )
 from microscale.formats import QArray, get_format
 from microscale.ptq.pipeline import QuantizeResult
@@ -337,11 +337,7 @@ def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     ax.set_ylabel("validation perplexity")
     ax.set_title("PTQ: perplexity vs effective bits")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, legend_ax=ax)
 
 
 def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None:
@@ -379,7 +375,4 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
     fig.colorbar(im, ax=ax, label=label)
     ax.set_title("sensitivity (red: chosen; bf16 = 0 not shown)", fontsize=9)
-    fig.tight_layout()
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

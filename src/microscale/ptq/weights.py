@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize
+from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize, tensor_amax
 
 __all__ = ["QuantizedWeight", "WeightPTQ", "four_over_six", "quantize_group",
            "quantize_weight", "supports_four_over_six"]
@@ -172,7 +172,7 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
         return out
     tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
-    base = jnp.max(jnp.stack([jnp.max(jnp.abs(t)) for t in wts]))
+    base = tensor_amax(jnp.stack([tensor_amax(t) for t in wts]))
 
     def errors(c: float, f6: bool) -> list[float]:
         a = base * jnp.float32(c)
