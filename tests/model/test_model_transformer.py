@@ -21,6 +21,7 @@ from microscale.model import (
     partition_specs,
     rope_tables,
 )
+from microscale.model.layers import Embed, LMHead
 from microscale.ops import get_recipe, list_recipes, make_dot_general
 
 
@@ -245,3 +246,33 @@ def test_qlinear_kernel_gradient_is_the_float32_wgrad(recipe):
                                          preferred_element_type=jnp.bfloat16)))(w)
     np.testing.assert_array_equal(np.asarray(outside),
                                   g.astype(jnp.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_gradient_is_float32_accumulated(tied):
+    """The LM head (untied kernel or tied embedding table) gets the float32-accumulated
+    gradient of bf16 operands: float32, mostly not bf16-representable, and equal to a
+    plain numpy float32 reference X^T dY computed from the same bf16-rounded operands."""
+    rngs = nnx.Rngs(0)
+    head = Embed(40, 32, rngs=rngs) if tied else LMHead(32, 40, rngs=rngs)
+    x = jax.random.normal(jax.random.key(1), (3, 16, 32), jnp.bfloat16)
+    weights = jnp.linspace(0.5, 2.0, 40, dtype=jnp.float32)
+
+    def loss(m):
+        logits = m.attend(x) if tied else m(x)
+        assert logits.dtype == jnp.float32
+        return jnp.sum(jnp.square(logits) * weights)
+
+    grads = nnx.grad(loss)(head)
+    g = np.asarray(grads["embedding" if tied else "kernel"][...])
+    assert g.dtype == np.float32
+    assert np.mean(g != g.astype(jnp.bfloat16).astype(np.float32)) > 0.5
+    # Reference: dL/dlogits = 2 logits w, rounded to bf16 as the GEMM operand; X^T dY in f64.
+    w32 = np.asarray((head.embedding if tied else head.kernel)[...])
+    wb = w32.astype(jnp.bfloat16).astype(np.float64)
+    xb = np.asarray(x).astype(np.float64).reshape(-1, 32)
+    logits = xb @ (wb.T if tied else wb)
+    dy = (2 * logits.astype(np.float32) * np.asarray(weights)).astype(jnp.bfloat16)
+    ref = xb.T @ dy.astype(np.float64)  # [32, 40]
+    ref = ref.T if tied else ref
+    np.testing.assert_allclose(g, ref, rtol=2e-3, atol=1e-3 * np.abs(ref).max())

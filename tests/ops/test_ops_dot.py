@@ -156,6 +156,30 @@ def test_general_dimension_numbers(name):
         _close(y, jax.lax.dot_general(lhs, rhs, dims, precision=HI), rtol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("n", [256, 257])
+def test_jit_grad_with_rhs_contracted_on_its_last_axis(name, n):
+    """``x [..., K] . w [N, K]^T`` (a tied embedding as LM head) with bf16 operands and a
+    float32 result, under jit and grad. XLA:CPU used to fold the transpose of dW into the
+    wgrad dot and fail ("DotThunk: BF16 x BF16 = F32"); the gradients must also equal those
+    of the same product written with the weight already transposed."""
+    x = jax.random.normal(jax.random.key(1), (2, 32, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (n, 64), jnp.float32)
+    ct = jax.random.normal(jax.random.key(3), (2, 32, n), jnp.float32)
+
+    def f(x, w, dims):
+        y = quantized_dot_general(x, w, dims, name, key=KEY, operand_dtype=jnp.bfloat16,
+                                  preferred_element_type=jnp.float32)
+        return jnp.sum(y * ct)
+
+    g = jax.jit(jax.grad(f, argnums=(0, 1)), static_argnums=2)
+    dx, dw = g(x, w, (((2,), (1,)), ((), ())))
+    dx2, dwt = g(x, w.T, (((2,), (0,)), ((), ())))
+    assert dw.dtype == jnp.float32 and dx.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx2, np.float32))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dwt).T)
+
+
 def test_flax_nnx_linear_and_dtypes():
     dg = make_dot_general("nvfp4", key=jax.random.key(1))
     lin = nnx.Linear(64, 32, dot_general=dg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -72,7 +72,7 @@ PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch", "bf16_po
 # bf16 runs sit on a plateau that nvfp4 escapes (or the reverse), so paired gaps swing by
 # several points; at 1e-3 with cosine decay to 0 the gap's seed sd is 0.4-0.8 points. The
 # cheapest setting measured there is the 0.16M-parameter model (d_model 64): its gap sd
-# (0.41, n = 4) is no larger than the 0.62M model's (0.66-0.77) at ~60% of the CPU per run,
+# (0.41, n = 4) is no larger than the 0.62M model's (0.61-0.77) at ~60% of the CPU per run,
 # so more seeds fit. The final eval reads 64 x 16 x 128 = 131k validation tokens (and as
 # many of the second held-out set): its own SE (~0.01 points) is far below the seed spread.
 REGIME = ("model.d_model=64", "model.d_ff=128", "steps=150", "optim.warmup_steps=15",

@@ -298,8 +298,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"the val split {_fmt(setup['unigram_entropy'])} nats/token",
         f"- seeds: {setup['seeds']} (a seed sets the initialisation and the data order)",
         (f"- time: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU (user+sys) "
-         f"for the {len(t['runs'])} runs trained by `compare` here; idle 2-core estimate "
-         f"(CPU / 2) {t['idle_2core_estimate_s'] / 60:.1f} min" if t["runs"] else
+         f"for the {len(t['runs'])} runs trained by `compare` here "
+         f"({t['cpu_s'] / max(t['wall_s'], 1e-9):.2f} cores busy on average; CPU / 2 = "
+         f"{t['idle_2core_estimate_s'] / 60:.1f} min is a lower bound on a 2-core machine's "
+         "wall time)" if t["runs"] else
          "- time: not recorded (no run was trained by `compare` in this folder)"),
         f"- machine: {m['platform']} ({m['device']}), {m['devices']} device(s), "
         f"{m['cpu_count']} CPU cores, jax {m['jax']}; NVFP4 GEMM backend: "

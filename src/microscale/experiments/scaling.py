@@ -200,7 +200,8 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
         f"- runs: {', '.join(cfg.compare.runs)}; seeds {list(cfg.compare.seeds)} "
         "(paired within a size)",
         (f"- time: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (user+sys) for the runs "
-         f"trained by `compare`; idle 2-core estimate (CPU / 2) {cpu / 120:.1f} min" if cpu else
+         f"trained by `compare` ({cpu / max(wall, 1e-9):.2f} cores busy on average; CPU / 2 = "
+         f"{cpu / 120:.1f} min is a lower bound on a 2-core machine's wall time)" if cpu else
          "- time: not recorded (no run was trained by `compare` in these folders)"),
         "- per-size reports: " + ", ".join(f"[{s}]({s}/report.md)" for s in sizes), ""]
     return "\n".join(lines)

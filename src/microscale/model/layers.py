@@ -12,7 +12,8 @@ RMSNorm                     float32 statistics, output in ``compute_dtype``
 RoPE                        float32 rotation, output in ``compute_dtype``
 attention QK^T and PV       ``compute_dtype`` operands, float32 accumulation,
                             float32 softmax
-LM head                     ``compute_dtype`` operands, float32 logits
+LM head (tied or not)       ``compute_dtype`` operands, float32 logits and
+                            float32-accumulated weight gradient
 master weights              ``param_dtype`` (float32)
 ==========================  ===================================================
 
@@ -40,7 +41,7 @@ from flax import nnx
 from flax.core import meta
 
 from microscale.model.rules import RecipeLike, recipe_name
-from microscale.ops import get_recipe, make_dot_general
+from microscale.ops import get_recipe, make_dot_general, quantized_dot_general
 
 __all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned",
            "rope_tables"]
@@ -127,10 +128,9 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.float32)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: ``x @ embedding^T`` -> float32 logits ``[..., vocab]``."""
-        cdt = self.compute_dtype
-        return jnp.einsum("...d,vd->...v", x.astype(cdt), self.embedding[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
+        """Tied LM head: ``x @ embedding^T`` -> float32 logits ``[..., vocab]``; the table's
+        gradient is float32-accumulated (see :func:`_head_matmul`)."""
+        return _head_matmul(x, self.embedding[...], self.compute_dtype, contract=1)
 
 
 class LMHead(nnx.Module):
@@ -144,9 +144,16 @@ class LMHead(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (dim, vocab_size), jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cdt = self.compute_dtype
-        return jnp.einsum("...d,dv->...v", x.astype(cdt), self.kernel[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
+        return _head_matmul(x, self.kernel[...], self.compute_dtype, contract=0)
+
+
+def _head_matmul(x: jax.Array, w: jax.Array, cdt: jnp.dtype, *, contract: int) -> jax.Array:
+    """float32 logits of ``x [..., d]`` against the float32 head ``w`` (contracted on its
+    axis ``contract``), operands in ``cdt``. The cast to ``cdt`` happens inside the bf16
+    recipe's custom VJP (``operand_dtype``), as in `QLinear`, so the head's gradient is the
+    float32-accumulated GEMM, not one rounded to ``cdt`` by an outside cast."""
+    return quantized_dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())), "bf16",
+                                 preferred_element_type=jnp.float32, operand_dtype=cdt)
 
 
 # ---------------------------------------------------------------------- RoPE

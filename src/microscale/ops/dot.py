@@ -343,7 +343,13 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
     n = math.prod(rhs.shape[a] for a in rf)
     lead = (bsz,) if lb else ()
     x = jnp.transpose(lhs, lb + lf + lc) if lb + lf + lc != tuple(range(lhs.ndim)) else lhs
-    w = jnp.transpose(rhs, rb + rc + rf) if rb + rc + rf != tuple(range(rhs.ndim)) else rhs
+    if rb + rc + rf != tuple(range(rhs.ndim)):
+        # The barrier (whose transpose is a barrier on the cotangent) keeps XLA from folding
+        # the transpose of dW back into the wgrad dot, which XLA:CPU cannot run for bf16
+        # operands with a float32 result (e.g. a tied embedding's gradient); see _gemm.
+        w = jax.lax.optimization_barrier(jnp.transpose(rhs, rb + rc + rf))
+    else:
+        w = rhs
     x = x.reshape(lead + (m, k))
     w = w.reshape(lead + (k, n))
     operand_dtype = None if operand_dtype is None else jnp.dtype(operand_dtype)
