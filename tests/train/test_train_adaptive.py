@@ -134,8 +134,27 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
     assert s2["bf16_allocation"]["bf16_layers"] == alloc["bf16_layers"]
 
 
+def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_path):
+    """The control for sensitivity's warm-up: the same all-bf16 steps, then exactly the
+    positional rules (no allocation is chosen or recorded)."""
+    cfg = make_cfg("recipe=nvfp4", "bf16_policy=position_warmup",
+                   "adaptive.warmup_fraction=0.3", "steps=6", "eval_every=0",
+                   f"out={tmp_path / 'w'}")
+    assert cfg.warmup_steps == 2
+    s = train(cfg, progress=False)
+    assert [r["phase"] for r in _records(cfg.out, "train")] == ["warmup"] * 2 + ["main"] * 4
+    ev = [r["event"] for r in _records(cfg.out, "event")]
+    assert "warmup_end" in ev and "bf16_allocation" not in ev
+    assert s.get("bf16_allocation") is None
+    positional = make_cfg("recipe=nvfp4").precision_rules()
+    assert PrecisionRules.load(Path(cfg.out) / "precision_rules.json") == positional
+    assert s["precision"] == {p: positional.resolve_name(p) for p in s["precision"]}
+
+
 @pytest.mark.parametrize("override, expected", [
     (["bf16_policy=sometimes"], ("bf16_policy", "sometimes")),
+    (["bf16_policy=position_warmup"], ("needs a quantized recipe",)),
+    (["recipe=nvfp4", "bf16_policy=position_warmup", "rules=r.json"], ("cannot be combined",)),
     (["bf16_policy=sensitivity"], ("needs a quantized recipe",)),
     (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.warmup_fraction=1.5"],
      ("adaptive.warmup_fraction=1.5",)),

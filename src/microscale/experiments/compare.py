@@ -59,6 +59,8 @@ RUNS: dict[str, dict[str, Any]] = {
     # nvfp4 with the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
     # the positional rule's bf16 FLOP fraction (train/adaptive.py)
     "nvfp4_adaptive": {"recipe": "nvfp4", "bf16_policy": "sensitivity"},
+    # the control for nvfp4_adaptive's bf16 warm-up: the same warm-up, then the positional rule
+    "nvfp4_warmup": {"recipe": "nvfp4", "bf16_policy": "position_warmup"},
 }
 BASELINES = ("bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
 ABLATIONS = tuple(n for n in RUNS if n not in BASELINES)

@@ -196,10 +196,12 @@ class TrainConfig:
     # layer in the full low-precision training recipe of its weight format (nvfp4, mxfp4,
     # mxfp8, fp8_e4m3: dgrad and wgrad quantized too); "as_written": the recipes unchanged.
     rules_mode: Literal["forward", "full", "as_written"] = "forward"
-    # Which blocks of a quantized recipe stay bf16: "position" (bf16_first/bf16_last) or
+    # Which blocks of a quantized recipe stay bf16: "position" (bf16_first/bf16_last),
     # "sensitivity" (after a bf16 warm-up, per-layer sensitivity picks the bf16 layers
-    # under a linear-FLOP budget; see the adaptive.* keys).
-    bf16_policy: Literal["position", "sensitivity"] = "position"
+    # under a linear-FLOP budget; see the adaptive.* keys) or "position_warmup" (the
+    # positional rule after the same bf16 warm-up: the control that separates the warm-up's
+    # effect from the choice's).
+    bf16_policy: Literal["position", "sensitivity", "position_warmup"] = "position"
     # Settings of bf16_policy=sensitivity.
     adaptive: AdaptiveConfig = AdaptiveConfig()
     # Start from these weights (weights only: optimizer, schedule and data position start
@@ -278,19 +280,22 @@ class TrainConfig:
         if self.rules_mode not in ("forward", "full", "as_written"):
             raise ValueError(f"rules_mode={self.rules_mode!r}: expected 'forward', 'full' or "
                              "'as_written'")
-        if self.bf16_policy not in ("position", "sensitivity"):
-            raise ValueError(f"bf16_policy={self.bf16_policy!r}: expected 'position' or "
-                             "'sensitivity'")
-        if self.bf16_policy == "sensitivity":
-            if self.rules is not None:
+        if self.bf16_policy not in ("position", "sensitivity", "position_warmup"):
+            raise ValueError(f"bf16_policy={self.bf16_policy!r}: expected 'position', "
+                             "'sensitivity' or 'position_warmup'")
+        if self.bf16_policy == "position_warmup" and self.rules is not None:
+            raise ValueError("bf16_policy=position_warmup is the positional rule after a bf16 "
+                             "warm-up; it cannot be combined with rules=")
+        if self.bf16_policy != "position":
+            if self.bf16_policy == "sensitivity" and self.rules is not None:
                 raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
                                  "cannot be combined with rules=")
-            if self.bf16_layout is not None:
+            if self.bf16_policy == "sensitivity" and self.bf16_layout is not None:
                 raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
                                  f"cannot be combined with bf16_layout={self.bf16_layout!r}")
             if not recipe.quantized:
-                raise ValueError(f"bf16_policy=sensitivity needs a quantized recipe, got "
-                                 f"recipe={self.recipe!r}")
+                raise ValueError(f"bf16_policy={self.bf16_policy} needs a quantized recipe, "
+                                 f"got recipe={self.recipe!r}")
             warm = self.warmup_steps
             if warm >= self.switch_step:
                 raise ValueError(f"adaptive.warmup_fraction={self.adaptive.warmup_fraction} "
@@ -321,8 +326,8 @@ class TrainConfig:
 
     @property
     def warmup_steps(self) -> int:
-        """Steps trained all-bf16 before bf16_policy=sensitivity chooses (0 otherwise)."""
-        if self.bf16_policy != "sensitivity":
+        """Steps trained all-bf16 first (bf16_policy sensitivity or position_warmup; else 0)."""
+        if self.bf16_policy == "position":
             return 0
         return max(1, int(round(self.adaptive.warmup_fraction * self.steps)))
 

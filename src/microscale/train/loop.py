@@ -162,7 +162,7 @@ def _phase_rules(cfg: TrainConfig, main: PrecisionRules) -> dict[str, PrecisionR
     if cfg.late_switch.fraction > 0:
         mode = "bf16" if cfg.late_switch.mode == "full" else "forward"
         rules["late"] = late_switch(main, mode)
-    if cfg.bf16_policy == "sensitivity":
+    if cfg.warmup_steps:
         rules["warmup"] = PrecisionRules(default="bf16")
     return rules
 
@@ -472,14 +472,14 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         logger.log({"kind": "event", "event": "init_from", "step": 0, "source": init_source})
         logger.message(f"init_from: {init_source['note']}")
     # recipes, not names: a rules file may hold custom recipes (QAT on a quantize output)
-    start_rules = st.rules["warmup" if adaptive and start < warm_step else "main"]
+    start_rules = st.rules["warmup" if start < warm_step else "main"]
     q_blocks, hp_blocks = quantized_blocks({
         p: start_rules.resolve(p) for p, _ in iter_linears(
             nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest))})
     logger.log({"kind": "event", "event": "precision", "step": start,
                 "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
     what = cfg.recipe if cfg.rules is None else f"rules {cfg.rules}"
-    if adaptive and start < warm_step:
+    if start < warm_step:
         what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
     logger.message(f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
                    f"blocks quantized" + (f"; blocks {hp_blocks} in high precision"
@@ -499,7 +499,7 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
     switch = cfg.switch_step
 
     def phase_of(step: int) -> str:
-        if adaptive and step < warm_step:
+        if step < warm_step:
             return "warmup"
         return "late" if ("late" in st.graphdefs and step >= switch) else "main"
 
@@ -645,10 +645,15 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                     if pending is not None:
                         process(pending)
                         pending = None
-                    if phase == "warmup":
+                    if phase == "warmup" and adaptive:
                         t0 = time.perf_counter()
                         choose_allocation(idx)
                         pause_end(t0)
+                    elif phase == "warmup":  # position_warmup: the positional rules from here
+                        logger.log({"kind": "event", "event": "warmup_end", "step": idx,
+                                    "tokens": idx * tps})
+                        logger.message(f"step {idx}: bf16 warm-up over; {cfg.recipe} with "
+                                       "the positional bf16 blocks")
                     phase = ph
                     if ph == "late":
                         logger.log({"kind": "event", "event": "late_switch", "step": idx,
