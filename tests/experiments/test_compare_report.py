@@ -159,3 +159,20 @@ def test_scaling_config_rejects_bad_sizes():
         ScalingConfig(sizes=("0.1M", "1.7M"))
     with pytest.raises(ValueError, match="two or more"):
         ScalingConfig(sizes=("1.7M",))
+
+
+@pytest.mark.parametrize("runs, expected", [
+    (("bf16", "nvfp4"), [("nvfp4", "bf16")]),
+    (("bf16", "fp8", "nvfp4", "mxfp4"),
+     [("fp8", "bf16"), ("nvfp4", "bf16"), ("mxfp4", "bf16"), ("nvfp4", "fp8"),
+      ("mxfp4", "fp8"), ("mxfp4", "nvfp4")]),
+    # an ablation is read against nvfp4; the adaptive choice also against its warm-up control
+    (("nvfp4", "nvfp4_adaptive", "nvfp4_warmup"),
+     [("nvfp4_adaptive", "nvfp4"), ("nvfp4_warmup", "nvfp4"),
+      ("nvfp4_adaptive", "nvfp4_warmup")]),
+    (("nvfp4", "nvfp4_adaptive"), [("nvfp4_adaptive", "nvfp4")]),  # no control in the set
+])
+def test_comparison_pairs(runs, expected):
+    from microscale.experiments.report import comparison_pairs
+
+    assert comparison_pairs(runs) == expected

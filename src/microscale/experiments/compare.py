@@ -62,6 +62,9 @@ RUNS: dict[str, dict[str, Any]] = {
     # the control for nvfp4_adaptive's bf16 warm-up: the same warm-up, then the positional rule
     "nvfp4_warmup": {"recipe": "nvfp4", "bf16_policy": "position_warmup"},
 }
+# Runs also read against a control run of the same set (when both are in it): the control
+# shares everything but the one choice under test.
+CONTROLS = {"nvfp4_adaptive": "nvfp4_warmup"}
 BASELINES = ("bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
 ABLATIONS = tuple(n for n in RUNS if n not in BASELINES)
 # Fields a run is allowed to change; everything else must match across runs.

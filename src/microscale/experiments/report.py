@@ -115,12 +115,13 @@ def _machine() -> dict[str, Any]:
 
 def comparison_pairs(runs: tuple[str, ...]) -> list[tuple[str, str]]:
     """(run, reference) pairs reported for a run set, in reading order."""
-    from microscale.experiments.compare import ABLATIONS
+    from microscale.experiments.compare import ABLATIONS, CONTROLS
 
     pairs = [(r, "bf16") for r in runs if r != "bf16" and "bf16" in runs]
     pairs += [(r, "fp8") for r in runs if r not in ("bf16", "fp8") and "fp8" in runs]
     pairs += [(r, "nvfp4") for r in runs
               if "nvfp4" in runs and (r in ABLATIONS or r == "mxfp4")]
+    pairs += [(r, CONTROLS[r]) for r in runs if r in CONTROLS and CONTROLS[r] in runs]
     return pairs
 
 
