@@ -202,7 +202,7 @@ class TrainConfig:
     # positional rule after the same bf16 warm-up: the control that separates the warm-up's
     # effect from the choice's).
     bf16_policy: Literal["position", "sensitivity", "position_warmup"] = "position"
-    # Settings of bf16_policy=sensitivity.
+    # Settings of bf16_policy=sensitivity (its warm-up also sets position_warmup's).
     adaptive: AdaptiveConfig = AdaptiveConfig()
     # Start from these weights (weights only: optimizer, schedule and data position start
     # fresh): a microscale run folder, a `microscale quantize` output or an HF Llama folder.
@@ -283,13 +283,10 @@ class TrainConfig:
         if self.bf16_policy not in ("position", "sensitivity", "position_warmup"):
             raise ValueError(f"bf16_policy={self.bf16_policy!r}: expected 'position', "
                              "'sensitivity' or 'position_warmup'")
-        if self.bf16_policy == "position_warmup" and self.rules is not None:
-            raise ValueError("bf16_policy=position_warmup is the positional rule after a bf16 "
-                             "warm-up; it cannot be combined with rules=")
         if self.bf16_policy != "position":
-            if self.bf16_policy == "sensitivity" and self.rules is not None:
-                raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
-                                 "cannot be combined with rules=")
+            if self.rules is not None:
+                raise ValueError(f"bf16_policy={self.bf16_policy} sets the bf16 layers from "
+                                 "the recipe; it cannot be combined with rules=")
             if self.bf16_policy == "sensitivity" and self.bf16_layout is not None:
                 raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
                                  f"cannot be combined with bf16_layout={self.bf16_layout!r}")
