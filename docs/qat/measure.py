@@ -6,20 +6,23 @@ Per seed ``S`` (every stage is skipped when its output exists, so the command re
 
 1. ``microscale train`` the test bed (``TESTBED`` below) with ``seed=S`` -> ``src-S``;
 2. ``microscale quantize --budget 5.0`` weight-only and ``--w4a4`` -> ``q-S-w``, ``q-S-w4a4``:
-   val ppl of bf16, uniform NVFP4 and the searched allocation (PTQ alone);
+   val ppl of bf16, uniform NVFP4 and the searched allocation (PTQ alone), on
+   ``--eval-batches`` (32) validation batches of 16 x 128 tokens;
 3. QAT: ``microscale train init_from=q-S-M rules=q-S-M/precision_rules.json`` for
    ``qat_fraction`` of the test bed's steps (forward-only recipes, straight-through
    gradients; learning rate ``--qat-lr``) -> ``qat-S-M``;
-4. ``microscale quantize`` of the QAT run with the same flags -> ``qq-S-M``: PTQ of the
-   fine-tuned weights (the same PTQ choices and evaluation batches as step 2);
+4. ``microscale quantize`` of the QAT run with the same flags -> ``qq-S-M``: its
+   ``trained`` point is the QAT model deployed with the allocation it trained with (what
+   ``microscale export`` writes for it), with the same PTQ choices and evaluation batches
+   as step 2 (its ``searched`` point, a new search on the QAT weights, is reported too);
 5. control: the same fine-tune in bf16 (``ft-S``, no rules) and its PTQ (``qf-S-M``), which
    separates quantization awareness from the extra tokens.
 
-Recovered fraction of the gap to bf16, per seed: ``(ppl_PTQ - ppl_QAT) / (ppl_PTQ -
-ppl_bf16)`` (the source's bf16 ppl), and against the control ``(ppl_ctrl_PTQ - ppl_QAT) /
-(ppl_ctrl_PTQ - ppl_ctrl_bf16)``, for the searched allocation and uniform NVFP4. Mean and
-95% Student-t interval over seeds (paired: one source model per seed). Writes
-``ROOT/results.json`` and prints a markdown table.
+Recovered fraction of the searched allocation's gap to bf16, per seed: ``(ppl_PTQ -
+ppl_QAT) / (ppl_PTQ - ppl_bf16)`` (the source's bf16 ppl), and against the control
+``(ppl_ctrl_PTQ - ppl_QAT) / (ppl_ctrl_PTQ - ppl_ctrl_bf16)``; QAT vs control as a
+relative ppl difference. Mean and 95% Student-t interval over seeds (paired: one source
+model per seed). Writes ``ROOT/results.json`` and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ def main() -> None:
     ap.add_argument("--qat-fraction", type=float, default=0.1)
     ap.add_argument("--qat-lr", default="3e-4")
     ap.add_argument("--modes", default="w,w4a4")
+    ap.add_argument("--eval-batches", default="32",
+                    help="validation batches of 16 x 128 tokens for every PTQ evaluation")
     a = ap.parse_args()
     root = Path(a.root)
     steps = int(next(o for o in TESTBED if o.startswith("steps=")).split("=")[1])
@@ -69,7 +74,8 @@ def main() -> None:
             sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
                "resume=true")
         for mode in a.modes.split(","):
-            flags = ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q"]
+            flags = ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
+                     "--eval-batches", a.eval_batches]
             flags += ["--w4a4"] if mode == "w4a4" else []
             q, qat, qq = (root / f"{k}-{seed}-{mode}" for k in ("q", "qat", "qq"))
             if not (q / "report.json").is_file():
@@ -89,22 +95,7 @@ def main() -> None:
                    f"optim.lr={a.qat_lr}", f"init_from={src}", f"out={ft}", "resume=true")
             if not (qf / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
-            ptq = json.loads((q / "report.json").read_text())["val_ppl"]
-            after = json.loads((qq / "report.json").read_text())["val_ppl"]
-            ctrl = json.loads((qf / "report.json").read_text())["val_ppl"]
-            row = {"seed": seed, "mode": mode, "bf16": ptq["bf16"],
-                   "qat_bf16": after["bf16"], "ctrl_bf16": ctrl["bf16"]}
-            for k in ("uniform_nvfp4", "searched"):
-                row[f"ptq_{k}"], row[f"qat_{k}"] = ptq[k], after[k]
-                # PTQ alone: the paired relative ppl gap to the source's bf16, in percent
-                row[f"ptq_gap_{k}"] = 100 * (ptq[k] - ptq["bf16"]) / ptq["bf16"]
-                row[f"qat_gap_{k}"] = 100 * (after[k] - ptq["bf16"]) / ptq["bf16"]
-                row[f"ctrl_{k}"] = ctrl[k]
-                row[f"recovered_{k}"] = (ptq[k] - after[k]) / (ptq[k] - ptq["bf16"])
-                # against the bf16 fine-tune of the same length: the part that is due to
-                # quantization awareness, as a fraction of that model's own PTQ gap
-                row[f"recovered_vs_ctrl_{k}"] = (ctrl[k] - after[k]) / (ctrl[k] - ctrl["bf16"])
-            rows.append(row)
+            rows.append(_row(seed, mode, q, qq, qf))
     summary = {}
     for mode in a.modes.split(","):
         rs = [r for r in rows if r["mode"] == mode]
@@ -112,28 +103,75 @@ def main() -> None:
                          if k not in ("seed", "mode")}
     (root / "results.json").write_text(json.dumps({"rows": rows, "summary": summary,
                                                    "qat_steps": qat_steps,
+                                                   "eval_batches": int(a.eval_batches),
                                                    "qat_lr": a.qat_lr}, indent=2))
-    print("| seed | mode | bf16 | PTQ nvfp4 | PTQ searched | QAT bf16 | QAT nvfp4 | "
-          "QAT searched | recovered (nvfp4) | recovered (searched) |")
+    _print(rows, summary)
+
+
+def _row(seed: int, mode: str, q: Path, qq: Path, qf: Path) -> dict:
+    """One seed's numbers (val ppl on the same evaluation batches throughout)."""
+    src, after, ctrl = (json.loads((d / "report.json").read_text()) for d in (q, qq, qf))
+    p, pa, pc = src["val_ppl"], after["val_ppl"], ctrl["val_ppl"]
+    if "trained" not in pa:
+        raise SystemExit(f"{qq}: no 'trained' point (made by an older microscale); delete "
+                         "the folder and rerun")
+    bf16 = p["bf16"]
+
+    def gap(x: float, ref: float) -> float:  # relative ppl difference in percent
+        return 100 * (x - ref) / ref
+
+    return {
+        "seed": seed, "mode": mode, "bf16": bf16,
+        "ptq_uniform_nvfp4": p["uniform_nvfp4"], "ptq_searched": p["searched"],
+        "searched_bits": src["effective_bits"],
+        # the QAT run deployed with the allocation it trained with (what export writes)
+        "qat_bf16": pa["bf16"], "qat": pa["trained"],
+        "qat_bits": after["points"]["trained"]["effective_bits"],
+        # layers whose format a new search on the QAT weights would change
+        "qat_researched": pa["searched"],
+        "realloc_layers": sum(src["layers"][k] != after["layers"][k] for k in src["layers"]),
+        # control: bf16 fine-tune of the same length, then the same PTQ search
+        "ctrl_bf16": pc["bf16"], "ctrl_searched": pc["searched"],
+        "ptq_gap_uniform_nvfp4": gap(p["uniform_nvfp4"], bf16),
+        "ptq_gap_searched": gap(p["searched"], bf16),
+        "qat_gap": gap(pa["trained"], bf16),
+        "ctrl_gap": gap(pc["searched"], bf16),
+        "qat_vs_ctrl": gap(pa["trained"], pc["searched"]),
+        # the fraction of the searched PTQ gap to the source's bf16 that QAT closes
+        "recovered": (p["searched"] - pa["trained"]) / (p["searched"] - bf16),
+        # ... and the part due to quantization awareness: against the control's own PTQ
+        # gap (the control also trains the extra tokens)
+        "recovered_vs_ctrl": (pc["searched"] - pa["trained"]) / (pc["searched"] - pc["bf16"]),
+    }
+
+
+def _band(c: dict, pct: bool) -> str:
+    f = (lambda v: f"{v:.0%}") if pct else (lambda v: f"{v:+.2f}%")
+    if c["lo"] is None:
+        return f"{f(c['mean'])} (n={c['n']}, no interval)"
+    return f"{f(c['mean'])} (95% CI {f(c['lo'])} to {f(c['hi'])}, n={c['n']})"
+
+
+def _print(rows: list[dict], summary: dict) -> None:
+    print("| seed | mode | bf16 | PTQ nvfp4 | PTQ searched (bits) | QAT (its allocation) | "
+          "QAT bf16 | control bf16 | control searched | re-searched layers |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['seed']} | {r['mode']} | {r['bf16']:.4f} | {r['ptq_uniform_nvfp4']:.4f} | "
-              f"{r['ptq_searched']:.4f} | {r['qat_bf16']:.4f} | {r['qat_uniform_nvfp4']:.4f} | "
-              f"{r['qat_searched']:.4f} | {r['recovered_uniform_nvfp4']:.1%} | "
-              f"{r['recovered_searched']:.1%} |")
+              f"{r['ptq_searched']:.4f} ({r['searched_bits']:.2f}) | {r['qat']:.4f} | "
+              f"{r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | {r['ctrl_searched']:.4f} | "
+              f"{r['realloc_layers']} |")
+    print()
     for mode, s in summary.items():
-        for k in ("ptq_gap_uniform_nvfp4", "ptq_gap_searched", "qat_gap_uniform_nvfp4",
-                  "qat_gap_searched"):
-            c = s[k]
-            band = "n=1, no interval" if c["lo"] is None else \
-                f"95% CI {c['lo']:+.2f}..{c['hi']:+.2f}, n={c['n']}"
-            print(f"{mode} {k}: mean {c['mean']:+.2f}% ({band})")
-        for k in ("recovered_uniform_nvfp4", "recovered_searched",
-                  "recovered_vs_ctrl_uniform_nvfp4", "recovered_vs_ctrl_searched"):
-            c = s[k]
-            band = "n=1, no interval" if c["lo"] is None else \
-                f"95% CI {c['lo']:.1%}..{c['hi']:.1%}, n={c['n']}"
-            print(f"{mode} {k}: mean {c['mean']:.1%} ({band})")
+        for k, label in (("ptq_gap_uniform_nvfp4", "PTQ uniform NVFP4 vs bf16"),
+                         ("ptq_gap_searched", "PTQ searched vs bf16"),
+                         ("qat_gap", "QAT vs source bf16"),
+                         ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
+                         ("qat_vs_ctrl", "QAT vs control")):
+            print(f"{mode}: {label}: {_band(s[k], pct=False)}")
+        for k, label in (("recovered", "recovered fraction of the PTQ gap"),
+                         ("recovered_vs_ctrl", "recovered fraction vs the control")):
+            print(f"{mode}: {label}: {_band(s[k], pct=True)}")
 
 
 if __name__ == "__main__":

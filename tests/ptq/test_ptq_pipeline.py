@@ -190,3 +190,32 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
     md = (tmp_path / "b.md").read_text()
     assert "measured WORSE than round-to-nearest on uniform_nvfp4" in md
     assert "| uniform_nvfp4 | 1.0000 |" in md and md.count("| rtn |") >= 1
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_trained_allocation_point(tiny_model, token_batches, activations):
+    """A QAT run's own allocation is evaluated as the point "trained", exactly as the same
+    allocation evaluated as a uniform point; pins win; a format outside the candidates
+    (mxfp8 here) still runs, inputs included; paired differences come with it."""
+    calib, evals = token_batches
+    base = dict(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(),
+                ptq=WeightPTQ.rtn(), activations=activations, ptq_effects=False,
+                pin=((r"layers\.1\.attn\.o_proj", "bf16"),))
+    ref = quantize_model(tiny_model, calib, evals, QuantizeConfig(
+        **base, uniform_formats=("nvfp4", "mxfp8", "bf16")))
+    assert "trained" not in ref.points  # nothing trained -> no such point
+    paths = ref.paths
+    for fmt in ("nvfp4", "mxfp8"):
+        got = quantize_model(tiny_model, calib, evals, QuantizeConfig(
+            **base, uniform_formats=("nvfp4", "bf16")), trained=dict.fromkeys(paths, fmt))
+        t, u = got.points["trained"], ref.points[f"uniform_{fmt}"]
+        assert t["kind"] == "trained"
+        assert t["val_loss"] == pytest.approx(u["val_loss"], abs=1e-6), fmt
+        assert t["effective_bits"] == pytest.approx(u["effective_bits"]), fmt  # o_proj pinned
+        c = got.comparisons["trained - bf16"]
+        assert c["dloss"] == pytest.approx(t["val_loss"] - got.points["bf16"]["val_loss"],
+                                           abs=1e-9)
+        assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
+    with pytest.raises(ValueError, match=r"no format for 1 layer.*layers\.0\.attn\.q_proj"):
+        quantize_model(tiny_model, calib, evals, QuantizeConfig(**base),
+                       trained={p: "nvfp4" for p in paths if p != "layers.0.attn.q_proj"})

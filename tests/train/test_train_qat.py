@@ -25,6 +25,7 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
         layout="microscale")
     formats = res.allocation.formats
     assert len(set(formats.values())) > 1  # a mixed allocation
+    assert "trained" not in res.points  # a positional bf16 run trained no allocation
 
     qat = make_cfg(f"init_from={q}", f"rules={q / 'precision_rules.json'}", "steps=2",
                    "eval_every=1", f"out={tmp_path / 'qat'}")
@@ -37,6 +38,13 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
     evals = [json.loads(x) for x in Path(qat.out, "metrics.jsonl").read_text().splitlines()]
     v0 = next(r["val_loss"] for r in evals if r["kind"] == "eval" and r["step"] == 0)
     assert v0 == pytest.approx(res.points["searched"]["val_loss"], rel=0.02)
+
+    # quantize of the QAT run evaluates the allocation it trained with, export's allocation
+    from microscale.ptq import trained_allocation
+    from microscale.train import load_checkpoint
+
+    assert trained_allocation(qat.out, load_checkpoint(qat.out)[1]) == formats
+    assert trained_allocation(src.out, load_checkpoint(src.out)[1]) is None
 
     out = tmp_path / "export"
     assert main(["export", "--checkpoint", qat.out, "--out", str(out)]) == 0, \

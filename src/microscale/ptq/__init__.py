@@ -32,7 +32,7 @@ from microscale.ptq.pipeline import (
     quantize_model,
 )
 from microscale.ptq.report import read_own_checkpoint, write_outputs
-from microscale.ptq.run import calibration_windows, quantize_run
+from microscale.ptq.run import calibration_windows, quantize_run, trained_allocation
 from microscale.ptq.search import (
     DEFAULT_GROUPS,
     Allocation,
@@ -65,5 +65,5 @@ __all__ = [
     "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
     "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
     "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",
-    "search", "taylor_scores", "write_outputs",
+    "search", "taylor_scores", "trained_allocation", "write_outputs",
 ]

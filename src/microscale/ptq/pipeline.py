@@ -20,7 +20,10 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
    allocation across budgets (the Pareto curve), the paired per-batch differences of the
    searched allocation against the heuristic, uniform NVFP4 and BF16 (mean, standard
    error, t: is a 0.1% perplexity difference more than evaluation noise?), and the
-   effect of each PTQ choice. Every allocation is evaluated with the same PTQ choices
+   effect of each PTQ choice. A ``trained`` allocation (the one a QAT run or a
+   sensitivity-chosen bf16 run trained with, and that ``microscale export`` writes for it)
+   is evaluated too, with its paired differences against BF16 and uniform NVFP4. Every
+   allocation is evaluated with the same PTQ choices
    (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
 
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
@@ -391,6 +394,7 @@ class _Weights:
 def quantize_model(model: Any, calib_batches, eval_batches,
                    config: QuantizeConfig | None = None, *, loss_fn: LossFn | None = None,
                    calibration: Mapping[str, Any] | None = None,
+                   trained: Mapping[str, str] | None = None,
                    log: Callable[[str], None] | None = None) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
 
@@ -401,6 +405,8 @@ def quantize_model(model: Any, calib_batches, eval_batches,
       config: the run's :class:`QuantizeConfig`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; default next-token cross-entropy.
       calibration: a description of where the calibration batches came from (reported).
+      trained: ``{path: format}`` the model was trained with (QAT): evaluated as the point
+        ``"trained"`` (pinned layers keep their pin), with paired differences.
       log: progress messages (e.g. ``print``); None is silent.
     """
     cfg = QuantizeConfig() if config is None else config
@@ -421,6 +427,13 @@ def quantize_model(model: Any, calib_batches, eval_batches,
             if re.fullmatch(pattern, p):
                 pinned[p] = fmt
                 break
+    if trained is not None:
+        missing = sorted(set(paths) - set(trained))
+        if missing:
+            raise ValueError(f"quantize_model: trained allocation has no format for "
+                             f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
+                             f"for every linear layer")
+        trained = {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
     weights = _Weights(engine, groups)
     extra = engine.other_numel if cfg.count_other_params else 0
     say(f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
@@ -453,7 +466,8 @@ def quantize_model(model: Any, calib_batches, eval_batches,
 
     # 4. evaluation
     t = time.perf_counter()
-    evaluator = _Evaluator(engine, weights, evals, cfg, static, extra)
+    evaluator = _Evaluator(engine, weights, evals, cfg, static, extra,
+                           extra_formats=tuple((trained or {}).values()))
     points: dict[str, dict[str, Any]] = {}
     for f in cfg.uniform_formats:
         label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
@@ -481,9 +495,14 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     comparisons = {}
     refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
             "bf16": _uniform(paths, "bf16", {})}
-    for name, ref in refs.items():
-        if name in points:
-            comparisons[f"searched - {name}"] = evaluator.paired(alloc.formats, ref, cfg.ptq)
+    compared = {"searched": alloc.formats}
+    if trained is not None:
+        points["trained"] = evaluator.point(trained, cfg.ptq, kind="trained")
+        compared["trained"] = trained
+    for label, assignment in compared.items():
+        for name, ref in refs.items():
+            if name in points:
+                comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, cfg.ptq)
     timings["evaluate_s"] = time.perf_counter() - t
     say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
                                          for k, v in points.items()
@@ -527,14 +546,15 @@ class _Evaluator:
     """Validation loss of allocations (cached by allocation and PTQ options)."""
 
     def __init__(self, engine: Engine, weights: _Weights, evals, cfg: QuantizeConfig,
-                 static_amax, extra_numel: int):
+                 static_amax, extra_numel: int, extra_formats: Sequence[str] = ()):
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
         self.extra = extra_numel
         self._cache: dict[Any, np.ndarray] = {}
         # every format an evaluated allocation may use: one compiled W4A4 forward
         self.palette = tuple(sorted({f for f in (*cfg.formats, *cfg.uniform_formats,
-                                                 *cfg.heuristic) if get_format(f).quantized}))
+                                                 *cfg.heuristic, *extra_formats)
+                                     if get_format(f).quantized}))
 
     def loss(self, assignment: Mapping[str, str], ptq: WeightPTQ, **kw) -> float:
         return float(np.mean(self.batch_losses(assignment, ptq, **kw)))

@@ -12,6 +12,9 @@ tokens:
   *after* the evaluation windows (disjoint), falling back to the train split when the val
   split is too short.
 
+A run trained with an allocation (QAT: ``rules=``; ``bf16_policy=sensitivity``) also has
+that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
+
 Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
 quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
 ``sensitivity.png`` under ``out_dir``.
@@ -31,7 +34,26 @@ import numpy as np
 from microscale.files import lock_folder
 from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
 
-__all__ = ["calibration_windows", "quantize_run"]
+__all__ = ["calibration_windows", "quantize_run", "trained_allocation"]
+
+
+def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, str] | None:
+    """``{linear path: weight format}`` a run trained with when it trained with an allocation
+    (``rules=``, e.g. QAT on a quantize output, or ``bf16_policy=sensitivity``): each
+    layer's forward weight format in the run's ``precision_rules.json``, the allocation
+    ``microscale export`` writes for it. None for a run with the positional rule."""
+    from microscale.export.layouts import resolve_layers
+    from microscale.model import PrecisionRules
+
+    if train_cfg.rules is None and train_cfg.bf16_policy != "sensitivity":
+        return None
+    path = Path(run_dir) / "precision_rules.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} is missing: the run trained with an "
+                                "allocation (rules= or bf16_policy=sensitivity) and records it "
+                                "there")
+    layers = resolve_layers(train_cfg.model, PrecisionRules.load(path))
+    return {p: lq.weights for p, lq in layers.items()}
 
 
 def calibration_windows(tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows: int,
@@ -108,7 +130,8 @@ def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, 
             raise ValueError(f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
                              f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens")
     source.update(run_dir=str(run_dir), step=meta.get("step"), seed=cfg.seed)
-    result = quantize_model(model, calib, evals, cfg, calibration=source, log=log)
+    result = quantize_model(model, calib, evals, cfg, calibration=source,
+                            trained=trained_allocation(run_dir, train_cfg), log=log)
     write_outputs(result, out_dir, model_config=train_cfg.model, tokenizer=data.tokenizer,
                   layout=layout, log=log)
     return result
