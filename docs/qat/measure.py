@@ -68,12 +68,13 @@ def main() -> None:
     steps = int(next(o for o in TESTBED if o.startswith("steps=")).split("=")[1])
     qat_steps = max(1, round(a.qat_fraction * steps))
     rows = []
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    seeds, modes = [int(s) for s in a.seeds.split(",")], a.modes.split(",")
+    for seed in seeds:
         src = root / f"src-{seed}"
         if not (src / "summary.json").is_file():
             sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
                "resume=true")
-        for mode in a.modes.split(","):
+        for mode in modes:
             flags = ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
                      "--eval-batches", a.eval_batches]
             flags += ["--w4a4"] if mode == "w4a4" else []
@@ -97,14 +98,16 @@ def main() -> None:
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
             rows.append(_row(seed, mode, q, qq, qf))
     summary = {}
-    for mode in a.modes.split(","):
+    for mode in modes:
         rs = [r for r in rows if r["mode"] == mode]
         summary[mode] = {k: ci([r[k] for r in rs]) for k in rs[0]
                          if k not in ("seed", "mode")}
     (root / "results.json").write_text(json.dumps({"rows": rows, "summary": summary,
                                                    "qat_steps": qat_steps,
                                                    "eval_batches": int(a.eval_batches),
-                                                   "qat_lr": a.qat_lr}, indent=2))
+                                                   "qat_lr": a.qat_lr,
+                                                   "ptq": ptq_table(root, seeds, modes)},
+                                                  indent=2))
     _print(rows, summary)
 
 
@@ -143,6 +146,34 @@ def _row(seed: int, mode: str, q: Path, qq: Path, qf: Path) -> dict:
         # gap (the control also trains the extra tokens)
         "recovered_vs_ctrl": (pc["searched"] - pa["trained"]) / (pc["searched"] - pc["bf16"]),
     }
+
+
+def ptq_table(root: Path, seeds: list[int], modes: list[str]) -> dict:
+    """PTQ alone on the source models: per allocation, the relative ppl gap to bf16 (percent)
+    and effective bits; per paired comparison of the searched allocation, the loss
+    difference in nats; each the mean and 95% interval over seeds. Prints markdown."""
+    out = {}
+    for mode in modes:
+        reps = [json.loads((root / f"q-{s}-{mode}" / "report.json").read_text())
+                for s in seeds]
+        labels = [k for k in reps[0]["points"] if not k.startswith("pareto_")]
+        table = {k: {"gap": ci([100 * (r["val_ppl"][k] / r["val_ppl"]["bf16"] - 1)
+                                for r in reps]),
+                     "bits": ci([r["points"][k]["effective_bits"] for r in reps])}
+                 for k in labels}
+        paired = {k: ci([r["comparisons"][k]["dloss"] for r in reps])
+                  for k in reps[0]["comparisons"]}
+        out[mode] = {"points": table, "paired": paired}
+        print(f"\nPTQ alone, {mode} ({len(seeds)} source models):\n")
+        print("| allocation | effective bits | val ppl vs bf16 (95% CI over seeds) |")
+        print("|---|---:|---|")
+        for k, v in sorted(table.items(), key=lambda kv: -kv[1]["bits"]["mean"]):
+            print(f"| {k} | {v['bits']['mean']:.2f} | {_band(v['gap'], pct=False)} |")
+        print()
+        for k, c in paired.items():
+            band = "no interval" if c["lo"] is None else f"95% CI {c['lo']:+.4f} to {c['hi']:+.4f}"
+            print(f"{mode}: {k}: {c['mean']:+.4f} nats ({band}, n={c['n']})")
+    return out
 
 
 def _band(c: dict, pct: bool) -> str:
