@@ -11,18 +11,24 @@ Per seed ``S`` (every stage is skipped when its output exists, so the command re
 3. QAT: ``microscale train init_from=q-S-M rules=q-S-M/precision_rules.json`` for
    ``qat_fraction`` of the test bed's steps (forward-only recipes, straight-through
    gradients; learning rate ``--qat-lr``) -> ``qat-S-M``;
-4. ``microscale quantize`` of the QAT run with the same flags -> ``qq-S-M``: its
-   ``trained`` point is the QAT model deployed with the allocation it trained with (what
-   ``microscale export`` writes for it), with the same PTQ choices and evaluation batches
-   as step 2 (its ``searched`` point, a new search on the QAT weights, is reported too);
-5. control: the same fine-tune in bf16 (``ft-S``, no rules) and its PTQ (``qf-S-M``), which
-   separates quantization awareness from the extra tokens.
+4. ``microscale quantize`` of the QAT run: its ``trained`` point is the QAT model with the
+   allocation it trained with (what ``microscale export`` writes for it), on the same
+   evaluation batches as step 2; once with QAT's own quantizer (``--no-mse-scale
+   --no-four-over-six``, and ``--dynamic-act-scales`` under W4A4: the rounding its forward
+   pass trained with) -> ``qqm-S-M``, once with step 2's PTQ choices (MSE tensor scale,
+   4-over-6, static input scales) -> ``qq-S-M``, and under W4A4 once with round-to-nearest
+   weights and static input scales, as ``microscale export --activations`` writes them ->
+   ``qqs-S-w4a4``;
+5. control: the same fine-tune in bf16 (``ft-S``, no rules), then step 2's PTQ search
+   (``qf-S-M``) and the round-to-nearest one (``qfm-S-M``): it separates quantization
+   awareness from the extra tokens.
 
-Recovered fraction of the searched allocation's gap to bf16, per seed: ``(ppl_PTQ -
-ppl_QAT) / (ppl_PTQ - ppl_bf16)`` (the source's bf16 ppl), and against the control
-``(ppl_ctrl_PTQ - ppl_QAT) / (ppl_ctrl_PTQ - ppl_ctrl_bf16)``; QAT vs control as a
-relative ppl difference. Mean and 95% Student-t interval over seeds (paired: one source
-model per seed). Writes ``ROOT/results.json`` and prints a markdown table.
+Per seed: relative ppl gaps to the source's bf16; the recovered fraction of the searched
+allocation's gap, ``(ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_bf16)``, and against the control,
+``(ppl_ctrl_PTQ - ppl_QAT) / (ppl_ctrl_PTQ - ppl_ctrl_bf16)`` (QAT with its own
+quantizer, the control with step 2's PTQ choices, quantize's defaults); QAT vs control as
+a relative ppl difference. Mean and 95% Student-t interval over seeds (paired: one source model per seed). Writes
+``ROOT/results.json`` and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -96,7 +102,19 @@ def main() -> None:
                    f"optim.lr={a.qat_lr}", f"init_from={src}", f"out={ft}", "resume=true")
             if not (qf / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
-            rows.append(_row(seed, mode, q, qq, qf))
+            # QAT's own quantizer: round-to-nearest tensor scales, no 4-over-6 (as the
+            # training forward pass and `microscale export` round); the W4A4 QAT forward
+            # pass took per-batch input amax, export takes static calibrated amax
+            rtn = flags + ["--no-mse-scale", "--no-four-over-six"]
+            extra = {"qqm": (qat, rtn + (["--dynamic-act-scales"] if mode == "w4a4" else [])),
+                     "qfm": (ft, rtn)}
+            if mode == "w4a4":
+                extra["qqs"] = (qat, rtn)
+            for k, (src_dir, f) in extra.items():
+                out = root / f"{k}-{seed}-{mode}"
+                if not (out / "report.json").is_file():
+                    sh("quantize", "--checkpoint", str(src_dir), "--out", str(out), *f)
+            rows.append(_row(seed, mode, root))
     summary = {}
     for mode in modes:
         rs = [r for r in rows if r["mode"] == mode]
@@ -111,41 +129,54 @@ def main() -> None:
     _print(rows, summary)
 
 
-def _row(seed: int, mode: str, q: Path, qq: Path, qf: Path) -> dict:
+def _row(seed: int, mode: str, root: Path) -> dict:
     """One seed's numbers (val ppl on the same evaluation batches throughout)."""
-    src, after, ctrl = (json.loads((d / "report.json").read_text()) for d in (q, qq, qf))
-    p, pa, pc = src["val_ppl"], after["val_ppl"], ctrl["val_ppl"]
-    if "trained" not in pa:
-        raise SystemExit(f"{qq}: no 'trained' point (made by an older microscale); delete "
-                         "the folder and rerun")
-    bf16 = p["bf16"]
+    def rep(kind: str) -> dict | None:
+        f = root / f"{kind}-{seed}-{mode}" / "report.json"
+        return json.loads(f.read_text()) if f.is_file() else None
 
-    def gap(x: float, ref: float) -> float:  # relative ppl difference in percent
+    src, mse, own, ctrl, ctrl_rtn, static = (rep(k) for k in ("q", "qq", "qqm", "qf", "qfm",
+                                                               "qqs"))
+    for k, r in (("qq", mse), ("qqm", own)):
+        if "trained" not in r["val_ppl"]:
+            raise SystemExit(f"{k}-{seed}-{mode}: no 'trained' point (made by an older "
+                             "microscale); delete the folder and rerun")
+    p, bf16 = src["val_ppl"], src["val_ppl"]["bf16"]
+    qat, c = own["val_ppl"]["trained"], ctrl["val_ppl"]["searched"]
+
+    def gap(x: float, ref: float = bf16) -> float:  # relative ppl difference in percent
         return 100 * (x - ref) / ref
 
-    return {
+    row = {
         "seed": seed, "mode": mode, "bf16": bf16,
         "ptq_uniform_nvfp4": p["uniform_nvfp4"], "ptq_searched": p["searched"],
         "searched_bits": src["effective_bits"],
-        # the QAT run deployed with the allocation it trained with (what export writes)
-        "qat_bf16": pa["bf16"], "qat": pa["trained"],
-        "qat_bits": after["points"]["trained"]["effective_bits"],
+        # QAT deployed with the allocation it trained with (what export writes) ...
+        "qat_bf16": own["val_ppl"]["bf16"],
+        "qat": qat,  # ... and with its own training quantizer (RTN)
+        "qat_mse": mse["val_ppl"]["trained"],  # ... through the PTQ choices of `quantize`
         # layers whose format a new search on the QAT weights would change
-        "qat_researched": pa["searched"],
-        "realloc_layers": sum(src["layers"][k] != after["layers"][k] for k in src["layers"]),
-        # control: bf16 fine-tune of the same length, then the same PTQ search
-        "ctrl_bf16": pc["bf16"], "ctrl_searched": pc["searched"],
-        "ptq_gap_uniform_nvfp4": gap(p["uniform_nvfp4"], bf16),
-        "ptq_gap_searched": gap(p["searched"], bf16),
-        "qat_gap": gap(pa["trained"], bf16),
-        "ctrl_gap": gap(pc["searched"], bf16),
-        "qat_vs_ctrl": gap(pa["trained"], pc["searched"]),
+        "realloc_layers": sum(src["layers"][k] != mse["layers"][k] for k in src["layers"]),
+        # control: bf16 fine-tune of the same length, then the PTQ search (MSE / RTN)
+        "ctrl_bf16": ctrl["val_ppl"]["bf16"], "ctrl": c,
+        "ctrl_rtn": ctrl_rtn["val_ppl"]["searched"],
+        "ptq_gap_uniform_nvfp4": gap(p["uniform_nvfp4"]),
+        "ptq_gap_searched": gap(p["searched"]),
+        "qat_gap": gap(qat), "qat_mse_gap": gap(mse["val_ppl"]["trained"]),
+        "ctrl_gap": gap(c), "ctrl_rtn_gap": gap(ctrl_rtn["val_ppl"]["searched"]),
+        "qat_vs_ctrl": gap(qat, c),
+        "qat_mse_vs_ctrl": gap(mse["val_ppl"]["trained"], c),
+        "qat_vs_ctrl_rtn": gap(qat, ctrl_rtn["val_ppl"]["searched"]),
         # the fraction of the searched PTQ gap to the source's bf16 that QAT closes
-        "recovered": (p["searched"] - pa["trained"]) / (p["searched"] - bf16),
+        "recovered": (p["searched"] - qat) / (p["searched"] - bf16),
         # ... and the part due to quantization awareness: against the control's own PTQ
         # gap (the control also trains the extra tokens)
-        "recovered_vs_ctrl": (pc["searched"] - pa["trained"]) / (pc["searched"] - pc["bf16"]),
+        "recovered_vs_ctrl": (c - qat) / (c - ctrl["val_ppl"]["bf16"]),
     }
+    if static is not None:  # W4A4 QAT with export's static input scales
+        row["qat_static_gap"] = gap(static["val_ppl"]["trained"])
+        row["qat_static_vs_ctrl"] = gap(static["val_ppl"]["trained"], c)
+    return row
 
 
 def ptq_table(root: Path, seeds: list[int], modes: list[str]) -> dict:
@@ -184,22 +215,29 @@ def _band(c: dict, pct: bool) -> str:
 
 
 def _print(rows: list[dict], summary: dict) -> None:
-    print("| seed | mode | bf16 | PTQ nvfp4 | PTQ searched (bits) | QAT (its allocation) | "
-          "QAT bf16 | control bf16 | control searched | re-searched layers |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| seed | mode | bf16 | PTQ nvfp4 | PTQ searched (bits) | QAT | QAT via PTQ | "
+          "QAT bf16 | control bf16 | control PTQ | control RTN | re-searched layers |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['seed']} | {r['mode']} | {r['bf16']:.4f} | {r['ptq_uniform_nvfp4']:.4f} | "
               f"{r['ptq_searched']:.4f} ({r['searched_bits']:.2f}) | {r['qat']:.4f} | "
-              f"{r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | {r['ctrl_searched']:.4f} | "
-              f"{r['realloc_layers']} |")
+              f"{r['qat_mse']:.4f} | {r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | "
+              f"{r['ctrl']:.4f} | {r['ctrl_rtn']:.4f} | {r['realloc_layers']} |")
     print()
     for mode, s in summary.items():
         for k, label in (("ptq_gap_uniform_nvfp4", "PTQ uniform NVFP4 vs bf16"),
                          ("ptq_gap_searched", "PTQ searched vs bf16"),
-                         ("qat_gap", "QAT vs source bf16"),
+                         ("qat_gap", "QAT (own quantizer) vs source bf16"),
+                         ("qat_mse_gap", "QAT through quantize's PTQ vs source bf16"),
+                         ("qat_static_gap", "QAT, static input scales vs source bf16"),
                          ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
-                         ("qat_vs_ctrl", "QAT vs control")):
-            print(f"{mode}: {label}: {_band(s[k], pct=False)}")
+                         ("ctrl_rtn_gap", "control + RTN PTQ vs source bf16"),
+                         ("qat_vs_ctrl", "QAT vs control"),
+                         ("qat_static_vs_ctrl", "QAT, static input scales vs control"),
+                         ("qat_mse_vs_ctrl", "QAT through PTQ vs control"),
+                         ("qat_vs_ctrl_rtn", "QAT vs control, both RTN")):
+            if k in s:
+                print(f"{mode}: {label}: {_band(s[k], pct=False)}")
         for k, label in (("recovered", "recovered fraction of the PTQ gap"),
                          ("recovered_vs_ctrl", "recovered fraction vs the control")):
             print(f"{mode}: {label}: {_band(s[k], pct=True)}")

@@ -3,6 +3,7 @@ checkpoint round trip, W4A4, determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -193,7 +194,7 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
 
 
 @pytest.mark.parametrize("activations", [False, True])
-def test_trained_allocation_point(tiny_model, token_batches, activations):
+def test_trained_allocation_point(tiny_model, token_batches, activations, tmp_path):
     """A QAT run's own allocation is evaluated as the point "trained", exactly as the same
     allocation evaluated as a uniform point; pins win; a format outside the candidates
     (mxfp8 here) still runs, inputs included; paired differences come with it."""
@@ -216,6 +217,14 @@ def test_trained_allocation_point(tiny_model, token_batches, activations):
         assert c["dloss"] == pytest.approx(t["val_loss"] - got.points["bf16"]["val_loss"],
                                            abs=1e-9)
         assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
+    # report.md points a user at the rounding the run trained with (round-to-nearest here,
+    # so no note); any other PTQ choice gets the note
+    from microscale.ptq.report import write_markdown
+
+    rep = got.report()
+    for ptq, note in ((WeightPTQ.rtn(), False), (WeightPTQ(), True)):
+        write_markdown(dict(rep, ptq=dataclasses.asdict(ptq)), tmp_path / "r.md")
+        assert ("--no-mse-scale --no-four-over-six" in (tmp_path / "r.md").read_text()) == note
     with pytest.raises(ValueError, match=r"no format for 1 layer.*layers\.0\.attn\.q_proj"):
         quantize_model(tiny_model, calib, evals, QuantizeConfig(**base),
                        trained={p: "nvfp4" for p in paths if p != "layers.0.attn.q_proj"})
