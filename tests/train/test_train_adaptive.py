@@ -116,6 +116,12 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
     assert saved == bf16_rules("nvfp4", alloc["bf16_layers"])
     assert {p: r for p, r in s["precision"].items()} == {
         p: saved.resolve_name(p) for p in s["precision"]}
+    # quantize evaluates the same allocation as the run's "trained" point
+    from microscale.ptq import trained_allocation
+
+    trained = trained_allocation(straight.out, straight)
+    assert {p for p, f in trained.items() if f == "bf16"} == set(alloc["bf16_layers"])
+    assert set(trained.values()) == {"bf16", "nvfp4"}
 
     class Crash(Exception):
         pass
