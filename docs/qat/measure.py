@@ -1,6 +1,6 @@
 """PTQ vs PTQ + QAT on the QAT test bed, paired over seeds (docs/qat/README.md).
 
-    python docs/qat/measure.py --seeds 0,1,2 --root runs/qat [--qat-fraction 0.1]
+    python docs/qat/measure.py --seeds 0,1,2,3,4 --root runs/qat [--qat-fraction 0.1]
 
 Per seed ``S`` (every stage is skipped when its output exists, so the command resumes):
 
@@ -11,24 +11,23 @@ Per seed ``S`` (every stage is skipped when its output exists, so the command re
 3. QAT: ``microscale train init_from=q-S-M rules=q-S-M/precision_rules.json`` for
    ``qat_fraction`` of the test bed's steps (forward-only recipes, straight-through
    gradients; learning rate ``--qat-lr``) -> ``qat-S-M``;
-4. ``microscale quantize`` of the QAT run: its ``trained`` point is the QAT model with the
-   allocation it trained with (what ``microscale export`` writes for it), on the same
-   evaluation batches as step 2; once with QAT's own quantizer (``--no-mse-scale
-   --no-four-over-six``, and ``--dynamic-act-scales`` under W4A4: the rounding its forward
-   pass trained with) -> ``qqm-S-M``, once with step 2's PTQ choices (MSE tensor scale,
-   4-over-6, static input scales) -> ``qq-S-M``, and under W4A4 once with round-to-nearest
-   weights and static input scales, as ``microscale export --activations`` writes them ->
-   ``qqs-S-w4a4``;
+4. ``microscale quantize`` of the QAT run with step 2's flags -> ``qq-S-M``: the QAT model
+   with the allocation it trained with (what ``microscale export`` writes for it), on the
+   same evaluation batches as step 2: point ``trained``, rounded to nearest as its forward
+   pass trained and as export writes it (static input amax under W4A4, as export), and
+   point ``trained_ptq``, through step 2's PTQ choices (MSE tensor scale, 4-over-6); under
+   W4A4 also rounded to nearest with the per-batch input amax of its forward pass
+   (``--dynamic-act-scales``) -> ``qqm-S-w4a4``;
 5. control: the same fine-tune in bf16 (``ft-S``, no rules), then step 2's PTQ search
    (``qf-S-M``) and the round-to-nearest one (``qfm-S-M``): it separates quantization
    awareness from the extra tokens.
 
 Per seed: relative ppl gaps to the source's bf16; the recovered fraction of the searched
 allocation's gap, ``(ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_bf16)``, and against the control,
-``(ppl_ctrl_PTQ - ppl_QAT) / (ppl_ctrl_PTQ - ppl_ctrl_bf16)`` (QAT with its own
-quantizer, the control with step 2's PTQ choices, quantize's defaults); QAT vs control as
-a relative ppl difference. Mean and 95% Student-t interval over seeds (paired: one source model per seed). Writes
-``ROOT/results.json`` and prints markdown tables.
+``(ppl_ctrl_PTQ - ppl_QAT) / (ppl_ctrl_PTQ - ppl_ctrl_bf16)`` (QAT deployed as export
+writes it, the control with step 2's PTQ choices, quantize's defaults); QAT vs control as
+a relative ppl difference. Mean and 95% Student-t interval over seeds (paired: one source
+model per seed). Writes ``ROOT/results.json`` and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -102,14 +101,12 @@ def main() -> None:
                    f"optim.lr={a.qat_lr}", f"init_from={src}", f"out={ft}", "resume=true")
             if not (qf / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
-            # QAT's own quantizer: round-to-nearest tensor scales, no 4-over-6 (as the
-            # training forward pass and `microscale export` round); the W4A4 QAT forward
-            # pass took per-batch input amax, export takes static calibrated amax
+            # the control rounded to nearest too; under W4A4 also the QAT model with the
+            # per-batch input amax its forward pass trained with (export: static amax)
             rtn = flags + ["--no-mse-scale", "--no-four-over-six"]
-            extra = {"qqm": (qat, rtn + (["--dynamic-act-scales"] if mode == "w4a4" else [])),
-                     "qfm": (ft, rtn)}
+            extra = {"qfm": (ft, rtn)}
             if mode == "w4a4":
-                extra["qqs"] = (qat, rtn)
+                extra["qqm"] = (qat, rtn + ["--dynamic-act-scales"])
             for k, (src_dir, f) in extra.items():
                 out = root / f"{k}-{seed}-{mode}"
                 if not (out / "report.json").is_file():
@@ -135,14 +132,15 @@ def _row(seed: int, mode: str, root: Path) -> dict:
         f = root / f"{kind}-{seed}-{mode}" / "report.json"
         return json.loads(f.read_text()) if f.is_file() else None
 
-    src, mse, own, ctrl, ctrl_rtn, static = (rep(k) for k in ("q", "qq", "qqm", "qf", "qfm",
-                                                               "qqs"))
-    for k, r in (("qq", mse), ("qqm", own)):
-        if "trained" not in r["val_ppl"]:
-            raise SystemExit(f"{k}-{seed}-{mode}: no 'trained' point (made by an older "
-                             "microscale); delete the folder and rerun")
+    src, after, ctrl, ctrl_rtn, dynamic = (rep(k) for k in ("q", "qq", "qf", "qfm", "qqm"))
+    if "trained_ptq" not in after["val_ppl"]:
+        raise SystemExit(f"qq-{seed}-{mode}: no 'trained_ptq' point (made by an older "
+                         "microscale); delete the folder and rerun")
     p, bf16 = src["val_ppl"], src["val_ppl"]["bf16"]
-    qat, c = own["val_ppl"]["trained"], ctrl["val_ppl"]["searched"]
+    # the QAT model with the allocation it trained with, rounded to nearest as it trained
+    # and as export writes it (W4A4: static input amax, as export) / with quantize's PTQ
+    qat, qat_ptq = after["val_ppl"]["trained"], after["val_ppl"]["trained_ptq"]
+    c, c_rtn = ctrl["val_ppl"]["searched"], ctrl_rtn["val_ppl"]["searched"]
 
     def gap(x: float, ref: float = bf16) -> float:  # relative ppl difference in percent
         return 100 * (x - ref) / ref
@@ -151,31 +149,27 @@ def _row(seed: int, mode: str, root: Path) -> dict:
         "seed": seed, "mode": mode, "bf16": bf16,
         "ptq_uniform_nvfp4": p["uniform_nvfp4"], "ptq_searched": p["searched"],
         "searched_bits": src["effective_bits"],
-        # QAT deployed with the allocation it trained with (what export writes) ...
-        "qat_bf16": own["val_ppl"]["bf16"],
-        "qat": qat,  # ... and with its own training quantizer (RTN)
-        "qat_mse": mse["val_ppl"]["trained"],  # ... through the PTQ choices of `quantize`
+        "qat_bf16": after["val_ppl"]["bf16"], "qat": qat, "qat_ptq": qat_ptq,
         # layers whose format a new search on the QAT weights would change
-        "realloc_layers": sum(src["layers"][k] != mse["layers"][k] for k in src["layers"]),
-        # control: bf16 fine-tune of the same length, then the PTQ search (MSE / RTN)
-        "ctrl_bf16": ctrl["val_ppl"]["bf16"], "ctrl": c,
-        "ctrl_rtn": ctrl_rtn["val_ppl"]["searched"],
+        "realloc_layers": sum(src["layers"][k] != after["layers"][k] for k in src["layers"]),
+        # control: bf16 fine-tune of the same length, then the PTQ search (default / RTN)
+        "ctrl_bf16": ctrl["val_ppl"]["bf16"], "ctrl": c, "ctrl_rtn": c_rtn,
         "ptq_gap_uniform_nvfp4": gap(p["uniform_nvfp4"]),
         "ptq_gap_searched": gap(p["searched"]),
-        "qat_gap": gap(qat), "qat_mse_gap": gap(mse["val_ppl"]["trained"]),
-        "ctrl_gap": gap(c), "ctrl_rtn_gap": gap(ctrl_rtn["val_ppl"]["searched"]),
-        "qat_vs_ctrl": gap(qat, c),
-        "qat_mse_vs_ctrl": gap(mse["val_ppl"]["trained"], c),
-        "qat_vs_ctrl_rtn": gap(qat, ctrl_rtn["val_ppl"]["searched"]),
+        "qat_gap": gap(qat), "qat_ptq_gap": gap(qat_ptq),
+        "ctrl_gap": gap(c), "ctrl_rtn_gap": gap(c_rtn),
+        "qat_vs_ctrl": gap(qat, c), "qat_ptq_vs_ctrl": gap(qat_ptq, c),
+        "qat_vs_ctrl_rtn": gap(qat, c_rtn),
+        # own rounding minus quantize's PTQ choices, on the QAT model and on the control
+        "qat_rounding": gap(qat, qat_ptq), "ctrl_rounding": gap(c_rtn, c),
         # the fraction of the searched PTQ gap to the source's bf16 that QAT closes
         "recovered": (p["searched"] - qat) / (p["searched"] - bf16),
         # ... and the part due to quantization awareness: against the control's own PTQ
         # gap (the control also trains the extra tokens)
         "recovered_vs_ctrl": (c - qat) / (c - ctrl["val_ppl"]["bf16"]),
     }
-    if static is not None:  # W4A4 QAT with export's static input scales
-        row["qat_static_gap"] = gap(static["val_ppl"]["trained"])
-        row["qat_static_vs_ctrl"] = gap(static["val_ppl"]["trained"], c)
+    if mode == "w4a4" and dynamic is not None:  # W4A4 QAT with the per-batch input amax it trained with
+        row["qat_dynamic_gap"] = gap(dynamic["val_ppl"]["trained"])
     return row
 
 
@@ -221,21 +215,22 @@ def _print(rows: list[dict], summary: dict) -> None:
     for r in rows:
         print(f"| {r['seed']} | {r['mode']} | {r['bf16']:.4f} | {r['ptq_uniform_nvfp4']:.4f} | "
               f"{r['ptq_searched']:.4f} ({r['searched_bits']:.2f}) | {r['qat']:.4f} | "
-              f"{r['qat_mse']:.4f} | {r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | "
+              f"{r['qat_ptq']:.4f} | {r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | "
               f"{r['ctrl']:.4f} | {r['ctrl_rtn']:.4f} | {r['realloc_layers']} |")
     print()
     for mode, s in summary.items():
         for k, label in (("ptq_gap_uniform_nvfp4", "PTQ uniform NVFP4 vs bf16"),
                          ("ptq_gap_searched", "PTQ searched vs bf16"),
-                         ("qat_gap", "QAT (own quantizer) vs source bf16"),
-                         ("qat_mse_gap", "QAT through quantize's PTQ vs source bf16"),
-                         ("qat_static_gap", "QAT, static input scales vs source bf16"),
+                         ("qat_gap", "QAT (rounded as trained / exported) vs source bf16"),
+                         ("qat_ptq_gap", "QAT through quantize's PTQ vs source bf16"),
+                         ("qat_dynamic_gap", "QAT, per-batch input amax vs source bf16"),
                          ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
                          ("ctrl_rtn_gap", "control + RTN PTQ vs source bf16"),
                          ("qat_vs_ctrl", "QAT vs control"),
-                         ("qat_static_vs_ctrl", "QAT, static input scales vs control"),
-                         ("qat_mse_vs_ctrl", "QAT through PTQ vs control"),
-                         ("qat_vs_ctrl_rtn", "QAT vs control, both RTN")):
+                         ("qat_ptq_vs_ctrl", "QAT through PTQ vs control"),
+                         ("qat_vs_ctrl_rtn", "QAT vs control, both RTN"),
+                         ("qat_rounding", "QAT model: RTN vs PTQ choices"),
+                         ("ctrl_rounding", "control: RTN vs PTQ choices")):
             if k in s:
                 print(f"{mode}: {label}: {_band(s[k], pct=False)}")
         for k, label in (("recovered", "recovered fraction of the PTQ gap"),

@@ -3,7 +3,6 @@ checkpoint round trip, W4A4, determinism."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -195,36 +194,44 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
 
 @pytest.mark.parametrize("activations", [False, True])
 def test_trained_allocation_point(tiny_model, token_batches, activations, tmp_path):
-    """A QAT run's own allocation is evaluated as the point "trained", exactly as the same
-    allocation evaluated as a uniform point; pins win; a format outside the candidates
-    (mxfp8 here) still runs, inputs included; paired differences come with it."""
-    calib, evals = token_batches
-    base = dict(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(),
-                ptq=WeightPTQ.rtn(), activations=activations, ptq_effects=False,
-                pin=((r"layers\.1\.attn\.o_proj", "bf16"),))
-    ref = quantize_model(tiny_model, calib, evals, QuantizeConfig(
-        **base, uniform_formats=("nvfp4", "mxfp8", "bf16")))
-    assert "trained" not in ref.points  # nothing trained -> no such point
-    paths = ref.paths
-    for fmt in ("nvfp4", "mxfp8"):
-        got = quantize_model(tiny_model, calib, evals, QuantizeConfig(
-            **base, uniform_formats=("nvfp4", "bf16")), trained=dict.fromkeys(paths, fmt))
-        t, u = got.points["trained"], ref.points[f"uniform_{fmt}"]
-        assert t["kind"] == "trained"
-        assert t["val_loss"] == pytest.approx(u["val_loss"], abs=1e-6), fmt
-        assert t["effective_bits"] == pytest.approx(u["effective_bits"]), fmt  # o_proj pinned
-        c = got.comparisons["trained - bf16"]
-        assert c["dloss"] == pytest.approx(t["val_loss"] - got.points["bf16"]["val_loss"],
-                                           abs=1e-9)
-        assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
-    # report.md points a user at the rounding the run trained with (round-to-nearest here,
-    # so no note); any other PTQ choice gets the note
+    """A QAT run's own allocation is evaluated as the point "trained", rounded to nearest
+    (as QAT and export round), exactly as the same allocation evaluated as a uniform point
+    of a round-to-nearest run; "trained_ptq" with the run's PTQ choices, exactly as that
+    run's uniform point; pins win; a format outside the candidates (mxfp8 here) still runs,
+    inputs included; paired differences come with it."""
     from microscale.ptq.report import write_markdown
 
+    calib, evals = token_batches
+    base = dict(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(),
+                activations=activations, ptq_effects=False,
+                pin=((r"layers\.1\.attn\.o_proj", "bf16"),))
+    uniform = ("nvfp4", "mxfp8", "bf16")
+    ref = {name: quantize_model(tiny_model, calib, evals, QuantizeConfig(
+        **base, ptq=ptq, uniform_formats=uniform))
+        for name, ptq in (("rtn", WeightPTQ.rtn()), ("ptq", WeightPTQ()))}
+    assert "trained" not in ref["rtn"].points  # nothing trained -> no such point
+    paths = ref["rtn"].paths
+    for fmt in ("nvfp4", "mxfp8"):
+        got = quantize_model(tiny_model, calib, evals, QuantizeConfig(
+            **base, ptq=WeightPTQ(), uniform_formats=("nvfp4", "bf16")),
+            trained=dict.fromkeys(paths, fmt))
+        for label, r in (("trained", ref["rtn"]), ("trained_ptq", ref["ptq"])):
+            t, u = got.points[label], r.points[f"uniform_{fmt}"]
+            assert t["kind"] == label
+            assert t["val_loss"] == pytest.approx(u["val_loss"], abs=1e-6), (fmt, label)
+            assert t["effective_bits"] == pytest.approx(u["effective_bits"])  # o_proj pinned
+            c = got.comparisons[f"{label} - bf16"]
+            assert c["dloss"] == pytest.approx(t["val_loss"] - got.points["bf16"]["val_loss"],
+                                               abs=1e-9)
+        assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
     rep = got.report()
-    for ptq, note in ((WeightPTQ.rtn(), False), (WeightPTQ(), True)):
-        write_markdown(dict(rep, ptq=dataclasses.asdict(ptq)), tmp_path / "r.md")
-        assert ("--no-mse-scale --no-four-over-six" in (tmp_path / "r.md").read_text()) == note
+    write_markdown(rep, tmp_path / "r.md")
+    assert "`trained_ptq`: the same allocation" in (tmp_path / "r.md").read_text()
+    # with round-to-nearest PTQ the two points would be one: only "trained"
+    rtn = quantize_model(tiny_model, calib, evals, QuantizeConfig(
+        **base, ptq=WeightPTQ.rtn(), uniform_formats=("nvfp4", "bf16")),
+        trained=dict.fromkeys(paths, "nvfp4"))
+    assert "trained" in rtn.points and "trained_ptq" not in rtn.points
     with pytest.raises(ValueError, match=r"no format for 1 layer.*layers\.0\.attn\.q_proj"):
         quantize_model(tiny_model, calib, evals, QuantizeConfig(**base),
                        trained={p: "nvfp4" for p in paths if p != "layers.0.attn.q_proj"})

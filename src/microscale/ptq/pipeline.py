@@ -22,9 +22,10 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
    error, t: is a 0.1% perplexity difference more than evaluation noise?), and the
    effect of each PTQ choice. A ``trained`` allocation (the one a QAT run or a
    sensitivity-chosen bf16 run trained with, and that ``microscale export`` writes for it)
-   is evaluated too, with its paired differences against BF16 and uniform NVFP4. Every
-   allocation is evaluated with the same PTQ choices
-   (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
+   is evaluated too, with its paired differences against BF16 and uniform NVFP4: rounded to
+   nearest, as its training forward pass and export round it (point ``trained``), and with
+   ``config.ptq`` (point ``trained_ptq``, when that is not round-to-nearest). Every other
+   allocation is evaluated with the same PTQ choices (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
 
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
 ``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
@@ -405,8 +406,9 @@ def quantize_model(model: Any, calib_batches, eval_batches,
       config: the run's :class:`QuantizeConfig`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; default next-token cross-entropy.
       calibration: a description of where the calibration batches came from (reported).
-      trained: ``{path: format}`` the model was trained with (QAT): evaluated as the point
-        ``"trained"`` (pinned layers keep their pin), with paired differences.
+      trained: ``{path: format}`` the model was trained with (QAT): evaluated as the points
+        ``"trained"`` (round-to-nearest weights) and ``"trained_ptq"`` (``config.ptq``,
+        when it differs), pinned layers keeping their pin, with paired differences.
       log: progress messages (e.g. ``print``); None is silent.
     """
     cfg = QuantizeConfig() if config is None else config
@@ -495,14 +497,20 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     comparisons = {}
     refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
             "bf16": _uniform(paths, "bf16", {})}
-    compared = {"searched": alloc.formats}
+    compared = {"searched": (alloc.formats, cfg.ptq)}
     if trained is not None:
-        points["trained"] = evaluator.point(trained, cfg.ptq, kind="trained")
-        compared["trained"] = trained
-    for label, assignment in compared.items():
+        # QAT trained its weights against round-to-nearest, and export rounds so
+        rtn = WeightPTQ.rtn()
+        compared["trained"] = (trained, rtn)
+        if cfg.ptq.mse_scale or cfg.ptq.four_over_six:
+            compared["trained_ptq"] = (trained, cfg.ptq)
+        for label, (assignment, ptq) in list(compared.items())[1:]:
+            points[label] = evaluator.point(assignment, ptq, kind=label)
+    for label, (assignment, ptq) in compared.items():
         for name, ref in refs.items():
             if name in points:
-                comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, cfg.ptq)
+                comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, ptq,
+                                                                     cfg.ptq)
     timings["evaluate_s"] = time.perf_counter() - t
     say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
                                          for k, v in points.items()
@@ -573,11 +581,12 @@ class _Evaluator:
             self._cache[key] = self.engine.batch_losses(params, self.evals, act)
         return self._cache[key]
 
-    def paired(self, a: Mapping[str, str], b: Mapping[str, str], ptq: WeightPTQ
-               ) -> dict[str, float]:
+    def paired(self, a: Mapping[str, str], b: Mapping[str, str], ptq: WeightPTQ,
+               ptq_b: WeightPTQ | None = None) -> dict[str, float]:
         """Mean per-batch loss difference ``a - b`` on the evaluation batches, its standard
-        error and t = mean / se (the batches are the pairs: both see the same tokens)."""
-        d = self.batch_losses(a, ptq) - self.batch_losses(b, ptq)
+        error and t = mean / se (the batches are the pairs: both see the same tokens); ``b``
+        rounded with ``ptq_b`` (default: ``ptq``, as ``a``)."""
+        d = self.batch_losses(a, ptq) - self.batch_losses(b, ptq if ptq_b is None else ptq_b)
         se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
         mean = float(np.mean(d))
         return {"dloss": mean, "se": se,

@@ -249,12 +249,12 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     for label, p in pts.items():
         lines.append(f"| {label} | {p['effective_bits']:.3f} | {p['val_ppl']:.4f} | "
                      f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |")
-    if "trained" in pts and _ptq_name(report.get("ptq") or {}) != "rtn":
-        lines += ["", "`trained` is the allocation this run trained with (what `microscale "
-                  "export` writes for it). Its training forward pass and export round to "
-                  "nearest; this report used other PTQ choices. Rerun with `--no-mse-scale "
-                  "--no-four-over-six` for the deployed number: on the QAT test bed "
-                  "(docs/qat) these choices took QAT's gain away."]
+    if "trained" in pts:
+        lines += ["", "`trained`: the allocation this run trained with, rounded to nearest as "
+                  "its training forward pass and `microscale export` round it (the deployed "
+                  "model)" + ("; `trained_ptq`: the same allocation with this report's PTQ "
+                              "choices (on the QAT test bed, docs/qat, they took QAT's gain "
+                              "away)." if "trained_ptq" in pts else ".")]
     comp = report.get("comparisons") or {}
     if comp:
         lines += ["", "## Paired differences (val loss, same batches)", "",
