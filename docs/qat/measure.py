@@ -188,6 +188,10 @@ def ptq_table(root: Path, seeds: list[int], modes: list[str]) -> dict:
                  for k in labels}
         paired = {k: ci([r["comparisons"][k]["dloss"] for r in reps])
                   for k in reps[0]["comparisons"]}
+        if "searched_at_heuristic_bits" in reps[0]["points"]:  # the search at equal bits
+            paired["searched_at_heuristic_bits - heuristic"] = ci([
+                r["points"]["searched_at_heuristic_bits"]["val_loss"]
+                - r["points"]["heuristic"]["val_loss"] for r in reps])
         out[mode] = {"points": table, "paired": paired}
         print(f"\nPTQ alone, {mode} ({len(seeds)} source models):\n")
         print("| allocation | effective bits | val ppl vs bf16 (95% CI over seeds) |")
