@@ -23,9 +23,11 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
    effect of each PTQ choice. A ``trained`` allocation (the one a QAT run or a
    sensitivity-chosen bf16 run trained with, and that ``microscale export`` writes for it)
    is evaluated too, with its paired differences against BF16 and uniform NVFP4: rounded to
-   nearest, as its training forward pass and export round it (point ``trained``), and with
-   ``config.ptq`` (point ``trained_ptq``, when that is not round-to-nearest). Every other
-   allocation is evaluated with the same PTQ choices (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
+   nearest in 1x16-style blocks along the input dimension, as a QAT forward pass and export
+   round it (point ``trained``; a full training recipe's 16x16 weight tiles are not
+   reproduced), and with ``config.ptq`` (point ``trained_ptq``, when that is not
+   round-to-nearest). Every other allocation is evaluated with the same PTQ choices
+   (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
 
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
 ``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
