@@ -23,8 +23,8 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
    effect of each PTQ choice. A ``trained`` allocation (the one a QAT run or a
    sensitivity-chosen bf16 run trained with, and that ``microscale export`` writes for it)
    is evaluated too, with its paired differences against BF16 and uniform NVFP4: rounded to
-   nearest in the format's 1-D blocks along the input dimension, as a QAT forward pass and export
-   round it (point ``trained``; a full training recipe's 16x16 weight tiles are not
+   nearest in the format's 1-D blocks along the input dimension, as a QAT forward pass and
+   export round it (point ``trained``; a full training recipe's 16x16 weight tiles are not
    reproduced), and with ``config.ptq`` (point ``trained_ptq``, when that is not
    round-to-nearest). Every other allocation is evaluated with the same PTQ choices
    (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
