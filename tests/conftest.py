@@ -48,10 +48,3 @@ def fake_devices():
         return proc.stdout
 
     return run
-
-
-def pytest_collection_modifyitems(config, items):
-    """Slow end-to-end tests first (a stable sort): under ``pytest -n 2`` the long ones start
-    early and the many short ones fill both workers at the end, instead of one long test
-    running alone after the other worker has finished."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
