@@ -167,9 +167,12 @@ def _row(seed: int, mode: str, root: Path) -> dict:
         # ... and the part due to quantization awareness: against the control's own PTQ
         # gap (the control also trains the extra tokens)
         "recovered_vs_ctrl": (c - qat) / (c - ctrl["val_ppl"]["bf16"]),
+        # the fraction the control recovers by training alone
+        "ctrl_recovered": (p["searched"] - c) / (p["searched"] - bf16),
     }
     if mode == "w4a4" and dynamic is not None:  # W4A4 QAT with the per-batch input amax it trained with
         row["qat_dynamic_gap"] = gap(dynamic["val_ppl"]["trained"])
+        row["qat_dynamic_vs_static"] = gap(dynamic["val_ppl"]["trained"], qat)
     return row
 
 
@@ -228,6 +231,7 @@ def _print(rows: list[dict], summary: dict) -> None:
                          ("qat_gap", "QAT (rounded as trained / exported) vs source bf16"),
                          ("qat_ptq_gap", "QAT through quantize's PTQ vs source bf16"),
                          ("qat_dynamic_gap", "QAT, per-batch input amax vs source bf16"),
+                         ("qat_dynamic_vs_static", "QAT, per-batch vs static input amax"),
                          ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
                          ("ctrl_rtn_gap", "control + RTN PTQ vs source bf16"),
                          ("qat_vs_ctrl", "QAT vs control"),
@@ -238,6 +242,7 @@ def _print(rows: list[dict], summary: dict) -> None:
             if k in s:
                 print(f"{mode}: {label}: {_band(s[k], pct=False)}")
         for k, label in (("recovered", "recovered fraction of the PTQ gap"),
+                         ("ctrl_recovered", "the control's recovered fraction of the PTQ gap"),
                          ("recovered_vs_ctrl", "recovered fraction vs the control")):
             print(f"{mode}: {label}: {_band(s[k], pct=True)}")
 

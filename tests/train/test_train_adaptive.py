@@ -194,3 +194,18 @@ def test_every_new_key_is_listed(capsys):
                 "adaptive.calib_tokens", "adaptive.activations", "adaptive.granularity"):
         line = next((x for x in out.splitlines() if x.startswith(key + " =")), None)
         assert line is not None and "#" in line, key
+
+
+@pytest.mark.parametrize("overrides, own", [
+    ((), False),
+    (("recipe=nvfp4",), False),
+    (("recipe=nvfp4", "bf16_policy=position_warmup"), False),
+    (("recipe=nvfp4", "bf16_policy=sensitivity"), True),
+    (("rules={rules}",), True),
+])
+def test_own_allocation(make_cfg, tmp_path, overrides, own):
+    """Runs that record an allocation of their own (export writes it, quantize scores it)."""
+    rules = tmp_path / "rules.json"
+    bf16_rules("nvfp4", ["layers.0.attn.q_proj"]).save(rules)
+    cfg = make_cfg(*(o.format(rules=rules) for o in overrides))
+    assert cfg.own_allocation is own

@@ -165,8 +165,7 @@ def _run(args: argparse.Namespace) -> int:
 
             model, tcfg, _ = load_checkpoint(src, args.step)
             config = tcfg.model
-            if formats is None and (tcfg.rules is not None
-                                    or tcfg.bf16_policy == "sensitivity"):
+            if formats is None and tcfg.own_allocation:
                 # a run trained with an allocation (QAT, sensitivity-chosen bf16 layers)
                 # exports that allocation
                 formats = PrecisionRules.load(src / "precision_rules.json")

@@ -502,12 +502,12 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     compared = {"searched": (alloc.formats, cfg.ptq)}
     if trained is not None:
         # QAT trained its weights against round-to-nearest, and export rounds so
-        rtn = WeightPTQ.rtn()
-        compared["trained"] = (trained, rtn)
+        roundings = {"trained": WeightPTQ.rtn()}
         if cfg.ptq.mse_scale or cfg.ptq.four_over_six:
-            compared["trained_ptq"] = (trained, cfg.ptq)
-        for label, (assignment, ptq) in list(compared.items())[1:]:
-            points[label] = evaluator.point(assignment, ptq, kind=label)
+            roundings["trained_ptq"] = cfg.ptq
+        for label, ptq in roundings.items():
+            points[label] = evaluator.point(trained, ptq, kind=label)
+            compared[label] = (trained, ptq)
     for label, (assignment, ptq) in compared.items():
         for name, ref in refs.items():
             if name in points:

@@ -253,8 +253,8 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         lines += ["", "`trained`: the allocation this run trained with, rounded to nearest as "
                   "its training forward pass and `microscale export` round it (the deployed "
                   "model)" + ("; `trained_ptq`: the same allocation with this report's PTQ "
-                              "choices (on the QAT test bed, docs/qat, they took QAT's gain "
-                              "away)." if "trained_ptq" in pts else ".")]
+                              "choices (docs/qat measures both on a QAT test bed)."
+                              if "trained_ptq" in pts else ".")]
     comp = report.get("comparisons") or {}
     if comp:
         lines += ["", "## Paired differences (val loss, same batches)", "",

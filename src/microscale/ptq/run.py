@@ -45,7 +45,7 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
     from microscale.export.layouts import resolve_layers
     from microscale.model import PrecisionRules
 
-    if train_cfg.rules is None and train_cfg.bf16_policy != "sensitivity":
+    if not train_cfg.own_allocation:
         return None
     path = Path(run_dir) / "precision_rules.json"
     if not path.is_file():

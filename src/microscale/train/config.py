@@ -329,6 +329,13 @@ class TrainConfig:
         return max(1, int(round(self.adaptive.warmup_fraction * self.steps)))
 
     @property
+    def own_allocation(self) -> bool:
+        """Whether the run trains with an allocation of its own (``rules=``, e.g. QAT, or
+        ``bf16_policy=sensitivity``), recorded in ``OUT/precision_rules.json``: what
+        ``microscale export`` writes and ``microscale quantize`` scores as ``trained``."""
+        return self.rules is not None or self.bf16_policy == "sensitivity"
+
+    @property
     def switch_step(self) -> int:
         """First step of the late high-precision phase (``steps`` when there is none)."""
         if self.late_switch.fraction <= 0:
