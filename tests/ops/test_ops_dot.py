@@ -341,8 +341,8 @@ def test_rht_invisible_without_quantization():
 def _lineages(jaxpr, env):
     """Walk a jaxpr (recursively through sub-jaxprs); return the lineage (set of op
     tags upstream) of both operands of every bf16 x bf16 dot_general whose operands
-    both derive from the layer's inputs (tagged "input"): the GEMMs, not the Hadamard
-    transform (a dot with a constant matrix)."""
+    both derive from the layer's inputs (tagged "input"): the GEMMs. A ``jit`` equation
+    is tagged with its function's name (``jit:NAME``)."""
     from jax.extend import core as jcore
 
     def lin(v):
@@ -358,6 +358,8 @@ def _lineages(jaxpr, env):
                 for v in eqn.invars):
             dots.append(tuple(ins))
         tag = eqn.primitive.name
+        if tag == "jit":  # a named function: the Hadamard transform is one
+            tag += f":{eqn.params['name']}"
         if tag == "convert_element_type":
             tag += f"->{eqn.params['new_dtype']}"
         out = frozenset().union(*ins) | {tag}
@@ -396,12 +398,12 @@ def test_jaxpr_all_three_gemms_quantized_for_nvfp4():
             assert "reduce_max" in side  # block/tensor amax: the operand was quantized
             # rounding to the E2M1 grid (RNE: round; SR: floor + uniform) and to E4M3 scales
             assert "round" in side or "floor" in side
-    # The Hadamard transform (a dot with a constant matrix) feeds only the wgrad operands.
-    assert [("dot_general" in lhs, "dot_general" in rhs) for lhs, rhs in dots].count(
-        (True, True)) == 1
+    # The Hadamard transform feeds only the wgrad operands.
+    rht = "jit:_hadamard_butterfly"
+    assert [(rht in lhs, rht in rhs) for lhs, rhs in dots] == [(False, False)] * 2 + [
+        (True, True)]
     no_rht = _gemm_operand_lineages("nvfp4_no_rht")
-    assert len(no_rht) == 3 and not any("dot_general" in a or "dot_general" in b
-                                        for a, b in no_rht)
+    assert len(no_rht) == 3 and not any(rht in a or rht in b for a, b in no_rht)
     fwd_only = _gemm_operand_lineages("nvfp4_fwd_only")
     assert len(fwd_only) == 3
     assert sum("reduce_max" in a and "reduce_max" in b for a, b in fwd_only) == 1

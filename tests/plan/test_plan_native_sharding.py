@@ -72,7 +72,7 @@ def _full_weights(gathers):
 def compiled(fake_devices, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("hlo")
     script = f"import os; os.chdir({str(cwd)!r})\n" + SCRIPT
-    out = fake_devices(script, timeout=900)
+    out = fake_devices(script)
     return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[6:])
 
 

@@ -43,9 +43,9 @@ def _late(out: Path) -> bool:  # the temporary folder's weights are (being) writ
                or any(t.glob(".model.safetensors.tmp-*")) for t in _tmp_siblings(out))
 
 
-def _kill_when(argv: list[str], cond: Callable[[], bool], timeout: float = 600) -> bool:
+def _kill_when(argv: list[str], cond: Callable[[], bool], timeout: float) -> bool:
     """Run ``microscale argv``; kill -9 it as soon as ``cond()`` holds. True if killed,
-    False if it finished first."""
+    False if it finished first. ``timeout``: the suite's hang guard (``hang_guard_s``)."""
     p = subprocess.Popen([sys.executable, "-m", "microscale", *argv], env=ENV,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     t0 = time.monotonic()
@@ -73,13 +73,14 @@ def _export_layers(out: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("moment", ["started", "writing", "late", "done"])
-def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys):
+def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "exp"
     assert main(["export", "-c", str(tiny_run), "--out", str(out), "--formats", "mxfp4"]) == 0
     old = {p.name: p.read_bytes() for p in out.iterdir()}
     cond = {"started": lambda: _started(out), "writing": lambda: _writing(out),
             "late": lambda: _late(out), "done": lambda: False}[moment]
-    killed = _kill_when(["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"], cond)
+    killed = _kill_when(["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"], cond,
+                        hang_guard_s)
     assert killed == (moment != "done")
     formats = _export_layers(out)  # complete and intact, whichever it is
     if formats == {"mxfp4"}:
@@ -107,7 +108,7 @@ def _quantize_complete(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("moment", ["started", "writing", "late"])
-def test_kill_quantize(moment, tiny_run, tmp_path, capsys):
+def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "q"
     first = ["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "8", *_Q]
     assert main(first) == 0
@@ -115,7 +116,7 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys):
     cond = {"started": lambda: _started(out), "writing": lambda: _writing(out),
             "late": lambda: _late(out)}[moment]
     _kill_when(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q],
-               cond)
+               cond, hang_guard_s)
     assert _quantize_complete(out)["budget"] in (old_budget, 5.0)
     assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5",
                  *_Q]) == 0
@@ -123,12 +124,12 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["q"]
 
 
-def test_kill_fresh_quantize_leaves_nothing_half_written(tiny_run, tmp_path):
+def test_kill_fresh_quantize_leaves_nothing_half_written(tiny_run, tmp_path, hang_guard_s):
     """A first quantize killed while writing leaves no output folder (so no 0-byte
     precision_rules.json to trip over later), and a rerun completes."""
     out = tmp_path / "q"
     killed = _kill_when(["quantize", "-c", str(tiny_run), "--out", str(out), *_Q],
-                        lambda: _writing(out))
+                        lambda: _writing(out), hang_guard_s)
     assert killed and not out.exists()
     assert main(["quantize", "-c", str(tiny_run), "--out", str(out), *_Q]) == 0
     _quantize_complete(out)

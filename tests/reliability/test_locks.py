@@ -60,18 +60,18 @@ def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, caps
     assert not out.exists() or not any(out.iterdir())  # nothing was written
 
 
-def test_cli_process_against_held_folder(held, words_corpus):
+def test_cli_process_against_held_folder(held, words_corpus, hang_guard_s):
     """A real `microscale train` process (not in-process) refuses the held folder."""
     out, pid = held
     r = subprocess.run([sys.executable, "-m", "microscale", "train", "--config", "tiny",
                         *TRAIN_ARGS, f"data.corpus={words_corpus}", f"out={out}"],
-                       env=ENV, capture_output=True, text=True, timeout=300)
+                       env=ENV, capture_output=True, text=True, timeout=hang_guard_s)
     assert r.returncode == 2
     assert f"PID {pid}" in r.stderr and str(out) in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
-def test_two_trainings_one_folder(tmp_path, words_corpus, cache_env):
+def test_two_trainings_one_folder(tmp_path, words_corpus, cache_env, hang_guard_s):
     """Two `microscale train` into one out= with seeds 0 and 1, started together: exactly
     one runs; the folder's config, checkpoint and summary all come from that one."""
     out = tmp_path / "run"
@@ -79,7 +79,7 @@ def test_two_trainings_one_folder(tmp_path, words_corpus, cache_env):
                                *TRAIN_ARGS, f"data.corpus={words_corpus}", f"seed={seed}",
                                f"out={out}", "--quiet"], env=ENV, stderr=subprocess.PIPE,
                               text=True) for seed in (0, 1)]
-    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    results = [(p.wait(timeout=hang_guard_s), p.stderr.read()) for p in procs]
     assert sorted(rc for rc, _ in results) == [0, 2], results
     winner = next(seed for seed, (rc, _) in zip((0, 1), results, strict=True) if rc == 0)
     loser_err = next(err for rc, err in results if rc == 2)

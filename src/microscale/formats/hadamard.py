@@ -9,6 +9,18 @@ Applied blockwise along an axis of length L (a multiple of n): each length-n chu
 transforming both operands along T leaves the product unchanged,
 ``(X^T R_T)(R_T^T dY) = X^T dY`` with ``R_T = blockdiag(R)``, while spreading outliers
 across the 16 tokens of each block before FP4 quantization.
+
+The same bits on every machine. The transform is not a matrix product: a dot's float32
+summation order is the kernel's choice (XLA:CPU's YNNPACK and Eigen kernels sum the 16
+products in different orders), and rounding the rotated operand to bfloat16 or FP4 then
+depends on that order wherever a value lands near a rounding tie. It is computed with
+elementwise float32 operations in one fixed order instead, each correctly rounded by
+IEEE 754 on any hardware: ``v * s`` (exact), the Sylvester butterfly
+``H_m = [[H_m/2, H_m/2], [H_m/2, -H_m/2]]`` from the chunk's halves down to pairs (halves
+``(a, b) -> (a + b, a - b)``), then ``* (1/sqrt(n))`` in float32. The inverse runs the
+butterfly on ``v`` and multiplies by ``s * (1/sqrt(n))``. The only inexact product (for n
+not a power of 4) comes last, so no compiler can contract it with an addition into an FMA
+that rounds once instead of twice. XLA fuses all stages into one pass over the array.
 """
 
 from __future__ import annotations
@@ -49,11 +61,12 @@ def random_signs(seed_or_key, n: int) -> jax.Array:
 
 
 def random_hadamard(x: jax.Array, axis: int = -1, *, size: int = 16, seed_or_key=0,
-                    inverse: bool = False) -> jax.Array:
+                    inverse: bool = False, dtype=None) -> jax.Array:
     """Apply ``diag(s) H`` (or its inverse ``H diag(s)``) to each size-chunk along ``axis``.
 
-    The length along ``axis`` must be a multiple of ``size``. Computed in float32,
-    returned in ``x``'s dtype.
+    The length along ``axis`` must be a multiple of ``size``. Computed in float32 with a
+    fixed order of operations (see the module doc), so the result is the same bits on
+    every machine; returned in ``dtype`` (default: ``x``'s dtype).
     """
     size = _check_size(size)
     x = jnp.asarray(x)
@@ -62,10 +75,48 @@ def random_hadamard(x: jax.Array, axis: int = -1, *, size: int = 16, seed_or_key
     if n % size:
         raise ValueError(f"random_hadamard: length {n} along axis {axis} is not a multiple "
                          f"of the transform size {size}")
-    r = random_signs(seed_or_key, size)[:, None] * hadamard_matrix(size)  # diag(s) H
-    if inverse:
-        r = r.T
-    xm = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
-    shp = xm.shape
-    y = (xm.reshape(shp[:-1] + (n // size, size)) @ r).reshape(shp)
-    return jnp.moveaxis(y, -1, axis).astype(x.dtype)
+    out_dtype = x.dtype if dtype is None else dtype
+    if isinstance(seed_or_key, int | np.integer):
+        with jax.ensure_compile_time_eval():  # a constant, not a kernel
+            signs = np.asarray(random_signs(seed_or_key, size))
+    else:
+        signs = random_signs(seed_or_key, size)
+    return _hadamard_butterfly(x, signs, axis=axis, size=size, inverse=inverse).astype(
+        out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size", "inverse"))
+def _hadamard_butterfly(x: jax.Array, signs, *, axis: int, size: int,
+                       inverse: bool) -> jax.Array:
+    """The float32 transform of :func:`random_hadamard`, in the fixed order of the module
+    doc (its own jit, so a jaxpr names it)."""
+    n = x.shape[axis]
+    pre, post = x.shape[:axis], x.shape[axis + 1:]
+    y = x.astype(jnp.float32).reshape(pre + (n // size, size) + post)
+    along = axis + 1  # the within-chunk axis of y
+    m = size
+    while m >= 2:  # H_m = [[H_m/2, H_m/2], [H_m/2, -H_m/2]]: halves (a, b) -> (a+b, a-b)
+        z = y.reshape(pre + (n // m, 2, m // 2) + post)
+        a = jax.lax.slice_in_dim(z, 0, 1, axis=along)
+        b = jax.lax.slice_in_dim(z, 1, 2, axis=along)
+        if m == size and not inverse:  # v * s (exact), fused into the first stage
+            half = _along(signs.astype(jnp.float32), along + 1, z.ndim)
+            a = a * jax.lax.slice_in_dim(half, 0, size // 2, axis=along + 1)
+            b = b * jax.lax.slice_in_dim(half, size // 2, size, axis=along + 1)
+        y = a + _along(np.array([1, -1], np.float32), along, z.ndim) * b  # exact: b * +-1
+        m //= 2
+    y = y.reshape(pre + (n // size, size) + post)
+    last = signs.astype(jnp.float32) * _scale(size) if inverse else np.full(size, _scale(size))
+    return (y * _along(last, along, y.ndim)).reshape(x.shape)  # the one inexact product
+
+
+def _scale(n: int) -> np.float32:
+    """``1/sqrt(n)`` in float32 (exact for n a power of 4)."""
+    return np.float32(1.0 / np.sqrt(n))
+
+
+def _along(v, axis: int, ndim: int):
+    """``v`` (1-D) shaped to broadcast along ``axis`` of an ``ndim``-array."""
+    shape = [1] * ndim
+    shape[axis] = v.shape[0]
+    return v.reshape(shape)

@@ -47,9 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.formats import (
-    hadamard_matrix,
     quantize_dequantize,
-    random_signs,
+    random_hadamard,
     tensor_amax,
 )
 from microscale.formats.quantize import check_prng_key
@@ -68,17 +67,9 @@ def operand_key(key, slot: str):
 
 def _rotate(t: jax.Array, spec: OperandSpec, axis: int, seed: int) -> jax.Array:
     """The random Hadamard transform of ``spec`` along ``axis`` (-1 or -2), zero-padded to
-    a multiple of its size: each chunk ``v`` becomes ``v R`` with ``R = diag(s) H``, as
-    :func:`microscale.formats.random_hadamard` defines it. Float32 result.
-
-    Written as a batched matmul with one small ``R`` per row (axis -1) or per group of
-    ``h`` rows (axis -2): XLA:CPU then reads the operand in place, where the plain
-    ``[chunks, h] @ R`` form makes it copy (and for a transposed operand, transpose
-    elementwise) the whole tensor first, ~3x slower. For a bfloat16 operand and a size
-    whose ``1/sqrt(h)`` is a power of two (16, 64, ...) the entries of ``R`` are exact in
-    bfloat16, so bfloat16 products with float32 accumulation compute the float32
-    transform (up to summation order).
-    """
+    a multiple of its size: each chunk ``v`` becomes ``v R`` with ``R = diag(s) H``,
+    exactly :func:`microscale.formats.random_hadamard` (the same bits on every machine).
+    Float32 result."""
     if spec.hadamard is None:
         return t
     h = spec.hadamard
@@ -87,26 +78,7 @@ def _rotate(t: jax.Array, spec: OperandSpec, axis: int, seed: int) -> jax.Array:
         widths = [(0, 0)] * t.ndim
         widths[axis] = (0, pad)
         t = jnp.pad(t, widths)
-    if t.dtype == jnp.bfloat16 and h.bit_length() % 2 == 1:  # h = 4^k: R exact in bf16
-        dtype, prec = jnp.bfloat16, None
-    else:
-        dtype, prec = jnp.float32, jax.lax.Precision.HIGHEST
-    t = t.astype(dtype)
-    with jax.ensure_compile_time_eval():  # the sign vector is a constant, not a kernel
-        r = np.asarray(random_signs(seed, h))[:, None] * np.asarray(hadamard_matrix(h))
-    *lead, m, n = t.shape
-    dims = (((2,), (1,)), ((0,), (0,)))
-    if axis % t.ndim == t.ndim - 1:  # rows of chunks: [rows, n/h, h] . R per row
-        rows = int(np.prod(lead, dtype=np.int64)) * m
-        rb = jnp.broadcast_to(jnp.asarray(r, dtype), (rows, h, h))
-        out = jax.lax.dot_general(t.reshape(rows, n // h, h), rb, dims, precision=prec,
-                                  preferred_element_type=jnp.float32)
-    else:  # groups of h rows: R^T . [groups, h, n] per group
-        groups = int(np.prod(lead, dtype=np.int64)) * (m // h)
-        rb = jnp.broadcast_to(jnp.asarray(r.T, dtype), (groups, h, h))
-        out = jax.lax.dot_general(rb, t.reshape(groups, h, n), dims, precision=prec,
-                                  preferred_element_type=jnp.float32)
-    return out.reshape((*lead, m, n))
+    return random_hadamard(t, axis, size=h, seed_or_key=seed, dtype=jnp.float32)
 
 
 def _check_key(spec: OperandSpec, key, slot: str) -> None:
