@@ -227,6 +227,18 @@ def _parse_str(s: str) -> Any:
         return s
 
 
+def _exact_int(f: float, key: str, text: str | None = None) -> int:
+    """An int written as a float (``1e6``, ``2.5e3``): accepted when it is a whole number
+    that a float holds exactly (up to 2^53); ``1e30`` would silently become
+    1000000000000000019884624838656."""
+    if not f.is_integer():
+        raise _Mismatch
+    if abs(f) > 2**53:
+        raise ConfigError(f"{key}={text or f!r}: a whole number past 2^53 written as a float "
+                          "is not exact; write its digits")
+    return int(f)
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit."""
     if tp is Any:
@@ -320,8 +332,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise _Mismatch
         if isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float):
+            return _exact_int(value, key)
         if isinstance(value, str):
             s = value.strip()
             try:
@@ -332,8 +344,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 f = float(s)
             except ValueError:
                 raise _Mismatch from None
-            if f.is_integer():
-                return int(f)
+            return _exact_int(f, key, s)
         raise _Mismatch
     if tp is float:
         if isinstance(value, bool):

@@ -6,7 +6,8 @@ at any moment leaves either the old content or the new one, never a mix or a stu
 * :func:`atomic_writer` (and :func:`atomic_write_bytes` / ``_text`` / ``_json`` / ``_yaml``)
   writes into a temporary sibling ``.NAME.tmp-PID-N``, flushes it to disk (``fsync``) and
   renames it over ``NAME`` (``os.replace``: atomic on POSIX). On an exception the temporary
-  file is removed and ``NAME`` is untouched.
+  file is removed and ``NAME`` is untouched; a killed writer's temporary file is removed by
+  the next write of ``NAME``.
 * :func:`atomic_folder` yields a temporary sibling folder ``.NAME.tmp-PID``; when the block
   ends without an exception the folder replaces ``NAME``. An existing ``NAME`` (only with
   ``overwrite=True``) is swapped out in one step (Linux ``renameat2(RENAME_EXCHANGE)``; two
@@ -66,6 +67,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", *,
         raise ValueError(f"atomic_writer mode={mode!r}: expected 'w', 'wt' or 'wb'")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path)  # a killed writer's temporary file (dead PID) goes first
     tmp = _tmp_sibling(path)
     if "b" not in mode and encoding is None:
         encoding = "utf-8"
@@ -372,6 +374,22 @@ def check_output_dir(path: str | os.PathLike, *, what: str = "output folder") ->
         raise NotADirectoryError(f"{what} {str(path)!r} is a file; expected a folder")
     _check_parent(p, what, path)
     return p
+
+
+def check_input_dir(path: str | os.PathLike, *, what: str, expected: str) -> Path:
+    """``path`` as an existing input folder, or an error that says what it is instead
+    (missing, a file and its size, not a folder) and what was ``expected``."""
+    p = Path(path).expanduser()
+    shown = f"{what}{'' if not what or what.endswith('=') else ' '}{str(path)!r}"
+    if p.is_dir():
+        return p
+    if not p.exists():
+        raise FileNotFoundError(f"{shown} does not exist; expected {expected}")
+    if p.is_file():
+        kind = f"a file ({p.stat().st_size:,} bytes{', ' + p.suffix if p.suffix else ''})"
+    else:
+        kind = "not a regular file or folder"
+    raise NotADirectoryError(f"{shown} is {kind}; expected {expected}")
 
 
 def check_output_file(path: str | os.PathLike, *, what: str = "output file",

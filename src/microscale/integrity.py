@@ -1,9 +1,11 @@
 """Content checksums and finiteness checks for stored tensors.
 
-Checkpoints (``train/checkpoint.py``) and exported safetensors (``export/tensorfile.py``)
-store a CRC-32 of every tensor's bytes when written, and check it, plus that every
-floating-point value is finite, when read. A bit flip, a truncated or a swapped file is
-then reported with the file and tensor it hit instead of being computed on.
+Checkpoints (``train/checkpoint.py``), exported safetensors (``export/tensorfile.py``) and
+GGUF files (``export/gguffile.py``) store a CRC-32 of every tensor's bytes when written,
+and check it, plus that every floating-point value is finite, when read. A bit flip, a
+truncated or a swapped file is then reported with the file and tensor it hit instead of
+being computed on. :func:`microscale.verify.verify_path` (``microscale verify``) checks a
+whole output without loading a model.
 
 CRC-32 (``zlib.crc32``, the checksum of zip and PNG) detects every burst error of up to 32
 bits and any other corruption with probability 1 - 2^-32 per tensor; it is not a
@@ -15,13 +17,15 @@ threads. ``benchmarks/integrity.py`` measures the cost against saving and loadin
 from __future__ import annotations
 
 import os
+import sys
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["CorruptDataError", "check_finite", "crc32", "crc32_many", "verify_crc32"]
+__all__ = ["CorruptDataError", "check_finite", "crc32", "crc32_many", "root_cause",
+           "silence_checkpoint_reader_noise", "tree_path_parts", "verify_crc32"]
 
 _CHUNK = 1 << 26  # hash in 64 MiB pieces: zlib takes at most 4 GiB at once
 
@@ -31,7 +35,9 @@ class CorruptDataError(ValueError):
 
 
 def crc32(array) -> str:
-    """CRC-32 of an array's bytes (C order), as 8 hex digits."""
+    """CRC-32 of an array's bytes (C order), or of a bytes-like object, as 8 hex digits."""
+    if isinstance(array, (bytes, bytearray, memoryview)):
+        array = np.frombuffer(array, np.uint8)
     a = np.ascontiguousarray(np.asarray(array))
     flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
     c = 0
@@ -44,13 +50,22 @@ def _pool_size() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def crc32_many(arrays: Mapping[str, object]) -> dict[str, str]:
-    """``{name: crc32}`` of many arrays, hashed in parallel threads."""
+def crc32_many(arrays: Mapping[str, object], *,
+               on_done: Callable[[str], None] | None = None) -> dict[str, str]:
+    """``{name: crc32}`` of many arrays, hashed in parallel threads; ``on_done(name)`` is
+    called (from a worker thread) after each array, e.g. to advance a progress bar."""
     names = list(arrays)
+
+    def one(n: str) -> str:
+        c = crc32(arrays[n])
+        if on_done is not None:
+            on_done(n)
+        return c
+
     if len(names) < 2:
-        return {n: crc32(arrays[n]) for n in names}
+        return {n: one(n) for n in names}
     with ThreadPoolExecutor(_pool_size()) as pool:
-        return dict(zip(names, pool.map(lambda n: crc32(arrays[n]), names), strict=True))
+        return dict(zip(names, pool.map(one, names), strict=True))
 
 
 def verify_crc32(arrays: Mapping[str, object], expected: Mapping[str, str], *,
@@ -83,3 +98,66 @@ def check_finite(items: Iterable[tuple[str, object]], *, where: str) -> None:
             n_bad = int(a.size - np.count_nonzero(ok))
             raise CorruptDataError(f"{where}: tensor {name!r} holds {n_bad} non-finite "
                                    f"value(s) (NaN or infinity) of {a.size}")
+
+
+# ------------------------------------------------------------------ checkpoint reading
+
+
+def tree_path_parts(path) -> tuple[str, ...]:
+    """A pytree key path as plain strings (dict keys, sequence indices and attribute names
+    alike), so an orbax metadata tree (string keys) and a live tree compare."""
+    out = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def root_cause(e: BaseException) -> str:
+    """The first line of the innermost cause (tensorstore names the array and file there;
+    the outer orbax messages are pages of spec dumps), at most 300 characters."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+def _is_checkpoint_reader_noise(u) -> bool:
+    """An unraisable exception from orbax's readers after a failed read (see
+    :func:`silence_checkpoint_reader_noise`)."""
+    if (u.object is None and isinstance(u.exc_value, RuntimeError)
+            and str(u.exc_value) == "Event loop is closed"):
+        return True
+    code = getattr(u.object, "cr_code", None)
+    if code is not None and "orbax" in code.co_filename:
+        return True
+    tb = u.exc_traceback
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def silence_checkpoint_reader_noise() -> None:
+    """When a checkpoint read fails, orbax's asynchronous readers go on failing after the
+    exception that reports it: tensorstore's threads complete futures of the asyncio loop
+    orbax has already closed (``RuntimeError('Event loop is closed')``) and abandoned
+    orbax coroutines die with their exceptions. Each goes to :data:`sys.unraisablehook`,
+    some after the call has returned, and the default hook prints dozens to thousands of
+    lines of tracebacks. Called before every read (idempotent, for the rest of the
+    process), this drops exactly those and passes every other unraisable exception on."""
+    hook = sys.unraisablehook
+    if getattr(hook, "_microscale", False):
+        return
+
+    def filtered(u):
+        if not _is_checkpoint_reader_noise(u):
+            hook(u)
+
+    filtered._microscale = True
+    sys.unraisablehook = filtered

@@ -161,6 +161,67 @@ CASES = [
     ("p-devices-word", ["plan", "--devices", "eight", "--no-compile"], "eight"),
     ("p-accelerator-unknown", ["plan", "--accelerator", "tpu9", "--no-compile"], "tpu9"),
     ("p-override-unknown", ["plan", "mesh.fdsp=2", "--no-compile"], "mesh.fdsp"),
+    # -- list options: every comma-separated list alike (empty or repeated: refused)
+    ("runs-empty", ["compare", "--runs", ""], "--runs"),
+    ("runs-commas", ["compare", "--runs", " , "], "--runs"),
+    ("runs-repeated", ["compare", "--runs", "bf16,nvfp4,bf16"], "bf16"),
+    ("sizes-empty", ["compare", "--sizes", ""], "--sizes"),
+    ("sizes-repeated", ["compare", "--sizes", "0.16M,0.16M"], "0.16M"),
+    ("ablations-empty", ["compare", "--ablations", ""], "--ablations"),
+    ("seeds-empty-string", ["compare", "--seeds", ""], "--seeds"),
+    ("seeds-repeated", ["compare", "--seeds", "0,0"], "0,0"),
+    ("q-formats-empty", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--formats", ""],
+     "--formats"),
+    ("q-formats-repeated", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--formats",
+                            "nvfp4,bf16,nvfp4"], "nvfp4"),
+    ("q-pareto-empty", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--pareto-budgets",
+                        ""], "--pareto-budgets"),
+    ("q-pareto-repeated", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--pareto-budgets",
+                           "5,6,5"], "5,6,5"),
+    # -- options that the combination ignores: refused, never dropped
+    ("min-steps-without-sizes", ["compare", "--min-steps", "5"], "--min-steps"),
+    ("tokens-per-param-without-sizes", ["compare", "--tokens-per-param", "2"],
+     "--tokens-per-param"),
+    ("q-gguf-layout", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--target", "gguf",
+                       "--layout", "modelopt"], "--layout modelopt"),
+    ("q-gguf-layout-default-name", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--target",
+                                    "gguf", "--layout", "compressed-tensors"], "--layout"),
+    ("q-dynamic-without-w4a4", ["quantize", "-c", "{run}", "--out", "{tmp}/q",
+                                "--dynamic-act-scales"], "--dynamic-act-scales"),
+    ("x-gguf-shard-size", ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "--format", "gguf",
+                           "--shard-size", "2"], "--shard-size"),
+    ("x-calib-without-activations", ["export", "-c", "{run}", "--out", "{tmp}/x",
+                                     "--calib-batches", "4"], "--calib-batches"),
+    ("x-data-without-activations", ["export", "-c", "{run}", "--out", "{tmp}/x", "--data",
+                                    "{corpus}"], "--data"),
+    # -- a file where a folder is expected: say what it is
+    ("init-from-file", ["train", *TINY, "data.corpus={corpus}", "init_from={file}",
+                        "out={tmp}/r"], "is a file"),
+    ("q-checkpoint-file", ["quantize", "-c", "{file}", "--out", "{tmp}/q"], "is a file"),
+    ("x-checkpoint-file", ["export", "-c", "{file}", "--out", "{tmp}/x"], "is a file"),
+    ("e-model-file", ["eval", "-m", "{file}"], "is a file"),
+    ("g-model-file", ["generate", "-m", "{file}", "-p", "x"], "is a file"),
+    # -- absurd sizes: refused before anything is built, naming the value
+    ("p-layers-billion", ["plan", "model.n_layers=1000000000", "--no-compile"],
+     "n_layers=1,000,000,000"),
+    ("p-layers-1e9", ["plan", "model.n_layers=1e9", "--no-compile"], "n_layers=1,000,000,000"),
+    ("p-layers-1e30", ["plan", "model.n_layers=1e30", "--no-compile"], "1e30"),
+    ("p-vocab-huge", ["plan", "model.vocab_size=100000000", "--no-compile"], "vocab_size"),
+    ("p-d-model-huge", ["plan", "model.d_model=1048576", "--no-compile"], "d_model"),
+    ("p-seq-huge", ["plan", "model.max_seq_len=1e9", "--no-compile"], "max_seq_len"),
+    ("p-params-huge", ["plan", "model.d_model=8192", "model.n_layers=4000", "model.d_ff=400000",
+                       "model.n_heads=64", "model.n_kv_heads=8", "--no-compile"], "parameters"),
+    ("train-layers-huge", ["train", "model.n_layers=1e9"], "n_layers"),
+    ("steps-1e30", ["train", "steps=1e30"], "1e30"),
+    # -- a run folder whose config.yaml no longer matches its checkpoint
+    ("x-config-edited", ["export", "-c", "{edited_run}", "--out", "{tmp}/x"],
+     "model.d_model=128 (the checkpoint has 64)"),
+    ("q-config-edited", ["quantize", "-c", "{edited_run}", "--out", "{tmp}/q"],
+     "model.d_model=128"),
+    ("e-config-edited", ["eval", "-m", "{edited_run}"], "model.d_model=128"),
+    ("g-config-edited", ["generate", "-m", "{theta_run}", "-p", "x"], "model.rope_theta"),
+    ("init-from-edited", ["train", *TINY, "data.corpus={corpus}", "init_from={theta_run}",
+                          "out={tmp}/r"], "model.rope_theta"),
 ]
 
 
@@ -208,6 +269,15 @@ def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, s
     (garbled / "config.json").write_text('{"num_hidden_layers": ')
     no_weights = copy_tree(tiny_export, root / "no_weights_exp")
     (no_weights / "model.safetensors").unlink()
+    edited_run = copy_tree(tiny_run, root / "edited_run")  # d_model 64 -> 128 by hand
+    text = (edited_run / "config.yaml").read_text()
+    assert "  d_model: 64\n" in text
+    (edited_run / "config.yaml").write_text(text.replace("  d_model: 64\n", "  d_model: 128\n"))
+    theta_run = copy_tree(tiny_run, root / "theta_run")  # same shapes, other RoPE base
+    text = (theta_run / "config.yaml").read_text()
+    assert "  rope_theta: 10000.0\n" in text
+    (theta_run / "config.yaml").write_text(text.replace("rope_theta: 10000.0",
+                                                        "rope_theta: 500000.0"))
     return {"run": str(run), "exp": str(tiny_export), "file": str(root / "file"),
             "dir": str(root / "dir"), "full_dir": str(root / "full"),
             "corpus": str(words_corpus), "latin1_yaml": str(root / "latin1.yaml"),
@@ -216,7 +286,8 @@ def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, s
             "list_json": str(root / "list.json"), "flipped_run": str(flipped_run),
             "truncated_run": str(truncated_run), "flipped_exp": str(flipped_exp),
             "truncated_exp": str(truncated_exp), "huge_exp": str(huge_exp),
-            "garbled_config_exp": str(garbled), "no_weights_exp": str(no_weights)}
+            "garbled_config_exp": str(garbled), "no_weights_exp": str(no_weights),
+            "edited_run": str(edited_run), "theta_run": str(theta_run)}
 
 
 def _fill(s: str, places: dict[str, str]) -> str:

@@ -135,6 +135,22 @@ def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
     assert _siblings(tmp_path) == ["out"]
 
 
+def test_killed_file_writers_temporaries_are_removed_by_the_next_write(tmp_path):
+    """A file writer killed after creating its temporary (a GGUF export, a JSON report)
+    left ``.NAME.tmp-PID-N``: the next write of NAME removes it. A live writer's temporary
+    (this process's, another live PID's) and other names' are left alone."""
+    dead, live = _dead_pid(), os.getppid()
+    out = tmp_path / "model.gguf"
+    stale = [tmp_path / f".model.gguf.tmp-{dead}-0", tmp_path / f".model.gguf.tmp-{dead}-7"]
+    kept = [tmp_path / f".model.gguf.tmp-{live}-0", tmp_path / f".other.gguf.tmp-{dead}-0"]
+    for p in stale + kept:
+        p.write_bytes(b"half a file")
+    atomic_write_bytes(out, b"GGUF")
+    assert out.read_bytes() == b"GGUF"
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept)
+
+
 def test_check_output_dir(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),
     "plan": ("microscale.cli.plan", "compile a train step at scale on simulated devices: "
                                     "memory fit, collectives, roofline"),
+    "verify": ("microscale.cli.verify", "check a GGUF file, export, quantize output or run "
+                                        "against its stored checksums"),
 }
 
 

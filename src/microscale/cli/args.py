@@ -46,13 +46,20 @@ def probability(text: str) -> float:
 
 
 def _list(text: str, one, what: str) -> tuple:
+    """Comma-separated items: at least one, each valid, none twice (a repeated seed,
+    run or budget is a typo, never a request to do the same work again)."""
     items = [t.strip() for t in text.split(",")]
     if not any(items):
         raise argparse.ArgumentTypeError(f"{text!r} is empty; expected {what}")
     try:
-        return tuple(one(t) for t in items if t)
+        values = tuple(one(t) for t in items if t)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r} lists {', '.join(repeated)} more than once; "
+                                         f"expected {what}, each once")
+    return values
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -63,3 +70,17 @@ def int_list(text: str) -> tuple[int, ...]:
 def positive_float_list(text: str) -> tuple[float, ...]:
     """Comma-separated numbers > 0 (``4.5,5,6``)."""
     return _list(text, positive_float, "comma-separated numbers > 0 (e.g. 4.5,5,6)")
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names (``bf16,nvfp4``); which names exist is the command's check."""
+    return _list(text, str, "comma-separated names")
+
+
+def refuse_unused(*cases: tuple[bool, str, str]) -> None:
+    """Each case is ``(given, option, why)``: an option the user gave in a combination
+    that ignores it. Raise a ``ValueError`` naming the first one and why; a command never
+    drops an option silently."""
+    for given, option, why in cases:
+        if given:
+            raise ValueError(f"{option} has no effect {why}; drop it")

@@ -21,11 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from microscale.cli.args import int_list, positive_float, positive_int
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+from microscale.cli.args import int_list, name_list, positive_float, positive_int, refuse_unused
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,19 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", default=None,
                         help="training preset or YAML for the shared config, replacing the "
                              "compare preset's regime (default: tiny + the preset's regime)")
-    parser.add_argument("--runs", default=None,
+    parser.add_argument("--runs", type=name_list, default=None,
                         help="comma-separated runs (default: the preset's)")
-    parser.add_argument("--ablations", default="",
+    parser.add_argument("--ablations", type=name_list, default=(),
                         help="comma-separated NVFP4 ablations to add, or 'all' "
                              "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
                              "nvfp4_fwd_only, nvfp4_late_bf16, nvfp4_adaptive)")
     parser.add_argument("--seeds", type=int_list, default=None,
                         help="comma-separated seeds (default: the preset's)")
-    parser.add_argument("--sizes", default=None,
+    parser.add_argument("--sizes", type=name_list, default=None,
                         help=f"comma-separated model sizes for a trend sweep, from {list(SIZES)}")
-    parser.add_argument("--tokens-per-param", type=positive_float, default=1.0,
+    parser.add_argument("--tokens-per-param", type=positive_float, default=None,
                         help="with --sizes: training tokens per parameter (default 1)")
-    parser.add_argument("--min-steps", type=positive_int, default=100,
+    parser.add_argument("--min-steps", type=positive_int, default=None,
                         help="with --sizes: fewest optimizer steps per size (default 100)")
     parser.add_argument("--parallel", type=positive_int, default=1,
                         help="concurrent training processes (default 1: in this process)")
@@ -86,16 +82,21 @@ def run(args: argparse.Namespace) -> int:
             regime = args.config
         base = resolve_config(regime, overrides)
         cfg = CompareConfig.preset(args.preset, base=base, parallel=args.parallel)
-        runs = _names(args.runs) if args.runs else list(cfg.runs)
-        abl = list(ABLATIONS) if args.ablations.strip() == "all" else _names(args.ablations)
+        refuse_unused(
+            (args.sizes is None and args.tokens_per_param is not None, "--tokens-per-param",
+             "without --sizes"),
+            (args.sizes is None and args.min_steps is not None, "--min-steps",
+             "without --sizes"))
+        runs = list(args.runs or cfg.runs)
+        abl = list(ABLATIONS) if args.ablations == ("all",) else list(args.ablations)
         runs += [a for a in abl if a not in runs]
         seeds = args.seeds if args.seeds is not None else cfg.seeds
         cfg = dataclasses.replace(cfg, runs=tuple(runs), seeds=seeds)
         scaling = None
-        if args.sizes:
-            scaling = ScalingConfig(compare=cfg, sizes=tuple(_names(args.sizes)),
-                                    tokens_per_param=args.tokens_per_param,
-                                    min_steps=args.min_steps)
+        if args.sizes is not None:
+            given = {k: v for k, v in (("tokens_per_param", args.tokens_per_param),
+                                       ("min_steps", args.min_steps)) if v is not None}
+            scaling = ScalingConfig(compare=cfg, sizes=args.sizes, **given)
     except (ConfigError, ValueError) as e:
         print(f"microscale compare: error: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,10 @@ import json
 import sys
 from pathlib import Path
 
-from microscale.cli.args import nonnegative_int, positive_float, positive_int
+from microscale.cli.args import nonnegative_int, positive_float, positive_int, refuse_unused
+
+CALIB_BATCHES = 8  # --calib-batches default
+SHARD_GB = 5.0  # --shard-size default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,15 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rules", help="PrecisionRules JSON file (e.g. RUN/precision_rules.json)")
     parser.add_argument("--activations", action="store_true",
                         help="quantize layer inputs too (W4A4 / W8A8, calibrated static scales)")
-    parser.add_argument("--calib-batches", type=positive_int, default=8,
-                        help="calibration batches for --activations (default: 8)")
-    parser.add_argument("--data", help="calibration corpus (default: the run's corpus)")
+    parser.add_argument("--calib-batches", type=positive_int, default=None,
+                        help=f"calibration batches for --activations (default: {CALIB_BATCHES})")
+    parser.add_argument("--data", help="calibration corpus for --activations (default: the run's "
+                        "corpus)")
     parser.add_argument("--step", type=nonnegative_int,
                         help="run checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of unquantized tensors (default: bfloat16)")
-    parser.add_argument("--shard-size", type=positive_float, default=5.0,
-                        help="shard the weights above this many GB (default: 5)")
+    parser.add_argument("--shard-size", type=positive_float, default=None,
+                        help=f"shard the weights above this many GB (default: {SHARD_GB:g}; not with "
+                             "--format gguf)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
 
@@ -145,6 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         export_checkpoint,
         read_checkpoint,
     )
+    from microscale.files import check_input_dir
     from microscale.inference import InferenceModel, is_run_dir
     from microscale.model import PrecisionRules
 
@@ -152,11 +158,19 @@ def _run(args: argparse.Namespace) -> int:
         formats = parse_formats(args.formats)
         if args.rules:
             formats = PrecisionRules.load(args.rules)
-        src = Path(args.checkpoint)
+        src = check_input_dir(args.checkpoint, what="--checkpoint", expected="a training run "
+                              "folder, a quantize output or an HF model folder")
         gguf = args.layout == "gguf"
         if gguf and args.activations:
             raise ValueError("--activations: GGUF stores weights only (llama.cpp quantizes "
                              "activations itself); drop --activations")
+        refuse_unused(
+            (gguf and args.shard_size is not None, "--shard-size",
+             "with --format gguf (it writes one file)"),
+            (not args.activations and args.calib_batches is not None, "--calib-batches",
+             "without --activations (only layer inputs are calibrated)"),
+            (not args.activations and args.data is not None, "--data",
+             "without --activations (only layer inputs are calibrated)"))
         src = quantize_output_checkpoint(src)
         tokenizer, data, seq_len = None, args.data, 128
         if is_run_dir(src):
@@ -197,13 +211,13 @@ def _run(args: argparse.Namespace) -> int:
             dense = InferenceModel.from_params(
                 model.params if isinstance(model, Checkpoint) else model, config)
             batches = eval_batches(data, tokenizer, seq_len=seq_len, batch_size=8,
-                                   max_batches=args.calib_batches,
+                                   max_batches=args.calib_batches or CALIB_BATCHES,
                                    vocab_size=config.vocab_size)
             input_amax = collect_input_amax(dense, batches)
         res = export_checkpoint(model, args.out, config=config, layout=args.layout,
                                 layer_formats=formats, activations=args.activations,
                                 input_amax=input_amax, tokenizer=tokenizer, dtype=args.dtype,
-                                shard_bytes=int(args.shard_size * 1e9),
+                                shard_bytes=int((args.shard_size or SHARD_GB) * 1e9),
                                 overwrite=args.overwrite)
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)

@@ -18,10 +18,12 @@ import sys
 from pathlib import Path
 
 from microscale.cli.args import (
+    name_list,
     nonnegative_int,
     positive_float,
     positive_float_list,
     positive_int,
+    refuse_unused,
 )
 
 # Short names accepted on the command line for registry formats.
@@ -29,7 +31,8 @@ _ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def _formats(text: str) -> tuple[str, ...]:
-    return tuple(_ALIASES.get(f.strip(), f.strip()) for f in text.split(",") if f.strip())
+    """``--formats``: comma-separated format names (each once), aliases resolved."""
+    return tuple(_ALIASES.get(f, f) for f in name_list(text))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--budget", type=positive_float, default=4.8,
                         help="effective bits per weight element (default 4.8)")
-    parser.add_argument("--formats", default=None,
+    parser.add_argument("--formats", type=_formats, default=None,
                         help="candidate formats, comma-separated (fp8 = fp8_e4m3; default "
                              "nvfp4,mxfp4,mxfp8,fp8_e4m3,bf16; --target gguf: "
                              "nvfp4,mxfp4,q8_0,bf16)")
@@ -79,9 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=(4.5, 5, 5.5, 6, 6.5, 7, 7.5, 8, 8.5),
                         help="budgets of the searched Pareto points, comma-separated")
     parser.add_argument("--solver", default="auto", choices=("auto", "dp", "milp"))
-    parser.add_argument("--layout", default="compressed-tensors",
+    parser.add_argument("--layout", default=None,
                         choices=("compressed-tensors", "modelopt", "microscale"),
-                        help="checkpoint layout (microscale = own safetensors + manifest)")
+                        help="checkpoint layout (default compressed-tensors; microscale = own "
+                             "safetensors + manifest; not with --target gguf)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use JAX's persistent compilation cache")
@@ -92,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         budgets = args.pareto_budgets
-        make, layout = QuantizeConfig, args.layout
+        refuse_unused(
+            (args.target == "gguf" and args.layout is not None, f"--layout {args.layout}",
+             "with --target gguf (it writes one GGUF file, OUT/model.gguf)"),
+            (args.dynamic_act_scales and not args.w4a4, "--dynamic-act-scales",
+             "without --w4a4 (only quantized layer inputs have scales)"))
+        make, layout = QuantizeConfig, args.layout or "compressed-tensors"
         if args.target == "gguf":
             from microscale.export.gguf import gguf_format
 
@@ -100,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--w4a4 with --target gguf: a GGUF stores weights only "
                                  "(llama.cpp quantizes activations itself)")
             make, layout = QuantizeConfig.for_gguf, "gguf"
-            for f in _formats(args.formats or ""):
+            for f in args.formats or ():
                 if gguf_format(f) != f:
                     raise ValueError(f"--formats {f}: llama.cpp has no native {f} (it would "
                                      f"run as {gguf_format(f)}); --target gguf searches "
                                      "nvfp4, mxfp4, q8_0, bf16")
-        formats = {} if args.formats is None else {"formats": _formats(args.formats)}
+        formats = {} if args.formats is None else {"formats": args.formats}
         cfg = make(
             budget=args.budget, **formats, method=args.method,
             calib_tokens=args.calib_tokens, seed=args.seed,

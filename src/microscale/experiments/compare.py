@@ -118,6 +118,8 @@ class CompareConfig:
             raise ValueError(f"runs {list(self.runs)} lists a run twice")
         if not self.seeds or any(s < 0 for s in self.seeds):
             raise ValueError(f"seeds={self.seeds}: expected one or more ints >= 0")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {list(self.seeds)} lists a seed twice")
         if self.parallel < 1:
             raise ValueError(f"parallel={self.parallel}: expected an int >= 1")
 

@@ -46,6 +46,11 @@ and merges; its pre-tokenizer must be one llama.cpp implements (GPT-2's ByteLeve
 
 The file is written to a temporary sibling and renamed when complete
 (:func:`microscale.files.atomic_writer`): a killed export leaves no file that loads.
+
+Integrity: the metadata carries ``microscale.crc32.tensors`` (the CRC-32 of every tensor's
+stored bytes, as JSON) and ``microscale.crc32.header`` (the CRC-32 of the header and tensor
+table), which other readers ignore; :mod:`microscale.export.gguffile` defines them and
+checks a file against them (``microscale verify``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import ml_dtypes
 import numpy as np
 
 from microscale.export import layouts as L
+from microscale.export.gguffile import CRC_HEADER_KEY, CRC_TENSORS_KEY, seal_gguf_header
 from microscale.export.hf import linear_paths
 from microscale.export.params import check_params
 from microscale.export.tokenizer import byte_tokenizer_hf
@@ -74,6 +80,7 @@ from microscale.formats import (
     pack_nibbles,
     unpack_nibbles,
 )
+from microscale.integrity import crc32_many
 from microscale.model import ModelConfig
 
 __all__ = ["GGUF_FORMATS", "GGUFResult", "gguf_format", "gguf_layer_formats",
@@ -392,6 +399,11 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tok = _add_tokenizer(w, tokenizer, cfg.vocab_size)
+    # Checksums (gguffile's module doc): of each tensor's bytes as they will be stored, and
+    # of the header, filled in once the file is written (a fixed-width placeholder first).
+    sums = crc32_many({tname: arr for tname, arr, _ in tensors})
+    w.add_string(CRC_TENSORS_KEY, json.dumps(sums, sort_keys=True, separators=(",", ":")))
+    w.add_string(CRC_HEADER_KEY, "00000000")
     for tname, arr, raw in tensors:
         w.add_tensor(tname, arr, raw_dtype=raw)
     with atomic_writer(out, "wb") as f:
@@ -400,5 +412,6 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        seal_gguf_header(f.name)
     return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
                       tokenizer=tok)

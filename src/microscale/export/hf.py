@@ -263,19 +263,35 @@ def model_config_from_hf(d: dict[str, Any], *, param_dtype: str = "float32",
         raise ValueError(f"config.json: rope_theta={theta!r}: expected a positive number")
     d_ff = _get(d, "intermediate_size", int)
     dims = (hidden, d_ff, kv * hd, heads * hd)
-    return ModelConfig(
-        vocab_size=_get(d, "vocab_size", int),
-        d_model=hidden,
-        n_layers=_get(d, "num_hidden_layers", int),
-        n_heads=heads,
-        n_kv_heads=kv,
-        d_ff=d_ff,
-        max_seq_len=_get(d, "max_position_embeddings", int, 2048),
-        rope_theta=float(theta),
-        norm_eps=float(_get(d, "rms_norm_eps", (int, float), 1e-6)),
-        tie_embeddings=bool(_get(d, "tie_word_embeddings", bool, False)),
-        init_std=float(_get(d, "initializer_range", (int, float), 0.02)),
-        param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
-        dim_multiple=_dim_multiple(*dims),
-    )
+    try:
+        return ModelConfig(
+            vocab_size=_get(d, "vocab_size", int),
+            d_model=hidden,
+            n_layers=_get(d, "num_hidden_layers", int),
+            n_heads=heads,
+            n_kv_heads=kv,
+            d_ff=d_ff,
+            max_seq_len=_get(d, "max_position_embeddings", int, 2048),
+            rope_theta=float(theta),
+            norm_eps=float(_get(d, "rms_norm_eps", (int, float), 1e-6)),
+            tie_embeddings=bool(_get(d, "tie_word_embeddings", bool, False)),
+            init_std=float(_get(d, "initializer_range", (int, float), 0.02)),
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            dim_multiple=_dim_multiple(*dims),
+        )
+    except ValueError as e:  # ModelConfig's own checks, told in config.json's keys
+        msg = str(e)
+        if not msg.startswith("ModelConfig"):
+            raise
+        for field, key in _HF_KEYS.items():
+            msg = msg.replace(f"ModelConfig.{field}=", f"{key}=")
+        raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip(': ')}"
+                         ) from None
+
+
+# ModelConfig field -> config.json key, for errors.
+_HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
+            "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
+            "max_seq_len": "max_position_embeddings"}

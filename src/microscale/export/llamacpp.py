@@ -139,10 +139,18 @@ class _LibLlama:
 
 
 class LlamaCpp:
-    """One GGUF model loaded in llama.cpp (CPU)."""
+    """One GGUF model loaded in llama.cpp (CPU). The file is first checked against the
+    checksums microscale stores in it (:func:`~microscale.export.gguffile.verify_gguf`;
+    ``verify=False`` skips that): a damaged file raises
+    :class:`~microscale.integrity.CorruptDataError` naming the tensor instead of being run."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 256,
-                 n_threads: int | None = None, backend: str | None = None):
+                 n_threads: int | None = None, backend: str | None = None,
+                 verify: bool = True):
+        if verify:
+            from microscale.export.gguffile import verify_gguf
+
+            verify_gguf(path)
         self.backend = backend or llama_cpp_available()
         if self.backend is None:
             raise ImportError("no llama.cpp: pip install llama-cpp-python (builds llama.cpp) "

@@ -276,6 +276,12 @@ class TensorStore:
     def names(self) -> list[str]:
         return sorted(self.infos)
 
+    @property
+    def checksums(self) -> dict[str, str]:
+        """``{tensor: CRC-32}`` stored in the files' headers (empty for files written
+        without them); :meth:`get` checks them."""
+        return dict(self._crc)
+
     def info(self, name: str) -> TensorInfo:
         if name not in self.infos:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.root}")

@@ -120,6 +120,8 @@ def _check_input(x, axis: int) -> tuple[jax.Array, int]:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
+    if x.dtype.itemsize < 2:  # float8 / float4 values (already quantized): exact in float32
+        x = x.astype(jnp.float32)
     if x.ndim == 0:
         raise ValueError("quantize expects an array with at least one dimension, got a scalar")
     if not -x.ndim <= axis < x.ndim:
@@ -320,7 +322,8 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
     """Quantize ``x`` to format ``fmt`` with blocks along ``axis``.
 
     Args:
-      x: floating-point array (float32, bfloat16, float16), any rank >= 1.
+      x: floating-point array (float32, bfloat16, float16; float8 and float4 values are
+        widened to float32, exactly), any rank >= 1.
       fmt: a registry name ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2", "bf16")
         or a :class:`FormatSpec`.
       axis: the block (contraction) axis; 4-bit codes are packed along it.
@@ -465,6 +468,9 @@ def _check_key_amax(x, key, amax) -> None:
         a = np.asarray(amax, dtype=np.float64) if not isinstance(amax, str) else None
         if a is None or a.ndim != 0:
             raise ValueError(f"amax={amax!r}: expected a scalar max |x| >= 0")
+        if not np.isfinite(a):
+            raise ValueError(f"amax={float(a)}: expected a finite max |x| >= 0 (a NaN or "
+                             "infinite amax would turn every value into NaN or zero)")
         if a < 0:
             raise ValueError(f"amax={float(a)}: expected a max |x| >= 0 (a negative amax "
                              "would flip the scale's sign)")

@@ -384,7 +384,10 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
     already fixed, so it is refused there). ``activations``: W4A4 emulation (default: as
     the checkpoint declares). ``step``: the run's checkpoint step (default: latest).
     """
-    p = Path(path)
+    from microscale.files import check_input_dir
+
+    p = check_input_dir(path, what="", expected="an exported model folder (config.json) or a "
+                        "microscale training run (config.yaml + checkpoints/)")
     if is_run_dir(p):
         from microscale.data import load_tokenizer
         from microscale.train import load_checkpoint

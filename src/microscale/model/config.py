@@ -44,6 +44,14 @@ __all__ = ["ModelConfig", "list_presets"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# Upper bounds, checked before anything is built: a size past these is a typo (an extra
+# zero, a unit slip), and building it would exhaust memory with no message. Each is
+# far beyond any published model (Llama 3.1 405B: d_model 16384, 126 layers, d_ff 53248,
+# 128 heads, vocab 128256, context 131072; the largest vocabularies ~262k tokens).
+_MAX_SIZE = {"vocab_size": 2**22, "d_model": 2**17, "n_layers": 2**12, "n_heads": 2**12,
+             "n_kv_heads": 2**12, "d_ff": 2**19, "max_seq_len": 2**24, "dim_multiple": 2**12}
+_MAX_PARAMS = 10**13  # 10T parameters: 5x the largest models trained
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -73,6 +81,9 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive int")
+            if v > _MAX_SIZE[name]:
+                raise ValueError(f"ModelConfig.{name}={v:,} is larger than any model (at "
+                                 f"most {_MAX_SIZE[name]:,}); a typo?")
         for name in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -104,6 +115,11 @@ class ModelConfig:
                     "quantized linear's in/out dims must be whole scale blocks (16 for "
                     "NVFP4, 32 for MX formats); pick a multiple of "
                     f"{m} (e.g. {_round_up(v, m)}) or set dim_multiple=16 for NVFP4-only")
+        if self.num_params() > _MAX_PARAMS:
+            raise ValueError(f"ModelConfig: {self.num_params():,} parameters (d_model "
+                             f"{self.d_model}, {self.n_layers} layers, d_ff {self.d_ff}, vocab "
+                             f"{self.vocab_size}) is larger than any model (at most "
+                             f"{_MAX_PARAMS:.0e}); a typo?")
 
     # ------------------------------------------------------------------ derived
     @property

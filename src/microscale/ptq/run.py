@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.files import lock_folder
+from microscale.files import check_input_dir, lock_folder
 from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
 
 __all__ = ["calibration_windows", "quantize_run", "trained_allocation"]
@@ -91,7 +91,8 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
     from microscale.ptq.report import check_quantize_out
 
     cfg = QuantizeConfig() if config is None else config
-    run_dir = Path(run_dir)
+    run_dir = check_input_dir(run_dir, what="--checkpoint",
+                              expected="the out= folder of a training run")
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder "
                                 "(no config.yaml); expected the out= folder of a training run")

@@ -15,7 +15,11 @@ Modules: :mod:`~microscale.train.config` (TrainConfig and presets),
 :mod:`~microscale.train.checkpoint`, :mod:`~microscale.train.metrics`.
 """
 
-from microscale.train.checkpoint import CheckpointCorruptError, Checkpointer
+from microscale.train.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointMismatchError,
+)
 from microscale.train.config import (
     LateSwitchConfig,
     MeshConfig,
@@ -38,7 +42,7 @@ from microscale.train.optim import lr_schedule, make_optimizer
 from microscale.train.step import cross_entropy, make_eval_step, make_train_step
 
 __all__ = [
-    "CheckpointCorruptError", "Checkpointer", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig",
+    "CheckpointCorruptError", "Checkpointer", "CheckpointMismatchError", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig",
     "TrainingAborted", "build_mesh", "build_state", "cross_entropy", "enable_compilation_cache",
     "list_presets", "preset_yaml", "resolve_config",
     "load_checkpoint", "lr_schedule", "make_eval_step", "make_optimizer", "make_train_step",

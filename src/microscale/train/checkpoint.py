@@ -40,13 +40,26 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from microscale.integrity import CorruptDataError, check_finite, crc32_many, verify_crc32
+from microscale.integrity import (
+    CorruptDataError,
+    check_finite,
+    crc32_many,
+    root_cause,
+    silence_checkpoint_reader_noise,
+    tree_path_parts,
+    verify_crc32,
+)
 
 __all__ = ["CheckpointCorruptError", "Checkpointer", "abstract_like", "host_leaves"]
 
 
 class CheckpointCorruptError(CorruptDataError):
     """A checkpoint step does not restore, fails its checksums or holds non-finite values."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A sound checkpoint that does not fit the config it is restored with (an edited
+    ``config.yaml``): nothing is damaged, so nothing is set aside."""
 
 
 def host_leaves(tree) -> dict[str, np.ndarray]:
@@ -64,15 +77,6 @@ def host_leaves(tree) -> dict[str, np.ndarray]:
         names.append(jax.tree_util.keystr(path))
         arrays.append(x)
     return dict(zip(names, (np.asarray(a) for a in jax.device_get(arrays)), strict=True))
-
-
-def _root_cause(e: BaseException) -> str:
-    """The first line of the innermost cause (tensorstore names the array and file there;
-    the outer orbax messages are pages of spec dumps)."""
-    while (e.__cause__ or e.__context__) is not None:
-        e = e.__cause__ or e.__context__
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
 
 
 def abstract_like(tree):
@@ -132,13 +136,15 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint step {step} under {self.directory}; "
                                     f"available steps: {self.all_steps()}")
         where = f"checkpoint {self.directory / str(step)}"
+        self._check_shapes(step, target, where)
+        silence_checkpoint_reader_noise()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_like(target)),
                 meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
             raise CheckpointCorruptError(f"{where} cannot be restored (a damaged, truncated "
-                                         f"or missing file): {_root_cause(e)}") from e
+                                         f"or missing file): {root_cause(e)}") from e
         meta = dict(out["meta"] or {})
         sums = meta.pop("checksums", None)
         host = host_leaves(out["state"])
@@ -149,6 +155,36 @@ class Checkpointer:
         except CorruptDataError as e:
             raise CheckpointCorruptError(str(e)) from None
         return out["state"], meta
+
+    def _check_shapes(self, step: int, target: Any, where: str) -> None:
+        """Raise :class:`CheckpointMismatchError` naming the tensors whose stored shapes
+        differ from ``target``'s, before orbax is asked to read them (its own error blames
+        nothing in particular, and its asynchronous readers print tracebacks while failing).
+        Unreadable metadata is left to the restore, which reports damage."""
+        try:
+            handler = ocp.StandardCheckpointHandler()
+            try:
+                meta = handler.metadata(self.directory / str(step) / "state")
+            finally:
+                handler.close()
+        except Exception:  # noqa: BLE001 - damaged metadata: restore() names it
+            return
+        stored = {".".join(tree_path_parts(p)): tuple(getattr(v, "shape", ()))
+                  for p, v in jax.tree_util.tree_flatten_with_path(getattr(meta, "tree", meta))[0]}
+        wanted = {".".join(tree_path_parts(p)): tuple(np.shape(v))
+                  for p, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+        if not stored:
+            return
+        names = sorted(wanted, key=lambda k: not k.startswith("params."))  # weights first
+        diff = [f"{k} stored {stored[k]}, configured {wanted[k]}" for k in names
+                if k in stored and stored[k] != wanted[k]]
+        diff += [f"{k} configured but not stored" for k in names if k not in stored]
+        diff += [f"{k} stored but not configured" for k in stored if k not in wanted]
+        if diff:
+            more = f" (and {len(diff) - 4} more)" if len(diff) > 4 else ""
+            raise CheckpointMismatchError(
+                f"{where} holds a model of another shape than its config: "
+                + "; ".join(diff[:4]) + more + ". Was config.yaml edited after training?")
 
     def restore_newest_intact(self, target: Any, *, upto: int | None = None,
                               say: Callable[[str], None] = print
@@ -182,11 +218,12 @@ class Checkpointer:
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint under {self.directory}")
+        silence_checkpoint_reader_noise()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)}: its "
-                                         f"metadata cannot be read: {_root_cause(e)}") from e
+                                         f"metadata cannot be read: {root_cause(e)}") from e
         meta = dict(out["meta"] or {})
         meta.pop("checksums", None)
         return meta

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.files import check_input_dir
 from microscale.model import ModelConfig
 
 __all__ = ["InitSource", "check_init_shapes", "load_init_weights"]
@@ -104,11 +105,8 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                       ) -> tuple[dict[str, np.ndarray], InitSource]:
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
-    path = Path(source).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"init_from={str(source)!r} does not exist; expected a "
-                                "microscale run folder, a `microscale quantize` output or an "
-                                "HF Llama folder")
+    path = check_input_dir(source, what="init_from=", expected="a microscale run folder, a "
+                           "`microscale quantize` output or an HF Llama folder")
     if _is_run(path):
         flat, got, model = _from_run(path, step)
         return flat, InitSource(path=str(source), kind="run", step=got, weights="master",

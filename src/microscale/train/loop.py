@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -51,6 +52,7 @@ from microscale import __version__
 from microscale.config import dump_yaml, load_yaml, to_dict
 from microscale.data import load_data
 from microscale.files import atomic_write_json, check_output_dir, lock_folder, read_json
+from microscale.integrity import CorruptDataError
 from microscale.model import (
     PrecisionRules,
     Transformer,
@@ -62,7 +64,7 @@ from microscale.model import (
 )
 from microscale.ops import get_recipe
 from microscale.train.adaptive import bf16_rules, choose_bf16_layers
-from microscale.train.checkpoint import Checkpointer
+from microscale.train.checkpoint import Checkpointer, CheckpointMismatchError
 from microscale.train.config import TrainConfig
 from microscale.train.mesh import (
     BATCH_AXES,
@@ -235,6 +237,7 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
     st = build_state(cfg, mesh, abstract=True)
     ck = Checkpointer(run_dir / "checkpoints", async_save=False)
     try:
+        _check_stored_model(ck, step, cfg, run_dir / "config.yaml")
         state, meta = ck.restore(step, {"params": st.params, "opt_state": st.opt_state})
     finally:
         ck.close()
@@ -262,6 +265,25 @@ def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
             f"resume=true but {len(diff)} run-defining setting(s) differ from {path}: "
             f"{shown}{more}. A resumed run must keep them (only cadence, mesh and output "
             "options may change); use a new out= for a different run")
+
+
+def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig,
+                        path: Path) -> None:
+    """Raise :class:`CheckpointMismatchError` naming each ``model.*`` key on which the
+    config a checkpoint was saved with (its metadata) and ``path`` disagree. Settings the
+    checkpoint predates (absent from its metadata) are not compared."""
+    try:
+        stored = ck.restore_meta(step).get("config") or {}
+    except (FileNotFoundError, CorruptDataError):
+        return  # restore() reports it
+    now = json.loads(json.dumps(to_dict(cfg)["model"]))
+    diff = [(k, a, b) for k, a, b in _leaf_diff("model", stored.get("model"), now)
+            if a is not None]
+    if diff:
+        shown = ", ".join(f"{k}={b!r} (the checkpoint has {a!r})" for k, a, b in diff)
+        raise CheckpointMismatchError(
+            f"{path} does not describe the model in its checkpoint: {shown}. Was it edited "
+            "after training? Restore the checkpoint's values")
 
 
 def _leaf_diff(key: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
