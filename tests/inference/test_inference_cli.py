@@ -78,7 +78,7 @@ def test_run_dir_directly_and_errors(run_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ppl" in out and "[stats] packed linear layers: 14" in out
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
-    assert "neither an exported model" in capsys.readouterr().err
+    assert "does not exist; expected an exported model folder" in capsys.readouterr().err
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"),
                  "--formats", "nvfp5"]) == 2
     assert "unknown format 'nvfp5'" in capsys.readouterr().err
