@@ -92,22 +92,23 @@ def _hadamard_butterfly(x: jax.Array, signs, *, axis: int, size: int,
     doc (its own jit, so a jaxpr names it)."""
     n = x.shape[axis]
     pre, post = x.shape[:axis], x.shape[axis + 1:]
-    y = x.astype(jnp.float32).reshape(pre + (n // size, size) + post)
-    along = axis + 1  # the within-chunk axis of y
+    chunks = pre + (n // size,)  # never merged with the within-chunk axis, so a sharded
+    y = x.astype(jnp.float32).reshape(chunks + (size,) + post)  # axis stays sharded
+    pair = axis + 2  # the (a, b) axis of each stage's view
     m = size
     while m >= 2:  # H_m = [[H_m/2, H_m/2], [H_m/2, -H_m/2]]: halves (a, b) -> (a+b, a-b)
-        z = y.reshape(pre + (n // m, 2, m // 2) + post)
-        a = jax.lax.slice_in_dim(z, 0, 1, axis=along)
-        b = jax.lax.slice_in_dim(z, 1, 2, axis=along)
+        z = y.reshape(chunks + (size // m, 2, m // 2) + post)
+        a = jax.lax.slice_in_dim(z, 0, 1, axis=pair)
+        b = jax.lax.slice_in_dim(z, 1, 2, axis=pair)
         if m == size and not inverse:  # v * s (exact), fused into the first stage
-            half = _along(signs.astype(jnp.float32), along + 1, z.ndim)
-            a = a * jax.lax.slice_in_dim(half, 0, size // 2, axis=along + 1)
-            b = b * jax.lax.slice_in_dim(half, size // 2, size, axis=along + 1)
-        y = a + _along(np.array([1, -1], np.float32), along, z.ndim) * b  # exact: b * +-1
+            half = _along(signs.astype(jnp.float32), pair + 1, z.ndim)
+            a = a * jax.lax.slice_in_dim(half, 0, size // 2, axis=pair + 1)
+            b = b * jax.lax.slice_in_dim(half, size // 2, size, axis=pair + 1)
+        y = (a + _along(np.array([1, -1], np.float32), pair, z.ndim) * b).reshape(
+            chunks + (size,) + post)  # exact: b * +-1
         m //= 2
-    y = y.reshape(pre + (n // size, size) + post)
     last = signs.astype(jnp.float32) * _scale(size) if inverse else np.full(size, _scale(size))
-    return (y * _along(last, along, y.ndim)).reshape(x.shape)  # the one inexact product
+    return (y * _along(last, axis + 1, y.ndim)).reshape(x.shape)  # the one inexact product
 
 
 def _scale(n: int) -> np.float32:

@@ -35,18 +35,22 @@ every mesh; each such dimension is logged and returned as a `Replicated` record,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from microscale.model.rules import path_str
 
-__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "logical_to_mesh_rules",
+__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "activation_sharding", "constrain",
+           "logical_to_mesh_rules",
            "logical_to_mesh_spec", "param_logical_axes", "partition_specs", "var_logical_axes"]
 
 log = logging.getLogger(__name__)
@@ -69,7 +73,8 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 def logical_to_mesh_rules() -> LogicalRules:
     """Default (logical name -> mesh axis / axes / None) rules for a (data, fsdp, tensor)
-    mesh; usable with ``nnx.logical_axis_rules`` and `partition_specs`."""
+    mesh; usable with ``nnx.logical_axis_rules`` and `partition_specs`. Parameters use the
+    plain names, activations the ``act_*`` names (see the module doc)."""
     return (
         ("batch", ("data", "fsdp")),
         ("length", None),
@@ -79,7 +84,41 @@ def logical_to_mesh_rules() -> LogicalRules:
         ("kv_heads", "tensor"),
         ("mlp", "tensor"),
         ("norm", None),
+        ("act_batch", ("data", "fsdp")),
+        ("act_length", None),
+        ("act_embed", None),
+        ("act_heads", "tensor"),
+        ("act_kv_heads", "tensor"),
+        ("act_mlp", "tensor"),
+        ("act_vocab", "tensor"),
     )
+
+
+_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "microscale_activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
+    """``with activation_sharding(mesh):`` trace a model whose activations
+    :func:`constrain` pins to ``mesh`` (entered inside the jitted step, around the model
+    call; ``None`` or a one-device mesh: no constraints)."""
+    token = _ACTIVATION_MESH.set(mesh if mesh is not None and mesh.size > 1 else None)
+    try:
+        yield
+    finally:
+        _ACTIVATION_MESH.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` with its sharding pinned by logical axis names (``act_*``) under
+    :func:`activation_sharding`; unchanged outside one (one device, inference, export).
+    A dimension the mesh does not divide stays replicated, as for parameters."""
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None:
+        return x
+    spec = logical_to_mesh_spec(axes, x.shape, mesh, where="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,10 @@ from flax import nnx
 from microscale.model.config import ModelConfig
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
 from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path_id
+from microscale.model.sharding import constrain
+
+# Logical axes of the activations (microscale.model.sharding maps them to the mesh).
+RESIDUAL = ("act_batch", "act_length", "act_embed")
 
 __all__ = ["MLP", "Attention", "Block", "Transformer", "causal_attention"]
 
@@ -104,12 +108,18 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
                  key: jax.Array | None = None) -> jax.Array:
         b, t, _ = x.shape
-        q = self.q_proj(x, key=key).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        heads, kv = ("act_batch", "act_length", "act_heads", None), (
+            "act_batch", "act_length", "act_kv_heads", None)
+        q = constrain(self.q_proj(x, key=key).reshape(b, t, self.n_heads, self.head_dim),
+                      heads)
+        k = constrain(self.k_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim),
+                      kv)
+        v = constrain(self.v_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim),
+                      kv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = causal_attention(q, k, v).reshape(b, t, self.n_heads * self.head_dim)
-        return self.o_proj(o, key=key)
+        o = constrain(causal_attention(q, k, v), heads)
+        o = o.reshape(b, t, self.n_heads * self.head_dim)
+        return constrain(self.o_proj(o, key=key), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -123,10 +133,11 @@ class MLP(nnx.Module):
                                  rngs=rngs, std=_out_std(cfg))
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        g = self.gate_proj(x, key=key)
-        u = self.up_proj(x, key=key)
+        hidden = ("act_batch", "act_length", "act_mlp")
+        g = constrain(self.gate_proj(x, key=key), hidden)
+        u = constrain(self.up_proj(x, key=key), hidden)
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-        return self.down_proj(h, key=key)
+        return constrain(self.down_proj(h, key=key), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -143,8 +154,9 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
                  key: jax.Array | None = None) -> jax.Array:
+        x = constrain(x, RESIDUAL)
         h = x + self.attn(self.attn_norm(x), cos, sin, key=key).astype(x.dtype)
-        return h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype)
+        return constrain(h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype), RESIDUAL)
 
 
 def _run_block(block: Block, x, cos, sin, key):
@@ -206,11 +218,10 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.arange(t)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-        x = self.embed(tokens)
+        x = constrain(self.embed(tokens), RESIDUAL)
         run = _run_block_remat if cfg.remat else _run_block
         for block in self.layers:
             x = run(block, x, cos, sin, key)
         x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            return self.embed.attend(x)
-        return self.lm_head(x)
+        logits = self.embed.attend(x) if cfg.tie_embeddings else self.lm_head(x)
+        return constrain(logits, ("act_batch", "act_length", "act_vocab"))

@@ -45,6 +45,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.shard_alike import shard_alike
 
 from microscale.formats import (
     quantize_dequantize,
@@ -132,6 +133,19 @@ def _gemm(a, b, cb: int = -1) -> jax.Array:
     batch = tuple(range(a.ndim - 2))
     dims = (((a.ndim - 1,), (b.ndim + cb,)), (batch, batch))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _keep_sharding(q: jax.Array, t: jax.Array) -> jax.Array:
+    """``q`` (a wgrad operand rotated along the tokens and quantized from ``t``) sharded as
+    ``t`` is. Without the hint the partitioner loses the token sharding through the
+    Hadamard transform and all-gathers the operand over all tokens, instead of summing the
+    local partial products: a full ``[tokens, N]`` per device, every layer (measured on
+    fsdp=8; ``tests/plan/test_plan_collectives.py``). ``shard_alike`` binds both ways, so
+    it is used only where the source's sharding is the one wanted. Padded operands (a
+    length that is not a multiple of the block) are left to the partitioner."""
+    if q.shape != t.shape:
+        return q
+    return shard_alike(q, t)[0]
 
 
 def _t(a):
@@ -237,6 +251,8 @@ def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, res, dy
     else:
         xqt, sx = _operand(recipe, "wgrad_x", _t(x), key, history, updates)
         dyq2, sdy2 = _operand(recipe, "wgrad_dy", dy, key, history, updates, axis=-2)
+        if recipe.wgrad_x.hadamard or recipe.wgrad_dy.hadamard:
+            xqt, dyq2 = _keep_sharding(xqt, _t(x)), _keep_sharding(dyq2, dy)
         dw = _scaled(_gemm(xqt, dyq2, -2), sx, sdy2)
     dkey = None if key is None else np.zeros(jnp.shape(key), jax.dtypes.float0)
     # The history's "gradient" is its next value (overwrite-with-gradient; see

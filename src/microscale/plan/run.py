@@ -135,6 +135,7 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
     """Plan ``cfg`` (a TrainConfig; its ``recipe`` is the one compiled and the roofline's
     target) on ``accelerator``; see the module doc. Writes ``plan.json`` and ``plan.md``
     to ``out`` when given. Returns the plan dict (``plan["markdown"]`` is the report)."""
+    from microscale.plan.comm import analytic_collectives, matmul_flops
     from microscale.plan.compile import compile_in_subprocess
     from microscale.plan.roofline import roofline
 
@@ -156,6 +157,8 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
     }
     tokens_dev = cfg.data.batch_size * cfg.data.seq_len / n_dev
     res["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_dev
+    res["matmul_flops_per_device"] = matmul_flops(cfg, n_dev)  # + what remat recomputes
+    res["analytic_collectives"] = analytic_collectives(cfg, mesh)
     if compile or lower_only:
         res["compiled"] = compile_in_subprocess(cfg, n_dev, lower_only=lower_only,
                                                 timeout=timeout, verbose=verbose)
@@ -224,21 +227,41 @@ def report_markdown(res: dict[str, Any]) -> str:
         lines.append("")
     else:
         lines += ["Not compiled: memory and traffic from the shapes only.", ""]
+    want = res["matmul_flops_per_device"]
     lines.append(f"Model FLOPs per device per step (6N + attention): "
-                 f"{res['model_flops_per_device']:.3e}"
-                 + (f"; matmul FLOPs in the compiled program: {comp['dot_flops']:.3e}"
-                    if "dot_flops" in comp else "") + ".")
-    if "collectives" in comp:
-        lines += ["", "| collective (compiled, per device per step) | count | GB moved |",
-                  "|---|---:|---:|"]
-        for kind, c in comp["collectives"].items():
-            if c["count"]:
-                lines.append(f"| {kind} | {c['count']:.0f} | {_gb(c['bytes'])} |")
+                 f"{res['model_flops_per_device']:.3e}; with the forward remat recomputes: "
+                 f"{want:.3e}"
+                 + (f"; matmul FLOPs in the compiled program: {comp['dot_flops']:.3e} "
+                    f"({comp['dot_flops'] / want:.3f}x)" if "dot_flops" in comp else "") + ".")
+    lines += _collectives_md(res["analytic_collectives"], comp.get("collectives"))
     rep = res["shapes"]["replicated"]
     lines += ["", f"Dimensions the mesh could not shard (replicated): {len(rep)}"]
     lines += [f"- {r}" for r in rep[:20]] + (["- ..."] if len(rep) > 20 else [])
     lines += _roofline_md(res["roofline"], acc)
     return "\n".join(lines) + "\n"
+
+
+def _collectives_md(analytic: dict[str, Any], compiled: dict[str, Any] | None) -> list[str]:
+    """Analytic volume (``plan.comm``) beside the compiled one, by collective kind, then
+    the analytic rows."""
+    kinds = list(analytic["by_kind"]) + [k for k in (compiled or {}) if k not in
+                                          analytic["by_kind"]]
+    lines = ["", "| collective, per device per step (GB) | analytic | compiled | compiled "
+                 "count |", "|---|---:|---:|---:|"]
+    for k in kinds:
+        c = (compiled or {}).get(k, {"count": 0, "bytes": 0.0})
+        a = analytic["by_kind"].get(k, 0.0)
+        if a or c["count"]:
+            lines.append(f"| {k} | {_gb(a)} | {_gb(c['bytes']) if compiled else '-'} | "
+                         f"{c['count']:.0f} |")
+    total = sum(c["bytes"] for c in (compiled or {}).values())
+    lines.append(f"| **total** | **{_gb(analytic['total'])}** | "
+                 + (f"**{_gb(total)}** ({total / analytic['total']:.2f}x) |"
+                    if compiled and analytic["total"] else "- |") + " |")
+    lines += ["", "Analytic rows (`microscale.plan.comm`; XLA:CPU has no reduce-scatter and "
+                  "lowers one as an all-reduce, twice the bytes):", ""]
+    lines += [f"- {what}: {kind} {_gb(b)} GB" for what, kind, b in analytic["rows"]]
+    return lines
 
 
 def _roofline_md(roof: dict[str, Any], acc: dict[str, Any]) -> list[str]:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from microscale.model.sharding import activation_sharding
+
 __all__ = ["cross_entropy", "make_eval_step", "make_train_step", "step_key"]
 
 
@@ -45,10 +47,15 @@ def step_key(seed: int, step) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def _loss_fn(graphdef, params, rest, tokens, key):
+def _loss_fn(graphdef, params, rest, tokens, key, *, mesh=None):
     model = nnx.merge(graphdef, nnx.State(params), rest)
-    logits = model(tokens[:, :-1], key=key)
+    with activation_sharding(mesh):  # activations pinned by their logical axes
+        logits = model(tokens[:, :-1], key=key)
     return cross_entropy(logits, tokens[:, 1:])
+
+
+def _mesh(sharding):
+    return None if sharding is None else getattr(sharding, "mesh", None)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, seed: int,
@@ -64,7 +71,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, see
 
     def step_fn(params, opt_state, rest, batch, step, poison=None):
         key = step_key(seed, step)
-        grad_fn = jax.value_and_grad(functools.partial(_loss_fn, graphdef))
+        grad_fn = jax.value_and_grad(functools.partial(_loss_fn, graphdef,
+                                                       mesh=_mesh(batch_sharding)))
         n_micro = batch.shape[0]
         if n_micro == 1:
             loss, grads = grad_fn(params, rest, batch[0], key)
@@ -113,7 +121,8 @@ def make_eval_step(graphdef, *, seed: int, param_shardings=None, batch_sharding=
     key_id = 2**31 - 1
 
     def eval_fn(params, rest, batch):
-        return _loss_fn(graphdef, params, rest, batch, step_key(seed, key_id))
+        return _loss_fn(graphdef, params, rest, batch, step_key(seed, key_id),
+                        mesh=_mesh(batch_sharding))
 
     in_sh = None
     if param_shardings is not None:

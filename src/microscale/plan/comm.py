@@ -1,0 +1,125 @@
+"""What a sharded train step must communicate and compute: the analytic figures that the
+compiled program (``plan.compile``) is held against.
+
+Bytes are per device per optimizer step, moved on ring collectives over a group of ``n``
+devices (as ``plan.hlo`` counts the compiled ones): an all-gather of a result of ``S``
+bytes moves ``S (n-1)/n``; a reduce-scatter of an input of ``S`` bytes moves
+``S (n-1)/n``; an all-reduce of ``S`` bytes ``2 S (n-1)/n``.
+
+Mesh ``(data D, fsdp F, tensor T)``; ``M`` microbatches (``data.grad_accum``) of ``Tm``
+tokens per device; ``L`` blocks; parameters as the trainer shards them
+(``model.sharding``): every kernel's ``d_model`` side on ``fsdp``, its heads / d_ff /
+vocab side on ``tensor``; norms replicated. Weights move as stored (float32 master
+weights: the cast to the compute dtype happens inside each GEMM's VJP, after the gather).
+
+ZeRO-3 (``F > 1``), per microbatch:
+
+* forward: every block kernel and the embedding table are gathered over ``fsdp`` before
+  their GEMM (``size/T (F-1)/F`` each); the LM head once for its forward and its input
+  gradient, which follows at once;
+* backward: every block kernel is gathered again (ZeRO-3 frees the gathered weights after
+  the forward; the embedding's backward is a scatter-add into its shard and needs no
+  gather);
+* remat (``model.remat``): the recomputed forward gathers every block kernel once more,
+  except ``down_proj``: a block's last GEMM is not recomputed, because its output is not
+  needed in the backward pass;
+* gradients: a reduce-scatter over ``fsdp`` of every float32 gradient
+  (``size/T (F-1)/F``); with ``D > 1`` also an all-reduce over ``data`` of the shard.
+  Replicated parameters (norms) all-reduce over ``data x fsdp``.
+
+Megatron tensor parallelism (``T > 1``), per microbatch: column-parallel q/k/v and
+gate/up need no collective in the forward; row-parallel o_proj and down_proj all-reduce
+their ``[Tm, d_model]`` float32 output (2 per block); in the backward the input
+gradients of the column-parallel groups are all-reduced (2 per block: one for q/k/v,
+one for gate/up). The vocab-parallel embedding all-reduces its lookup and the LM head its
+input gradient; the cross-entropy's row reductions are small. Remat adds the recomputed
+o_proj's all-reduce (1 per block; down_proj is not recomputed).
+
+Data parallelism (``D > 1``, ``F = T = 1``): one all-reduce of every float32 gradient.
+
+FLOPs (`matmul_flops`): ``6 N Tm`` for the matmul parameters (the three GEMMs of every
+linear layer and the LM head) plus causal-unmasked attention ``12 L d T`` per token, as
+``ModelConfig.flops_per_token``; remat adds the forward it recomputes: every block GEMM but
+``down_proj`` (``2 Tm`` per parameter) and the attention forward (``4 L d T`` per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KINDS", "analytic_collectives", "matmul_flops"]
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _ring(kind: str, size: float, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return size * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+
+
+def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
+    """``{"rows": [(what, kind, bytes)], "by_kind": {kind: bytes}, "total": bytes}`` per
+    device per step for ``cfg`` (a TrainConfig) on ``mesh`` ({axis: size}); see the
+    module doc for each row's reasoning."""
+    m = cfg.model
+    d, f, v, L = m.d_model, m.d_ff, m.vocab_size, m.n_layers
+    hd = m.head_dim
+    D, F, T = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    M = cfg.data.grad_accum
+    tm = cfg.data.batch_size // M * cfg.data.seq_len / (D * F)  # tokens per device
+    pb = 4 if m.param_dtype == "float32" else 2  # stored weight bytes
+    attn = d * (m.n_heads * hd) * 2 + d * (m.n_kv_heads * hd) * 2
+    block = L * (attn + 3 * d * f)  # block kernels
+    down = L * d * f
+    table = v * d
+    head = 0 if m.tie_embeddings else v * d
+    norms = (2 * L + 1) * d
+    sharded = block + table + head
+    rows: list[tuple[str, str, float]] = []
+
+    def add(what: str, kind: str, size: float, n: int, times: float = 1.0) -> None:
+        b = times * _ring(kind, size, n)
+        if b:
+            rows.append((what, kind, b))
+
+    # ZeRO-3 over fsdp
+    add("fsdp: gather block weights, forward", "all-gather", block * pb / T, F, M)
+    add("fsdp: gather embedding (and tied head), forward", "all-gather",
+        table * pb / T, F, M * (2 if m.tie_embeddings else 1))
+    if head:
+        add("fsdp: gather LM head, forward + input gradient", "all-gather", head * pb / T, F, M)
+    add("fsdp: gather block weights, backward", "all-gather", block * pb / T, F, M)
+    if m.remat:
+        add("fsdp: gather block weights, remat (all but down_proj)", "all-gather",
+            (block - down) * pb / T, F, M)
+    add("fsdp: reduce-scatter gradients (float32)", "reduce-scatter", sharded * 4 / T, F, M)
+    add("data: all-reduce gradient shards (float32)", "all-reduce", sharded * 4 / (T * F),
+        D, M)
+    add("data x fsdp: all-reduce replicated gradients (norms)", "all-reduce", norms * 4,
+        D * F, M)
+    # Megatron tensor parallelism
+    act = tm * d * 4
+    per_block = 4 + (1 if m.remat else 0)
+    add("tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
+        "input gradients" + (", remat o_proj" if m.remat else "") + ")", "all-reduce", act, T,
+        M * L * per_block)
+    add("tensor: all-reduce vocab-parallel embedding lookup and LM head input gradient",
+        "all-reduce", act, T, 2 * M)
+    by_kind = {k: sum(b for _, kk, b in rows if kk == k) for k in KINDS}
+    return {"rows": rows, "by_kind": by_kind, "total": sum(by_kind.values())}
+
+
+def matmul_flops(cfg, devices: int) -> float:
+    """Matmul FLOPs per device per step: ``6N`` + attention (``ModelConfig``), plus the
+    forward that remat recomputes (module doc)."""
+    m = cfg.model
+    t = cfg.data.seq_len
+    tokens = cfg.data.batch_size * t / devices
+    flops = m.flops_per_token(t) * tokens
+    if m.remat:
+        d, hd = m.d_model, m.head_dim
+        attn = d * (m.n_heads * hd) * 2 + d * (m.n_kv_heads * hd) * 2
+        recomputed = m.n_layers * (attn + 2 * d * m.d_ff)  # every block GEMM but down_proj
+        flops += 2 * recomputed * tokens + 4 * m.n_layers * d * t * tokens
+    return flops

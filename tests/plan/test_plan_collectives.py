@@ -1,0 +1,104 @@
+"""The compiled sharded train step against the analytic figures of ``plan.comm``.
+
+A 2-block model (d_model 256, d_ff 1024, 8 heads, untied 512-token vocabulary) compiled
+on 8 simulated devices in one child process, per mesh and recipe:
+
+* **FLOPs**: the compiled program's matmul FLOPs equal ``plan.comm.matmul_flops`` (6N +
+  attention, plus the forward remat recomputes) within 2%, remat on and off, one and
+  two microbatches.
+* **Collective budget**: the compiled bytes per device are at most 1.5x the analytic
+  volume where the implementation matches the analytic model (ZeRO-3 FSDP, data
+  parallelism, data x fsdp x tensor), and the ZeRO-3 weight all-gathers are exactly the
+  analytic ones. Before activations had logical axes, fsdp=8 moved 163 MB per device per
+  step against 24 MB analytic (6.8x): the partitioner kept weights in place, contracted
+  the sharded d_model and all-reduced activations.
+* **Known excess, pinned**: XLA:CPU lowers the gradient reduce-scatter as an all-reduce
+  (2x its bytes), and tensor parallelism all-reduces the q, k and v input gradients (and
+  gate's and up's) one by one, 3 more all-reduces per block than Megatron's fused QKV and
+  gate/up GEMMs: tensor=8 is 1.60x. Quantized recipes under tensor parallelism still
+  all-gather quantized activations (NVFP4 at tensor=8: 2.45x): the partitioner splits the
+  quantizer of a replicated input across the tensor devices and gathers the result. These
+  ratios are asserted as upper bounds so that an improvement shows and a regression fails.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+MODEL = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=8",
+         "model.n_kv_heads=8", "model.d_ff=1024", "model.max_seq_len=128",
+         "data.seq_len=128", "data.batch_size=16", "model.tie_embeddings=false"]
+MESHES = {"fsdp8": ["mesh.data=1", "mesh.fsdp=8"], "dp8": ["mesh.data=8"],
+          "dp2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"], "tp8": ["mesh.data=1", "mesh.tensor=8"],
+          "dp2_fsdp2_tp2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]}
+# (mesh, recipe, extra overrides)
+CASES = [("fsdp8", "bf16", []), ("fsdp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=true"]),
+         ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"]), ("dp8", "bf16", []),
+         ("dp2_fsdp4", "bf16", []), ("dp2_fsdp2_tp2", "bf16", []), ("tp8", "bf16", []),
+         ("tp8", "nvfp4", [])]
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from microscale.config import apply_overrides
+    from microscale.plan.comm import analytic_collectives, matmul_flops
+    from microscale.plan.compile import compile_step
+    from microscale.train import TrainConfig
+    model, meshes, cases = (json.loads(a) for a in sys.argv[1:4])
+    out = {}
+    for mesh, recipe, extra in cases:
+        cfg = apply_overrides(TrainConfig.tiny(), model + meshes[mesh] + extra +
+                              [f"recipe={recipe}"])
+        r = compile_step(cfg, verbose=False)
+        out["|".join([mesh, recipe] + extra)] = {
+            "dot_flops": r["dot_flops"], "formula": matmul_flops(cfg, 8),
+            "compiled": {k: v["bytes"] for k, v in r["collectives"].items()},
+            "analytic": analytic_collectives(cfg, r["mesh"])["by_kind"]}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def compiled(fake_devices):
+    out = fake_devices(SCRIPT, json.dumps(MODEL), json.dumps(MESHES), json.dumps(CASES))
+    return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[6:])
+
+
+def _case(compiled, mesh, recipe, *extra):
+    return compiled["|".join([mesh, recipe, *extra])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,recipe,extra", CASES, ids=["|".join([m, r, *e]) for m, r, e in CASES])
+def test_matmul_flops_equal_the_formula(compiled, mesh, recipe, extra):
+    c = _case(compiled, mesh, recipe, *extra)
+    assert c["dot_flops"] == pytest.approx(c["formula"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,recipe,extra,bound", [
+    ("fsdp8", "bf16", [], 1.5), ("fsdp8", "nvfp4", [], 1.5),
+    ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"], 1.5),
+    ("dp8", "bf16", [], 1.01), ("dp2_fsdp2_tp2", "bf16", [], 1.5),
+    # known excess (module doc): upper bounds that an improvement tightens
+    ("dp2_fsdp4", "bf16", [], 1.65), ("tp8", "bf16", [], 1.65), ("tp8", "nvfp4", [], 2.5)])
+def test_collective_bytes_within_budget(compiled, mesh, recipe, extra, bound):
+    c = _case(compiled, mesh, recipe, *extra)
+    total, analytic = sum(c["compiled"].values()), sum(c["analytic"].values())
+    assert total <= bound * analytic, (total / analytic, c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,extra", [("bf16", []), ("nvfp4", []),
+                                          ("bf16", ["model.remat=true"])])
+def test_fsdp_gathers_each_weight_as_zero3_does(compiled, recipe, extra):
+    """fsdp=8: the all-gathers are exactly the ZeRO-3 weight gathers (forward, backward,
+    remat), and nothing else is gathered (no activation, no quantized operand)."""
+    c = _case(compiled, "fsdp8", recipe, *extra)
+    assert c["compiled"]["all-gather"] == pytest.approx(c["analytic"]["all-gather"], rel=0.01)
+    # Gradients: XLA:CPU's all-reduce stands for the reduce-scatter (2x its bytes); the
+    # embedding's gradient needs none (XLA gathers the token ids and scatter-adds locally).
+    assert c["compiled"]["all-reduce"] == pytest.approx(
+        2 * c["analytic"]["reduce-scatter"] + c["analytic"]["all-reduce"], rel=0.1)
