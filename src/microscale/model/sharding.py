@@ -15,6 +15,16 @@ Default mapping (`logical_to_mesh_rules`):
   parallelism (column-parallel q/k/v/gate/up, row-parallel o/down).
 * ``batch`` -> ``("data", "fsdp")``: the batch is split over both data axes.
 * ``norm``, ``length``, ``head_dim`` -> replicated.
+* Activations, MaxText-style, by their own names in the same table: ``act_batch`` ->
+  ``("data", "fsdp")``, ``act_length`` and ``act_embed`` -> replicated (the residual stream
+  is whole on each device: no sequence parallelism), ``act_heads``, ``act_kv_heads``,
+  ``act_mlp``, ``act_vocab`` -> ``tensor``. `constrain` pins an activation under
+  `activation_sharding` (the train and eval steps enter it with their mesh), at block
+  boundaries and inside attention and the MLP. Without them the partitioner kept
+  fsdp-sharded weights in place, contracted over the sharded ``d_model`` and all-reduced
+  whole activations (42 TB per device per step at llama-8b on fsdp 8); with them each
+  weight is gathered before its GEMM and its gradient reduced, as ZeRO-3 does
+  (``microscale.plan.comm`` has the analytic volumes; ``docs/plan/collectives.md``).
 
 Meshes with ``AxisType.Auto`` axes (GSPMD propagation) are supported: inputs sharded on
 ``batch`` and parameters on their specs are enough, and the result equals the unsharded
