@@ -72,6 +72,10 @@ class ModelConfig:
     init_std: float = 0.02  # std of normal init for embeddings and projections
     scale_residual_init: bool = True  # o_proj/down_proj init std /= sqrt(2 * n_layers)
     remat: bool = False  # jax.checkpoint each block (recompute activations in backward)
+    # Training loss in chunks of this many sequence positions: the LM head and the
+    # cross-entropy run per chunk (recomputed in the backward), so the float32 logits of
+    # the whole microbatch [tokens, vocab] never exist at once. 0: all positions at once.
+    loss_chunk: int = 0
     dim_multiple: int = 32  # linear in/out dims must be multiples of this (32: MX; 16: NVFP4)
 
     # ------------------------------------------------------------------ validation
@@ -84,6 +88,10 @@ class ModelConfig:
             if v > _MAX_SIZE[name]:
                 raise ValueError(f"ModelConfig.{name}={v:,} is larger than any model (at "
                                  f"most {_MAX_SIZE[name]:,}); a typo?")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or not (
+                0 <= self.loss_chunk <= _MAX_SIZE["max_seq_len"]):
+            raise ValueError(f"ModelConfig.loss_chunk={self.loss_chunk!r}: expected an int "
+                             "from 0 (no chunks) to a sequence length")
         for name in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -192,24 +200,27 @@ class ModelConfig:
 
     @classmethod
     def llama_1b(cls) -> ModelConfig:
-        """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on."""
+        """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on, loss in 512-position
+        chunks."""
         return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                    d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
-                   remat=True)
+                   remat=True, loss_chunk=512)
 
     @classmethod
     def llama_8b(cls) -> ModelConfig:
-        """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on."""
+        """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on, loss in
+        512-position chunks."""
         return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                    d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
-                   remat=True)
+                   remat=True, loss_chunk=512)
 
     @classmethod
     def llama_70b(cls) -> ModelConfig:
-        """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on."""
+        """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on, loss in
+        512-position chunks."""
         return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                    d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
-                   remat=True)
+                   remat=True, loss_chunk=512)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:

@@ -208,6 +208,12 @@ class Transformer(nnx.Module):
         ``key``: PRNG key for stochastic rounding / per-step randomness of the recipes.
         ``positions``: optional ``[T]`` or ``[B, T]`` RoPE positions (default ``arange(T)``).
         """
+        return self.logits(self.features(tokens, key=key, positions=positions))
+
+    def features(self, tokens: jax.Array, *, key: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """tokens ``[B, T]`` -> the final-normed residual stream ``[B, T, d_model]``, the
+        input of the LM head (`logits`)."""
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"Transformer: tokens shape {tokens.shape}: expected [batch, seq]")
@@ -222,6 +228,9 @@ class Transformer(nnx.Module):
         run = _run_block_remat if cfg.remat else _run_block
         for block in self.layers:
             x = run(block, x, cos, sin, key)
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if cfg.tie_embeddings else self.lm_head(x)
+        return self.final_norm(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The LM head: ``[B, T, d_model]`` -> float32 logits ``[B, T, vocab]``."""
+        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
         return constrain(logits, ("act_batch", "act_length", "act_vocab"))

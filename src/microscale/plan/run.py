@@ -21,7 +21,8 @@ one block's working set; without, ``L`` working sets. A block's working set is i
 activations (``Tm * (16 d + 4 (q+k+v+o)/tp + 12 d_ff/tp)`` bytes) plus its attention
 scores, which this model materialises: ``S * heads/tp * T^2 * 14`` bytes (float32 scores,
 softmax and their gradient, bf16 probabilities). The float32 logits and their gradient
-add ``Tm * V/tp * 12``. It is a shape count, not a measurement; the compiled plan prints
+add ``Tm * V/tp * 12``, or ``S * c * V/tp * 12`` with the loss in chunks of ``c =
+model.loss_chunk`` positions. It is a shape count, not a measurement; the compiled plan prints
 XLA's temporary bytes beside it.
 """
 
@@ -113,7 +114,8 @@ def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
     proj = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp
     block = tm * (16 * d + 4 * proj + 12 * m.d_ff / tp) + seqs * m.n_heads / tp * t * t * 14
     act = (m.n_layers * tm * d * 4 + block) if m.remat else m.n_layers * block
-    act += tm * m.vocab_size / tp * 12
+    chunk = m.loss_chunk if 0 < m.loss_chunk < t else t  # positions of logits held at once
+    act += seqs * chunk * m.vocab_size / tp * 12
     grads = params * (2 if cfg.data.grad_accum > 1 else 1)  # + the f32 microbatch sum
     mem = {"params": params, "opt_state": 2 * params, "grads": grads, "activations": act}
     mem["total"] = sum(mem.values())

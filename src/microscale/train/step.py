@@ -7,7 +7,8 @@ token windows (inputs ``[:, :-1]``, targets ``[:, 1:]``):
    ``i``): the model folds in each layer's id, so stochastic rounding and the recipes'
    other randomness never repeat across steps, microbatches or layers, and a resumed run
    draws exactly the bits the uninterrupted one would have;
-2. loss = mean token cross-entropy of float32 logits (``log_softmax`` in float32);
+2. loss = mean token cross-entropy of float32 logits (``log_softmax`` in float32; in
+   chunks of ``model.loss_chunk`` positions when set, see `lm_loss`);
    gradients w.r.t. the float32 master weights, through the quantized GEMMs' custom VJP;
    microbatch gradients are summed in float32 (``lax.scan``) and averaged;
 3. ``grad_norm`` = global L2 norm before clipping; the step is *finite* when the loss and
@@ -33,7 +34,7 @@ from flax import nnx
 
 from microscale.model.sharding import activation_sharding
 
-__all__ = ["cross_entropy", "make_eval_step", "make_train_step", "step_key"]
+__all__ = ["cross_entropy", "lm_loss", "make_eval_step", "make_train_step", "step_key"]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -47,11 +48,47 @@ def step_key(seed: int, step) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
+def lm_loss(model, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of ``model`` on token windows ``[B, T + 1]``.
+
+    With ``model.config.loss_chunk = c > 0`` (and ``c < T``) the LM head and the loss run
+    on ``c`` positions at a time: a ``lax.scan`` over chunks of the final hidden states, each
+    chunk's logits recomputed in the backward pass (``jax.checkpoint``), so the float32
+    ``[B, T, vocab]`` logits and their gradient never exist at once; per chunk they are
+    ``[B, c, vocab]``. The batch dimension stays whole in every chunk (it is the sharded
+    one). Per-token losses are those of the unchunked head; only the order of the final sum
+    differs (float rounding). A last partial chunk is zero-padded and masked out.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    c = model.config.loss_chunk
+    t = inputs.shape[1]
+    if not c or c >= t:
+        return cross_entropy(model(inputs, key=key), targets)
+    x = model.features(inputs, key=key)
+    b, _, d = x.shape
+    n = -(-t // c)
+    pad = n * c - t
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+    tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+    valid = (jnp.arange(n * c) < t).reshape(n, 1, c)
+
+    @jax.checkpoint
+    def chunk_loss(xc, tc, vc):
+        logits = model.logits(xc).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
+        return jnp.sum(jnp.where(vc, ce, 0.0))
+
+    def body(total, chunk):
+        return total + chunk_loss(*chunk), None
+
+    total, _ = jax.lax.scan(body, jnp.float32(0.0), (x, tg, valid))
+    return total / (b * t)
+
+
 def _loss_fn(graphdef, params, rest, tokens, key, *, mesh=None):
     model = nnx.merge(graphdef, nnx.State(params), rest)
     with activation_sharding(mesh):  # activations pinned by their logical axes
-        logits = model(tokens[:, :-1], key=key)
-    return cross_entropy(logits, tokens[:, 1:])
+        return lm_loss(model, tokens, key)
 
 
 def _mesh(sharding):

@@ -1,0 +1,95 @@
+"""The chunked LM head + loss (``model.loss_chunk``) against the whole-sequence one.
+
+Per-token losses are the same computation; what may differ is float rounding: the order
+of the final sum (loss), and the backward pass's recomputation of each chunk's logits
+(``jax.checkpoint``), which XLA may fuse differently from the forward. Measured: loss
+within 2.6e-7 relative. Gradients, relative to the largest gradient: within 2.4e-7 for the
+untied bf16 model; tied, the recomputed head's input gradient differed in one element by
+one bfloat16 ulp, carried through the network (up to 1.6e-3 on bf16, 2.3e-4 on NVFP4,
+where a last-bit change can also flip a rounding of a quantized operand, as on 8 devices:
+``test_train_sharding.py``). Bounds: 1e-5 and 2e-3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from microscale.model import ModelConfig, PrecisionRules, Transformer
+from microscale.train.step import lm_loss
+
+T = 40  # positions per window (inputs); chunks of 1, 7 and 16 leave a partial last chunk
+
+
+def _model(tie: bool, recipe: str):
+    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
+                      d_ff=128, max_seq_len=64, tie_embeddings=tie, dim_multiple=16)
+    rules = None if recipe == "bf16" else PrecisionRules(default=recipe)
+    return cfg, Transformer(cfg, rngs=nnx.Rngs(0), rules=rules)
+
+
+def _loss_and_grads(model, cfg, chunk, tokens):
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def f(p):
+        m = nnx.merge(graph, p, rest)
+        m.config = dataclasses.replace(cfg, loss_chunk=chunk)
+        return lm_loss(m, tokens, jax.random.key(3))
+
+    loss, grads = jax.jit(jax.value_and_grad(f))(params)
+    return float(loss), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+def test_chunked_loss_equals_the_whole_sequence_loss(tie, recipe):
+    cfg, model = _model(tie, recipe)
+    tokens = jax.random.randint(jax.random.key(1), (4, T + 1), 0, cfg.vocab_size)
+    loss0, g0 = _loss_and_grads(model, cfg, 0, tokens)
+    scale = max(np.abs(g).max() for g in g0)
+    for chunk in (1, 7, 16, T - 1, T, T + 5):
+        loss, g = _loss_and_grads(model, cfg, chunk, tokens)
+        assert abs(loss - loss0) <= 1e-6 * loss0, (chunk, loss, loss0)
+        err = max(np.abs(a - b).max() for a, b in zip(g0, g, strict=True)) / scale
+        assert err <= (1e-5 if not tie and recipe == "bf16" else 2e-3), (chunk, err)
+
+
+def test_chunks_need_not_divide_the_sequence_and_keep_the_gradient_finite():
+    cfg, model = _model(False, "bf16")
+    tokens = jax.random.randint(jax.random.key(2), (2, 11), 0, cfg.vocab_size)
+    loss, g = _loss_and_grads(model, cfg, 4, tokens)  # chunks 4 + 4 + 2 (+2 masked)
+    assert np.isfinite(loss) and all(np.isfinite(x).all() for x in g)
+
+
+def test_chunked_loss_holds_one_chunk_of_logits():
+    """The compiled fwd+bwd's temporary bytes: whole-sequence logits and their gradient
+    (float32 [4, 512, 8192]: 64 MiB each) are gone with 64-position chunks."""
+    cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                      d_ff=128, max_seq_len=512)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.zeros((4, 513), jnp.int32)
+
+    def temp(chunk):
+        def f(p):
+            m = nnx.merge(graph, p, rest)
+            m.config = dataclasses.replace(cfg, loss_chunk=chunk)
+            return lm_loss(m, tokens)
+        c = jax.jit(jax.value_and_grad(f)).lower(params).compile()
+        return c.memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp(0), temp(64)
+    logits = 4 * 512 * 8192 * 4
+    assert whole >= logits  # the whole-sequence program holds at least one copy
+    assert chunked < whole - logits, (whole, chunked)
+
+
+def test_loss_chunk_is_validated():
+    for bad in (-1, 1.5, True, 2**25):
+        with pytest.raises(ValueError, match="loss_chunk"):
+            ModelConfig(loss_chunk=bad)
