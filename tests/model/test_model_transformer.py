@@ -178,10 +178,14 @@ def test_tiny_forward_grad_under_jit(recipe):
     assert q_grad.dtype == jnp.float32 and float(jnp.abs(q_grad).sum()) > 0
 
 
-def test_remat_matches_and_positions_and_errors():
-    cfg = _cfg(n_layers=1)
+@pytest.mark.parametrize("policy", ["full", "save_dots", "minimal", True])
+def test_remat_policies_match_no_remat(policy):
+    """Every remat policy computes the same gradients as none (recomputation, not other
+    math; up to float rounding: the recomputed forward may be fused differently)."""
+    cfg = _cfg(n_layers=2)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    remat = Transformer(cfg.replace(remat=True), rngs=nnx.Rngs(0))
+    remat = Transformer(cfg.replace(remat=policy), rngs=nnx.Rngs(0))
+    assert remat.config.remat == ("full" if policy is True else policy)
     tokens = _tokens(cfg)
 
     def loss(m):
@@ -191,6 +195,17 @@ def test_remat_matches_and_positions_and_errors():
     g1, g2 = grad(model), grad(remat)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_policy_is_validated():
+    with pytest.raises(ValueError, match="remat='sometimes'.*save_dots"):
+        _cfg(remat="sometimes")
+    assert _cfg(remat="false").remat == "none" and _cfg(remat=False).remat == "none"
+
+
+def test_positions_and_errors():
+    cfg = _cfg(n_layers=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = _tokens(cfg)
     explicit = nnx.jit(lambda m, t: m(t, positions=jnp.arange(t.shape[1])))(model, tokens)
     np.testing.assert_array_equal(explicit, _forward(model, tokens))

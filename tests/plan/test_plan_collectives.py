@@ -4,8 +4,8 @@ A 2-block model (d_model 256, d_ff 1024, 8 heads, untied 512-token vocabulary) c
 on 8 simulated devices in one child process, per mesh and recipe:
 
 * **FLOPs**: the compiled program's matmul FLOPs equal ``plan.comm.matmul_flops`` (6N +
-  attention, plus the forward remat recomputes) within 2%, remat on and off, one and
-  two microbatches.
+  attention, plus what the remat policy recomputes) within 2%, for every remat policy
+  (none, full, save_dots, minimal), one and two microbatches.
 * **Collective budget**: the compiled bytes per device are at most 1.5x the analytic
   volume where the implementation matches the analytic model (ZeRO-3 FSDP, data
   parallelism, data x fsdp x tensor), and the ZeRO-3 weight all-gathers are exactly the
@@ -38,7 +38,8 @@ MESHES = {"fsdp8": ["mesh.data=1", "mesh.fsdp=8"], "dp8": ["mesh.data=8"],
 CASES = [("fsdp8", "bf16", []), ("fsdp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=true"]),
          ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"]), ("dp8", "bf16", []),
          ("dp2_fsdp4", "bf16", []), ("dp2_fsdp2_tp2", "bf16", []), ("tp8", "bf16", []),
-         ("tp8", "nvfp4", [])]
+         ("tp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=save_dots"]),
+         ("fsdp8", "nvfp4", ["model.remat=minimal"]), ("tp8", "bf16", ["model.remat=full"])]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -92,7 +93,9 @@ def test_collective_bytes_within_budget(compiled, mesh, recipe, extra, bound):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,extra", [("bf16", []), ("nvfp4", []),
-                                          ("bf16", ["model.remat=true"])])
+                                          ("bf16", ["model.remat=true"]),
+                                          ("bf16", ["model.remat=save_dots"]),
+                                          ("nvfp4", ["model.remat=minimal"])])
 def test_fsdp_gathers_each_weight_as_zero3_does(compiled, recipe, extra):
     """fsdp=8: the all-gathers are exactly the ZeRO-3 weight gathers (forward, backward,
     remat), and nothing else is gathered (no activation, no quantized operand)."""

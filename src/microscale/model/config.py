@@ -52,6 +52,9 @@ _MAX_SIZE = {"vocab_size": 2**22, "d_model": 2**17, "n_layers": 2**12, "n_heads"
              "n_kv_heads": 2**12, "d_ff": 2**19, "max_seq_len": 2**24, "dim_multiple": 2**12}
 _MAX_PARAMS = 10**13  # 10T parameters: 5x the largest models trained
 
+# Remat policies by name (the policies themselves: microscale.model.transformer).
+REMAT_POLICIES = ("none", "full", "save_dots", "minimal")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -71,7 +74,11 @@ class ModelConfig:
     compute_dtype: str = "bfloat16"  # activations / matmul operand dtype
     init_std: float = 0.02  # std of normal init for embeddings and projections
     scale_residual_init: bool = True  # o_proj/down_proj init std /= sqrt(2 * n_layers)
-    remat: bool = False  # jax.checkpoint each block (recompute activations in backward)
+    # What each block keeps for the backward pass (microscale.model.transformer's
+    # REMAT_POLICIES): "none" (everything), "full" (its input only; the forward is
+    # recomputed), "save_dots" (the seven projections' outputs), "minimal" (the attention
+    # output and the MLP hidden). true/false are read as "full"/"none".
+    remat: str | bool = "none"
     # Training loss in chunks of this many sequence positions: the LM head and the
     # cross-entropy run per chunk (recomputed in the backward), so the float32 logits of
     # the whole microbatch [tokens, vocab] never exist at once. 0: all positions at once.
@@ -88,6 +95,13 @@ class ModelConfig:
             if v > _MAX_SIZE[name]:
                 raise ValueError(f"ModelConfig.{name}={v:,} is larger than any model (at "
                                  f"most {_MAX_SIZE[name]:,}); a typo?")
+        remat = self.remat
+        if isinstance(remat, bool) or str(remat).lower() in ("true", "false"):
+            remat = "full" if str(remat).lower() == "true" else "none"
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}: expected one of "
+                             f"{list(REMAT_POLICIES)} (or true/false for full/none)")
+        object.__setattr__(self, "remat", remat)
         if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or not (
                 0 <= self.loss_chunk <= _MAX_SIZE["max_seq_len"]):
             raise ValueError(f"ModelConfig.loss_chunk={self.loss_chunk!r}: expected an int "
@@ -204,7 +218,7 @@ class ModelConfig:
         chunks."""
         return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                    d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
-                   remat=True, loss_chunk=512)
+                   remat="full", loss_chunk=512)
 
     @classmethod
     def llama_8b(cls) -> ModelConfig:
@@ -212,7 +226,7 @@ class ModelConfig:
         512-position chunks."""
         return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                    d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
-                   remat=True, loss_chunk=512)
+                   remat="full", loss_chunk=512)
 
     @classmethod
     def llama_70b(cls) -> ModelConfig:
@@ -220,7 +234,7 @@ class ModelConfig:
         512-position chunks."""
         return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                    d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
-                   remat=True, loss_chunk=512)
+                   remat="full", loss_chunk=512)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:

@@ -40,8 +40,10 @@ amax over the whole activation tensor — every token of the batch — so a late
 change the rounding of an earlier one (and one sequence another's). Causal masking is
 exact; bit-exact causality of the logits holds for block-local recipes (bf16, MX).
 
-Memory: ``config.remat`` wraps each block in ``nnx.remat`` (jax.checkpoint), keeping only
-block inputs for the backward pass; on by default for the llama presets.
+Memory: ``config.remat`` names a policy of `REMAT_POLICIES` under which each block runs
+in ``nnx.remat`` (jax.checkpoint): ``full`` keeps only block inputs for the backward pass
+(the llama presets' default), ``save_dots`` the projections' outputs, ``minimal`` the
+attention output and MLP hidden, ``none`` everything.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from microscale.model.config import ModelConfig
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
@@ -110,16 +113,14 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         heads, kv = ("act_batch", "act_length", "act_heads", None), (
             "act_batch", "act_length", "act_kv_heads", None)
-        q = constrain(self.q_proj(x, key=key).reshape(b, t, self.n_heads, self.head_dim),
-                      heads)
-        k = constrain(self.k_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim),
-                      kv)
-        v = constrain(self.v_proj(x, key=key).reshape(b, t, self.n_kv_heads, self.head_dim),
-                      kv)
+        q = _proj(self.q_proj, x, key).reshape(b, t, self.n_heads, self.head_dim)
+        k = _proj(self.k_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = _proj(self.v_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = constrain(q, heads), constrain(k, kv), constrain(v, kv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = constrain(causal_attention(q, k, v), heads)
-        o = o.reshape(b, t, self.n_heads * self.head_dim)
-        return constrain(self.o_proj(o, key=key), RESIDUAL)
+        o = checkpoint_name(o.reshape(b, t, self.n_heads * self.head_dim), "attn_out")
+        return constrain(_proj(self.o_proj, o, key), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -134,10 +135,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         hidden = ("act_batch", "act_length", "act_mlp")
-        g = constrain(self.gate_proj(x, key=key), hidden)
-        u = constrain(self.up_proj(x, key=key), hidden)
+        g = constrain(_proj(self.gate_proj, x, key), hidden)
+        u = constrain(_proj(self.up_proj, x, key), hidden)
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-        return constrain(self.down_proj(h, key=key), RESIDUAL)
+        return constrain(_proj(self.down_proj, checkpoint_name(h, "mlp_hidden"), key), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -159,11 +160,33 @@ class Block(nnx.Module):
         return constrain(h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype), RESIDUAL)
 
 
+def _proj(layer: QLinear, x: jax.Array, key) -> jax.Array:
+    """A projection's output, named "proj" for the ``save_dots`` remat policy."""
+    return checkpoint_name(layer(x, key=key), "proj")
+
+
 def _run_block(block: Block, x, cos, sin, key):
     return block(x, cos, sin, key=key)
 
 
-_run_block_remat = nnx.remat(_run_block)
+# Remat policies (``model.remat``): what a block keeps for its backward pass, and the
+# trade-off. Recomputed FLOPs and saved bytes per policy are in ``microscale.plan``.
+REMAT_POLICIES = {
+    # everything the backward needs stays live: most memory, no extra FLOPs
+    "none": None,
+    # the block input only; the backward recomputes the block's forward (every GEMM but
+    # down_proj, whose output it does not need, and attention): least memory, +1 forward
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # the seven projections' outputs stay; attention and the elementwise work (norms,
+    # RoPE, SiLU, softmax) are recomputed: no GEMM runs twice
+    "save_dots": jax.checkpoint_policies.save_only_these_names("proj"),
+    # the attention output and the MLP hidden (o_proj's and down_proj's inputs) stay: the
+    # attention's value product is not recomputed, every GEMM but down_proj is (o_proj for
+    # the residual the MLP norm reads); memory between full and save_dots
+    "minimal": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_hidden"),
+}
+_RUN = {name: _run_block if policy is None else nnx.remat(_run_block, policy=policy)
+        for name, policy in REMAT_POLICIES.items()}
 
 
 class Transformer(nnx.Module):
@@ -225,7 +248,7 @@ class Transformer(nnx.Module):
             positions = jnp.arange(t)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         x = constrain(self.embed(tokens), RESIDUAL)
-        run = _run_block_remat if cfg.remat else _run_block
+        run = _RUN[cfg.remat]
         for block in self.layers:
             x = run(block, x, cos, sin, key)
         return self.final_norm(x)

@@ -20,9 +20,11 @@ ZeRO-3 (``F > 1``), per microbatch:
 * backward: every block kernel is gathered again (ZeRO-3 frees the gathered weights after
   the forward; the embedding's backward is a scatter-add into its shard and needs no
   gather);
-* remat (``model.remat``): the recomputed forward gathers every block kernel once more,
-  except ``down_proj``: a block's last GEMM is not recomputed, because its output is not
-  needed in the backward pass;
+* remat (``model.remat``): the recomputed forward gathers the kernels of the GEMMs it
+  recomputes once more. ``full``: every block kernel except ``down_proj`` (a block's last
+  GEMM is not recomputed: its output is not needed in the backward pass); ``minimal``:
+  the same (o_proj's output is recomputed for the residual the MLP norm needs);
+  ``save_dots``: none (no GEMM is recomputed);
 * gradients: a reduce-scatter over ``fsdp`` of every float32 gradient
   (``size/T (F-1)/F``); with ``D > 1`` also an all-reduce over ``data`` of the shard.
   Replicated parameters (norms) all-reduce over ``data x fsdp``.
@@ -33,14 +35,19 @@ their ``[Tm, d_model]`` float32 output (2 per block); in the backward the input
 gradients of the column-parallel groups are all-reduced (2 per block: one for q/k/v,
 one for gate/up). The vocab-parallel embedding all-reduces its lookup and the LM head its
 input gradient; the cross-entropy's row reductions are small. Remat adds the recomputed
-o_proj's all-reduce (1 per block; down_proj is not recomputed).
+o_proj's all-reduce under ``full`` and ``minimal`` (1 per block; down_proj is not
+recomputed).
 
 Data parallelism (``D > 1``, ``F = T = 1``): one all-reduce of every float32 gradient.
 
 FLOPs (`matmul_flops`): ``6 N Tm`` for the matmul parameters (the three GEMMs of every
 linear layer and the LM head) plus causal-unmasked attention ``12 L d T`` per token, as
-``ModelConfig.flops_per_token``; remat adds the forward it recomputes: every block GEMM but
-``down_proj`` (``2 Tm`` per parameter) and the attention forward (``4 L d T`` per token).
+``ModelConfig.flops_per_token``; remat adds the forward it recomputes (``2 Tm`` per
+parameter of a recomputed GEMM, ``2 L d T`` per token for each attention product):
+``full`` every block GEMM but ``down_proj`` and both attention products; ``save_dots``
+both attention products (``o_proj``'s input is not saved); ``minimal`` every block GEMM
+but ``down_proj`` (o_proj too: the residual ``h`` that the MLP's norm reads is recomputed)
+and the scores ``Q K^T`` only.
 """
 
 from __future__ import annotations
@@ -90,9 +97,11 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
     if head:
         add("fsdp: gather LM head, forward + input gradient", "all-gather", head * pb / T, F, M)
     add("fsdp: gather block weights, backward", "all-gather", block * pb / T, F, M)
-    if m.remat:
-        add("fsdp: gather block weights, remat (all but down_proj)", "all-gather",
-            (block - down) * pb / T, F, M)
+    regathered = {"none": 0, "save_dots": 0, "full": block - down,  # GEMMs recomputed
+                  "minimal": block - down}[m.remat]
+    if regathered:
+        add(f"fsdp: gather block weights, remat {m.remat} (the recomputed GEMMs')",
+            "all-gather", regathered * pb / T, F, M)
     add("fsdp: reduce-scatter gradients (float32)", "reduce-scatter", sharded * 4 / T, F, M)
     add("data: all-reduce gradient shards (float32)", "all-reduce", sharded * 4 / (T * F),
         D, M)
@@ -100,10 +109,11 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
         D * F, M)
     # Megatron tensor parallelism
     act = tm * d * 4
-    per_block = 4 + (1 if m.remat else 0)
+    o_again = m.remat in ("full", "minimal")
+    per_block = 4 + (1 if o_again else 0)
     add("tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
-        "input gradients" + (", remat o_proj" if m.remat else "") + ")", "all-reduce", act, T,
-        M * L * per_block)
+        "input gradients" + (", remat o_proj" if o_again else "") + ")",
+        "all-reduce", act, T, M * L * per_block)
     add("tensor: all-reduce vocab-parallel embedding lookup and LM head input gradient",
         "all-reduce", act, T, 2 * M)
     by_kind = {k: sum(b for _, kk, b in rows if kk == k) for k in KINDS}
@@ -117,9 +127,9 @@ def matmul_flops(cfg, devices: int) -> float:
     t = cfg.data.seq_len
     tokens = cfg.data.batch_size * t / devices
     flops = m.flops_per_token(t) * tokens
-    if m.remat:
-        d, hd = m.d_model, m.head_dim
-        attn = d * (m.n_heads * hd) * 2 + d * (m.n_kv_heads * hd) * 2
-        recomputed = m.n_layers * (attn + 2 * d * m.d_ff)  # every block GEMM but down_proj
-        flops += 2 * recomputed * tokens + 4 * m.n_layers * d * t * tokens
-    return flops
+    d, hd, L = m.d_model, m.head_dim, m.n_layers
+    q_kv = d * (m.n_heads * hd) + d * (m.n_kv_heads * hd) * 2
+    params, attn = {"none": (0, 0), "save_dots": (0, 4),  # recomputed GEMM params, attn
+                    "full": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 4),
+                    "minimal": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 2)}[m.remat]
+    return flops + 2 * L * params * tokens + attn * L * d * t * tokens

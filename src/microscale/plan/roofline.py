@@ -146,7 +146,7 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
     dp = mesh.get("data", 1) * mesh.get("fsdp", 1)
     tp = mesh.get("tensor", 1)
     tokens = cfg.data.batch_size * cfg.data.seq_len / dp  # this device's tokens per step
-    refwd = 1 if model.remat else 0
+    refwd = 0 if model.remat == "none" else 1  # (an upper bound for save_dots/minimal)
     terms = dict.fromkeys(TERMS, 0.0)
     missing: set[int] = set()
     bf16 = acc.peak(16)

@@ -16,8 +16,10 @@ The fit verdict compares the shape count with the accelerator's HBM; the compile
 backend's scheduling differs from the GPU's.
 
 Activation estimate (bytes per device, one microbatch of ``Tm`` tokens and ``S``
-sequences on this device): with remat, the float32 block inputs ``L * Tm * d * 4`` plus
-one block's working set; without, ``L`` working sets. A block's working set is its
+sequences on this device): with remat, the float32 block inputs ``L * Tm * d * 4`` and
+what the policy saves per block in bfloat16 (``save_dots``: the seven projections'
+outputs; ``minimal``: attention output and MLP hidden), plus one block's working set;
+without, ``L`` working sets. A block's working set is its
 activations (``Tm * (16 d + 4 (q+k+v+o)/tp + 12 d_ff/tp)`` bytes) plus its attention
 scores, which this model materialises: ``S * heads/tp * T^2 * 14`` bytes (float32 scores,
 softmax and their gradient, bf16 probabilities). The float32 logits and their gradient
@@ -113,13 +115,33 @@ def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
     tm = seqs * t
     proj = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp
     block = tm * (16 * d + 4 * proj + 12 * m.d_ff / tp) + seqs * m.n_heads / tp * t * t * 14
-    act = (m.n_layers * tm * d * 4 + block) if m.remat else m.n_layers * block
+    saved = {"full": 0.0, "none": 0.0,  # bf16 outputs a policy keeps per block
+             "save_dots": tm * 2 * (proj + 2 * d + 2 * m.d_ff / tp),
+             "minimal": tm * 2 * (m.n_heads * m.head_dim / tp + m.d_ff / tp)}[m.remat]
+    act = (m.n_layers * (tm * d * 4 + saved) + block) if m.remat != "none" else (
+        m.n_layers * block)
     chunk = m.loss_chunk if 0 < m.loss_chunk < t else t  # positions of logits held at once
     act += seqs * chunk * m.vocab_size / tp * 12
     grads = params * (2 if cfg.data.grad_accum > 1 else 1)  # + the f32 microbatch sum
     mem = {"params": params, "opt_state": 2 * params, "grads": grads, "activations": act}
     mem["total"] = sum(mem.values())
     return {"bytes": mem, "replicated": [str(r) for r in replicated]}
+
+
+def remat_table(cfg, mesh: dict[str, int], model=None) -> dict[str, dict[str, float]]:
+    """Per remat policy (``model.remat``): the activation estimate per device (bytes, from
+    the shapes) and the matmul FLOPs per device the policy recomputes (``plan.comm``)."""
+    from microscale.model.config import REMAT_POLICIES
+    from microscale.plan.comm import matmul_flops
+
+    n_dev = math.prod(mesh.values())
+    out = {}
+    for policy in REMAT_POLICIES:
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
+        base = dataclasses.replace(c, model=dataclasses.replace(c.model, remat="none"))
+        out[policy] = {"activations": shape_memory(c, mesh, model)["bytes"]["activations"],
+                       "recomputed_flops": matmul_flops(c, n_dev) - matmul_flops(base, n_dev)}
+    return out
 
 
 def _gb(x: float | None) -> str:
@@ -161,6 +183,7 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
     res["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_dev
     res["matmul_flops_per_device"] = matmul_flops(cfg, n_dev)  # + what remat recomputes
     res["analytic_collectives"] = analytic_collectives(cfg, mesh)
+    res["remat_policies"] = remat_table(cfg, mesh, model)
     if compile or lower_only:
         res["compiled"] = compile_in_subprocess(cfg, n_dev, lower_only=lower_only,
                                                 timeout=timeout, verbose=verbose)
@@ -236,6 +259,12 @@ def report_markdown(res: dict[str, Any]) -> str:
                  + (f"; matmul FLOPs in the compiled program: {comp['dot_flops']:.3e} "
                     f"({comp['dot_flops'] / want:.3f}x)" if "dot_flops" in comp else "") + ".")
     lines += _collectives_md(res["analytic_collectives"], comp.get("collectives"))
+    lines += ["", "| remat policy (`model.remat`) | activations GB (estimate) | recomputed "
+                  "matmul FLOPs per device |", "|---|---:|---:|"]
+    for policy, r in res["remat_policies"].items():
+        mark = " (this plan)" if policy == m["remat"] else ""
+        lines.append(f"| `{policy}`{mark} | {_gb(r['activations'])} | "
+                     f"{r['recomputed_flops']:.3e} |")
     rep = res["shapes"]["replicated"]
     lines += ["", f"Dimensions the mesh could not shard (replicated): {len(rep)}"]
     lines += [f"- {r}" for r in rep[:20]] + (["- ..."] if len(rep) > 20 else [])

@@ -54,6 +54,7 @@ from microscale.data import load_data
 from microscale.files import atomic_write_json, check_output_dir, lock_folder, read_json
 from microscale.integrity import CorruptDataError
 from microscale.model import (
+    ModelConfig,
     PrecisionRules,
     Transformer,
     assignments,
@@ -277,8 +278,11 @@ def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig,
     except (FileNotFoundError, CorruptDataError):
         return  # restore() reports it
     now = json.loads(json.dumps(to_dict(cfg)["model"]))
-    diff = [(k, a, b) for k, a, b in _leaf_diff("model", stored.get("model"), now)
-            if a is not None]
+    raw = stored.get("model")
+    if isinstance(raw, dict):  # read as a config today reads it (remat: true -> "full")
+        with contextlib.suppress(TypeError, ValueError):
+            raw = {k: v for k, v in ModelConfig.from_dict(raw).to_dict().items() if k in raw}
+    diff = [(k, a, b) for k, a, b in _leaf_diff("model", raw, now) if a is not None]
     if diff:
         shown = ", ".join(f"{k}={b!r} (the checkpoint has {a!r})" for k, a, b in diff)
         raise CheckpointMismatchError(
