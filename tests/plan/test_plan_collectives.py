@@ -4,8 +4,9 @@ A 2-block model (d_model 256, d_ff 1024, 8 heads, untied 512-token vocabulary) c
 on 8 simulated devices in one child process, per mesh and recipe:
 
 * **FLOPs**: the compiled program's matmul FLOPs equal ``plan.comm.matmul_flops`` (6N +
-  attention, plus what the remat policy recomputes) within 2%, for every remat policy
-  (none, full, save_dots, minimal), one and two microbatches.
+  attention, plus what the remat policy, chunked attention and the chunked loss recompute)
+  within 2%, for every remat policy (none, full, save_dots, minimal), one and two
+  microbatches.
 * **Collective budget**: the compiled bytes per device are at most 1.5x the analytic
   volume where the implementation matches the analytic model (ZeRO-3 FSDP, data
   parallelism, data x fsdp x tensor), and the ZeRO-3 weight all-gathers are exactly the
@@ -39,7 +40,10 @@ CASES = [("fsdp8", "bf16", []), ("fsdp8", "nvfp4", []), ("fsdp8", "bf16", ["mode
          ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"]), ("dp8", "bf16", []),
          ("dp2_fsdp4", "bf16", []), ("dp2_fsdp2_tp2", "bf16", []), ("tp8", "bf16", []),
          ("tp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=save_dots"]),
-         ("fsdp8", "nvfp4", ["model.remat=minimal"]), ("tp8", "bf16", ["model.remat=full"])]
+         ("fsdp8", "nvfp4", ["model.remat=minimal"]), ("tp8", "bf16", ["model.remat=full"]),
+         ("fsdp8", "bf16", ["model.remat=full", "model.attention_chunk=32",
+                            "model.loss_chunk=32"]),
+         ("fsdp8", "nvfp4", ["model.remat=save_dots", "model.attention_chunk=48"])]
 
 SCRIPT = textwrap.dedent("""
     import json, sys

@@ -83,6 +83,10 @@ class ModelConfig:
     # cross-entropy run per chunk (recomputed in the backward), so the float32 logits of
     # the whole microbatch [tokens, vocab] never exist at once. 0: all positions at once.
     loss_chunk: int = 0
+    # Attention in chunks of this many query positions (each chunk's scores recomputed in
+    # the backward), so a block holds [chunk, T] float32 scores per head, not [T, T]:
+    # memory linear in T. 0: all queries at once.
+    attention_chunk: int = 0
     dim_multiple: int = 32  # linear in/out dims must be multiples of this (32: MX; 16: NVFP4)
 
     # ------------------------------------------------------------------ validation
@@ -102,10 +106,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat={self.remat!r}: expected one of "
                              f"{list(REMAT_POLICIES)} (or true/false for full/none)")
         object.__setattr__(self, "remat", remat)
-        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or not (
-                0 <= self.loss_chunk <= _MAX_SIZE["max_seq_len"]):
-            raise ValueError(f"ModelConfig.loss_chunk={self.loss_chunk!r}: expected an int "
-                             "from 0 (no chunks) to a sequence length")
+        for name in ("loss_chunk", "attention_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not (
+                    0 <= v <= _MAX_SIZE["max_seq_len"]):
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected an int from 0 (no "
+                                 "chunks) to a sequence length")
         for name in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -214,27 +220,30 @@ class ModelConfig:
 
     @classmethod
     def llama_1b(cls) -> ModelConfig:
-        """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on, loss in 512-position
-        chunks."""
+        """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on, loss and
+        attention in 512-position chunks."""
         return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                    d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
-                   remat="full", loss_chunk=512)
+                   remat="full", loss_chunk=512,
+                   attention_chunk=512)
 
     @classmethod
     def llama_8b(cls) -> ModelConfig:
-        """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on, loss in
-        512-position chunks."""
+        """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on, loss and
+        attention in 512-position chunks."""
         return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                    d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512)
+                   remat="full", loss_chunk=512,
+                   attention_chunk=512)
 
     @classmethod
     def llama_70b(cls) -> ModelConfig:
-        """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on, loss in
-        512-position chunks."""
+        """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on, loss and
+        attention in 512-position chunks."""
         return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                    d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512)
+                   remat="full", loss_chunk=512,
+                   attention_chunk=512)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:

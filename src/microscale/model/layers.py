@@ -127,10 +127,12 @@ class Embed(nnx.Module):
         """int tokens ``[...]`` -> float32 ``[..., d_model]`` (the residual stream)."""
         return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.float32)
 
-    def attend(self, x: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array, table: jax.Array | None = None) -> jax.Array:
         """Tied LM head: ``x @ embedding^T`` -> float32 logits ``[..., vocab]``; the table's
-        gradient is float32-accumulated (see :func:`_head_matmul`)."""
-        return _head_matmul(x, self.embedding[...], self.compute_dtype, contract=1)
+        gradient is float32-accumulated (see :func:`_head_matmul`). ``table``: the
+        embedding as already read (e.g. gathered once for many calls)."""
+        table = self.embedding[...] if table is None else table
+        return _head_matmul(x, table, self.compute_dtype, contract=1)
 
 
 class LMHead(nnx.Module):
@@ -143,8 +145,10 @@ class LMHead(nnx.Module):
         init = partitioned(nnx.initializers.normal(init_std), ("embed", "vocab"))
         self.kernel = nnx.Param(init(rngs.params(), (dim, vocab_size), jnp.dtype(param_dtype)))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _head_matmul(x, self.kernel[...], self.compute_dtype, contract=0)
+    def __call__(self, x: jax.Array, kernel: jax.Array | None = None) -> jax.Array:
+        """``kernel``: the weight as already read (e.g. gathered once for many calls)."""
+        kernel = self.kernel[...] if kernel is None else kernel
+        return _head_matmul(x, kernel, self.compute_dtype, contract=0)
 
 
 def _head_matmul(x: jax.Array, w: jax.Array, cdt: jnp.dtype, *, contract: int) -> jax.Array:

@@ -64,17 +64,42 @@ RESIDUAL = ("act_batch", "act_length", "act_embed")
 __all__ = ["MLP", "Attention", "Block", "Transformer", "causal_attention"]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0
+                     ) -> jax.Array:
     """Causal GQA. q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]`` with H % KV == 0 and the
     last T of S positions being the queries (S == T in training). Returns ``[B, T, H, hd]``
-    in q's dtype. Scores and softmax in float32."""
+    in q's dtype. Scores and softmax in float32.
+
+    ``chunk > 0`` (and ``< T``): the queries in chunks of that many positions, one at a time
+    (``lax.map``), each chunk's scores recomputed in the backward pass
+    (``jax.checkpoint``): ``[B, H, chunk, S]`` float32 scores live instead of
+    ``[B, H, T, S]``, memory linear in T. Every query row is the same computation either
+    way (its softmax runs over all its keys); a last partial chunk is zero-padded and cut.
+    """
+    t, s = q.shape[1], k.shape[1]
+    if not chunk or chunk >= t:
+        return _attention(q, k, v, s - t)
+    b, _, h, hd = q.shape
+    n = -(-t // chunk)
+    qs = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0)))
+    qs = qs.reshape(b, n, chunk, h, hd).swapaxes(0, 1)
+    starts = jnp.arange(n) * chunk + (s - t)
+    heads = ("act_batch", "act_length", "act_heads", None)
+    one = jax.checkpoint(lambda qc, start: constrain(
+        _attention(constrain(qc, heads), k, v, start), heads))
+    out = jax.lax.map(lambda a: one(*a), (qs, starts))  # [n, B, chunk, H, hd]
+    return out.swapaxes(0, 1).reshape(b, n * chunk, h, hd)[:, :t]
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, start) -> jax.Array:
+    """Queries at positions ``start + arange(T)`` against keys at ``arange(S)``."""
     b, t, h, hd = q.shape
     s, kv = k.shape[1], k.shape[2]
     g = h // kv
     qg = q.reshape(b, t, kv, g, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (hd ** -0.5)
-    q_pos = jnp.arange(t)[:, None] + (s - t)
+    q_pos = jnp.arange(t)[:, None] + start
     mask = q_pos >= jnp.arange(s)[None, :]  # [T, S]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -99,6 +124,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.attention_chunk = cfg.attention_chunk
         self.q_proj = _linear(cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd,
                               ("embed", "heads"), rngs=rngs)
         self.k_proj = _linear(cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd,
@@ -118,7 +144,7 @@ class Attention(nnx.Module):
         v = _proj(self.v_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
         q, k, v = constrain(q, heads), constrain(k, kv), constrain(v, kv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = constrain(causal_attention(q, k, v), heads)
+        o = constrain(causal_attention(q, k, v, chunk=self.attention_chunk), heads)
         o = checkpoint_name(o.reshape(b, t, self.n_heads * self.head_dim), "attn_out")
         return constrain(_proj(self.o_proj, o, key), RESIDUAL)
 
@@ -253,7 +279,17 @@ class Transformer(nnx.Module):
             x = run(block, x, cos, sin, key)
         return self.final_norm(x)
 
-    def logits(self, x: jax.Array) -> jax.Array:
-        """The LM head: ``[B, T, d_model]`` -> float32 logits ``[B, T, vocab]``."""
-        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
+    def logits(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """The LM head: ``[B, T, d_model]`` -> float32 logits ``[B, T, vocab]``. ``head``:
+        its weight as `gathered_head` returned it (default: the parameter)."""
+        logits = (self.embed.attend(x, head) if self.config.tie_embeddings
+                  else self.lm_head(x, head))
         return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+
+    def gathered_head(self) -> jax.Array:
+        """The LM head's weight gathered over the data axes once (kept split on ``tensor``
+        over the vocabulary), for a loss that calls `logits` per chunk: inside a loop the
+        partitioner would gather it, and reduce its gradient, once per chunk."""
+        if self.config.tie_embeddings:
+            return constrain(self.embed.embedding[...], ("act_vocab", "act_embed"))
+        return constrain(self.lm_head.kernel[...], ("act_embed", "act_vocab"))

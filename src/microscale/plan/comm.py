@@ -47,7 +47,11 @@ parameter of a recomputed GEMM, ``2 L d T`` per token for each attention product
 ``full`` every block GEMM but ``down_proj`` and both attention products; ``save_dots``
 both attention products (``o_proj``'s input is not saved); ``minimal`` every block GEMM
 but ``down_proj`` (o_proj too: the residual ``h`` that the MLP's norm reads is recomputed)
-and the scores ``Q K^T`` only.
+and the scores ``Q K^T`` only. Attention in query chunks (``model.attention_chunk``)
+recomputes each chunk's scores ``Q K^T`` in the backward (``2 L d T`` per token), except
+under ``minimal``, whose recomputation already holds them. The loss in chunks
+(``model.loss_chunk``) recomputes each chunk's logits in the backward (``2 d V`` per
+token).
 """
 
 from __future__ import annotations
@@ -132,4 +136,7 @@ def matmul_flops(cfg, devices: int) -> float:
     params, attn = {"none": (0, 0), "save_dots": (0, 4),  # recomputed GEMM params, attn
                     "full": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 4),
                     "minimal": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 2)}[m.remat]
-    return flops + 2 * L * params * tokens + attn * L * d * t * tokens
+    if 0 < m.attention_chunk < t and m.remat != "minimal":
+        attn += 2  # chunked attention recomputes its scores Q K^T in the backward
+    head = 2 * d * m.vocab_size if 0 < m.loss_chunk < t else 0  # chunked loss: logits again
+    return flops + 2 * L * params * tokens + attn * L * d * t * tokens + head * tokens

@@ -22,7 +22,8 @@ outputs; ``minimal``: attention output and MLP hidden), plus one block's working
 without, ``L`` working sets. A block's working set is its
 activations (``Tm * (16 d + 4 (q+k+v+o)/tp + 12 d_ff/tp)`` bytes) plus its attention
 scores, which this model materialises: ``S * heads/tp * T^2 * 14`` bytes (float32 scores,
-softmax and their gradient, bf16 probabilities). The float32 logits and their gradient
+softmax and their gradient, bf16 probabilities), or ``S * heads/tp * c * T * 14`` with the
+attention in chunks of ``c = model.attention_chunk`` query positions. The float32 logits and their gradient
 add ``Tm * V/tp * 12``, or ``S * c * V/tp * 12`` with the loss in chunks of ``c =
 model.loss_chunk`` positions. It is a shape count, not a measurement; the compiled plan prints
 XLA's temporary bytes beside it.
@@ -114,7 +115,8 @@ def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
     t = cfg.data.seq_len
     tm = seqs * t
     proj = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp
-    block = tm * (16 * d + 4 * proj + 12 * m.d_ff / tp) + seqs * m.n_heads / tp * t * t * 14
+    rows = m.attention_chunk if 0 < m.attention_chunk < t else t  # query rows at once
+    block = tm * (16 * d + 4 * proj + 12 * m.d_ff / tp) + seqs * m.n_heads / tp * rows * t * 14
     saved = {"full": 0.0, "none": 0.0,  # bf16 outputs a policy keeps per block
              "save_dots": tm * 2 * (proj + 2 * d + 2 * m.d_ff / tp),
              "minimal": tm * 2 * (m.n_heads * m.head_dim / tp + m.d_ff / tp)}[m.remat]

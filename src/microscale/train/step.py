@@ -71,10 +71,11 @@ def lm_loss(model, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
     tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
     valid = (jnp.arange(n * c) < t).reshape(n, 1, c)
+    head = model.gathered_head()  # one gather and one gradient reduction, not one a chunk
 
     @jax.checkpoint
     def chunk_loss(xc, tc, vc):
-        logits = model.logits(xc).astype(jnp.float32)
+        logits = model.logits(xc, head).astype(jnp.float32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
         return jnp.sum(jnp.where(vc, ce, 0.0))
 
