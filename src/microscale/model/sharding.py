@@ -59,7 +59,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from microscale.model.rules import path_str
 
-__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "activation_sharding", "constrain",
+__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "activation_sharding", "batch_axes",
+           "constrain",
            "logical_to_mesh_rules",
            "logical_to_mesh_spec", "param_logical_axes", "partition_specs", "var_logical_axes"]
 
@@ -118,6 +119,16 @@ def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
         yield
     finally:
         _ACTIVATION_MESH.reset(token)
+
+
+def batch_axes() -> tuple[Mesh | None, tuple[str, ...]]:
+    """``(mesh, axes)``: the mesh of the surrounding `activation_sharding` and the mesh
+    axes (of size > 1) that ``act_batch`` shards over; ``(None, ())`` outside one."""
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None:
+        return None, ()
+    axes = _rule_axes(dict(logical_to_mesh_rules())["act_batch"])
+    return mesh, tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

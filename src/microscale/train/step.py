@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from microscale.model.sharding import activation_sharding
+from microscale.model.sharding import activation_sharding, batch_axes
 
 __all__ = ["cross_entropy", "lm_loss", "make_eval_step", "make_train_step", "step_key"]
 
@@ -65,25 +66,44 @@ def lm_loss(model, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array
     if not c or c >= t:
         return cross_entropy(model(inputs, key=key), targets)
     x = model.features(inputs, key=key)
-    b, _, d = x.shape
-    n = -(-t // c)
-    pad = n * c - t
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
-    tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
-    valid = (jnp.arange(n * c) < t).reshape(n, 1, c)
-    head = model.gathered_head()  # one gather and one gradient reduction, not one a chunk
+    head = model.gathered_head()  # gathered once, not once a chunk
 
-    @jax.checkpoint
-    def chunk_loss(xc, tc, vc):
-        logits = model.logits(xc, head).astype(jnp.float32)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
-        return jnp.sum(jnp.where(vc, ce, 0.0))
+    def summed(x, targets, head):
+        """The summed loss of these rows, chunk by chunk."""
+        b, _, d = x.shape
+        n = -(-t // c)
+        pad = n * c - t
+        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+        tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+        valid = (jnp.arange(n * c) < t).reshape(n, 1, c)
 
-    def body(total, chunk):
-        return total + chunk_loss(*chunk), None
+        @jax.checkpoint
+        def chunk_loss(xc, tc, vc):
+            logits = model.logits(xc, head).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
+            return jnp.sum(jnp.where(vc, ce, 0.0))
 
-    total, _ = jax.lax.scan(body, jnp.float32(0.0), (x, tg, valid))
-    return total / (b * t)
+        def body(total, chunk):
+            return total + chunk_loss(*chunk), None
+
+        return jax.lax.scan(body, jnp.float32(0.0), (xs, tg, valid))[0]
+
+    mesh, axes = batch_axes()
+    if not axes:
+        return summed(x, targets, head) / (x.shape[0] * t)
+    # Data-parallel devices each sum their own rows (shard_map over the batch axes): the
+    # head's gradient then accumulates locally over the chunks and is reduced once,
+    # where under the partitioner a loop reduces it once per chunk.
+    spec = PartitionSpec(axes)
+
+    def local(x, targets, head):
+        with activation_sharding(None):  # the batch axes are manual here
+            return jax.lax.psum(summed(x, targets, head), axes)
+
+    total = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, PartitionSpec()),
+                          out_specs=PartitionSpec(), axis_names=set(axes),
+                          check_vma=False)(x, targets, head)
+    return total / (x.shape[0] * t)
 
 
 def _loss_fn(graphdef, params, rest, tokens, key, *, mesh=None):
