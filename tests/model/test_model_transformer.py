@@ -197,6 +197,12 @@ def test_remat_policies_match_no_remat(policy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_remat_policy_names_are_one_list():
+    from microscale.model import config, transformer
+
+    assert tuple(transformer.REMAT_POLICIES) == config.REMAT_POLICIES
+
+
 def test_remat_policy_is_validated():
     with pytest.raises(ValueError, match="remat='sometimes'.*save_dots"):
         _cfg(remat="sometimes")

@@ -58,6 +58,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = ["KINDS", "analytic_collectives", "matmul_flops"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
@@ -79,7 +81,7 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
     D, F, T = mesh["data"], mesh["fsdp"], mesh["tensor"]
     M = cfg.data.grad_accum
     tm = cfg.data.batch_size // M * cfg.data.seq_len / (D * F)  # tokens per device
-    pb = 4 if m.param_dtype == "float32" else 2  # stored weight bytes
+    pb = np.dtype(m.param_dtype).itemsize  # stored weight bytes
     attn = d * (m.n_heads * hd) * 2 + d * (m.n_kv_heads * hd) * 2
     block = L * (attn + 3 * d * f)  # block kernels
     down = L * d * f
