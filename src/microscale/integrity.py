@@ -16,6 +16,7 @@ threads. ``benchmarks/integrity.py`` measures the cost against saving and loadin
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import zlib
@@ -135,22 +136,51 @@ def _is_checkpoint_reader_noise(u) -> bool:
     code = getattr(u.object, "cr_code", None)
     if code is not None and "orbax" in code.co_filename:
         return True
-    tb = u.exc_traceback
+    return _from_checkpoint_reader(u.exc_value)
+
+
+def _from_checkpoint_reader(exc: BaseException | None) -> bool:
+    """Whether ``exc`` was raised by orbax's or tensorstore's reading code: a frame of its
+    traceback lies in orbax, or tensorstore names the OCDBT database it failed to read."""
+    if exc is None:
+        return False
+    tb = exc.__traceback__
     while tb is not None:
         if "orbax" in tb.tb_frame.f_code.co_filename:
             return True
         tb = tb.tb_next
-    return False
+    return "OCDBT database" in str(exc)
+
+
+class _AbandonedReaderFutures(logging.Filter):
+    """Drops asyncio's "<Future class> exception was never retrieved" records whose exception
+    came from the checkpoint reader (see :func:`silence_checkpoint_reader_noise`)."""
+
+    _microscale = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).split("\n", 1)[0].endswith("exception was never retrieved"):
+            return True  # Future, Task, _GatheringFuture, ...: asyncio names the class
+        exc = record.exc_info[1] if record.exc_info else None
+        return not _from_checkpoint_reader(exc)
 
 
 def silence_checkpoint_reader_noise() -> None:
     """When a checkpoint read fails, orbax's asynchronous readers go on failing after the
-    exception that reports it: tensorstore's threads complete futures of the asyncio loop
-    orbax has already closed (``RuntimeError('Event loop is closed')``) and abandoned
-    orbax coroutines die with their exceptions. Each goes to :data:`sys.unraisablehook`,
-    some after the call has returned, and the default hook prints dozens to thousands of
-    lines of tracebacks. Called before every read (idempotent, for the rest of the
-    process), this drops exactly those and passes every other unraisable exception on."""
+    exception that reports it, in two ways, both printed after the call has returned:
+
+    - tensorstore's threads complete futures of the asyncio loop orbax has already closed
+      (``RuntimeError('Event loop is closed')``) and abandoned orbax coroutines die with
+      their exceptions; each goes to :data:`sys.unraisablehook`;
+    - futures that failed with the read error are garbage-collected unretrieved, and
+      asyncio logs each ("Future exception was never retrieved") with its traceback.
+
+    Either prints dozens to thousands of lines. Called before every read (idempotent, for
+    the rest of the process), this drops exactly those and passes every other unraisable
+    exception and asyncio record on."""
+    log = logging.getLogger("asyncio")
+    if not any(getattr(f, "_microscale", False) for f in log.filters):
+        log.addFilter(_AbandonedReaderFutures())
     hook = sys.unraisablehook
     if getattr(hook, "_microscale", False):
         return
