@@ -7,19 +7,20 @@ on 8 simulated devices in one child process, per mesh and recipe:
   attention, plus what the remat policy, chunked attention and the chunked loss recompute)
   within 2%, for every remat policy (none, full, save_dots, minimal), one and two
   microbatches.
-* **Collective budget**: the compiled bytes per device are at most 1.5x the analytic
-  volume where the implementation matches the analytic model (ZeRO-3 FSDP, data
-  parallelism, data x fsdp x tensor), and the ZeRO-3 weight all-gathers are exactly the
-  analytic ones. Before activations had logical axes, fsdp=8 moved 163 MB per device per
-  step against 24 MB analytic (6.8x): the partitioner kept weights in place, contracted
-  the sharded d_model and all-reduced activations.
-* **Known excess, pinned**: XLA:CPU lowers the gradient reduce-scatter as an all-reduce
-  (2x its bytes), and tensor parallelism all-reduces the q, k and v input gradients (and
-  gate's and up's) one by one, 3 more all-reduces per block than Megatron's fused QKV and
-  gate/up GEMMs: tensor=8 is 1.60x. Quantized recipes under tensor parallelism still
-  all-gather quantized activations (NVFP4 at tensor=8: 2.45x): the partitioner splits the
-  quantizer of a replicated input across the tensor devices and gathers the result. These
-  ratios are asserted as upper bounds so that an improvement shows and a regression fails.
+* **Collective budget**: XLA:CPU has no reduce-scatter (it emits an all-reduce, 2x the
+  bytes), so the compiled bytes are held against the analytic volume as XLA:CPU lowers it
+  (``cpu_total``). ZeRO-3 FSDP and data parallelism match it within 5% (scanned layers
+  included), and the ZeRO-3 weight all-gathers are exactly the analytic ones. Before
+  activations had logical axes, fsdp=8 moved 163 MB per device per step against 24 MB
+  analytic (6.8x): the partitioner kept weights in place, contracted the sharded d_model
+  and all-reduced activations.
+* **Known excess, pinned**: tensor parallelism (with sequence parallelism) reduces the
+  q, k and v input gradients (and gate's and up's) one by one, 3 more reductions per
+  block than Megatron's fused QKV and gate/up GEMMs, and in float32: tensor=8 is 1.42-1.46x.
+  Quantized recipes under tensor parallelism still all-gather quantized activations
+  (NVFP4 at tensor=8: 1.80x): the partitioner splits the quantizer of a replicated input
+  across the tensor devices and gathers the result. data x fsdp: 1.22x. These ratios are
+  asserted as upper bounds so that an improvement shows and a regression fails.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ CASES = [("fsdp8", "bf16", []), ("fsdp8", "nvfp4", []), ("fsdp8", "bf16", ["mode
          ("fsdp8", "nvfp4", ["model.remat=minimal"]), ("tp8", "bf16", ["model.remat=full"]),
          ("fsdp8", "bf16", ["model.remat=full", "model.attention_chunk=32",
                             "model.loss_chunk=32"]),
-         ("fsdp8", "nvfp4", ["model.remat=save_dots", "model.attention_chunk=48"])]
+         ("fsdp8", "nvfp4", ["model.remat=save_dots", "model.attention_chunk=48"]),
+         # scanned layers: 4 blocks, NVFP4 in [0, 1, 2] (one scan) and bf16 in [3]
+         ("fsdp8", "nvfp4", ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"]),
+         ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"]),
+         ("dp2_fsdp2_tp2", "nvfp4", ["model.n_layers=4", "model.scan_layers=true",
+                                     "model.remat=full", "model.attention_chunk=32",
+                                     "model.loss_chunk=32"])]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -60,7 +67,8 @@ SCRIPT = textwrap.dedent("""
         out["|".join([mesh, recipe] + extra)] = {
             "dot_flops": r["dot_flops"], "formula": matmul_flops(cfg, 8),
             "compiled": {k: v["bytes"] for k, v in r["collectives"].items()},
-            "analytic": analytic_collectives(cfg, r["mesh"])["by_kind"]}
+            "analytic": analytic_collectives(cfg, r["mesh"])["by_kind"],
+            "cpu_total": analytic_collectives(cfg, r["mesh"])["cpu_total"]}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -84,15 +92,23 @@ def test_matmul_flops_equal_the_formula(compiled, mesh, recipe, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,recipe,extra,bound", [
-    ("fsdp8", "bf16", [], 1.5), ("fsdp8", "nvfp4", [], 1.5),
-    ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"], 1.5),
-    ("dp8", "bf16", [], 1.01), ("dp2_fsdp2_tp2", "bf16", [], 1.5),
+    ("fsdp8", "bf16", [], 1.05), ("fsdp8", "nvfp4", [], 1.05),
+    ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"], 1.1),
+    ("fsdp8", "nvfp4", ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"], 1.05),
+    ("dp8", "bf16", [], 1.01),
     # known excess (module doc): upper bounds that an improvement tightens
-    ("dp2_fsdp4", "bf16", [], 1.65), ("tp8", "bf16", [], 1.65), ("tp8", "nvfp4", [], 2.5)])
+    ("dp2_fsdp4", "bf16", [], 1.3), ("dp2_fsdp2_tp2", "bf16", [], 1.45),
+    ("tp8", "bf16", [], 1.5), ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"], 1.5),
+    ("tp8", "nvfp4", [], 1.9),
+    ("dp2_fsdp2_tp2", "nvfp4", ["model.n_layers=4", "model.scan_layers=true",
+                                "model.remat=full", "model.attention_chunk=32",
+                                "model.loss_chunk=32"], 1.85)])
 def test_collective_bytes_within_budget(compiled, mesh, recipe, extra, bound):
+    """Compiled bytes against the analytic volume as XLA:CPU lowers it (``cpu_total``:
+    its reduce-scatters are all-reduces, 2x the bytes)."""
     c = _case(compiled, mesh, recipe, *extra)
-    total, analytic = sum(c["compiled"].values()), sum(c["analytic"].values())
-    assert total <= bound * analytic, (total / analytic, c)
+    total = sum(c["compiled"].values())
+    assert total <= bound * c["cpu_total"], (total / c["cpu_total"], c)
 
 
 @pytest.mark.slow

@@ -87,6 +87,10 @@ class ModelConfig:
     # the backward), so a block holds [chunk, T] float32 scores per head, not [T, T]:
     # memory linear in T. 0: all queries at once.
     attention_chunk: int = 0
+    # Run each contiguous run of blocks with equal recipes as one lax.scan over their
+    # stacked parameters (one block body in the program: compile time nearly independent
+    # of depth). Parameters stay per block ("layers.<i>") outside the forward pass.
+    scan_layers: bool = False
     dim_multiple: int = 32  # linear in/out dims must be multiples of this (32: MX; 16: NVFP4)
 
     # ------------------------------------------------------------------ validation
@@ -221,29 +225,26 @@ class ModelConfig:
     @classmethod
     def llama_1b(cls) -> ModelConfig:
         """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on, loss and
-        attention in 512-position chunks."""
+        attention in 512-position chunks, scanned layers."""
         return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                    d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
-                   remat="full", loss_chunk=512,
-                   attention_chunk=512)
+                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
 
     @classmethod
     def llama_8b(cls) -> ModelConfig:
         """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on, loss and
-        attention in 512-position chunks."""
+        attention in 512-position chunks, scanned layers."""
         return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                    d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512,
-                   attention_chunk=512)
+                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
 
     @classmethod
     def llama_70b(cls) -> ModelConfig:
         """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on, loss and
-        attention in 512-position chunks."""
+        attention in 512-position chunks, scanned layers."""
         return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                    d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512,
-                   attention_chunk=512)
+                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:

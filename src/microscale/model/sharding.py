@@ -97,6 +97,7 @@ def logical_to_mesh_rules() -> LogicalRules:
         ("norm", None),
         ("act_batch", ("data", "fsdp")),
         ("act_length", None),
+        ("act_residual_length", "tensor"),
         ("act_embed", None),
         ("act_heads", "tensor"),
         ("act_kv_heads", "tensor"),

@@ -59,7 +59,7 @@ from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path
 from microscale.model.sharding import constrain
 
 # Logical axes of the activations (microscale.model.sharding maps them to the mesh).
-RESIDUAL = ("act_batch", "act_length", "act_embed")
+RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
 
 __all__ = ["MLP", "Attention", "Block", "Transformer", "causal_attention"]
 
@@ -215,6 +215,61 @@ _RUN = {name: _run_block if policy is None else nnx.remat(_run_block, policy=pol
         for name, policy in REMAT_POLICIES.items()}
 
 
+# ---------------------------------------------------------------------- scanned layers
+#
+# ``model.scan_layers``: each contiguous run of blocks whose projections share their
+# recipes runs as one ``jax.lax.scan`` over the blocks' parameters stacked on a new
+# leading axis, so the step's program holds one block body per run instead of one per
+# block and compile time barely grows with depth. The parameters stay per block
+# (``layers.<i>...``) everywhere outside the forward pass (checkpoints, export, rules,
+# PTQ): the stack is built inside the traced step (its transpose unstacks the gradient),
+# at the cost of one transient copy of the blocks' local parameter shards. A block's
+# static structure is shared by its run, except its projections' ``layer_id``\ s (the
+# stochastic-rounding stream of each path), which the scan carries as data, so a scanned
+# model draws exactly the bits of the unrolled one.
+
+
+def _projections(block: Block) -> list[QLinear]:
+    """The block's seven projections, in a fixed order."""
+    return [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.attn.o_proj,
+            block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj]
+
+
+def scan_segments(layers) -> list[list[int]]:
+    """Block indices grouped into contiguous runs whose projections have equal recipes
+    (each run is one scan; a block unlike both neighbours runs alone)."""
+    runs: list[list[int]] = []
+    last = None
+    for i, block in enumerate(layers):
+        sig = tuple(p.recipe for p in _projections(block))
+        if runs and sig == last:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        last = sig
+    return runs
+
+
+def _scan_blocks(blocks: list[Block], x, cos, sin, key, remat: str):
+    """``blocks`` (identical but for their parameters and layer ids) applied in order as
+    one ``lax.scan`` over their stacked parameters; remat as configured, per block."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.state(b) for b in blocks])
+    ids = jnp.asarray([[p.layer_id for p in _projections(b)] for b in blocks], jnp.int32)
+
+    def body(x, xs):
+        state, layer_ids = xs
+        block = nnx.merge(graphdef, state)
+        for proj, layer_id in zip(_projections(block), layer_ids, strict=True):
+            proj.layer_id = layer_id
+        return block(x, cos, sin, key=key), None
+
+    policy = REMAT_POLICIES[remat]
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, x, (stacked, ids))[0]
+
+
 class Transformer(nnx.Module):
     """Llama-style decoder. ``model(tokens [B, T] int32, key=...) -> logits [B, T, V] f32``.
 
@@ -275,8 +330,14 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         x = constrain(self.embed(tokens), RESIDUAL)
         run = _RUN[cfg.remat]
-        for block in self.layers:
-            x = run(block, x, cos, sin, key)
+        if not cfg.scan_layers:
+            for block in self.layers:
+                x = run(block, x, cos, sin, key)
+            return self.final_norm(x)
+        for seg in scan_segments(self.layers):
+            blocks = [self.layers[i] for i in seg]
+            x = (run(blocks[0], x, cos, sin, key) if len(blocks) == 1
+                 else _scan_blocks(blocks, x, cos, sin, key, cfg.remat))
         return self.final_norm(x)
 
     def logits(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:

@@ -29,7 +29,16 @@ ZeRO-3 (``F > 1``), per microbatch:
   (``size/T (F-1)/F``); with ``D > 1`` also an all-reduce over ``data`` of the shard.
   Replicated parameters (norms) all-reduce over ``data x fsdp``.
 
-Megatron tensor parallelism (``T > 1``), per microbatch: column-parallel q/k/v and
+Megatron tensor parallelism (``T > 1``) with sequence parallelism (the residual stream,
+its norms and the saved block inputs split along the sequence over ``tensor``, when
+``seq_len`` divides), per microbatch: the norm's output is all-gathered along the sequence
+before q/k/v and before gate/up, and o_proj's and down_proj's partial sums are
+reduce-scattered back (2 of each per block, forward); the backward transposes each (2
+reduce-scatters of the column-parallel input gradients, 2 all-gathers of the row-parallel
+output gradients); remat's recomputed forward gathers both inputs again and, under
+``full`` and ``minimal``, reduce-scatters o_proj's output. A reduce-scatter plus an
+all-gather move what one all-reduce does. Without sequence parallelism (``seq_len`` not
+divisible by ``T``): column-parallel q/k/v and
 gate/up need no collective in the forward; row-parallel o_proj and down_proj all-reduce
 their ``[Tm, d_model]`` float32 output (2 per block); in the backward the input
 gradients of the column-parallel groups are all-reduced (2 per block: one for q/k/v,
@@ -72,9 +81,12 @@ def _ring(kind: str, size: float, n: int) -> float:
 
 
 def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
-    """``{"rows": [(what, kind, bytes)], "by_kind": {kind: bytes}, "total": bytes}`` per
-    device per step for ``cfg`` (a TrainConfig) on ``mesh`` ({axis: size}); see the
-    module doc for each row's reasoning."""
+    """``{"rows": [(what, kind, bytes)], "by_kind": {kind: bytes}, "total": bytes,
+    "cpu_total": bytes}`` per device per step for ``cfg`` (a TrainConfig) on ``mesh``
+    ({axis: size}); see the module doc for each row's reasoning. ``cpu_total`` is the
+    same volume as XLA:CPU lowers it: it has no reduce-scatter and emits an all-reduce
+    (then a slice), which moves twice the bytes, so the compiled program on simulated CPU
+    devices is held against ``cpu_total`` and a GPU's against ``total``."""
     m = cfg.model
     d, f, v, L = m.d_model, m.d_ff, m.vocab_size, m.n_layers
     hd = m.head_dim
@@ -116,14 +128,24 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
     # Megatron tensor parallelism
     act = tm * d * 4
     o_again = m.remat in ("full", "minimal")
-    per_block = 4 + (1 if o_again else 0)
-    add("tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
-        "input gradients" + (", remat o_proj" if o_again else "") + ")",
-        "all-reduce", act, T, M * L * per_block)
+    if cfg.data.seq_len % T:  # the residual stays whole on each tensor rank
+        add("tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
+            "input gradients" + (", remat o_proj" if o_again else "") + ")",
+            "all-reduce", act, T, M * L * (4 + o_again))
+    else:  # sequence parallelism: each all-reduce is a reduce-scatter + an all-gather
+        regather = {"none": 0, "save_dots": 0, "full": 2, "minimal": 2}[m.remat]
+        add("tensor (sequence parallel): all-gather block inputs (q/k/v and gate/up "
+            "forward, o/down input gradients" + (", remat" if regather else "") + ")",
+            "all-gather", act, T, M * L * (4 + regather))
+        add("tensor (sequence parallel): reduce-scatter block outputs (o/down forward, "
+            "q/k/v and gate/up input gradients" + (", remat o_proj" if o_again else "") + ")",
+            "reduce-scatter", act, T, M * L * (4 + o_again))
     add("tensor: all-reduce vocab-parallel embedding lookup and LM head input gradient",
         "all-reduce", act, T, 2 * M)
     by_kind = {k: sum(b for _, kk, b in rows if kk == k) for k in KINDS}
-    return {"rows": rows, "by_kind": by_kind, "total": sum(by_kind.values())}
+    total = sum(by_kind.values())
+    return {"rows": rows, "by_kind": by_kind, "total": total,
+            "cpu_total": total + by_kind["reduce-scatter"]}
 
 
 def matmul_flops(cfg, devices: int) -> float:

@@ -16,7 +16,8 @@ The fit verdict compares the shape count with the accelerator's HBM; the compile
 backend's scheduling differs from the GPU's.
 
 Activation estimate (bytes per device, one microbatch of ``Tm`` tokens and ``S``
-sequences on this device): with remat, the float32 block inputs ``L * Tm * d * 4`` and
+sequences on this device): with remat, the float32 block inputs ``L * Tm * d * 4 / tp``
+(the residual stream is split over ``tensor`` along the sequence: sequence parallelism) and
 what the policy saves per block in bfloat16 (``save_dots``: the seven projections'
 outputs; ``minimal``: attention output and MLP hidden), plus one block's working set;
 without, ``L`` working sets. A block's working set is its
@@ -25,7 +26,8 @@ scores, which this model materialises: ``S * heads/tp * T^2 * 14`` bytes (float3
 softmax and their gradient, bf16 probabilities), or ``S * heads/tp * c * T * 14`` with the
 attention in chunks of ``c = model.attention_chunk`` query positions. The float32 logits and their gradient
 add ``Tm * V/tp * 12``, or ``S * c * V/tp * 12`` with the loss in chunks of ``c =
-model.loss_chunk`` positions. It is a shape count, not a measurement; the compiled plan prints
+model.loss_chunk`` positions. Scanned layers (``model.scan_layers``) add the stacked copy of
+the blocks' parameter shards and of their gradient. It is a shape count, not a measurement; the compiled plan prints
 XLA's temporary bytes beside it.
 """
 
@@ -120,8 +122,11 @@ def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
     saved = {"full": 0.0, "none": 0.0,  # bf16 outputs a policy keeps per block
              "save_dots": tm * 2 * (proj + 2 * d + 2 * m.d_ff / tp),
              "minimal": tm * 2 * (m.n_heads * m.head_dim / tp + m.d_ff / tp)}[m.remat]
-    act = (m.n_layers * (tm * d * 4 + saved) + block) if m.remat != "none" else (
+    sp = tp if t % tp == 0 else 1  # the residual stream's length split over tensor
+    act = (m.n_layers * (tm * d * 4 / sp + saved) + block) if m.remat != "none" else (
         m.n_layers * block)
+    if m.scan_layers:  # the stacked copy of the blocks' parameter shards (and its grad)
+        act += 2 * params * m.num_linear_params() / m.num_params()
     chunk = m.loss_chunk if 0 < m.loss_chunk < t else t  # positions of logits held at once
     act += seqs * chunk * m.vocab_size / tp * 12
     grads = params * (2 if cfg.data.grad_accum > 1 else 1)  # + the f32 microbatch sum
@@ -291,6 +296,10 @@ def _collectives_md(analytic: dict[str, Any], compiled: dict[str, Any] | None) -
     lines.append(f"| **total** | **{_gb(analytic['total'])}** | "
                  + (f"**{_gb(total)}** ({total / analytic['total']:.2f}x) |"
                     if compiled and analytic["total"] else "- |") + " |")
+    if compiled and analytic["cpu_total"] != analytic["total"]:
+        lines.append(f"| total as XLA:CPU lowers it (reduce-scatter as all-reduce) | "
+                     f"{_gb(analytic['cpu_total'])} | {_gb(total)} "
+                     f"({total / analytic['cpu_total']:.2f}x) | |")
     lines += ["", "Analytic rows (`microscale.plan.comm`; XLA:CPU has no reduce-scatter and "
                   "lowers one as an all-reduce, twice the bytes):", ""]
     lines += [f"- {what}: {kind} {_gb(b)} GB" for what, kind, b in analytic["rows"]]
