@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from microscale.data import check_vocab_fits
 from microscale.export import layouts as L
 from microscale.export.gguffile import CRC_HEADER_KEY, CRC_TENSORS_KEY, seal_gguf_header
 from microscale.export.hf import linear_paths
@@ -251,8 +252,7 @@ def _add_tokenizer(w, tokenizer, vocab_size: int) -> dict[str, Any]:
         vocab[t["content"]] = int(t["id"])
         special[int(t["id"])] = bool(t.get("special"))
     n = max(vocab.values()) + 1
-    if n > vocab_size:
-        raise ValueError(f"the tokenizer has {n} ids but the model's vocab_size is {vocab_size}")
+    check_vocab_fits(n, vocab_size)
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     for text, i in vocab.items():

@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 
 from microscale import __version__
-from microscale.data import load_tokenizer
+from microscale.data import check_vocab_fits, load_tokenizer
 from microscale.export import layouts as L
 from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_paths
 from microscale.export.params import check_params, flat_params
@@ -257,9 +257,8 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
     check_params(params, cfg)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's "
-                         f"vocab_size is {cfg.vocab_size}")
+    if tokenizer is not None:
+        check_vocab_fits(tokenizer.vocab_size, cfg.vocab_size)
     if activations is None:
         activations = input_amax is not None
     if ck_layers is not None and layer_formats is None and input_amax is None:

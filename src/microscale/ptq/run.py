@@ -104,7 +104,7 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches,
                   layout, log) -> QuantizeResult:
-    from microscale.data import load_data
+    from microscale.data import check_vocab_fits, load_data
     from microscale.ptq.report import write_outputs
     from microscale.train import load_checkpoint
 
@@ -115,6 +115,9 @@ def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, 
     if eval_batches is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
     data = load_data(data_cfg)
+    check_vocab_fits(data.vocab_size, train_cfg.model.vocab_size,
+                     what=f"the tokenizer of {run_dir}" if data.tokenizer else
+                     f"corpus {data_cfg.corpus!r}")
     evals = data.val_batches("val")
     rows, seq = evals.shape[1], evals.shape[2] - 1
     val_tokens = data.eval_sets()["val"]
