@@ -119,6 +119,20 @@ def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
     assert q["nll"] != out[0]["nll"] and abs(q["nll"] - out[0]["nll"]) < 0.05
 
 
+def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
+    out = tmp_path / "ct"
+    assert main(["export", "-c", str(run), "--out", str(out), "--formats", "bf16"]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"):
+        assert (out / name).read_bytes() == (run / name).read_bytes(), name
+    gguf = pytest.importorskip("gguf", exc_type=ImportError)
+    path = tmp_path / "m.gguf"
+    assert main(["export", "-c", str(run), "--out", str(path), "--format", "gguf",
+                 "--formats", "bf16"]) == 0
+    field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
+    assert field.contents() == (run / "chat_template.jinja").read_text()
+
+
 @pytest.mark.parametrize("change, expected", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),

@@ -173,6 +173,11 @@ def _run(args: argparse.Namespace) -> int:
              "without --activations (only layer inputs are calibrated)"))
         src = quantize_output_checkpoint(src)
         tokenizer, data, seq_len = None, args.data, 128
+        tok_file = src / "tokenizer.json"
+        if gguf and tok_file.is_file():
+            from microscale.export.gguf import gguf_vocab
+
+            gguf_vocab(tok_file)  # an unsupported tokenizer: refused before the model is read
         if is_run_dir(src):
             from microscale.data import load_tokenizer
             from microscale.train import load_checkpoint
@@ -199,8 +204,9 @@ def _run(args: argparse.Namespace) -> int:
         else:
             raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
                                     "(config.yaml + checkpoints/) nor an HF model folder")
-        if gguf:
-            return _write_gguf(model, args, config, formats, tokenizer)
+        if gguf:  # the file brings its tokenizer_config.json (special tokens, chat template)
+            return _write_gguf(model, args, config, formats,
+                               tok_file if tok_file.is_file() else tokenizer)
         input_amax = None
         if args.activations:
             from microscale.inference.evaldata import eval_batches
@@ -216,7 +222,8 @@ def _run(args: argparse.Namespace) -> int:
             input_amax = collect_input_amax(dense, batches)
         res = export_checkpoint(model, args.out, config=config, layout=args.layout,
                                 layer_formats=formats, activations=args.activations,
-                                input_amax=input_amax, tokenizer=tokenizer, dtype=args.dtype,
+                                input_amax=input_amax, dtype=args.dtype,
+                                tokenizer=tok_file if tok_file.is_file() else tokenizer,
                                 shard_bytes=int((args.shard_size or SHARD_GB) * 1e9),
                                 overwrite=args.overwrite)
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:

@@ -45,11 +45,8 @@ from microscale.files import (
     read_json,
 )
 
-__all__ = ["TOKENIZER_FILES", "import_hf"]
+__all__ = ["import_hf"]
 
-# Tokenizer files of an HF folder that travel with the model (copied byte for byte).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
 _SEQ_LEN = 256  # data.seq_len of the run (at most the model's context)
 
 
@@ -59,6 +56,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, *,
     (also ``out/summary.json``). ``out`` must not exist."""
     from microscale.data import DataConfig, check_vocab_fits, load_tokenizer
     from microscale.export.hf import model_config_from_hf
+    from microscale.export.tokenizer import TOKENIZER_FILES
     from microscale.train.config import TrainConfig
 
     src = check_input_dir(folder, what="", expected="an HF Llama folder (config.json, "
