@@ -133,6 +133,18 @@ def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
     assert field.contents() == (run / "chat_template.jinja").read_text()
 
 
+def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path,
+                                                                           capsys):
+    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"),
+                 "--formats", "nvfp4"]) == 0
+    out = capsys.readouterr().out
+    lin = MODEL.num_linear_params()
+    whole = (4.5 * lin + 16 * (MODEL.num_params() - lin)) / MODEL.num_params()
+    assert whole > 8  # this tiny model is mostly embedding and LM head
+    assert f"4.500 bits per weight in the linear layers, {whole:.3f} in the whole model" \
+        in out, out
+
+
 @pytest.mark.parametrize("change, expected", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,13 +107,24 @@ def quantize_output_checkpoint(src: Path) -> Path:
                             "checkpoint/ (quantized with --layout microscale?)")
 
 
-def _print_written(res, layout: str) -> None:
-    """One line: the file or folder written, its layout and size, and layers per format."""
+def _print_written(res, layout: str, config, dtype: str) -> None:
+    """One line: the file or folder written, its layout and size, layers per format, and
+    the bits per weight of the linear layers and of the whole model."""
+    from microscale.export.hf import param_shapes
+    from microscale.ptq.search import model_bits
+
     counts: dict[str, int] = {}
     for v in res.layers.values():
         counts[v] = counts.get(v, 0) + 1
+    shapes = param_shapes(config)
+    numel = {p: math.prod(shapes[f"{p}.kernel"]) for p in res.layers}
+    bits = model_bits({p: f.split("/")[0] for p, f in res.layers.items()}, numel,
+                      config.num_params() - sum(numel.values()),
+                      other_bits=32 if dtype == "float32" else 16)
     print(f"wrote {res.path} ({layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
-          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
+          + f"; {bits['linear_bits']:.3f} bits per weight in the linear layers, "
+          f"{bits['model_bits']:.3f} in the whole model")
 
 
 def _write_gguf(model, args, config, formats, tokenizer) -> int:
@@ -120,7 +132,7 @@ def _write_gguf(model, args, config, formats, tokenizer) -> int:
 
     res = write_gguf(model, args.out, config=config, layer_formats=formats,
                      tokenizer=tokenizer, dtype=args.dtype, overwrite=args.overwrite)
-    _print_written(res, "gguf")
+    _print_written(res, "gguf", config, args.dtype)
     return 0
 
 
@@ -229,5 +241,5 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    _print_written(res, res.layout)
+    _print_written(res, res.layout, config, args.dtype)
     return 0
