@@ -186,7 +186,7 @@ def test_import_leaves_nothing_when_the_weights_fail(hf, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run):
+def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run, tmp_path):
     for src, where in ((hf, "config.json"), (run, "config.yaml")):
         cfg = resolve_config("tiny", [f"init_from={src}"])
         assert cfg.model == MODEL and cfg.data.seq_len == 64  # tiny's 128 > the context
@@ -208,9 +208,14 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run):
             assert f"{key}={value}" in msg and where in msg, msg
             if where == "config.json":
                 assert theirs in msg, msg
-            else:
-                assert f"model.{theirs.split('=')[0].replace('intermediate_size', 'd_ff')}" \
-                    in msg or key in msg
+    # an HF folder without its tokenizer: the preset's byte tokenizer is not assumed
+    bare = tmp_path / "bare"
+    shutil.copytree(hf, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="has no tokenizer.json; name the model's own"):
+        resolve_config("tiny", [f"init_from={bare}"])
+    cfg = resolve_config("tiny", [f"init_from={bare}", f"data.tokenizer={hf / 'tokenizer.json'}"])
+    assert cfg.model == MODEL
 
 
 # ---------------------------------------------------------------------- tokenizer mismatch

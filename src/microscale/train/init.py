@@ -252,8 +252,12 @@ def adopt_source_model(cfg, overridden: set[str]):
     model = cfg.model.replace(**{f: getattr(src, f) for f in (
         *_MODEL_FIELDS, "max_seq_len", "dim_multiple") if f not in keys})
     data = cfg.data
-    if tok is not None and "data.tokenizer" not in overridden:
-        data = dataclasses.replace(data, tokenizer=str(tok.absolute()))
+    if "data.tokenizer" not in overridden:
+        if tok is None and hf:  # the preset's byte tokenizer would fit and be wrong
+            raise ValueError(f"init_from={cfg.init_from!r} has no tokenizer.json; name the "
+                             "model's own tokenizer with data.tokenizer=PATH")
+        if tok is not None:
+            data = dataclasses.replace(data, tokenizer=str(tok.absolute()))
     if "data.seq_len" not in overridden and data.seq_len > model.max_seq_len:
         data = dataclasses.replace(data, seq_len=model.max_seq_len)
     return dataclasses.replace(cfg, model=model, data=data)
