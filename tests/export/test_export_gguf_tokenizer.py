@@ -38,8 +38,9 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
 # SmolLM2-Instruct's tokenizer_config.json, in what matters here
 INSTRUCT = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
             "chat_template": TEMPLATE, "tokenizer_class": "GPT2Tokenizer"}
-STRINGS = ["Hello world", "12345 + 678 = 13023", "numbers 1234567890 and 2024", "  two  spaces\tand\ttabs\n\nnew lines",
-           "émigré naïve 東京 🙂 Ωmega", "it's they're I'll we'd", "x=3.14159; y=[1,22,333]",
+STRINGS = ["Hello world", "12345 + 678 = 13023", "numbers 1234567890 and 2024",
+           "  two  spaces\tand\ttabs\n\nnew lines", "émigré naïve 東京 🙂 Ωmega",
+           "it's they're I'll we'd", "x=3.14159; y=[1,22,333]",
            "<|im_start|>user\nhi<|im_end|>", "trailing space ", "a1b22c333d4444"]
 
 

@@ -385,8 +385,9 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
     """An :class:`InferenceModel` from an exported HF-style folder or a training run folder.
 
     ``formats`` quantizes float weights in memory (a run's, or a plain HF folder's; a
-    quantized export's layers are already fixed, so it is refused there). ``activations``: W4A4 emulation (default: as
-    the checkpoint declares). ``step``: the run's checkpoint step (default: latest).
+    quantized export's layers are already fixed, so it is refused there). ``activations``:
+    W4A4 emulation (default: as the checkpoint declares). ``step``: the run's checkpoint
+    step (default: latest).
     """
     from microscale.files import check_input_dir
 
