@@ -218,6 +218,22 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run, tmp_path
     assert cfg.model == MODEL
 
 
+@pytest.mark.slow
+def test_init_from_a_quantize_output_takes_its_model(run, corpus, tmp_path):
+    from microscale.ptq import QuantizeConfig, quantize_run
+
+    qcfg = QuantizeConfig(budget=4.5, formats=("nvfp4", "bf16"), calib_tokens=256,
+                          pareto_budgets=(), ptq_effects=False,
+                          uniform_formats=("nvfp4", "bf16"))
+    for layout, where in (("compressed-tensors", "checkpoint"), ("microscale", None)):
+        q = tmp_path / layout
+        quantize_run(run, q, qcfg, corpus=corpus, eval_batches=2, layout=layout)
+        cfg = resolve_config("tiny", [f"init_from={q}"])
+        assert cfg.model == MODEL, layout
+        # the packed checkpoint's own tokenizer, or (microscale's layout) the run's
+        assert cfg.data.tokenizer == str((q / where if where else run) / "tokenizer.json")
+
+
 # ---------------------------------------------------------------------- tokenizer mismatch
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ error counts every missing, unexpected or differently shaped parameter and names
 first few, with the source's model shape when it is known.
 
 On the command line (:func:`adopt_source_model`, called by ``resolve_config``) the model
-is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's from
-its ``config.json`` (every shape, ``rope_theta``, ``rms_norm_eps``, tied embeddings, the
+is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's (and a
+quantize output's packed ``checkpoint/``) from its ``config.json`` (every shape, ``rope_theta``, ``rms_norm_eps``, tied embeddings, the
 vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
 that contradicts the source is refused naming the key and both values; settings that
 do not define the model (``remat``, chunks, dtypes, a shorter ``max_seq_len``) may be
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.files import check_input_dir
+from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
@@ -205,9 +205,16 @@ def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[i
 def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, str] | None:
     """``(model config, tokenizer file or None, where the config was read)`` of an
     ``init_from`` source, read without loading weights: a run folder's ``config.yaml``,
-    an HF folder's ``config.json``. None for anything else (a quantize output, a path that
-    is not a model folder: :func:`load_init_weights` says what is wrong)."""
+    an HF folder's ``config.json``, a quantize output's ``checkpoint/config.json`` (or,
+    in microscale's layout, its source run's). None for anything else (a path that is not
+    a model folder: :func:`load_init_weights` says what is wrong)."""
     path = Path(source).expanduser()
+    if _is_quantize_output(path):
+        report = read_json(path / "report.json", what="quantize report")
+        calib = report.get("calibration") if isinstance(report, dict) else None
+        run = calib.get("run_dir") if isinstance(calib, dict) else None
+        path = path / "checkpoint" if (path / "checkpoint" / "config.json").is_file() \
+            else Path(run or path)
     if not path.is_dir():
         return None
     tok = path / "tokenizer.json"
@@ -219,7 +226,6 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
         return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
     if (path / "config.json").is_file() and not _is_quantize_output(path):
         from microscale.export.hf import model_config_from_hf
-        from microscale.files import read_json
 
         where = str(path / "config.json")
         try:
