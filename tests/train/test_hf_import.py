@@ -150,6 +150,7 @@ def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, 
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
+    ({"rope_interleaved": True}, "rope_interleaved"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"head_dim": 32}, "head_dim"),
     ({"intermediate_size": 256}, "gate_proj.weight' has shape [128, 64]"),  # tensors disagree
@@ -162,6 +163,32 @@ def test_import_refuses_what_it_cannot_represent(hf, tmp_path, capsys, change, e
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing half-made
+
+
+def test_smollm2_config_json_imports(tmp_path):
+    """SmolLM2-135M-Instruct's config.json as published (2 of its 30 layers, a smaller
+    vocabulary): every field is read or harmless; 9 heads of 64, theta 100000, tied."""
+    smol = {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64,
+            "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+            "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192,
+            "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
+            "num_hidden_layers": 2, "num_key_value_heads": 3, "pad_token_id": 2,
+            "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False,
+            "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True,
+            "vocab_size": 512}
+    want = ModelConfig(vocab_size=512, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3,
+                       d_ff=1536, max_seq_len=8192, rope_theta=100000.0, norm_eps=1e-5,
+                       tie_embeddings=True, init_std=smol["initializer_range"])
+    src = tmp_path / "smol"
+    export_checkpoint(Transformer(want, rngs=nnx.Rngs(0)), src, layer_formats="bf16",
+                      tokenizer=train_bpe(_text(100), 300))
+    (src / "config.json").write_text(json.dumps(smol))
+    assert main(["import", str(src), "--out", str(tmp_path / "run"), "-q"]) == 0
+    _, cfg, _ = load_checkpoint(tmp_path / "run")
+    assert cfg.model == want
+    assert cfg.data.seq_len == 256
 
 
 def test_import_refuses_a_missing_tokenizer_or_an_existing_out(hf, run, tmp_path, capsys):
