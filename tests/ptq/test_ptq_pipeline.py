@@ -44,6 +44,14 @@ def test_report_contents(result):
     assert rep["points"]["uniform_nvfp4"]["effective_bits"] == pytest.approx(
         (4.5 * sum(result.numel.values()) + 11.5 * result.numel["layers.1.attn.o_proj"])
         / sum(result.numel.values()))
+    # both averages, named: the linear layers, and the whole model (other params at 16 bits)
+    lin = sum(result.numel.values())
+    other = result.engine.other_numel
+    assert other > 0 and rep["linear_bits"] == rep["effective_bits"]  # the budget's measure
+    for pt in rep["points"].values():
+        assert pt["model_bits"] == pytest.approx(
+            (pt["linear_bits"] * lin + 16 * other) / (lin + other))
+    assert rep["model_bits"] > rep["linear_bits"] and rep["points"]["bf16"]["model_bits"] == 16
     eff = rep["ptq_effects"]
     assert set(eff["weights"]["uniform_nvfp4"]) == {"rtn", "mse_scale", "four_over_six", "both"}
     assert set(eff["weights"]["uniform_fp8_e4m3"]) == {"rtn", "mse_scale"}

@@ -14,6 +14,7 @@ from microscale.ptq import (
     brute_force,
     effective_bits,
     group_layers,
+    model_bits,
     monotone,
     search,
 )
@@ -43,6 +44,10 @@ def test_costs_come_from_formatspec():
         assert effective_bits({"a": f, "b": f}, numel) == get_format(f).bits_per_element
     assert effective_bits({"a": "nvfp4", "b": "bf16"}, numel) == (4.5 * 1024 + 16 * 3072) / 4096
     assert effective_bits({"a": "nvfp4"}, {"a": 1024}, extra_numel=1024) == (4.5 + 16) / 2
+    assert model_bits({"a": "nvfp4", "b": "mxfp4"}, numel, 4096) == {
+        "linear_bits": (4.5 * 1024 + 4.25 * 3072) / 4096,
+        "model_bits": (4.5 * 1024 + 4.25 * 3072 + 16 * 4096) / 8192}
+    assert model_bits({"a": "bf16"}, numel, 1024, other_bits=32)["model_bits"] == 24
 
 
 @pytest.mark.parametrize("solver", ["dp", "milp"])

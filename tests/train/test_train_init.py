@@ -131,10 +131,12 @@ def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
     with pytest.raises(ValueError) as e:
         train(wide, progress=False)
     msg = str(e.value)
+    # the cause first, then a short table: the first four mismatches and the count
+    assert msg.index("model.d_ff=64 (config: 128)") < msg.index("6 mismatch(es)")
     for name in ("layers.0.mlp.gate_proj.kernel", "layers.0.mlp.up_proj.kernel",
                  "layers.0.mlp.down_proj.kernel", "layers.1.mlp.down_proj.kernel"):
         assert f"{name} has shape" in msg, name
-    assert "6 mismatch(es)" in msg and "model.d_ff=64 (config: 128)" in msg
+    assert "layers.1.mlp.up_proj.kernel" not in msg and msg.endswith("; and 2 more")
     # a deeper model: the new block's parameters are missing, each named
     from microscale.export.hf import param_shapes
     from microscale.train.init import check_init_shapes, load_init_weights
@@ -144,9 +146,15 @@ def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
     with pytest.raises(ValueError) as e:
         check_init_shapes(weights, param_shapes(deep), src, deep)
     msg = str(e.value)
-    assert "layers.2.attn.q_proj.kernel is missing" in msg
     assert "layers.2.mlp_norm.scale is missing" in msg
-    assert "model.n_layers=2 (config: 3)" in msg
+    assert "layers.2.attn.q_proj.kernel is missing" in msg
+    assert "model.n_layers=2 (config: 3)" in msg and "9 mismatch(es)" in msg
+    assert "down_proj" not in msg and msg.endswith("; and 5 more")
+    # a model of another size altogether: one short line, not one entry per parameter
+    big = source_run.model.replace(n_layers=40, d_model=128)
+    with pytest.raises(ValueError) as e:
+        check_init_shapes(weights, param_shapes(big), src, big)
+    assert len(str(e.value)) < 700 and "more" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("microscale.cli.compare", "train several recipes on the same data and report the gaps"),
     "train": ("microscale.cli.train", "train a model with a recipe (bf16, fp8, mxfp8, nvfp4, mxfp4)"),
     "quantize": ("microscale.cli.quantize", "sensitivity analysis + budgeted per-layer precision search"),
+    "import": ("microscale.cli.import_hf", "an HF Llama folder as a run folder (config.json's "
+                                          "model, its tokenizer, its weights; no training)"),
     "export": ("microscale.cli.export", "write a packed checkpoint (compressed-tensors / ModelOpt)"),
     "generate": ("microscale.cli.generate", "generate text from a (packed) checkpoint"),
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),

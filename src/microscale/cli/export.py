@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,13 +107,24 @@ def quantize_output_checkpoint(src: Path) -> Path:
                             "checkpoint/ (quantized with --layout microscale?)")
 
 
-def _print_written(res, layout: str) -> None:
-    """One line: the file or folder written, its layout and size, and layers per format."""
+def _print_written(res, layout: str, config, dtype: str) -> None:
+    """One line: the file or folder written, its layout and size, layers per format, and
+    the bits per weight of the linear layers and of the whole model."""
+    from microscale.export.hf import param_shapes
+    from microscale.ptq.search import model_bits
+
     counts: dict[str, int] = {}
     for v in res.layers.values():
         counts[v] = counts.get(v, 0) + 1
+    shapes = param_shapes(config)
+    numel = {p: math.prod(shapes[f"{p}.kernel"]) for p in res.layers}
+    bits = model_bits({p: f.split("/")[0] for p, f in res.layers.items()}, numel,
+                      config.num_params() - sum(numel.values()),
+                      other_bits=32 if dtype == "float32" else 16)
     print(f"wrote {res.path} ({layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
-          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())))
+          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
+          + f"; {bits['linear_bits']:.3f} bits per weight in the linear layers, "
+          f"{bits['model_bits']:.3f} in the whole model")
 
 
 def _write_gguf(model, args, config, formats, tokenizer) -> int:
@@ -120,7 +132,7 @@ def _write_gguf(model, args, config, formats, tokenizer) -> int:
 
     res = write_gguf(model, args.out, config=config, layer_formats=formats,
                      tokenizer=tokenizer, dtype=args.dtype, overwrite=args.overwrite)
-    _print_written(res, "gguf")
+    _print_written(res, "gguf", config, args.dtype)
     return 0
 
 
@@ -173,6 +185,11 @@ def _run(args: argparse.Namespace) -> int:
              "without --activations (only layer inputs are calibrated)"))
         src = quantize_output_checkpoint(src)
         tokenizer, data, seq_len = None, args.data, 128
+        tok_file = src / "tokenizer.json"
+        if gguf and tok_file.is_file():
+            from microscale.export.gguf import gguf_vocab
+
+            gguf_vocab(tok_file)  # an unsupported tokenizer: refused before the model is read
         if is_run_dir(src):
             from microscale.data import load_tokenizer
             from microscale.train import load_checkpoint
@@ -199,8 +216,9 @@ def _run(args: argparse.Namespace) -> int:
         else:
             raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
                                     "(config.yaml + checkpoints/) nor an HF model folder")
-        if gguf:
-            return _write_gguf(model, args, config, formats, tokenizer)
+        if gguf:  # the file brings its tokenizer_config.json (special tokens, chat template)
+            return _write_gguf(model, args, config, formats,
+                               tok_file if tok_file.is_file() else tokenizer)
         input_amax = None
         if args.activations:
             from microscale.inference.evaldata import eval_batches
@@ -216,11 +234,12 @@ def _run(args: argparse.Namespace) -> int:
             input_amax = collect_input_amax(dense, batches)
         res = export_checkpoint(model, args.out, config=config, layout=args.layout,
                                 layer_formats=formats, activations=args.activations,
-                                input_amax=input_amax, tokenizer=tokenizer, dtype=args.dtype,
+                                input_amax=input_amax, dtype=args.dtype,
+                                tokenizer=tok_file if tok_file.is_file() else tokenizer,
                                 shard_bytes=int((args.shard_size or SHARD_GB) * 1e9),
                                 overwrite=args.overwrite)
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    _print_written(res, res.layout)
+    _print_written(res, res.layout, config, args.dtype)
     return 0

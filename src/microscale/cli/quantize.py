@@ -146,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
               f"written in microscale's layout to {args.out}/checkpoint", file=sys.stderr)
         return 2
     ppl = result.val_ppl
-    print(f"searched {result.allocation.effective_bits:.3f} bits: val ppl "
+    s = result.points["searched"]
+    print(f"searched {result.allocation.effective_bits:.3f} bits ({s['linear_bits']:.3f} in the "
+          f"linear layers, {s['model_bits']:.3f} in the whole model): val ppl "
           f"{ppl['searched']:.4f} (bf16 {ppl['bf16']:.4f}, heuristic {ppl['heuristic']:.4f} "
           f"@ {result.points['heuristic']['effective_bits']:.2f} bits) -> {args.out}")
     return 0

@@ -41,6 +41,17 @@ EOS_TOKEN = "<|eos|>"
 _KNOWN_EOS = (EOS_TOKEN, "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
+def check_vocab_fits(n_ids: int, vocab_size: int, *, what: str = "the tokenizer") -> None:
+    """Refuse token ids a model cannot embed: ``what`` (a tokenizer, a corpus) produces
+    ids ``0..n_ids-1`` and the model's embedding has ``vocab_size`` rows. The one check
+    every command runs where a tokenizer meets a model (train, eval, generate, quantize,
+    export); a model with more rows than ids (a padded vocabulary) is fine."""
+    if n_ids > vocab_size:
+        raise ValueError(f"{what} produces token ids up to {n_ids - 1} ({n_ids} ids) but the "
+                         f"model embeds {vocab_size} (model.vocab_size={vocab_size}): ids >= "
+                         f"{vocab_size} cannot be embedded; use the model's own tokenizer")
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype that holds every id of a vocabulary (uint16 or uint32)."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
@@ -119,7 +130,10 @@ class BPETokenizer:
             )
         self._tok.encode_special_tokens = True
         self._json = self._tok.to_str()
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        # ids it can produce are 0..vocab_size-1 (the largest id + 1 when ids have gaps)
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)),
+                              max(ids, default=-1) + 1)
         digest = hashlib.sha256(self._json.encode("utf-8")).hexdigest()[:16]
         self.id = f"bpe{self.vocab_size}-{digest}"
 

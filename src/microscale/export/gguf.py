@@ -42,7 +42,11 @@ byte-to-unicode characters). microscale's byte tokenizer has no merges; llama.cp
 symbols that no merge creates, which therefore never fires, and every byte stays its
 own token (id = byte value, ``<|eos|>`` = 256). A trained or imported BPE keeps its vocab
 and merges; its pre-tokenizer must be one llama.cpp implements (GPT-2's ByteLevel regex ->
-``gpt-2``, Llama 3's split regex -> ``llama-bpe``), anything else is refused.
+``gpt-2``, digits split then GPT-2's regex -> ``smollm``, Llama 3's split regex ->
+``llama-bpe``); anything else is refused, naming it, before any weight is read. Given a
+``tokenizer.json`` path, the ``tokenizer_config.json`` beside it supplies the bos / eos /
+pad ids, ``add_bos_token`` and the chat template (:func:`gguf_vocab`), so an Instruct
+model stops at its own end-of-turn token in llama.cpp.
 
 The file is written to a temporary sibling and renamed when complete
 (:func:`microscale.files.atomic_writer`): a killed export leaves no file that loads.
@@ -66,6 +70,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from microscale.data import check_vocab_fits
 from microscale.export import layouts as L
 from microscale.export.gguffile import CRC_HEADER_KEY, CRC_TENSORS_KEY, seal_gguf_header
 from microscale.export.hf import linear_paths
@@ -83,8 +88,8 @@ from microscale.formats import (
 from microscale.integrity import crc32_many
 from microscale.model import ModelConfig
 
-__all__ = ["GGUF_FORMATS", "GGUFResult", "gguf_format", "gguf_layer_formats",
-           "gguf_tensor", "tensor_name", "write_gguf"]
+__all__ = ["GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_format", "gguf_layer_formats",
+           "gguf_tensor", "gguf_vocab", "tensor_name", "write_gguf"]
 
 # microscale formats ggml runs natively -> GGMLQuantizationType member name.
 GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
@@ -199,42 +204,128 @@ def _float_tensor(x, dtype: str) -> tuple[np.ndarray, Any]:
 
 # ---------------------------------------------------------------------- tokenizer
 
-def _tokenizer_json(tokenizer) -> tuple[dict, int]:
+def _tokenizer_json(tokenizer) -> tuple[dict, int, Path | None]:
+    """``(tokenizer.json as a dict, its end-of-document id, its file or None)``."""
     from microscale.data import BPETokenizer, ByteTokenizer, load_tokenizer
 
+    file = None
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
+        file = Path(tokenizer)
+        tokenizer = load_tokenizer(file)
     if isinstance(tokenizer, ByteTokenizer):
-        return json.loads(byte_tokenizer_hf().to_str()), tokenizer.eos_id
+        return json.loads(byte_tokenizer_hf().to_str()), tokenizer.eos_id, file
     if isinstance(tokenizer, BPETokenizer):
-        return json.loads(tokenizer.hf.to_str()), tokenizer.eos_id
+        return json.loads(tokenizer.hf.to_str()), tokenizer.eos_id, file
     raise TypeError(f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
                     "BPETokenizer or a tokenizer file path")
 
 
+def _is_bytelevel(p: Any, regex: bool) -> bool:
+    return isinstance(p, dict) and p.get("type") == "ByteLevel" and \
+        bool(p.get("use_regex", True)) == regex and not p.get("add_prefix_space", False)
+
+
 def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
-    """tokenizer.ggml.pre for an HF byte-level pre-tokenizer (refuses unknown ones)."""
-    def is_bytelevel(p, regex):
-        return isinstance(p, dict) and p.get("type") == "ByteLevel" and \
-            bool(p.get("use_regex", True)) == regex and not p.get("add_prefix_space", False)
-
-    if not has_merges and (is_bytelevel(pre, False) or is_bytelevel(pre, True)):
+    """tokenizer.ggml.pre for an HF byte-level pre-tokenizer (refuses unknown ones):
+    GPT-2's ByteLevel regex -> ``gpt-2``; each digit split off, then GPT-2's regex
+    (SmolLM) -> ``smollm``; Llama 3's split regex, then ByteLevel -> ``llama-bpe``."""
+    if not has_merges and (_is_bytelevel(pre, False) or _is_bytelevel(pre, True)):
         return "default"  # every byte is its own token: how text is split cannot matter
-    if is_bytelevel(pre, True):
+    if _is_bytelevel(pre, True):
         return "gpt-2"
-    if isinstance(pre, dict) and pre.get("type") == "Sequence":
-        seq = pre.get("pretokenizers") or []
-        if len(seq) == 2 and is_bytelevel(seq[1], False) and seq[0].get("type") == "Split" \
-                and (seq[0].get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT:
+    seq = (pre.get("pretokenizers") or []) if isinstance(pre, dict) and \
+        pre.get("type") == "Sequence" else []
+    if len(seq) == 2 and isinstance(seq[0], dict):
+        first = seq[0]
+        if first.get("type") == "Digits" and first.get("individual_digits") is True \
+                and _is_bytelevel(seq[1], True):
+            return "smollm"
+        if first.get("type") == "Split" and _is_bytelevel(seq[1], False) \
+                and (first.get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT \
+                and first.get("behavior", "Isolated") == "Isolated" \
+                and not first.get("invert", False):
             return "llama-bpe"
-    raise ValueError(f"tokenizer pre-tokenizer {json.dumps(pre)[:200]}: llama.cpp would split "
-                     "text differently; GGUF export supports byte-level BPE with GPT-2's "
-                     "ByteLevel regex or Llama 3's split regex")
+    raise ValueError(f"tokenizer pre-tokenizer {json.dumps(pre)[:300]} is not one llama.cpp "
+                     "implements the same way; GGUF export knows GPT-2's ByteLevel regex "
+                     "(gpt-2), digits split then GPT-2's regex (smollm) and Llama 3's split "
+                     "regex (llama-bpe)")
 
 
-def _add_tokenizer(w, tokenizer, vocab_size: int) -> dict[str, Any]:
-    gguf = _gguf()
-    tj, eos = _tokenizer_json(tokenizer)
+def _token_text(v: Any, key: str, where: Path) -> str | None:
+    """A special token of tokenizer_config.json: a string or an AddedToken object."""
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        v = v.get("content")
+    if not isinstance(v, str):
+        raise ValueError(f"{where}: {key}={v!r}: expected a token string")
+    return v
+
+
+def _chat_template(cfg: dict, folder: Path, where: Path) -> str | None:
+    """The default chat template: tokenizer_config.json's ``chat_template`` (a string, or
+    a list of named templates: "default"), else ``chat_template.jinja`` beside it."""
+    t = cfg.get("chat_template")
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    if t is not None and not isinstance(t, str):
+        raise ValueError(f"{where}: chat_template: expected a string or a list of "
+                         "{name, template} with a 'default'")
+    if t is None and (folder / "chat_template.jinja").is_file():
+        t = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    return t
+
+
+def _template_start(proc: Any) -> str | None:
+    """The special token a ``TemplateProcessing`` post-processor (alone or in a
+    ``Sequence``) puts before a single sequence (Llama 3's ``<|begin_of_text|>``), or None."""
+    if not isinstance(proc, dict):
+        return None
+    if proc.get("type") == "Sequence":
+        return next((t for p in proc.get("processors") or [] if (t := _template_start(p))),
+                    None)
+    single = proc.get("single") if proc.get("type") == "TemplateProcessing" else None
+    if not single or not isinstance(single[0], dict):
+        return None
+    return (single[0].get("SpecialToken") or {}).get("id")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GGUFVocab:
+    """A tokenizer as llama.cpp's ``gpt2`` vocabulary (see :func:`gguf_vocab`)."""
+
+    # {token text: id} of the model vocabulary and the added tokens.
+    vocab: dict[str, int]
+    # {id: special (control) or not (user-defined)} of the added tokens.
+    added: dict[int, bool]
+    # BPE merges ("a b"), in rank order.
+    merges: list[str]
+    # tokenizer.ggml.pre.
+    pre: str
+    # Special token ids: bos (eos when the tokenizer names none), eos, pad (or None).
+    bos_id: int
+    eos_id: int
+    pad_id: int | None
+    # Whether llama.cpp prepends bos when it tokenizes a prompt.
+    add_bos: bool
+    # tokenizer.chat_template, or None.
+    chat_template: str | None
+
+    @property
+    def n_ids(self) -> int:
+        return max(self.vocab.values()) + 1
+
+
+def gguf_vocab(tokenizer: Any) -> GGUFVocab:
+    """What a GGUF file stores of ``tokenizer`` (a microscale tokenizer or a
+    ``tokenizer.json`` path), checked before any weight is touched: byte-level BPE with a
+    pre-tokenizer llama.cpp implements (others are refused, naming it). With a path, the
+    special tokens (``bos_token``, ``eos_token``, ``pad_token``), ``add_bos_token`` and
+    ``chat_template`` come from ``tokenizer_config.json`` beside it (and
+    ``chat_template.jinja``) when present; ``add_bos_token`` absent, bos is added when the
+    tokenizer's post-processor template starts with it."""
+    tj, eos, file = _tokenizer_json(tokenizer)
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback") or tj.get("normalizer"):
         raise ValueError("tokenizer: GGUF export supports byte-level BPE tokenizers (model "
@@ -246,31 +337,72 @@ def _add_tokenizer(w, tokenizer, vocab_size: int) -> dict[str, Any]:
         raise ValueError(f"tokenizer decoder {(tj.get('decoder') or {}).get('type')!r}: "
                          "expected ByteLevel")
     vocab = dict(model.get("vocab") or {})
-    special = {}
+    added = {}
     for t in tj.get("added_tokens") or []:
         vocab[t["content"]] = int(t["id"])
-        special[int(t["id"])] = bool(t.get("special"))
-    n = max(vocab.values()) + 1
-    if n > vocab_size:
-        raise ValueError(f"the tokenizer has {n} ids but the model's vocab_size is {vocab_size}")
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    types = [gguf.TokenType.UNUSED] * vocab_size
-    for text, i in vocab.items():
-        tokens[i] = text
-        types[i] = gguf.TokenType.NORMAL if i not in special else (
-            gguf.TokenType.CONTROL if special[i] else gguf.TokenType.USER_DEFINED)
+        added[int(t["id"])] = bool(t.get("special"))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     pre = _pre_tokenizer(tj.get("pre_tokenizer"), bool(merges))
+    cfg: dict = {}
+    folder = where = None
+    if file is not None:
+        folder, where = file.parent, file.parent / "tokenizer_config.json"
+        if where.is_file():
+            from microscale.files import read_json
+
+            cfg = read_json(where, what="tokenizer config")
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+
+    def token_id(key: str) -> int | None:
+        text = _token_text(cfg.get(key), key, where)
+        if text is None:
+            return None
+        if text not in vocab:
+            raise ValueError(f"{where}: {key}={text!r} is not a token of {file}")
+        return vocab[text]
+
+    eos_id = token_id("eos_token")
+    eos_id = eos if eos_id is None else eos_id
+    bos_id = token_id("bos_token")
+    add_bos = cfg.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        first = _template_start(tj.get("post_processor"))
+        add_bos = first in vocab and (bos_id is None or vocab[first] == bos_id)
+        if add_bos and bos_id is None:
+            bos_id = vocab[first]
+    return GGUFVocab(vocab=vocab, added=added, merges=merges, pre=pre,
+                     bos_id=eos_id if bos_id is None else bos_id, eos_id=eos_id,
+                     pad_id=token_id("pad_token"), add_bos=add_bos,
+                     chat_template=_chat_template(cfg, folder, where) if folder else None)
+
+
+def _add_tokenizer(w, voc: GGUFVocab, vocab_size: int) -> dict[str, Any]:
+    gguf = _gguf()
+    check_vocab_fits(voc.n_ids, vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in voc.vocab.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.NORMAL if i not in voc.added else (
+            gguf.TokenType.CONTROL if voc.added[i] else gguf.TokenType.USER_DEFINED)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    w.add_tokenizer_pre(voc.pre)
     w.add_token_list(tokens)
     w.add_token_types([int(t) for t in types])
-    w.add_token_merges(merges or [_NOOP_MERGE])
-    w.add_eos_token_id(eos)
-    w.add_bos_token_id(eos)  # no BOS is ever added; llama.cpp's gpt2 default (11) would be wrong
-    w.add_add_bos_token(False)
+    w.add_token_merges(voc.merges or [_NOOP_MERGE])
+    w.add_eos_token_id(voc.eos_id)
+    # always written: llama.cpp's gpt2 default bos (11) would be wrong
+    w.add_bos_token_id(voc.bos_id)
+    if voc.pad_id is not None:
+        w.add_pad_token_id(voc.pad_id)
+    w.add_add_bos_token(voc.add_bos)
     w.add_add_eos_token(False)
-    return {"model": "gpt2", "pre": pre, "tokens": n, "merges": len(merges)}
+    if voc.chat_template is not None:
+        w.add_chat_template(voc.chat_template)
+    return {"model": "gpt2", "pre": voc.pre, "tokens": voc.n_ids, "merges": len(voc.merges),
+            "bos_id": voc.bos_id, "eos_id": voc.eos_id, "pad_id": voc.pad_id,
+            "add_bos": voc.add_bos, "chat_template": voc.chat_template is not None}
 
 
 # ---------------------------------------------------------------------- export
@@ -313,7 +445,9 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
       config: the ``ModelConfig`` (taken from a Transformer / Checkpoint when omitted).
       layer_formats: per-layer formats as :func:`~microscale.export.resolve_layers` takes
         them (default NVFP4); FP8 / MXFP8 become Q8_0, unquantized ones ``dtype``.
-      tokenizer: a microscale tokenizer or tokenizer file (required: llama.cpp needs a vocab).
+      tokenizer: a microscale tokenizer or a ``tokenizer.json`` path (required: llama.cpp
+        needs a vocab); a path brings the special tokens and chat template of the
+        ``tokenizer_config.json`` beside it (:func:`gguf_vocab`).
       dtype: unquantized tensors: "bfloat16" (default), "float16" or "float32".
       name: ``general.name`` (default: the file's stem).
       overwrite: replace an existing file.
@@ -333,6 +467,7 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         raise ValueError("GGUF export needs the model's tokenizer (llama.cpp stores the vocab "
                          "in the file); pass tokenizer=... (a run or a folder with "
                          "tokenizer.json provides it)")
+    vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
     check_params(params, cfg)
     for key, v in params.items():  # checked here: formats' amax may not see a NaN
@@ -398,7 +533,7 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
     w.add_rope_freq_base(float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tok = _add_tokenizer(w, tokenizer, cfg.vocab_size)
+    tok = _add_tokenizer(w, vocab, cfg.vocab_size)
     # Checksums (gguffile's module doc): of each tensor's bytes as they will be stored, and
     # of the header, filled in once the file is written (a fixed-width placeholder first).
     sums = crc32_many({tname: arr for tname, arr, _ in tensors})

@@ -27,7 +27,7 @@ Config: ``ModelConfig`` fields map one-to-one onto ``LlamaConfig``
 ``num_key_value_heads``, ``max_seq_len`` -> ``max_position_embeddings``, ``norm_eps`` ->
 ``rms_norm_eps``, ``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``). HF
 features microscale's model does not have (attention/MLP biases, RoPE scaling such as
-Llama 3's ``rope_type: "llama3"``, an activation other than SiLU, a ``head_dim`` other
+Llama 3's ``rope_type: "llama3"``, interleaved RoPE, an activation other than SiLU, a ``head_dim`` other
 than ``hidden_size / num_attention_heads``) are rejected with the field named rather
 than silently ignored.
 """
@@ -250,6 +250,9 @@ def model_config_from_hf(d: dict[str, Any], *, param_dtype: str = "float32",
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
             raise ValueError(f"config.json: {key}=true: microscale's Llama has no biases")
+    if d.get("rope_interleaved"):
+        raise ValueError("config.json: rope_interleaved=true: microscale's RoPE rotates "
+                         "halves (i with i + head_dim/2), not interleaved pairs")
     rope = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling")
     theta = d.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict)

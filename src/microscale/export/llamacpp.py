@@ -123,10 +123,10 @@ class _LibLlama:
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
         b = text.encode("utf-8")
         buf = (ctypes.c_int32 * (len(b) + 8))()
-        n = self.lib.llama_tokenize(self.vocab, b, len(b), buf, len(buf), False, False)
+        n = self.lib.llama_tokenize(self.vocab, b, len(b), buf, len(buf), False, special)
         if n < 0:
             raise RuntimeError(f"llama_tokenize needs {-n} slots")
         return list(buf[:n])
@@ -209,11 +209,13 @@ class LlamaCpp:
         dt = time.perf_counter() - t0
         return out, (n - 1) / dt if n > 1 and dt > 0 else float("nan")
 
-    def tokenize(self, text: str) -> list[int]:
-        """llama.cpp's tokenization of ``text`` (no BOS, special tokens as text)."""
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """llama.cpp's tokenization of ``text`` (no BOS); special tokens' text is parsed as
+        those tokens with ``special``, as plain text without."""
         if self.backend == "llama_cpp":
-            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
-        return self._llm.tokenize(text)
+            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False,
+                                           special=special))
+        return self._llm.tokenize(text, special)
 
     def close(self) -> None:
         close = getattr(self._llm, "close", None)

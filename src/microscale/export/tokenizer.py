@@ -6,20 +6,26 @@ equivalent byte-level BPE without merges: the GPT-2 byte-to-unicode alphabet map
 ``b`` to one character whose vocabulary id is ``b``, ``<|eos|>`` is the special id 256,
 and the ByteLevel decoder turns characters back into bytes. It encodes every string to
 exactly the ids ``ByteTokenizer`` gives. A BPE tokenizer is already an HF
-``tokenizer.json`` and is copied.
+``tokenizer.json`` and is copied. Given the path of a ``tokenizer.json`` (an imported
+model's, a run's), the files beside it that describe its special tokens and chat
+(:data:`TOKENIZER_FILES`) are copied byte for byte instead of being made up.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from microscale.data import BPETokenizer, ByteTokenizer, load_tokenizer
 from microscale.files import atomic_write_json, atomic_write_text
 
-__all__ = ["byte_tokenizer_hf", "write_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "byte_tokenizer_hf", "write_tokenizer"]
 
 EOS_TOKEN = "<|eos|>"
+# An HF tokenizer's files (tokenizer.json first): they travel together, byte for byte.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -51,10 +57,18 @@ def byte_tokenizer_hf():
 
 def write_tokenizer(tokenizer, out_dir: str | os.PathLike, *, max_len: int) -> list[str]:
     """Write ``tokenizer.json`` + ``tokenizer_config.json`` for ``tokenizer`` (a microscale
-    tokenizer object or a tokenizer file path) into ``out_dir``; returns the file names."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
+    tokenizer object or a tokenizer file path) into ``out_dir``; returns the file names.
+    A path with a ``tokenizer_config.json`` beside it: the HF files there are copied."""
     out = Path(out_dir)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        src = Path(tokenizer)
+        tokenizer = load_tokenizer(src)
+        if isinstance(tokenizer, BPETokenizer) and (src.parent / TOKENIZER_FILES[1]).is_file():
+            files = [(src, TOKENIZER_FILES[0])] + [
+                (src.parent / n, n) for n in TOKENIZER_FILES[1:] if (src.parent / n).is_file()]
+            for path, name in files:
+                shutil.copyfile(path, out / name)
+            return [name for _, name in files]
     if isinstance(tokenizer, ByteTokenizer):
         text, eos = byte_tokenizer_hf().to_str(), EOS_TOKEN
     elif isinstance(tokenizer, BPETokenizer):

@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 
 from microscale import __version__
-from microscale.data import load_tokenizer
+from microscale.data import check_vocab_fits, load_tokenizer
 from microscale.export import layouts as L
 from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_paths
 from microscale.export.params import check_params, flat_params
@@ -255,11 +255,11 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
     check_export_out(out, overwrite=overwrite)
     params, cfg, ck_layers, ck_scales = _source(model, config)
     check_params(params, cfg)
+    tok_file = None  # a tokenizer.json path brings the HF files beside it (write_tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's "
-                         f"vocab_size is {cfg.vocab_size}")
+        tok_file, tokenizer = tokenizer, load_tokenizer(tokenizer)
+    if tokenizer is not None:
+        check_vocab_fits(tokenizer.vocab_size, cfg.vocab_size)
     if activations is None:
         activations = input_amax is not None
     if ck_layers is not None and layer_formats is None and input_amax is None:
@@ -316,10 +316,11 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         atomic_write_json(tmp / "config.json", cfg_json)
         files.append("config.json")
         if tokenizer is not None:
-            files += write_tokenizer(tokenizer, tmp, max_len=cfg.max_seq_len)
-            gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
-            atomic_write_json(tmp / "generation_config.json", gen)
-            files.append("generation_config.json")
+            files += write_tokenizer(tok_file or tokenizer, tmp, max_len=cfg.max_seq_len)
+            if "generation_config.json" not in files:
+                gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
+                atomic_write_json(tmp / "generation_config.json", gen)
+                files.append("generation_config.json")
         marker = {"producer": "microscale", "version": __version__, "layout": layout,
                   "layers": {p: lq.to_dict() for p, lq in layers.items()}}
         atomic_write_json(tmp / _MARKER, marker)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from microscale.data import load_corpus, val_batches
+from microscale.data import check_vocab_fits, load_corpus, val_batches
 
 __all__ = ["eval_batches"]
 
@@ -26,9 +26,8 @@ def eval_batches(source: str, tokenizer, *, seq_len: int, batch_size: int, max_b
                          "(tokenizer.json); pass a pre-tokenized .bin corpus instead")
     corpus = load_corpus(source, tokenizer=tokenizer, val_fraction=val_fraction)
     tokens = corpus.val if split == "val" else corpus.train
-    if vocab_size is not None and corpus.vocab_size > vocab_size:
-        raise ValueError(f"data {source!r} has {corpus.vocab_size} token ids but the model's "
-                         f"vocabulary has {vocab_size}")
+    if vocab_size is not None:
+        check_vocab_fits(corpus.vocab_size, vocab_size, what=f"data {source!r}")
     batches = val_batches(np.asarray(tokens), batch_size, seq_len, max_batches)
     if batches.shape[0] == 0:
         raise ValueError(

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from microscale.data import check_vocab_fits
 from microscale.export.hf import linear_paths
 from microscale.export.layouts import (
     LayerFormats,
@@ -123,6 +124,9 @@ class InferenceModel:
         self.weights = weights
         self.config = config
         self.layers = dict(layers)
+        if tokenizer is not None:
+            check_vocab_fits(tokenizer.vocab_size, config.vocab_size,
+                             what=f"the tokenizer of {source or 'the model'}")
         self.tokenizer = tokenizer
         self.compute_dtype = jnp.dtype(compute_dtype or config.compute_dtype)
         self.source = source
@@ -380,9 +384,10 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
                step: int | None = None) -> InferenceModel:
     """An :class:`InferenceModel` from an exported HF-style folder or a training run folder.
 
-    ``formats`` quantizes a run's float weights in memory (an exported folder's layers are
-    already fixed, so it is refused there). ``activations``: W4A4 emulation (default: as
-    the checkpoint declares). ``step``: the run's checkpoint step (default: latest).
+    ``formats`` quantizes float weights in memory (a run's, or a plain HF folder's; a
+    quantized export's layers are already fixed, so it is refused there). ``activations``:
+    W4A4 emulation (default: as the checkpoint declares). ``step``: the run's checkpoint
+    step (default: latest).
     """
     from microscale.files import check_input_dir
 
@@ -399,10 +404,17 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
                                           activations=bool(activations), tokenizer=tok,
                                           compute_dtype=compute_dtype, source=str(p))
     if (p / "config.json").is_file():
-        if formats is not None:
-            raise ValueError(f"{str(p)!r} is an exported model whose layers are already "
-                             "stored in their formats; formats= applies to training runs")
-        return InferenceModel.from_checkpoint(p, activations=activations,
-                                              compute_dtype=compute_dtype)
+        if formats is None:
+            return InferenceModel.from_checkpoint(p, activations=activations,
+                                                  compute_dtype=compute_dtype)
+        ck = read_checkpoint(p)
+        if ck.layout != "hf":
+            raise ValueError(f"{str(p)!r} is a {ck.layout} export whose layers are already "
+                             "stored in their formats; formats= applies to float weights (a "
+                             "training run or a plain HF folder)")
+        return InferenceModel.from_params(ck.params, ck.config, formats=formats,
+                                          activations=bool(activations),
+                                          tokenizer=ck.tokenizer(),
+                                          compute_dtype=compute_dtype, source=str(p))
     raise FileNotFoundError(f"{str(p)!r} is neither an exported model folder (config.json) "
                             "nor a microscale training run (config.yaml + checkpoints/)")

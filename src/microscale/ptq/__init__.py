@@ -40,6 +40,7 @@ from microscale.ptq.search import (
     brute_force,
     effective_bits,
     group_layers,
+    model_bits,
     search,
 )
 from microscale.ptq.sensitivity import (
@@ -61,7 +62,7 @@ from microscale.ptq.weights import (
 __all__ = [
     "DEFAULT_FORMATS", "DEFAULT_GROUPS", "ActQuant", "Allocation", "Engine", "Problem",
     "QuantizeConfig", "QuantizeResult", "QuantizedWeight", "WeightPTQ", "allocation_rules",
-    "brute_force", "calibration_windows", "effective_bits", "four_over_six",
+    "brute_force", "calibration_windows", "effective_bits", "model_bits", "four_over_six",
     "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
     "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
     "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",

@@ -63,6 +63,7 @@ from microscale.ptq.search import (
     Problem,
     effective_bits,
     group_layers,
+    model_bits,
     search,
 )
 from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score
@@ -326,7 +327,11 @@ class QuantizeResult:
         a = self.allocation
         return {
             "budget": self.config.budget,
+            # the budget's measure: linear layers only, or the whole model with
+            # count_other_params; both are named in linear_bits / model_bits
             "effective_bits": a.effective_bits,
+            "linear_bits": self.points["searched"]["linear_bits"],
+            "model_bits": self.points["searched"]["model_bits"],
             "val_ppl": self.val_ppl,
             "layers": dict(a.formats),
             "method": self.config.method,
@@ -599,8 +604,9 @@ class _Evaluator:
               budget: float | None = None, **kw) -> dict[str, Any]:
         loss = self.loss(assignment, ptq, **kw)
         bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
-        out = {"kind": kind, "effective_bits": bits, "val_loss": loss,
-               "val_ppl": float(math.exp(loss))}
+        out = {"kind": kind, "effective_bits": bits,
+               **model_bits(assignment, self.engine.numel, self.engine.other_numel),
+               "val_loss": loss, "val_ppl": float(math.exp(loss))}
         if budget is not None:
             out["budget"] = budget
             out["layers"] = dict(assignment)

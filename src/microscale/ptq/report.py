@@ -234,6 +234,11 @@ def _ptq_name(ptq: Mapping[str, Any]) -> str:
             (False, True): "four_over_six", (True, True): "both"}[(mse, f6)]
 
 
+def _bits(d: Mapping[str, Any], key: str) -> str:
+    """``d[key]`` as bits per weight ("-" for reports written before it was recorded)."""
+    return f"{d[key]:.3f}" if key in d else "-"
+
+
 def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``report.md``: summary, points, PTQ effects and the per-layer table."""
     pts = report["points"]
@@ -244,10 +249,15 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         f"**{report['effective_bits']:.4f}** bits ({report['method']} scores, "
         f"{'W+A' if report['activations'] else 'weight-only'}, solver {report['solver']} in "
         f"{report['solve_time_s'] * 1e3:.1f} ms). Formats: {report['counts']}.", "",
+        f"Bits per weight: **{_bits(report, 'linear_bits')}** in the linear layers, "
+        f"**{_bits(report, 'model_bits')}** in the whole model (embeddings, norms and LM head "
+        "counted at 16 bits).", "",
         "## Validation perplexity", "",
-        "| allocation | effective bits | val ppl | vs bf16 |", "|---|---:|---:|---:|"]
+        "| allocation | effective bits | linear bits | model bits | val ppl | vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|"]
     for label, p in pts.items():
-        lines.append(f"| {label} | {p['effective_bits']:.3f} | {p['val_ppl']:.4f} | "
+        lines.append(f"| {label} | {p['effective_bits']:.3f} | {_bits(p, 'linear_bits')} | "
+                     f"{_bits(p, 'model_bits')} | {p['val_ppl']:.4f} | "
                      f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |")
     if "trained" in pts:
         lines += ["", "`trained`: the allocation this run trained with, rounded to nearest as "

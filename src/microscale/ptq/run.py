@@ -97,6 +97,10 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder "
                                 "(no config.yaml); expected the out= folder of a training run")
     check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
+    if layout == "gguf" and (run_dir / "tokenizer.json").is_file():
+        from microscale.export.gguf import gguf_vocab
+
+        gguf_vocab(run_dir / "tokenizer.json")  # a tokenizer llama.cpp cannot run: refused now
     with lock_folder(out_dir):
         return _quantize_run(run_dir, out_dir, cfg, corpus=corpus, step=step,
                              eval_batches=eval_batches, layout=layout, log=log)
@@ -104,7 +108,7 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches,
                   layout, log) -> QuantizeResult:
-    from microscale.data import load_data
+    from microscale.data import check_vocab_fits, load_data
     from microscale.ptq.report import write_outputs
     from microscale.train import load_checkpoint
 
@@ -115,6 +119,9 @@ def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, 
     if eval_batches is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
     data = load_data(data_cfg)
+    check_vocab_fits(data.vocab_size, train_cfg.model.vocab_size,
+                     what=f"the tokenizer of {run_dir}" if data.tokenizer else
+                     f"corpus {data_cfg.corpus!r}")
     evals = data.val_batches("val")
     rows, seq = evals.shape[1], evals.shape[2] - 1
     val_tokens = data.eval_sets()["val"]
@@ -133,6 +140,8 @@ def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, 
     source.update(run_dir=str(run_dir), step=meta.get("step"), seed=cfg.seed)
     result = quantize_model(model, calib, evals, cfg, calibration=source,
                             trained=trained_allocation(run_dir, train_cfg), log=log)
-    write_outputs(result, out_dir, model_config=train_cfg.model, tokenizer=data.tokenizer,
+    tok_file = run_dir / "tokenizer.json"  # with its tokenizer_config.json, if any
+    write_outputs(result, out_dir, model_config=train_cfg.model,
+                  tokenizer=tok_file if tok_file.is_file() else data.tokenizer,
                   layout=layout, log=log)
     return result

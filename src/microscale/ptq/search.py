@@ -47,6 +47,7 @@ import numpy as np
 from microscale.formats import get_format
 
 __all__ = ["DEFAULT_GROUPS", "Allocation", "Problem", "brute_force", "effective_bits",
+           "model_bits",
            "group_layers", "search"]
 
 # (regex fully matching a layer path, group-name template): q/k/v and gate/up of one block
@@ -91,6 +92,16 @@ def effective_bits(assignment: Mapping[str, str], numel: Mapping[str, int], *,
     if total <= 0:
         raise ValueError("effective_bits: no weight elements (empty assignment)")
     return float(bits / total)
+
+
+def model_bits(assignment: Mapping[str, str], numel: Mapping[str, int], other_numel: int,
+               *, other_bits: float = 16.0) -> dict[str, float]:
+    """Both averages a report names: ``linear_bits``, the stored bits per weight of the
+    linear layers of ``assignment``, and ``model_bits``, of the whole model, whose other
+    ``other_numel`` parameters (embeddings, norms, LM head) are stored at ``other_bits``."""
+    return {"linear_bits": effective_bits(assignment, numel),
+            "model_bits": effective_bits(assignment, numel, extra_numel=other_numel,
+                                         extra_bits=other_bits)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from microscale.config import ConfigError, apply_overrides, load_yaml, to_yaml
+from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides, to_yaml
 from microscale.data import DataConfig
 from microscale.model import BF16_LAYOUTS, ModelConfig, PrecisionRules, rules_for_training
 from microscale.ops import get_recipe
@@ -431,6 +431,9 @@ def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
                    overrides: Sequence[str] | dict = ()) -> TrainConfig:
     """A preset name or YAML path (or a TrainConfig), then ``key=value`` overrides.
 
+    With ``init_from``, the model and tokenizer are the source's (overrides that contradict
+    it are refused; :func:`microscale.train.init.adopt_source_model`).
+
     Raises :class:`~microscale.config.ConfigError` naming the bad key/value or preset.
     """
     if isinstance(config, TrainConfig):
@@ -445,4 +448,14 @@ def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
                 cfg = TrainConfig.preset(text)
             except ValueError as e:
                 raise ConfigError(f"{e} (or the path of a YAML config file)") from None
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    if cfg.init_from is None:
+        return cfg
+    from microscale.train.init import adopt_source_model
+
+    items = list(overrides) if isinstance(overrides, dict) else [
+        k for k, _ in parse_overrides(overrides)]
+    try:
+        return adopt_source_model(cfg, {TrainConfig._aliases.get(k, k) for k in items})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None

@@ -14,9 +14,17 @@ step counter, the learning-rate schedule and the data position start fresh (unli
   ModelOpt), read by :func:`microscale.export.read_checkpoint` (packed weights are
   dequantized).
 
-The weights are checked against the run's model config before anything trains: every
-missing, unexpected or differently shaped parameter is named in one error, with the
-source's model shape when it is known.
+The weights are checked against the run's model config before anything trains: the
+error counts every missing, unexpected or differently shaped parameter and names the
+first few, with the source's model shape when it is known.
+
+On the command line (:func:`adopt_source_model`, called by ``resolve_config``) the model
+is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's (and a
+quantize output's packed ``checkpoint/``) from its ``config.json`` (every shape, ``rope_theta``, ``rms_norm_eps``, tied embeddings, the
+vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
+that contradicts the source is refused naming the key and both values; settings that
+do not define the model (``remat``, chunks, dtypes, a shorter ``max_seq_len``) may be
+overridden.
 """
 
 from __future__ import annotations
@@ -30,14 +38,25 @@ from typing import Any
 
 import numpy as np
 
-from microscale.files import check_input_dir
+from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
 
-__all__ = ["InitSource", "check_init_shapes", "load_init_weights"]
+__all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
+           "source_model"]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                  "tie_embeddings")
+# Fields that define the source model beyond its shapes: an override may not change them.
+_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "norm_eps")
+# config.json's names of those fields (and of max_seq_len), for messages.
+_HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size",
+             "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
+             "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+             "norm_eps": "rms_norm_eps", "max_seq_len": "max_position_embeddings"}
+# Mismatches named in check_init_shapes' error (the rest are counted).
+_SHOWN = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +175,8 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
 
 def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],
                       source: InitSource, model: ModelConfig) -> None:
-    """Raise one ``ValueError`` naming every missing, unexpected or mis-shaped parameter."""
+    """Raise one ``ValueError`` counting every missing, unexpected or mis-shaped parameter:
+    the source's differing model fields first (the cause), then the first few parameters."""
     problems = []
     for name, shape in expected.items():
         if name not in weights:
@@ -173,6 +193,77 @@ def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[i
         diff = [f"model.{f}={getattr(source.model, f)} (config: {getattr(model, f)})"
                 for f in _SHAPE_FIELDS if getattr(source.model, f) != getattr(model, f)]
         if diff:
-            hint = "; the source has " + ", ".join(diff)
-    raise ValueError(f"init_from={source.path!r} does not fit the model config: "
-                     f"{len(problems)} mismatch(es): " + "; ".join(problems) + hint)
+            hint = "the source has " + ", ".join(diff) + "; "
+    more = len(problems) - _SHOWN
+    raise ValueError(f"init_from={source.path!r} does not fit the model config: {hint}"
+                     f"{len(problems)} mismatch(es): " + "; ".join(problems[:_SHOWN])
+                     + (f"; and {more} more" if more > 0 else ""))
+
+
+# ---------------------------------------------------------------------- the source's model
+
+def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, str] | None:
+    """``(model config, tokenizer file or None, where the config was read)`` of an
+    ``init_from`` source, read without loading weights: a run folder's ``config.yaml``,
+    an HF folder's ``config.json``, a quantize output's ``checkpoint/config.json`` (or,
+    in microscale's layout, its source run's). None for anything else (a path that is not
+    a model folder: :func:`load_init_weights` says what is wrong)."""
+    path = Path(source).expanduser()
+    if _is_quantize_output(path):
+        report = read_json(path / "report.json", what="quantize report")
+        calib = report.get("calibration") if isinstance(report, dict) else None
+        run = calib.get("run_dir") if isinstance(calib, dict) else None
+        path = path / "checkpoint" if (path / "checkpoint" / "config.json").is_file() \
+            else Path(run or path)
+    if not path.is_dir():
+        return None
+    tok = path / "tokenizer.json"
+    tok = tok if tok.is_file() else None
+    if _is_run(path):
+        from microscale.config import load_yaml
+        from microscale.train.config import TrainConfig
+
+        return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
+    if (path / "config.json").is_file() and not _is_quantize_output(path):
+        from microscale.export.hf import model_config_from_hf
+
+        where = str(path / "config.json")
+        try:
+            model = model_config_from_hf(read_json(where, what="config.json"))
+        except ValueError as e:
+            raise ValueError(f"init_from={str(source)!r}: {e}") from None
+        return model, tok, where
+    return None
+
+
+def adopt_source_model(cfg, overridden: set[str]):
+    """``cfg`` (a TrainConfig with ``init_from``) with the source's model and tokenizer
+    (see the module doc). ``overridden``: the dotted keys the user set explicitly
+    (``model.d_ff``, ``data.tokenizer``; ``model`` for a whole preset)."""
+    found = source_model(cfg.init_from) if cfg.init_from is not None else None
+    if found is None:
+        return cfg
+    src, tok, where = found
+    hf = where.endswith("config.json")
+    keys = {f.name for f in dataclasses.fields(ModelConfig)} if "model" in overridden else {
+        k.removeprefix("model.") for k in overridden if k.startswith("model.")}
+    for f in sorted(keys):
+        mine, theirs = getattr(cfg.model, f), getattr(src, f)
+        if (f in _MODEL_FIELDS and mine != theirs) or (f == "max_seq_len" and mine > theirs):
+            name = _HF_NAMES[f] if hf else f"model.{f}"
+            raise ValueError(f"model.{f}={mine} contradicts init_from={cfg.init_from!r}: "
+                             f"{where} has {name}={theirs} (the model is taken from "
+                             "init_from; drop the override)")
+    # The source's model; how it runs (remat, chunks, dtypes) stays the config's.
+    model = cfg.model.replace(**{f: getattr(src, f) for f in (
+        *_MODEL_FIELDS, "max_seq_len", "dim_multiple") if f not in keys})
+    data = cfg.data
+    if "data.tokenizer" not in overridden:
+        if tok is None and hf:  # the preset's byte tokenizer would fit and be wrong
+            raise ValueError(f"init_from={cfg.init_from!r} has no tokenizer.json; name the "
+                             "model's own tokenizer with data.tokenizer=PATH")
+        if tok is not None:
+            data = dataclasses.replace(data, tokenizer=str(tok.absolute()))
+    if "data.seq_len" not in overridden and data.seq_len > model.max_seq_len:
+        data = dataclasses.replace(data, seq_len=model.max_seq_len)
+    return dataclasses.replace(cfg, model=model, data=data)

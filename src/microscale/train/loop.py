@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale import __version__
 from microscale.config import dump_yaml, load_yaml, to_dict
-from microscale.data import load_data
+from microscale.data import check_vocab_fits, load_data
 from microscale.files import atomic_write_json, check_output_dir, lock_folder, read_json
 from microscale.integrity import CorruptDataError
 from microscale.model import (
@@ -396,10 +396,9 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
 
     # ---- data
     data = load_data(cfg.data)
-    if data.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {data.vocab_size} ids but model.vocab_size="
-                         f"{cfg.model.vocab_size}; set model.vocab_size={data.vocab_size} "
-                         "(or more)")
+    check_vocab_fits(data.vocab_size, cfg.model.vocab_size,
+                     what=f"data.tokenizer={cfg.data.tokenizer!r}" if data.tokenizer else
+                     f"data.corpus={cfg.data.corpus!r}")
     pi, pc = jax.process_index(), jax.process_count()
     batcher = data.train_batcher(process_index=pi, process_count=pc)
     if main and data.tokenizer is not None:
