@@ -102,3 +102,32 @@ def test_remat_adds_a_forward():
     remat = dataclasses.replace(cfg, model=cfg.model.replace(remat=True))
     assert recipe_step_time(remat, mesh, B200, "bf16")["terms"]["gemm"] == pytest.approx(
         plain * 4 / 3, rel=1e-3)
+
+
+@pytest.mark.parametrize("preset,mesh", [
+    ("llama-8b", {"data": 1, "fsdp": 8, "tensor": 1}),
+    ("llama-70b", {"data": 1, "fsdp": 8, "tensor": 8}),
+    ("llama-1b", {"data": 2, "fsdp": 2, "tensor": 2}),
+])
+@pytest.mark.parametrize("gb", [20, 80, 141])
+def test_largest_microbatch_is_the_edge_of_the_fit(preset, mesh, gb):
+    """The largest microbatch fits, one more sequence per device does not; None when not
+    even one fits (the state alone can exceed a small device)."""
+    from microscale.plan import largest_microbatch, shape_memory
+    from microscale.plan.run import abstract_model
+
+    cfg = TrainConfig.preset(preset)
+    model = abstract_model(cfg.model)
+    dp = mesh["data"] * mesh["fsdp"]
+
+    def peak(seqs):
+        data = dataclasses.replace(cfg.data, batch_size=seqs * dp * cfg.data.grad_accum)
+        return shape_memory(dataclasses.replace(cfg, data=data), mesh, model)["bytes"]["total"]
+
+    big = largest_microbatch(cfg, mesh, gb * 1e9, model)
+    if big is None:
+        assert peak(1) > gb * 1e9
+        return
+    s = big["sequences_per_device"]
+    assert peak(s) == big["peak"] <= gb * 1e9 < peak(s + 1)
+    assert big["tokens_per_device"] == s * cfg.data.seq_len

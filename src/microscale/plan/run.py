@@ -42,7 +42,7 @@ from typing import Any
 from microscale.files import atomic_write_json, atomic_write_text, check_output_dir
 from microscale.plan.hardware import Accelerator, get_accelerator
 
-__all__ = ["check_config", "plan", "shape_memory"]
+__all__ = ["check_config", "largest_microbatch", "plan", "shape_memory"]
 
 GB = 1e9
 
@@ -135,6 +135,30 @@ def shape_memory(cfg, mesh: dict[str, int], model=None) -> dict[str, Any]:
     return {"bytes": mem, "replicated": [str(r) for r in replicated]}
 
 
+def largest_microbatch(cfg, mesh: dict[str, int], capacity: float, model=None,
+                       limit: int = 1 << 16) -> dict[str, Any] | None:
+    """The most sequences of ``data.seq_len`` tokens per data-parallel device in one
+    microbatch whose shape-count peak (`shape_memory`, remat and chunks as configured)
+    fits ``capacity`` bytes, with that peak; None when one sequence does not fit. The
+    global batch is that microbatch times ``data.grad_accum``."""
+    dp = mesh["data"] * mesh["fsdp"]
+
+    def peak(seqs: int) -> float:
+        data = dataclasses.replace(cfg.data, batch_size=seqs * dp * cfg.data.grad_accum)
+        return shape_memory(dataclasses.replace(cfg, data=data), mesh, model)["bytes"]["total"]
+
+    if peak(1) > capacity:
+        return None
+    lo, hi = 1, 2
+    while hi <= limit and peak(hi) <= capacity:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # peak(lo) fits, peak(hi) does not (or hi is past the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= capacity else (lo, mid)
+    return {"sequences_per_device": lo, "tokens_per_device": lo * cfg.data.seq_len,
+            "peak": peak(lo)}
+
+
 def remat_table(cfg, mesh: dict[str, int], model=None) -> dict[str, dict[str, float]]:
     """Per remat policy (``model.remat``): the activation estimate per device (bytes, from
     the shapes) and the matmul FLOPs per device the policy recomputes (``plan.comm``)."""
@@ -201,7 +225,10 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
     peak = res["shapes"]["bytes"]["total"]
     res["fit"] = {"bytes": peak, "basis": "shapes", "capacity": acc.hbm_bytes,
                   "fits": peak <= acc.hbm_bytes,
-                  "compiled_bytes": comp["memory"]["peak"] if "memory" in comp else None}
+                  "compiled_bytes": comp["memory"]["peak"] if "memory" in comp else None,
+                  "sequences_per_device": (cfg.data.batch_size // cfg.data.grad_accum
+                                           // (mesh["data"] * mesh["fsdp"])),
+                  "largest": largest_microbatch(cfg, mesh, acc.hbm_bytes, model)}
     comm = None
     if "collectives" in comp:
         comm = sum(c["bytes"] for c in comp["collectives"].values())
@@ -249,6 +276,12 @@ def report_markdown(res: dict[str, Any]) -> str:
                                        f"; XLA:CPU's buffer assignment needs "
                                        f"{_gb(fit['compiled_bytes'])} GB (CPU scheduling, not "
                                        "a GPU measurement)."), ""]
+    big = fit.get("largest")
+    lines += [f"Microbatch per data-parallel device: {fit['sequences_per_device']} x "
+              f"{res['batch']['seq_len']} tokens; the largest that fits (from the shapes): "
+              + ("none, not even one sequence." if big is None else
+                 f"**{big['sequences_per_device']} x {res['batch']['seq_len']}** "
+                 f"({big['tokens_per_device']:,} tokens, peak {_gb(big['peak'])} GB)."), ""]
     if comp.get("error"):
         lines += [f"Compilation failed ({comp.get('phase')}): `{comp['error'][:600]}`", ""]
     elif comp:
