@@ -16,8 +16,11 @@ Default mapping (`logical_to_mesh_rules`):
 * ``batch`` -> ``("data", "fsdp")``: the batch is split over both data axes.
 * ``norm``, ``length``, ``head_dim`` -> replicated.
 * Activations, MaxText-style, by their own names in the same table: ``act_batch`` ->
-  ``("data", "fsdp")``, ``act_length`` and ``act_embed`` -> replicated (the residual stream
-  is whole on each device: no sequence parallelism), ``act_heads``, ``act_kv_heads``,
+  ``("data", "fsdp")``, ``act_residual_length`` (the residual stream's sequence axis) ->
+  ``tensor`` (Megatron's sequence parallelism: norms, residual adds and remat's saved
+  block inputs are split along the sequence over the tensor ranks, and each activation
+  all-reduce becomes a reduce-scatter plus an all-gather), ``act_length`` (inside
+  attention and the MLP) and ``act_embed`` -> replicated, ``act_heads``, ``act_kv_heads``,
   ``act_mlp``, ``act_vocab`` -> ``tensor``. `constrain` pins an activation under
   `activation_sharding` (the train and eval steps enter it with their mesh), at block
   boundaries and inside attention and the MLP. Without them the partitioner kept

@@ -23,7 +23,9 @@ One training step on one device is a sum of terms, each at the accelerator's pea
   split over ``tensor``.
 * **lm_head** -- ``6 * d * V`` FLOPs per token in BF16 (plus the embedding's gradient).
 * **elementwise** -- norms, SwiGLU, RoPE, residual adds (about ``40 d + 6 d_ff`` bytes
-  per token and layer forward, backward twice that, once more with remat) and the float32
+  per token and layer forward, backward twice that, once more with remat; the ``d`` part
+  split over ``tensor`` by sequence parallelism, the ``d_ff`` part by the MLP's columns)
+  and the float32
   logits' softmax cross-entropy (``12 V`` bytes per token), at HBM bandwidth.
 * **optimizer** -- AdamW on the device's float32 shard: 28 bytes per parameter (read
   p, g, m, v; write p, m, v) plus 8 bytes per microbatch for the float32 gradient sum.
@@ -179,7 +181,8 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
     terms["attention"] = attn / bf16
     head = 6.0 * d * v * tokens / tp
     terms["lm_head"] = head / bf16
-    per_layer = (40 * d + 6 * f / tp) * (3 + refwd)  # bytes per token: fwd, 2x bwd, remat
+    sp = tp if t_seq % tp == 0 else 1  # sequence parallelism splits the residual's work
+    per_layer = (40 * d / sp + 6 * f / tp) * (3 + refwd)  # per token: fwd, 2x bwd, remat
     terms["elementwise"] = (L * per_layer + 12 * v / tp) * tokens / acc.hbm_bw
     local_params = sum(lin.k_full * lin.n_full for lin in linears) / (dp * tp)
     local_params += (v * d * (1 if model.tie_embeddings else 2)) / (dp * tp)
