@@ -212,3 +212,24 @@ def test_llama_cpp_tokenizes_like_tokenizers(tmp_path, params, kind):
         assert np.all(np.asarray(want) < CFG.vocab_size)
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llama_cpp_available() is None,
+                    reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")
+def test_llama_cpp_ends_generation_at_the_models_own_end_of_turn(tmp_path, params):
+    """llama.cpp reads the exported file's end-of-turn token as end-of-generation (not the
+    end-of-document token 0), its chat template is tokenizer_config.json's, and
+    ``greedy(stop_at_eog=True)`` stops after such a token."""
+    d = _folder(tmp_path, "smollm", INSTRUCT)
+    write_gguf(params, tmp_path / "m.gguf", config=CFG, layer_formats="bf16",
+               tokenizer=d / "tokenizer.json")
+    llm = LlamaCpp(tmp_path / "m.gguf", n_ctx=64)
+    try:
+        assert llm.is_eog(2) and not llm.is_eog(5)
+        assert llm.chat_template() == TEMPLATE
+        out, _ = llm.greedy([3, 4, 5], 40, stop_at_eog=True)
+        assert all(not llm.is_eog(t) for t in out[:-1])
+        assert len(out) == 40 or llm.is_eog(out[-1])
+    finally:
+        llm.close()

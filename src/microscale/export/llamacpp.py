@@ -76,6 +76,8 @@ class _LibLlama:
                 ("llama_tokenize", c.c_int32, [P, c.c_char_p, c.c_int32,
                                                c.POINTER(c.c_int32), c.c_int32, c.c_bool,
                                                c.c_bool]),
+                ("llama_vocab_is_eog", c.c_bool, [P, c.c_int32]),
+                ("llama_model_chat_template", c.c_char_p, [P, c.c_char_p]),
                 ("llama_get_memory", P, [P]),
                 ("llama_memory_clear", None, [P, c.c_bool]),
                 ("llama_free", None, [P]), ("llama_model_free", None, [P])):
@@ -130,6 +132,13 @@ class _LibLlama:
         if n < 0:
             raise RuntimeError(f"llama_tokenize needs {-n} slots")
         return list(buf[:n])
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, int(token)))
+
+    def chat_template(self) -> str | None:
+        t = self.lib.llama_model_chat_template(self.model, None)
+        return None if t is None else t.decode("utf-8")
 
     def close(self) -> None:
         if self.ctx:
@@ -195,19 +204,39 @@ class LlamaCpp:
         self._reset()
         return self._decode(tokens, 0, True)
 
-    def greedy(self, tokens: Sequence[int], n: int) -> tuple[list[int], float]:
+    def greedy(self, tokens: Sequence[int], n: int, *,
+               stop_at_eog: bool = False) -> tuple[list[int], float]:
         """``n`` greedily generated tokens after ``tokens``, and the decode rate in tokens/s
-        (the ``n - 1`` single-token steps after the prompt, prefill excluded)."""
+        (the ``n - 1`` single-token steps after the prompt, prefill excluded). With
+        ``stop_at_eog``, generation ends after the first token llama.cpp's vocabulary calls
+        end-of-generation (its eos, eot or another end token), as llama.cpp's own tools do."""
         self._reset()
         last = self._decode(tokens, 0, False)[-1]
         out, pos = [int(np.argmax(last))], len(tokens)
         t0 = time.perf_counter()
         for _ in range(n - 1):
+            if stop_at_eog and self.is_eog(out[-1]):
+                break
             last = self._decode(out[-1:], pos, False)[-1]
             pos += 1
             out.append(int(np.argmax(last)))
         dt = time.perf_counter() - t0
-        return out, (n - 1) / dt if n > 1 and dt > 0 else float("nan")
+        steps = len(out) - 1
+        return out, steps / dt if steps > 0 and dt > 0 else float("nan")
+
+    def is_eog(self, token: int) -> bool:
+        """Whether llama.cpp's vocabulary ends generation at ``token`` (eos, eot, ...)."""
+        if self.backend == "llama_cpp":
+            import llama_cpp
+
+            return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, int(token)))
+        return self._llm.is_eog(token)
+
+    def chat_template(self) -> str | None:
+        """The file's default chat template as llama.cpp reads it (None: the file has none)."""
+        if self.backend == "llama_cpp":
+            return self._llm.metadata.get("tokenizer.chat_template")
+        return self._llm.chat_template()
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """llama.cpp's tokenization of ``text`` (no BOS); special tokens' text is parsed as
