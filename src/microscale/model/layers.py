@@ -40,8 +40,13 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
 
-from microscale.model.rules import RecipeLike, recipe_name
-from microscale.ops import get_recipe, make_dot_general, quantized_dot_general
+from microscale.ops import (
+    RecipeLike,
+    get_recipe,
+    make_dot_general,
+    quantized_dot_general,
+    recipe_name,
+)
 
 __all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned",
            "rope_tables"]

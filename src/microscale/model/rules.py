@@ -71,7 +71,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from microscale.files import atomic_write_text, read_json
-from microscale.ops import OperandSpec, Recipe, get_recipe, make_dot_general
+from microscale.model.layers import QLinear
+from microscale.ops import (
+    OperandSpec,
+    Recipe,
+    RecipeLike,
+    get_recipe,
+    make_dot_general,
+    recipe_name,
+)
 
 __all__ = [
     "BF16_LAYOUTS",
@@ -90,7 +98,6 @@ __all__ = [
     "rules_for_training",
 ]
 
-RecipeLike = str | Recipe
 
 # Named (bf16_first, bf16_last) layouts of the blocks kept in high precision.
 BF16_LAYOUTS: dict[str, tuple[int, int]] = {
@@ -101,13 +108,6 @@ BF16_LAYOUTS: dict[str, tuple[int, int]] = {
 # Flax layer types whose matmul apply_rules can redirect, by attribute it replaces.
 _FLAX_DOT_GENERAL = (nnx.Linear, nnx.LinearGeneral)
 _FLAX_EINSUM = (nnx.Einsum,)
-
-
-def recipe_name(recipe: RecipeLike | None) -> str | None:
-    """The display name of a recipe (a name string passes through)."""
-    if recipe is None or isinstance(recipe, str):
-        return recipe
-    return recipe.name
 
 
 def _check_recipe(where: str, recipe: Any) -> RecipeLike:
@@ -279,8 +279,6 @@ def path_id(path: str) -> int:
 
 
 def _is_linear(node: Any) -> bool:
-    from microscale.model.layers import QLinear
-
     return isinstance(node, (QLinear, *_FLAX_DOT_GENERAL, *_FLAX_EINSUM))
 
 
@@ -300,8 +298,6 @@ def assignments(model: Any, rules: PrecisionRules | None = None) -> dict[str, st
 
 
 def _current_recipe(node: Any) -> RecipeLike | None:
-    from microscale.model.layers import QLinear
-
     if isinstance(node, QLinear):
         return node.recipe
     fn = getattr(node, "einsum_op", None) if isinstance(node, _FLAX_EINSUM) else \
@@ -315,8 +311,6 @@ def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str
     Returns {path: recipe name} of the layers touched (None: left as is). ``seed`` makes
     the fixed per-layer keys of flax layers (see the module docstring).
     """
-    from microscale.model.layers import QLinear
-
     if not isinstance(rules, PrecisionRules):
         raise TypeError(f"apply_rules: rules={rules!r}: expected a PrecisionRules")
     base = jax.random.key(seed)

@@ -20,14 +20,17 @@ from microscale.ops.recipe import (
     SLOTS,
     OperandSpec,
     Recipe,
+    RecipeLike,
     get_recipe,
     list_recipes,
+    recipe_name,
 )
 
 __all__ = [
-    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "device_capability", "get_recipe",
+    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "device_capability",
+    "get_recipe",
     "init_amax_history",
     "list_recipes", "make_dot_general", "native_supported", "operand_key", "qdot",
     "quantize_operand",
-    "quantized_dot_general", "resolve_backend",
+    "quantized_dot_general", "recipe_name", "resolve_backend",
 ]

@@ -355,6 +355,16 @@ def _presets() -> dict[str, Recipe]:
 
 RECIPES: dict[str, Recipe] = _presets()
 
+# A recipe as layers and rules accept it: a preset name or a Recipe.
+RecipeLike = str | Recipe
+
+
+def recipe_name(recipe: RecipeLike | None) -> str | None:
+    """The display name of a recipe (a name string passes through)."""
+    if recipe is None or isinstance(recipe, str):
+        return recipe
+    return recipe.name
+
 
 def list_recipes() -> list[str]:
     """Names accepted by :func:`get_recipe`."""
