@@ -58,12 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from microscale.config import ConfigError, apply_overrides
     from microscale.experiments.compare import (
-        ABLATIONS,
         PRESETS,
         CompareConfig,
         find_previous,
         run_compare,
     )
+    from microscale.experiments.runs import ABLATIONS
     from microscale.experiments.scaling import ScalingConfig, run_scaling
     from microscale.train import TrainConfig
     from microscale.train.config import resolve_config

@@ -39,34 +39,10 @@ from typing import Any
 
 from microscale.config import apply_overrides, dump_yaml, to_dict
 from microscale.experiments.report import write_report
+from microscale.experiments.runs import BASELINES, RUNS
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.train import TrainConfig, TrainingAborted, train
 
-# name -> the overrides that make this run differ from the base config.
-RUNS: dict[str, dict[str, Any]] = {
-    "bf16": {"recipe": "bf16"},
-    "fp8": {"recipe": "fp8"},
-    "mxfp8": {"recipe": "mxfp8"},
-    "nvfp4": {"recipe": "nvfp4"},
-    "mxfp4": {"recipe": "mxfp4"},
-    "nvfp4_no_rht": {"recipe": "nvfp4_no_rht"},
-    "nvfp4_no_sr": {"recipe": "nvfp4_no_sr"},
-    "nvfp4_1d": {"recipe": "nvfp4_1d"},
-    "nvfp4_all_fp4": {"recipe": "nvfp4", "bf16_last": 0, "bf16_first": 0},
-    "nvfp4_fwd_only": {"recipe": "nvfp4_fwd_only"},
-    "nvfp4_late_bf16": {"recipe": "nvfp4", "late_switch.fraction": 0.18,
-                        "late_switch.mode": "full"},
-    # nvfp4 with the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
-    # the positional rule's bf16 FLOP fraction (train/adaptive.py)
-    "nvfp4_adaptive": {"recipe": "nvfp4", "bf16_policy": "sensitivity"},
-    # the control for nvfp4_adaptive's bf16 warm-up: the same warm-up, then the positional rule
-    "nvfp4_warmup": {"recipe": "nvfp4", "bf16_policy": "position_warmup"},
-}
-# Runs also read against a control run of the same set (when both are in it): the control
-# shares everything but the one choice under test.
-CONTROLS = {"nvfp4_adaptive": "nvfp4_warmup"}
-BASELINES = ("bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
-ABLATIONS = tuple(n for n in RUNS if n not in BASELINES)
 # Fields a run is allowed to change; everything else must match across runs.
 PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch", "bf16_policy",
                     "adaptive")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from microscale.config import to_dict
 from microscale.experiments import stats
+from microscale.experiments.runs import ABLATIONS, CONTROLS
 from microscale.files import atomic_write_text, save_figure
 
 if TYPE_CHECKING:
@@ -115,8 +116,6 @@ def _machine() -> dict[str, Any]:
 
 def comparison_pairs(runs: tuple[str, ...]) -> list[tuple[str, str]]:
     """(run, reference) pairs reported for a run set, in reading order."""
-    from microscale.experiments.compare import ABLATIONS, CONTROLS
-
     pairs = [(r, "bf16") for r in runs if r != "bf16" and "bf16" in runs]
     pairs += [(r, "fp8") for r in runs if r not in ("bf16", "fp8") and "fp8" in runs]
     pairs += [(r, "nvfp4") for r in runs
@@ -400,8 +399,6 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from microscale.experiments.compare import ABLATIONS
 
     plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))

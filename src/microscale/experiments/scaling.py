@@ -32,6 +32,7 @@ from typing import Any
 from microscale.config import apply_overrides
 from microscale.experiments import stats
 from microscale.experiments.compare import CompareConfig, run_compare
+from microscale.experiments.report import write_report
 from microscale.files import atomic_write_text
 
 # size name -> model overrides of the tiny shape family (4 heads, 2 kv heads, byte vocab).
@@ -115,8 +116,6 @@ def trend(points: list[tuple[float, list[float]]]) -> dict[str, Any] | None:
 
 
 def write_scaling_report(cfg: ScalingConfig) -> dict[str, Any]:
-    from microscale.experiments.report import write_report
-
     per_size = {}
     for size in cfg.sizes:
         sc = cfg.size_config(size)
