@@ -3,6 +3,7 @@ kind (run folder, `microscale quantize` output, HF Llama folder); mismatches are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -137,6 +138,12 @@ def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
                  "layers.0.mlp.down_proj.kernel", "layers.1.mlp.down_proj.kernel"):
         assert f"{name} has shape" in msg, name
     assert "layers.1.mlp.up_proj.kernel" not in msg and msg.endswith("; and 2 more")
+    # the failed run leaves no half-made folder; a folder that existed before is kept
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "y").mkdir()
+    with pytest.raises(ValueError):
+        train(dataclasses.replace(wide, out=str(tmp_path / "y")), progress=False)
+    assert (tmp_path / "y").is_dir()
     # a deeper model: the new block's parameters are missing, each named
     from microscale.export.hf import param_shapes
     from microscale.train.init import check_init_shapes, load_init_weights

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -355,9 +356,30 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     # One writer per run folder (on multi-host runs, process 0 speaks for all).
     lock = lock_folder(out) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock:
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        return _train_locked(cfg, out, t_start=t_start, progress=progress,
-                             callbacks=callbacks, label=label)
+        try:
+            return _train_locked(cfg, out, t_start=t_start, progress=progress,
+                                 callbacks=callbacks, label=label)
+        except BaseException:
+            if created and jax.process_index() == 0:
+                _remove_unstarted(out)
+            raise
+
+
+# What a run writes before it starts logging: a folder holding only these was never a run.
+_STARTUP_FILES = frozenset({"config.yaml", "precision_rules.json", "tokenizer.json",
+                            "checkpoints"})
+
+
+def _remove_unstarted(out: Path) -> None:
+    """Remove ``out`` (created by this call) when the run failed before it logged or saved
+    anything (a bad ``init_from``, data or mesh): no half-made run folder is left behind. A
+    run that has written metrics or a checkpoint keeps its folder."""
+    names = {p.name for p in out.iterdir()}
+    ckpts = out / "checkpoints"
+    if names <= _STARTUP_FILES and not (ckpts.is_dir() and any(ckpts.iterdir())):
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool, callbacks,
