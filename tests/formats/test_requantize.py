@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from microscale.formats import block_scales_f32, dequantize, quantize, requantize
+from microscale.formats import (
+    block_scales_f32,
+    dequantize,
+    quantize,
+    requantize,
+    requantize_values,
+)
 
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -29,6 +35,9 @@ def test_own_scales_reproduce_quantize_exactly(fmt, kw, shape):
                                   np.asarray(q.data).view(np.uint8) if q.spec.packed
                                   else np.asarray(q.data, np.float32))
     np.testing.assert_array_equal(np.asarray(dequantize(r)), np.asarray(dequantize(q)))
+    y = x * np.float32(0.83)  # other values: the unpacked path decodes the same
+    np.testing.assert_array_equal(np.asarray(requantize_values(y, q)),
+                                  np.asarray(dequantize(requantize(y, q))))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

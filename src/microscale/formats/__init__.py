@@ -20,6 +20,7 @@ from microscale.formats.quantize import (
     quantize,
     quantize_dequantize,
     requantize,
+    requantize_values,
     storage_bits,
     tensor_amax,
 )
@@ -29,6 +30,6 @@ __all__ = [
     "E2M1_VALUES", "REGISTRY", "FormatSpec", "QArray", "block_scales_f32", "dequantize",
     "e2m1_decode", "e2m1_encode", "fake_quantize", "get_format", "hadamard_matrix",
     "list_formats", "pack_nibbles", "quantize", "quantize_dequantize", "random_hadamard",
-    "requantize", "random_signs",
+    "requantize", "requantize_values", "random_signs",
     "storage_bits", "tensor_amax", "unpack_nibbles",
 ]

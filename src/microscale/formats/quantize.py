@@ -406,6 +406,39 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
     return out.astype(dtype), gs
 
 
+def _requantize_scaled(x, q: QArray):
+    """``x`` padded and divided by ``q``'s scales: (``y`` blockified float32, padded shape)."""
+    blocks, spec = q.block_shape, q.spec
+    pads = [(0, -d % b) for d, b in zip(x.shape, blocks, strict=True)]
+    if any(p for _, p in pads):
+        x = jnp.pad(x, pads)
+    xb = _blockify(x, blocks).astype(jnp.float32)
+    if spec.scale_kind == "e8m0":
+        byte = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+        return elements.e8m0_divide(xb, _block_view(byte, blocks)), x.shape
+    sb = _block_view(block_scales_f32(q), blocks)
+    return (_e4m3_divide(xb, sb, q.global_scale) if spec.scale_kind == "e4m3"
+            else _f16_divide(xb, sb)), x.shape
+
+
+def requantize_values(x, q: QArray) -> jax.Array:
+    """``dequantize(requantize(x, q))`` as float32 without packing codes (traceable; no
+    argument checks): the rounding GPTQ's column loop runs once per column."""
+    spec, blocks = q.spec, q.block_shape
+    x = jnp.asarray(x)
+    if not spec.quantized:
+        return x.astype(spec.elem_dtype).astype(jnp.float32)
+    if blocks is None:
+        return _tensor_elements(x.astype(jnp.float32), spec, q.scales) * q.scales
+    y, padded = _requantize_scaled(x, q)
+    vb = _round_elements(y, spec, "nearest", None)
+    if spec.scale_kind == "e8m0":
+        vb = vb * _block_view(block_scales_f32(q), blocks)
+    else:
+        vb = vb * _block_view(block_scales_f32(q), blocks)
+    return _scale_blocks(vb, q.global_scale, padded, tuple(x.shape))
+
+
 def _requantize(x, q: QArray) -> QArray:
     """Quantize ``x`` with the scales of ``q`` (see :func:`requantize`)."""
     spec, blocks = q.spec, q.block_shape
@@ -415,22 +448,12 @@ def _requantize(x, q: QArray) -> QArray:
     if blocks is None:
         vals = _tensor_elements(x.astype(jnp.float32), spec, q.scales)
         return QArray(vals.astype(spec.elem_dtype), q.scales, None, spec, axis, q.shape, None)
-    pads = [(0, -d % b) for d, b in zip(x.shape, blocks, strict=True)]
-    if any(p for _, p in pads):
-        x = jnp.pad(x, pads)
-    xb = _blockify(x, blocks).astype(jnp.float32)
-    if spec.scale_kind == "e8m0":
-        byte = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
-        y = elements.e8m0_divide(xb, _block_view(byte, blocks))
-    else:
-        sb = _block_view(block_scales_f32(q), blocks)
-        y = (_e4m3_divide(xb, sb, q.global_scale) if spec.scale_kind == "e4m3"
-             else _f16_divide(xb, sb))
+    y, padded = _requantize_scaled(x, q)
     if spec.packed:
-        data = elements.pack_nibbles(elements.e2m1_encode(y).reshape(x.shape), axis)
+        data = elements.pack_nibbles(elements.e2m1_encode(y).reshape(padded), axis)
     else:
         data = _round_elements(y, spec, "nearest", None).astype(spec.elem_dtype)
-        data = data.reshape(x.shape)
+        data = data.reshape(padded)
     return QArray(data, q.scales, q.global_scale, spec, axis, q.shape, blocks)
 
 

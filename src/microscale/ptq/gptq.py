@@ -23,7 +23,9 @@ reference implementation and llm-compressor / torchao do them:
   per-tensor FP8 scale) is fixed once up front from ``amax`` (default the original
   weight's, or the MSE-searched one);
 * lazy batch updates: columns are processed in blocks of ``block`` (128); inside a block
-  the error updates only the block, the rest of the matrix once per block (one GEMM).
+  the error updates only the block, the rest of the matrix once per block (one GEMM); the
+  same again one level down: inside a format block (16 / 32 columns) a column's error
+  updates only that format block, the rest of the lazy block once per format block.
 
 The Cholesky factorisation runs in float64 numpy, the column loop in float32 under
 ``jit`` (``lax.fori_loop``). The result is an ordinary :class:`~microscale.formats.QArray`
@@ -43,14 +45,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 
 from microscale.formats import (
     FormatSpec,
     QArray,
-    dequantize,
     get_format,
     quantize,
     requantize,
+    requantize_values,
     tensor_amax,
 )
 
@@ -70,13 +73,14 @@ def inverse_hessian_factor(hessian, damp: float = 0.01) -> tuple[np.ndarray, np.
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diag(h)))
+    # H = R R^T with R upper (the Cholesky factor of H with rows and columns reversed), so
+    # H^-1 = R^-T R^-1 and U = R^-1: one factorisation and one triangular inverse.
     try:
-        lower = np.linalg.cholesky(h)
-        inv = np.linalg.inv(lower)
-        upper = np.linalg.cholesky(inv.T @ inv).T
+        r = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
     except np.linalg.LinAlgError:
         raise ValueError(f"gptq: the damped Hessian is not positive definite (damp={damp}); "
                          "raise damp") from None
+    upper = scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False)
     return upper, dead
 
 
@@ -97,7 +101,7 @@ def gptq_quantize(w_t, hessian, fmt: str | FormatSpec, *, amax=None,
     if tuple(np.shape(hessian)) != (n_in, n_in):
         raise ValueError(f"gptq: hessian has shape {tuple(np.shape(hessian))}; the weight "
                          f"[out, in] = {tuple(w.shape)} needs [{n_in}, {n_in}]")
-    group = spec.block_size or block
+    group = spec.block_size or 16  # per-tensor scales: any group (columns unrolled per group)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block % group:
         raise ValueError(f"gptq: block={block!r}: expected a positive multiple of the format's "
                          f"block size {group}")
@@ -129,7 +133,11 @@ def _uint_of(dtype) -> jnp.dtype:
 @functools.partial(jax.jit, static_argnames=("spec", "four6", "block", "group"))
 def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: int):
     """The column loop on padded ``w [out, Kp]`` and ``u [Kp, Kp]``: (quantized values
-    ``[out, Kp]``, block scales as raw uints ``[out, Kp / group]``)."""
+    ``[out, Kp]``, block scales as raw uints ``[out, Kp / group]``).
+
+    Two levels of lazy updates: inside a format block the columns update only that block
+    (static, unrolled), then one GEMM carries the block's errors to the rest of its lazy
+    block, and one more per lazy block to the rest of the matrix."""
     rows, kp = w.shape
     blocked = spec.block_size is not None
     sdt = _uint_of(spec.scale_dtype) if blocked else jnp.uint8
@@ -144,27 +152,24 @@ def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: 
         def one_group(gi, c):
             w1, q1, e1, scales = c
             g0 = gi * group
-            fixed = quantize(jax.lax.dynamic_slice(w1, (0, g0), (rows, group)), spec,
-                             axis=-1, amax=amax, four_over_six=four6)
+            g = jax.lax.dynamic_slice(w1, (0, g0), (rows, group))
+            ug = jax.lax.dynamic_slice(u1, (g0, 0), (group, block))
+            ugg = jax.lax.dynamic_slice(ug, (0, g0), (group, group))
+            fixed = quantize(g, spec, axis=-1, amax=amax, four_over_six=four6)
             if blocked:
                 raw = jax.lax.bitcast_convert_type(fixed.scales, sdt)
                 scales = jax.lax.dynamic_update_slice(scales, raw, (0, (i1 + g0) // group))
-
-            def column(ci, c2):
-                w1, q1, e1 = c2
-                j = g0 + ci
-                vals = dequantize(requantize(
-                    jax.lax.dynamic_slice(w1, (0, g0), (rows, group)), fixed))
-                qj = jax.lax.dynamic_slice(vals, (0, ci), (rows, 1))
-                wj = jax.lax.dynamic_slice(w1, (0, j), (rows, 1))
-                urow = jax.lax.dynamic_slice(u1, (j, 0), (1, block))
-                err = (wj - qj) / urow[0, j]
-                # U is upper triangular: columns before j are untouched
-                w1 = w1 - err * urow
-                return (w1, jax.lax.dynamic_update_slice(q1, qj, (0, j)),
-                        jax.lax.dynamic_update_slice(e1, err, (0, j)))
-
-            w1, q1, e1 = jax.lax.fori_loop(0, group, column, (w1, q1, e1))
+            qs, errs = [], []
+            for ci in range(group):  # static: unrolled
+                qj = requantize_values(g, fixed)[:, ci:ci + 1]
+                err = (g[:, ci:ci + 1] - qj) / ugg[ci, ci]
+                g = g - err * ugg[ci:ci + 1, :]  # U upper triangular: earlier columns kept
+                qs.append(qj)
+                errs.append(err)
+            eg = jnp.concatenate(errs, axis=1)
+            w1 = w1 - eg @ ug  # the group's errors onto the rest of the lazy block
+            q1 = jax.lax.dynamic_update_slice(q1, jnp.concatenate(qs, axis=1), (0, g0))
+            e1 = jax.lax.dynamic_update_slice(e1, eg, (0, g0))
             return w1, q1, e1, scales
 
         zeros = jnp.zeros_like(w1)
