@@ -72,6 +72,22 @@ def token_windows(tokenizer, n_eval: int, n_calib: int, seq_len: int, rows: int,
     return evals.reshape(-1, rows, w), calib
 
 
+def cached_hessians(eng, calib, path: Path) -> dict[str, np.ndarray]:
+    """``eng.input_hessians(calib)``, saved to ``path`` (float32, one array per distinct
+    input) and read back on the next invocation."""
+    if path.is_file():
+        with np.load(path) as z:
+            owner = json.loads(str(z["owner"]))
+            arrays = {k: z[k].astype(np.float64) for k in set(owner.values())}
+        return {p: arrays[owner[p]] for p in eng.paths}
+    hs = eng.input_hessians(calib)
+    first: dict[int, str] = {}
+    owner = {p: first.setdefault(id(h), p) for p, h in hs.items()}
+    np.savez(path, owner=json.dumps(owner),
+             **{p: hs[p].astype(np.float32) for p in set(owner.values())})
+    return hs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hf", default="/tmp/smollm2-hf", help="HF folder (smollm2_hf.py)")
@@ -109,7 +125,7 @@ def main() -> int:
         t = time.perf_counter()
         ptq = WeightPTQ(**kw)
         if ptq.method == "gptq" and hessians is None:
-            hessians = eng.input_hessians(calib)
+            hessians = cached_hessians(eng, calib, out / "hessians.npz")
             print(f"hessians over {setup['calib_tokens']} tokens in "
                   f"{time.perf_counter() - t:.1f}s", flush=True)
         weights = _Weights(eng, {p: p for p in eng.paths}, hessians)
