@@ -4,6 +4,7 @@
     microscale quantize --checkpoint runs/tiny --budget 5.0 --formats nvfp4,fp8,bf16 \\
         --method kl --calib-tokens 8192 --seed 1 --out out/q5
     microscale quantize --checkpoint runs/tiny --w4a4 --out out/w4a4   # inputs quantized too
+    microscale quantize --checkpoint runs/tiny --weight-method gptq --out out/g   # GPTQ
     microscale quantize --checkpoint runs/tiny --target gguf --budget 5.0 --out out/q
         # llama.cpp: searches nvfp4, mxfp4, q8_0, bf16 only; writes out/q/model.gguf
 
@@ -71,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no MSE search of the tensor scale (plain round-to-nearest)")
     parser.add_argument("--no-four-over-six", action="store_true",
                         help="no per-block 4-over-6 scale choice")
+    parser.add_argument("--weight-method", default="rtn", choices=("rtn", "gptq"),
+                        help="element rounding given the scales: rtn (round to nearest) or "
+                             "gptq (error compensation with each layer's calibration-input "
+                             "Hessian; default rtn)")
     parser.add_argument("--monotone", default="auto", choices=("auto", "on", "off"),
                         help="monotone score correction (auto: on for gradient/kl, off for "
                              "the signed taylor/loss scores)")
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
             budget=args.budget, **formats, method=args.method,
             calib_tokens=args.calib_tokens, seed=args.seed,
             ptq=WeightPTQ(mse_scale=not args.no_mse_scale,
-                          four_over_six=not args.no_four_over_six),
+                          four_over_six=not args.no_four_over_six,
+                          method=args.weight_method),
             activations=args.w4a4, static_act_scales=not args.dynamic_act_scales,
             monotone={"auto": None, "on": True, "off": False}[args.monotone],
             ptq_effects=not args.no_ptq_effects,

@@ -28,7 +28,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["LlamaCpp", "llama_cpp_available"]
+__all__ = ["LlamaCpp", "llama_cpp_available", "logits_agreement"]
+
+
+def logits_agreement(a, b) -> tuple[float, int]:
+    """``(||a - b|| / ||b||, positions whose argmax agree)`` of two ``[T, V]`` logit arrays
+    (e.g. llama.cpp's against microscale's on the same tokens)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"logits_agreement: shapes {a.shape} and {b.shape} differ")
+    return (float(np.linalg.norm(a - b) / np.linalg.norm(b)),
+            int((a.argmax(-1) == b.argmax(-1)).sum()))
 
 
 def llama_cpp_available() -> str | None:

@@ -19,6 +19,8 @@ from microscale.formats.quantize import (
     fake_quantize,
     quantize,
     quantize_dequantize,
+    requantize,
+    requantize_values,
     storage_bits,
     tensor_amax,
 )
@@ -27,6 +29,7 @@ from microscale.formats.spec import REGISTRY, FormatSpec, get_format, list_forma
 __all__ = [
     "E2M1_VALUES", "REGISTRY", "FormatSpec", "QArray", "block_scales_f32", "dequantize",
     "e2m1_decode", "e2m1_encode", "fake_quantize", "get_format", "hadamard_matrix",
-    "list_formats", "pack_nibbles", "quantize", "quantize_dequantize", "random_hadamard", "random_signs",
+    "list_formats", "pack_nibbles", "quantize", "quantize_dequantize", "random_hadamard",
+    "requantize", "requantize_values", "random_signs",
     "storage_bits", "tensor_amax", "unpack_nibbles",
 ]

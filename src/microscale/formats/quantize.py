@@ -219,8 +219,7 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
             if scale_order == "te":
                 sb = elements.float_round(bamax * (s_enc * inv), spec.scale_dtype,
                                           spec.scale_max)
-                enc = jnp.minimum(jnp.float32(1.0) / (sb * s_dec), jnp.float32(FLT_MAX))
-                return sb, xb * enc
+                return sb, _e4m3_divide(xb, sb, s_dec)
             # JAX's reference as compiled (module doc): x * fl(1/s_dec) first, the block
             # scale from its amax (max|x * r| = max|x| * r: rounding is monotone), then
             # x * r * fl(1/sb). Reciprocals of the unbroadcast values, as XLA forms them.
@@ -260,8 +259,7 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
             raise ValueError(f"four_over_six needs E4M3 block scales; format {spec.name!r} "
                              f"has scale_kind={spec.scale_kind!r}")
         d = bamax / jnp.float32(spec.elem_max)
-        inv = jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / jnp.where(d == 0, 1, d))
-        y = xb * inv
+        y = _f16_divide(xb, d)
         stored = d.astype(spec.scale_dtype)
         scales = stored.astype(jnp.float32)
     else:  # pragma: no cover - registry rows are fixed
@@ -269,6 +267,17 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
 
     stored = stored.reshape([s for i, s in enumerate(bamax.shape) if i not in inner])
     return y, u, scales, stored, global_scale, xf_shape
+
+
+def _e4m3_divide(xb, sb, s_dec):
+    """``x / (sb * s_dec)`` in Transformer Engine's order: times ``min(1 / (sb * s_dec),
+    FLT_MAX)`` (a zero block scale gives zeros)."""
+    return xb * jnp.minimum(jnp.float32(1.0) / (sb * s_dec), jnp.float32(FLT_MAX))
+
+
+def _f16_divide(xb, d):
+    """ggml's ``x * (1 / d)`` (``d == 0``: zeros)."""
+    return xb * jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / jnp.where(d == 0, 1, d))
 
 
 SCALE_ORDERS = ("te", "jax")
@@ -311,7 +320,12 @@ def _tensor_round(x, spec: FormatSpec, rounding: str, key, amax):
     scale = jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
     xf = x.astype(jnp.float32)
     u = _uniform(key, xf.shape) if rounding == "stochastic" else None
-    return elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u), scale
+    return _tensor_elements(xf, spec, scale, rounding, u), scale
+
+
+def _tensor_elements(xf, spec: FormatSpec, scale, rounding: str = "nearest", u=None):
+    """``xf / scale`` rounded to the element grid (float32): per-tensor formats."""
+    return elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
 
 
 def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "nearest",
@@ -390,6 +404,76 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
                         tuple(x.shape))
     gs = one if (global_scale is None or with_global_scale) else global_scale
     return out.astype(dtype), gs
+
+
+def _requantize_scaled(x, q: QArray):
+    """``x`` padded and divided by ``q``'s scales: (``y`` blockified float32, padded shape)."""
+    blocks, spec = q.block_shape, q.spec
+    pads = [(0, -d % b) for d, b in zip(x.shape, blocks, strict=True)]
+    if any(p for _, p in pads):
+        x = jnp.pad(x, pads)
+    xb = _blockify(x, blocks).astype(jnp.float32)
+    if spec.scale_kind == "e8m0":
+        byte = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+        return elements.e8m0_divide(xb, _block_view(byte, blocks)), x.shape
+    sb = _block_view(block_scales_f32(q), blocks)
+    return (_e4m3_divide(xb, sb, q.global_scale) if spec.scale_kind == "e4m3"
+            else _f16_divide(xb, sb)), x.shape
+
+
+def requantize_values(x, q: QArray) -> jax.Array:
+    """``dequantize(requantize(x, q))`` as float32 without packing codes (traceable; no
+    argument checks): the rounding GPTQ's column loop runs once per column."""
+    spec, blocks = q.spec, q.block_shape
+    x = jnp.asarray(x)
+    if not spec.quantized:
+        return x.astype(spec.elem_dtype).astype(jnp.float32)
+    if blocks is None:
+        return _tensor_elements(x.astype(jnp.float32), spec, q.scales) * q.scales
+    y, padded = _requantize_scaled(x, q)
+    vb = _round_elements(y, spec, "nearest", None)
+    if spec.scale_kind == "e8m0":
+        vb = vb * _block_view(block_scales_f32(q), blocks)
+    else:
+        vb = vb * _block_view(block_scales_f32(q), blocks)
+    return _scale_blocks(vb, q.global_scale, padded, tuple(x.shape))
+
+
+def _requantize(x, q: QArray) -> QArray:
+    """Quantize ``x`` with the scales of ``q`` (see :func:`requantize`)."""
+    spec, blocks = q.spec, q.block_shape
+    x, axis = _check_input(x, q.axis)
+    if not spec.quantized:
+        return QArray(x.astype(spec.elem_dtype), None, None, spec, axis, q.shape, None)
+    if blocks is None:
+        vals = _tensor_elements(x.astype(jnp.float32), spec, q.scales)
+        return QArray(vals.astype(spec.elem_dtype), q.scales, None, spec, axis, q.shape, None)
+    y, padded = _requantize_scaled(x, q)
+    if spec.packed:
+        data = elements.pack_nibbles(elements.e2m1_encode(y).reshape(padded), axis)
+    else:
+        data = _round_elements(y, spec, "nearest", None).astype(spec.elem_dtype)
+        data = data.reshape(padded)
+    return QArray(data, q.scales, q.global_scale, spec, axis, q.shape, blocks)
+
+
+_requantize_jit = jax.jit(_requantize)
+
+
+def requantize(x, q: QArray) -> QArray:
+    """Quantize ``x`` (the shape ``q`` was quantized from) with ``q``'s scales: its block
+    scales and tensor scale, round to nearest. Error-compensating PTQ (GPTQ) fixes a block's
+    scales once and rounds updated values with them. For a ``q`` from :func:`quantize`
+    (scale order "te", nearest) ``requantize(x, quantize(x, ...))`` equals it exactly; values
+    beyond a block's range saturate. ggml Q8_0 divides by the stored float16 scale here
+    (:func:`quantize` by the float32 one before it is stored), so it may differ in the last
+    step there."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"requantize expects a QArray of scales, got {type(q).__name__}")
+    if tuple(jnp.shape(x)) != q.shape:
+        raise ValueError(f"requantize: x has shape {tuple(jnp.shape(x))}; the scales were "
+                         f"made for shape {q.shape}")
+    return _requantize_jit(x, q)
 
 
 def block_scales_f32(q: QArray) -> jax.Array:

@@ -15,6 +15,7 @@ cheapest format its sensitivity allows under an effective-bits budget::
 Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
 :mod:`~microscale.ptq.sensitivity` (taylor / gradient / KL / loss scores),
 :mod:`~microscale.ptq.weights` (MSE tensor scale, four over six),
+:mod:`~microscale.ptq.gptq` (GPTQ error compensation for block-scaled formats),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
 :mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (a
@@ -22,6 +23,7 @@ training run folder), :mod:`~microscale.ptq.report` (files and plots).
 """
 
 from microscale.ptq.engine import ActQuant, Engine, next_token_loss
+from microscale.ptq.gptq import gptq_quantize
 from microscale.ptq.pipeline import (
     DEFAULT_FORMATS,
     QuantizeConfig,
@@ -63,7 +65,7 @@ __all__ = [
     "DEFAULT_FORMATS", "DEFAULT_GROUPS", "ActQuant", "Allocation", "Engine", "Problem",
     "QuantizeConfig", "QuantizeResult", "QuantizedWeight", "WeightPTQ", "allocation_rules",
     "brute_force", "calibration_windows", "effective_bits", "model_bits", "four_over_six",
-    "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
+    "gptq_quantize", "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
     "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
     "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",
     "search", "taylor_scores", "trained_allocation", "write_outputs",

@@ -248,6 +248,50 @@ class Engine:
             out = {p: max(out[p], float(got[p])) for p in self.paths}
         return out
 
+    def input_hessians(self, batches) -> dict[str, np.ndarray]:
+        """``H_l = 2 X_l^T X_l / n`` (float64 ``[in, in]``) of every linear layer's input
+        over ``batches`` (``n``: tokens), GPTQ's Hessian of the layer's output error. Layers
+        that read the same input (q/k/v, gate/up) share one array."""
+
+        # path -> the path whose input it shares, filled when the function is traced
+        owner: dict[str, str] = self.__dict__.setdefault("_input_owner", {})
+
+        def build():
+            def f(params, tokens):
+                model = self._model(params)
+                seen: dict[str, jax.Array] = {}
+
+                def hook(path, call, x):
+                    same = [p for p, v in seen.items() if v is x]
+                    owner[path] = same[0] if same else path
+                    if not same:
+                        seen[path] = x
+                    return call(x)
+
+                with intercept_linears(model, hook):
+                    self.loss_fn(model, tokens)
+                grams = {}
+                for p, x in seen.items():
+                    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+                    grams[p] = x2.T @ x2
+                return grams
+            return jax.jit(f)
+
+        fn = self._cached(("hessian",), build)
+        sums: dict[str, np.ndarray] = {}
+        n_tok = 0
+        for b in batches:
+            b = jnp.asarray(b)
+            grams = fn(self.params, b)
+            for p, g in grams.items():
+                g = np.asarray(g, np.float64)
+                sums[p] = sums[p] + g if p in sums else g
+            n_tok += int(np.prod(b.shape[:-1])) * (b.shape[-1] - 1)
+        if not n_tok:
+            raise ValueError("Engine.input_hessians: no batches")
+        hs = {p: 2.0 * h / n_tok for p, h in sums.items()}
+        return {p: hs[owner[p]] for p in self.paths}
+
     def grad_terms(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
                    act_formats: Mapping[str, bool] | None = None,
                    act_amax: Mapping[str, float] | None = None,

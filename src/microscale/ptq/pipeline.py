@@ -8,8 +8,10 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
 1. **calibrate** on held-out batches: every layer's input amax (the static input scales of
    W4A4 / W8A8 deployment) and weight statistics;
 2. **quantize** every kernel in every candidate format with the PTQ choices
-   (:mod:`~microscale.ptq.weights`: MSE tensor scale, four over six), fused groups
-   sharing one tensor scale;
+   (:mod:`~microscale.ptq.weights`: MSE tensor scale, four over six; GPTQ error
+   compensation with each layer's calibration-input Hessian when ``config.ptq.method`` is
+   ``"gptq"``, so the scores, the search and every evaluated point see GPTQ weights),
+   fused groups sharing one tensor scale;
 3. **score** every (layer, format) (:mod:`~microscale.ptq.sensitivity`; default the
    signed second-order Taylor estimate of the loss change, one fwd+bwd per calibration
    batch), monotone corrected for the unsigned scores;
@@ -377,8 +379,11 @@ def _jsonable(x):
 class _Weights:
     """Quantized kernels per (format, PTQ options), computed once per group."""
 
-    def __init__(self, engine: Engine, groups: Mapping[str, str]):
+    def __init__(self, engine: Engine, groups: Mapping[str, str],
+                 hessians: Mapping[str, Any] | None = None):
         self.engine = engine
+        # {path: input Hessian} for GPTQ (None: only round-to-nearest is available)
+        self.hessians = hessians
         self.members: dict[str, list[str]] = {}
         for p in engine.paths:
             self.members.setdefault(groups[p], []).append(p)
@@ -389,7 +394,8 @@ class _Weights:
         if key not in self._cache:
             out = {}
             for mem in self.members.values():
-                qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq)
+                hs = None if self.hessians is None else [self.hessians[p] for p in mem]
+                qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq, hs)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
         return self._cache[key]
@@ -443,13 +449,15 @@ def quantize_model(model: Any, calib_batches, eval_batches,
                              f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
                              f"for every linear layer")
         trained = {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
-    weights = _Weights(engine, groups)
     extra = engine.other_numel if cfg.count_other_params else 0
     say(f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
         f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches")
 
-    # 1. calibration: input amax; weight statistics come with the quantized weights.
+    # 1. calibration: input amax (and GPTQ's input Hessians); weight statistics come with
+    # the quantized weights.
     act_amax = engine.input_amax(calib)
+    hessians = engine.input_hessians(calib) if cfg.ptq.method == "gptq" else None
+    weights = _Weights(engine, groups, hessians)
     timings["calibrate_s"] = time.perf_counter() - t
     t = time.perf_counter()
     cand = {f: weights.get(f, cfg.ptq) for f in cfg.formats}
@@ -508,7 +516,7 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     if trained is not None:
         # QAT trained its weights against round-to-nearest, and export rounds so
         roundings = {"trained": WeightPTQ.rtn()}
-        if cfg.ptq.mse_scale or cfg.ptq.four_over_six:
+        if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
             roundings["trained_ptq"] = cfg.ptq
         for label, ptq in roundings.items():
             points[label] = evaluator.point(trained, ptq, kind=label)
@@ -621,14 +629,17 @@ def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allo
                 "mse_scale": WeightPTQ(mse_scale=True, four_over_six=False, scale_grid=grid),
                 "four_over_six": WeightPTQ(mse_scale=False, four_over_six=True),
                 "both": WeightPTQ(mse_scale=True, four_over_six=True, scale_grid=grid)}
+    if cfg.ptq.method == "gptq":
+        variants["gptq"] = cfg.ptq
     out: dict[str, Any] = {"weights": {}, "activations": {}}
     for f in cfg.uniform_formats:
         spec = get_format(f)
         tensor, four6 = spec.has_tensor_scale, supports_four_over_six(spec)
-        if not (tensor or four6):
+        if not (tensor or four6 or ("gptq" in variants and spec.quantized)):
             continue
         names = ["rtn"] + (["mse_scale"] if tensor else []) + \
-            (["four_over_six"] if four6 else []) + (["both"] if tensor and four6 else [])
+            (["four_over_six"] if four6 else []) + (["both"] if tensor and four6 else []) + \
+            (["gptq"] if "gptq" in variants else [])
         assign = _uniform(paths, f, pinned)
         out["weights"][f"uniform_{f}"] = {
             n: float(math.exp(ev.loss(assign, variants[n]))) for n in names}

@@ -228,7 +228,9 @@ def _fmt(x: float, nd: int = 4) -> str:
 
 
 def _ptq_name(ptq: Mapping[str, Any]) -> str:
-    """The ptq_effects column of a WeightPTQ dict ("rtn", "mse_scale", ...)."""
+    """The ptq_effects column of a WeightPTQ dict ("rtn", "mse_scale", ..., "gptq")."""
+    if ptq.get("method") == "gptq":
+        return "gptq"
     mse, f6 = bool(ptq.get("mse_scale")), bool(ptq.get("four_over_six"))
     return {(False, False): "rtn", (True, False): "mse_scale",
             (False, True): "four_over_six", (True, True): "both"}[(mse, f6)]
@@ -280,11 +282,11 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
                   "Every allocation above uses the run's choice "
                   f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
                   "choice on its own.", "",
-                  "| allocation | rtn | mse_scale | four_over_six | both | best |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| allocation | rtn | mse_scale | four_over_six | both | gptq | best |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for label, row in eff["weights"].items():
             cells = [_fmt(row.get(k)) if k in row else "n/a"
-                     for k in ("rtn", "mse_scale", "four_over_six", "both")]
+                     for k in ("rtn", "mse_scale", "four_over_six", "both", "gptq")]
             best = min(row, key=row.get) if row else "-"
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {best} |")
         used = _ptq_name(report.get("ptq") or {})

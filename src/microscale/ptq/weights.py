@@ -37,6 +37,11 @@ map to 4 only under a tensor amax raised by 1.5; the MSE search's grid (up to 1.
 that, and picks it when the whole tensor's error says so.
 
 The per-block choice is ``microscale.formats.quantize(..., four_over_six=True)``.
+
+**GPTQ** (``WeightPTQ(method="gptq")``, :mod:`~microscale.ptq.gptq`): with the tensor
+amax chosen as above, each kernel is quantized column by column with its input Hessian,
+each column's rounding error moved onto the columns still to come; block scales (and the
+four-over-six choice) are fixed from the updated weights as each block is reached.
 """
 
 from __future__ import annotations
@@ -49,9 +54,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize, tensor_amax
+from microscale.ptq.gptq import gptq_quantize
 
-__all__ = ["QuantizedWeight", "WeightPTQ", "four_over_six", "quantize_group",
+__all__ = ["WEIGHT_METHODS", "QuantizedWeight", "WeightPTQ", "four_over_six", "quantize_group",
            "quantize_weight", "supports_four_over_six"]
+
+
+# WeightPTQ.method values.
+WEIGHT_METHODS = ("rtn", "gptq")
 
 
 def _default_grid() -> tuple[float, ...]:
@@ -70,6 +80,14 @@ class WeightPTQ:
     # Per block, map the block max to 4 instead of 6 when that lowers the block's error
     # (E2M1 formats with E4M3 block scales).
     four_over_six: bool = True
+    # How the elements are rounded given the scales: "rtn" (each to nearest) or "gptq"
+    # (GPTQ error compensation with the layer's calibration-input Hessian,
+    # microscale.ptq.gptq; the MSE tensor scale and four over six still apply).
+    method: str = "rtn"
+    # GPTQ: fraction of mean(diag H) added to the Hessian's diagonal.
+    gptq_damp: float = 0.01
+    # GPTQ: lazy-update block in columns (a multiple of every candidate's block size).
+    gptq_block: int = 128
 
     def __post_init__(self):
         grid = tuple(float(c) for c in self.scale_grid)
@@ -77,6 +95,17 @@ class WeightPTQ:
             raise ValueError(f"WeightPTQ.scale_grid={self.scale_grid!r}: expected positive "
                              "finite multipliers")
         object.__setattr__(self, "scale_grid", grid)
+        if self.method not in WEIGHT_METHODS:
+            raise ValueError(f"WeightPTQ.method={self.method!r}: expected one of "
+                             f"{list(WEIGHT_METHODS)}")
+        if not (isinstance(self.gptq_damp, int | float) and np.isfinite(self.gptq_damp)
+                and self.gptq_damp >= 0):
+            raise ValueError(f"WeightPTQ.gptq_damp={self.gptq_damp!r}: expected a finite "
+                             "fraction >= 0 (e.g. 0.01)")
+        if isinstance(self.gptq_block, bool) or not isinstance(self.gptq_block, int) \
+                or self.gptq_block < 1 or self.gptq_block % 32:
+            raise ValueError(f"WeightPTQ.gptq_block={self.gptq_block!r}: expected a positive "
+                             "multiple of 32 (every block format's block size divides it)")
 
     @classmethod
     def rtn(cls) -> WeightPTQ:
@@ -133,28 +162,37 @@ class QuantizedWeight:
     # ||Q(W) - W||^2 / ||W||^2 of the result and of plain RTN.
     rel_mse: float
     rel_mse_rtn: float
-    # Fraction of blocks that took the max->4 scale (0 when four over six is off).
+    # Fraction of blocks that took the max->4 scale (0 when four over six is off, and
+    # under GPTQ, whose scales follow the updated weights).
     four_fraction: float = 0.0
 
 
-def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
-                    ) -> QuantizedWeight:
+def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
+                    hessian=None) -> QuantizedWeight:
     """Quantize a linear kernel ``[in, out]`` along ``in`` with the PTQ choices of ``ptq``
-    (default: :class:`WeightPTQ` ()). Deterministic."""
-    return quantize_group([kernel], fmt, ptq)[0]
+    (default: :class:`WeightPTQ` ()); ``hessian`` ``[in, in]`` of its input for GPTQ.
+    Deterministic."""
+    return quantize_group([kernel], fmt, ptq, None if hessian is None else [hessian])[0]
 
 
-def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
-                   ) -> list[QuantizedWeight]:
+def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
+                   hessians=None) -> list[QuantizedWeight]:
     """Quantize the kernels of one fused group (q/k/v or gate/up: one GEMM in an engine)
     with ONE tensor amax, as deployment requires: ``c * max_i amax(|W_i|)``, where the MSE
     search picks ``c`` for the least summed error of the members. Formats without a
-    tensor scale quantize each member on its own (their scales are per block anyway)."""
+    tensor scale quantize each member on its own (their scales are per block anyway).
+    With ``ptq.method == "gptq"`` each member is then GPTQ-quantized with that amax and its
+    input Hessian (``hessians``, one per kernel)."""
     spec = get_format(fmt)
     ptq = WeightPTQ() if ptq is None else ptq
     ws = [jnp.asarray(k, jnp.float32) for k in kernels]
     if not ws:
         raise ValueError("quantize_group: no kernels")
+    gptq = ptq.method == "gptq" and spec.quantized
+    if gptq and (hessians is None or len(hessians) != len(ws)):
+        raise ValueError(f"quantize_group: WeightPTQ.method='gptq' needs one input Hessian "
+                         f"per kernel ({len(ws)}), got "
+                         f"{'none' if hessians is None else len(hessians)}")
     for w in ws:
         if w.ndim != 2:
             raise ValueError(f"quantize_weight expects 2-D [in, out] kernels, got shape "
@@ -189,10 +227,15 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None
                 best_c, best = c, e
     amax = base * jnp.float32(best_c)
     out = []
-    for t, e, e0, n in zip(wts, best, rtn, norms, strict=True):
-        q = _quantize_t(t, spec, amax, four6)
+    for i, (t, e, e0, n) in enumerate(zip(wts, best, rtn, norms, strict=True)):
+        if gptq:
+            q = gptq_quantize(t, hessians[i], spec, amax=amax if tensor else None,
+                              four_over_six=four6, damp=ptq.gptq_damp, block=ptq.gptq_block)
+            e = float(jnp.sum(jnp.square(dequantize(q) - t)))
+        else:
+            q = _quantize_t(t, spec, amax, four6)
         frac = 0.0
-        if four6:
+        if four6 and not gptq:
             rtn_scales = quantize(t, spec, axis=-1, amax=amax).scales
             frac = float(jnp.mean((q.scales != rtn_scales).astype(jnp.float32)))
         out.append(QuantizedWeight(format=spec.name, qarray=q, values=dequantize(q).T,
