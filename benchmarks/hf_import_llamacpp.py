@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     a = ap.parse_args(argv)
 
-    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available
+    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
     from microscale.inference.evaldata import eval_batches
     from microscale.inference.model import load_model
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
         batches = eval_batches("stdlib", tok, seq_len=a.seq_len, batch_size=1,
                                max_batches=a.sequences, vocab_size=model.config.vocab_size)
-        nll_ms, nll_lc, agree = [], [], []
+        nll_ms, nll_lc, agree, rel_l2 = [], [], [], []
         for b in batches:
             seq = b[0]
             ours = np.asarray(model.logits(seq[None, :-1]))[0]
@@ -93,7 +93,9 @@ def main(argv=None) -> int:
                 lp = lg - lg.max(-1, keepdims=True)
                 lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
                 out.append(-lp[np.arange(len(tgt)), tgt].mean())
-            agree.append(float((ours.argmax(-1) == theirs.argmax(-1)).mean()))
+            rel, same_top1 = logits_agreement(ours, theirs)
+            agree.append(same_top1 / len(tgt))
+            rel_l2.append(rel)
         ms, lc = np.array(nll_ms), np.array(nll_lc)
         (m_ms, se_ms), (m_lc, se_lc) = _mean_se(ms), _mean_se(lc)
         d, se_d = _mean_se(ms - lc)
@@ -101,11 +103,13 @@ def main(argv=None) -> int:
                    ppl_llamacpp=math.exp(m_lc), ppl_llamacpp_se=math.exp(m_lc) * se_lc,
                    nll_diff=d, nll_diff_ci95=[d - 1.96 * se_d, d + 1.96 * se_d],
                    top1_agreement=float(np.mean(agree)),
+                   logits_rel_l2=float(np.mean(rel_l2)),
                    tokens_scored=int(len(batches) * a.seq_len))
         print(f"ppl: microscale {res['ppl_microscale']:.3f} +- {res['ppl_microscale_se']:.3f}, "
               f"llama.cpp {res['ppl_llamacpp']:.3f} +- {res['ppl_llamacpp_se']:.3f} "
               f"(paired nll difference {d:+.4f}, 95% CI {d - 1.96 * se_d:+.4f} to "
-              f"{d + 1.96 * se_d:+.4f}); top-1 agreement {res['top1_agreement']:.1%} over "
+              f"{d + 1.96 * se_d:+.4f}); top-1 agreement {res['top1_agreement']:.1%}, logits "
+              f"relative L2 {res['logits_rel_l2']:.3f} (mean over sequences) over "
               f"{res['tokens_scored']} tokens", flush=True)
         ref.close()
 
