@@ -6,7 +6,9 @@
 * ``fake_devices``: run a script in a child process that sees 8 CPU devices
   (``--xla_force_host_platform_device_count`` must be set before jax is imported, and
   this process has already imported it);
-* ``hang_guard_s``: the one wall-clock limit a test may put on a child process.
+* ``hang_guard_s``: the one wall-clock limit a test may put on a child process;
+* ``native_on_cpu``: script lines that let a child process compile the native block-scaled
+  GEMM on CPU (see the fixture).
 
 No test measures or limits speed: a busy machine makes every step slower, and a test must
 not fail because of it. Child processes get one limit, :data:`HANG_GUARD_S`, that only
@@ -63,3 +65,32 @@ def fake_devices():
         return proc.stdout
 
     return run
+
+
+NATIVE_ON_CPU = """
+import jax, jax.numpy as jnp
+from jax._src.interpreters import mlir
+from jax._src.cudnn import scaled_matmul_stablehlo as smh
+from microscale.ops import backend
+
+
+def reference(a, b, sa, sb, *, preferred_element_type):
+    f = lambda v, s: v.astype(jnp.float32) * jnp.repeat(
+        s.astype(jnp.float32), v.shape[-1] // s.shape[-1], axis=-1)
+    return (jnp.einsum("bmk,bnk->bmn", f(a, sa), f(b, sb),
+                       precision=jax.lax.Precision.HIGHEST).astype(preferred_element_type),)
+
+
+mlir.register_lowering(smh._scaled_matmul_p,
+                       mlir.lower_fun(reference, multiple_results=True), platform="cpu")
+backend.device_capability = lambda: (10, 0)
+"""
+
+
+@pytest.fixture(scope="session")
+def native_on_cpu() -> str:
+    """Lines for a child script: the capability probe reports Blackwell (10, 0), and
+    ``jax.nn.scaled_matmul``'s primitive gets a CPU lowering by its documented reference
+    formula (float32, highest precision). JAX's own partitioning of the primitive and
+    microscale's rule around it are what a GPU compile would use."""
+    return NATIVE_ON_CPU

@@ -65,6 +65,10 @@ def test_collective_bytes_ring_formulas():
     assert c["reduce-scatter"]["count"] == 1
     assert c["reduce-scatter"]["bytes"] == pytest.approx(rs * 7)
     assert c["all-to-all"]["count"] == 0
+    # elements: the same ring factors, one per element whatever the dtype
+    assert c["all-gather"]["elements"] == pytest.approx(3 * 64 * 32 * 3 / 4)
+    assert c["all-reduce"]["elements"] == pytest.approx(3 * 2 * 8 * 32 * 1 / 2)
+    assert c["reduce-scatter"]["elements"] == pytest.approx(16 * 16 * 7)
 
 
 def test_dot_flops_with_operand_shapes_from_the_computation():

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale.formats import e2m1_decode, quantize
 
@@ -129,10 +132,117 @@ def native_gemm(a, sa, b, sb, *, axis_a: int = -1, axis_b: int = -1, key_a=None,
     else:
         lead = ea.shape[:-2]
         flat = lambda v: v.reshape((-1,) + v.shape[-2:])
-        y = jax.nn.scaled_matmul(flat(ea), flat(eb), flat(ca), flat(cb),
-                                 preferred_element_type=jnp.float32)
+        y = block_scaled_matmul(flat(ea), flat(eb), flat(ca), flat(cb))
         y = y.reshape(lead + y.shape[-2:]) if nb else y[0]
     for s in (ta, tb):
         if s is not None:
             y = y * s
     return y
+
+
+# ---- the block-scaled GEMM on sharded operands --------------------------------------------
+#
+# ``jax.nn.scaled_matmul`` carries JAX's own partitioning rule, which drops the contraction
+# sharding whenever the output is sharded along another axis, and drops a weight's sharding
+# altogether when both its dims share mesh axes with the activation's: a row-parallel layer
+# (o/down under tensor parallelism, weight [N (fsdp), K (tensor)]) then gathers its whole
+# weight onto every device. The rule below is the one a sharded dot follows:
+#
+# * the contraction dim stays split when both operands split it over the same mesh axes;
+#   the local products are then summed over those axes (``psum``), or summed and scattered
+#   (``psum_scatter``) along an output dim that the partitioner wants split over them
+#   (wgrad: dW's fsdp shard, ZeRO-3's gradient reduce-scatter);
+# * every other output dim takes its mesh axes from the output sharding the partitioner
+#   asks for, and the operand that owns that dim is split the same way (a weight's fsdp
+#   shards are gathered before the GEMM, ZeRO-3's parameter all-gather).
+#
+# Quantization happens outside, on whatever shard each device holds: block scales are local
+# (a block never straddles devices: refused below) and the tensor amax is a max over the
+# shards. The GEMM itself then runs on local operands.
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _spec3(sharding) -> tuple:
+    spec = tuple(getattr(sharding, "spec", ()))
+    return spec + (None,) * (3 - len(spec))
+
+
+def block_scaled_plan(lhs, rhs, out):
+    """Operand and output specs, and the reduction, of a block-scaled GEMM
+    ``[B, P, C] x [B, Q, C] -> [B, P, Q]`` whose operands arrive split as ``lhs`` / ``rhs``
+    and whose output the partitioner wants split as ``out`` (3-tuples of mesh-axis entries).
+
+    Returns ``(lhs_spec, rhs_spec, out_spec, psum_axes, scatter)``: ``scatter`` is None or
+    ``(output dim, mesh axes)`` to reduce-scatter over."""
+    k = _axes(lhs[2]) if _axes(lhs[2]) == _axes(rhs[2]) else ()
+    batch = tuple(a for a in _axes(out[0]) if a not in k)
+    dims, scatter = [], None
+    for d in (1, 2):
+        want = tuple(a for a in _axes(out[d]) if a not in batch)
+        red = tuple(a for a in want if a in k)
+        if red and scatter is None and red == want:
+            scatter = (d, red)
+            dims.append(())
+        else:
+            dims.append(tuple(a for a in want if a not in k))
+    if set(dims[0]) & set(dims[1]):  # one mesh axis cannot split both output dims
+        dims[1] = tuple(a for a in dims[1] if a not in dims[0])
+    psum = tuple(a for a in k if scatter is None or a not in scatter[1])
+    b, k_e = _entry(batch), _entry(k)
+    out_dims = [_entry(dims[0]), _entry(dims[1])]
+    if scatter is not None:
+        out_dims[scatter[0] - 1] = _entry(scatter[1])
+    return ((b, _entry(dims[0]), k_e), (b, _entry(dims[1]), k_e), (b, *out_dims), psum,
+            scatter)
+
+
+def _infer(mesh, arg_shapes, result_shape):
+    lhs, rhs = (_spec3(s.sharding) for s in arg_shapes[:2])
+    out = (lhs[0], lhs[1], rhs[1] if not set(_axes(rhs[1])) & set(_axes(lhs[1])) else None)
+    return NamedSharding(mesh, PartitionSpec(*block_scaled_plan(lhs, rhs, out)[2]))
+
+
+def _partition(mesh, arg_shapes, result_shape):
+    lhs, rhs = (_spec3(s.sharding) for s in arg_shapes[:2])
+    lspec, rspec, ospec, psum, scatter = block_scaled_plan(lhs, rhs,
+                                                           _spec3(result_shape.sharding))
+    k = _axes(lspec[2])
+    if k:
+        parts = math.prod(mesh.shape[a] for a in k)
+        c, nblk = arg_shapes[0].shape[2], arg_shapes[2].shape[2]
+        if c % parts or nblk % parts:
+            raise ValueError(
+                f"block-scaled GEMM: the contraction length {c} ({nblk} blocks of "
+                f"{c // nblk}) is split over mesh axes {k} ({parts} devices), which leaves a "
+                f"block straddling two devices; use a mesh whose {k} size divides {nblk}")
+
+    def local(a, b, sa, sb):
+        y = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+        if scatter is not None:
+            y = jax.lax.psum_scatter(y, scatter[1], scatter_dimension=scatter[0], tiled=True)
+        if psum:
+            y = jax.lax.psum(y, psum)
+        return y
+
+    lsh, rsh = (NamedSharding(mesh, PartitionSpec(*s)) for s in (lspec, rspec))
+    return mesh, local, NamedSharding(mesh, PartitionSpec(*ospec)), (lsh, rsh, lsh, rsh)
+
+
+@custom_partitioning
+def block_scaled_matmul(a, b, sa, sb):
+    """``jax.nn.scaled_matmul`` (float32 out) on operands as each device holds them: see
+    :func:`block_scaled_plan`."""
+    return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+
+
+block_scaled_matmul.def_partition(infer_sharding_from_operands=_infer, partition=_partition,
+                                  sharding_rule="b p c, b q c, b p s, b q s -> b p q")

@@ -170,8 +170,10 @@ def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b:
     _check_key(sa, ka, slot_a)
     _check_key(sb, kb, slot_b)
     seed = recipe.hadamard_seed
-    return native_gemm(_rotate(a, sa, axis_a, seed), sa, _rotate(b, sb, axis_b, seed), sb,
-                       axis_a=axis_a, axis_b=axis_b, key_a=ka, key_b=kb)
+    ra, rb = _rotate(a, sa, axis_a, seed), _rotate(b, sb, axis_b, seed)
+    if gemm == "wgrad" and (sa.hadamard or sb.hadamard):  # as the emulated wgrad does
+        ra, rb = _keep_sharding(ra, a), _keep_sharding(rb, b)
+    return native_gemm(ra, sa, rb, sb, axis_a=axis_a, axis_b=axis_b, key_a=ka, key_b=kb)
 
 
 def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:

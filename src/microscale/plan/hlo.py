@@ -141,26 +141,34 @@ class HloModule:
                     yield m, shape, op, tail
 
     def collectives(self) -> dict[str, dict[str, float]]:
-        """{kind: {"count", "bytes" (per device, ring), "payload" (result bytes)}},
-        loop bodies counted as often as they run."""
-        out = {k: {"count": 0.0, "bytes": 0.0, "payload": 0.0} for k in COLLECTIVES}
+        """{kind: {"count", "bytes" (per device, ring), "payload" (result bytes),
+        "elements" (moved per device, as "bytes" but one per element whatever its dtype)}},
+        loop bodies counted as often as they run.
+
+        "elements" compares programs that move the same values in different dtypes: XLA:CPU
+        widens float4/float8 operands of a collective to float16, which a GPU moves as
+        they are."""
+        out = {k: {"count": 0.0, "bytes": 0.0, "payload": 0.0, "elements": 0.0}
+               for k in COLLECTIVES}
         for m, shape, op, tail in self._instructions():
             kind = op[:-6] if op.endswith("-start") else op
             if kind not in COLLECTIVES:
                 continue
             arrays = _arrays(shape)
             if op.endswith("-start") and arrays:  # (operand, result[, ...]) tuples
-                size = max(_DTYPE_BITS[dt] * math.prod(d) / 8 for dt, d in arrays)
+                big = max(arrays, key=lambda a: _DTYPE_BITS[a[0]] * math.prod(a[1]))
+                size, elems = _DTYPE_BITS[big[0]] * math.prod(big[1]) / 8, math.prod(big[1])
             else:
-                size = shape_bytes(shape)
+                size, elems = shape_bytes(shape), sum(math.prod(d) for _, d in arrays)
             n = max(_group_size(tail, self.n_devices), 1)
-            moved = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1),
-                     "all-reduce": 2 * size * (n - 1) / n, "all-to-all": size * (n - 1) / n,
-                     "collective-permute": size}[kind]
+            factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+                      "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
+                      "collective-permute": 1}[kind]
             rec = out[kind]
             rec["count"] += m
-            rec["bytes"] += m * moved
+            rec["bytes"] += m * size * factor
             rec["payload"] += m * size
+            rec["elements"] += m * elems * factor
         return out
 
     def gathered_shapes(self) -> list[tuple[int, ...]]:
