@@ -26,6 +26,15 @@ saved, so the last good one is intact and ``resume=true`` continues from it.
 Exact resume: params, optimizer state, the step, the non-finite counters and the phase
 are checkpointed; batches and keys are functions of the step. 20 steps straight and 10 +
 resume + 10 give identical losses (``tests/train/test_train_loop.py``).
+
+The parts, each a top-level name with explicit arguments (``tests/train/test_train_parts.py``
+tests them alone): :class:`Phases` (which compiled program trains each step), :class:`Clock`
+(the counters and timers), :func:`compile_programs` (the train / eval steps of ``step.py``
+per phase), :func:`evaluate` (an ``"eval"`` record), :func:`checkpoint_meta` and
+:func:`write_summary` (``summary.json``). One start of a run (:func:`_run_start`) is
+:func:`_prepare` (files, data, model, weights), :func:`_announce`, :func:`_load_eval_sets`,
+:func:`_train_steps` (with :func:`_change_phase`, :func:`_read_back`, :func:`_evaluate`),
+then :func:`_finish` or :func:`_abort`; ``_Run`` holds what they share.
 """
 
 from __future__ import annotations
