@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
 from microscale.integrity import (
     CorruptDataError,
     check_finite,
@@ -166,13 +167,6 @@ class _Item:
 
 # ---------------------------------------------------------------------- discovery
 
-def _is_gguf(p: Path) -> bool:
-    if p.suffix.lower() == ".gguf":
-        return True
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def _folder_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -207,8 +201,9 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
     """(what the path is, the items to check, notes); raises for anything else."""
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
+    kind = detect(path)
     if path.is_file():
-        if _is_gguf(path):
+        if isinstance(kind, Layout) and kind.single_file:
             return "GGUF file", [_Item("gguf", path, path.stat().st_size)], []
         if path.suffix == ".safetensors":
             return "safetensors file", [_Item("safetensors", path, path.stat().st_size)], []
@@ -219,7 +214,7 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         raise NotAnOutputError(f"{str(path)!r} is neither a file nor a folder")
     notes: list[str] = []
     ckpts, what = None, None
-    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+    if kind is RUN:
         ckpts, what = path / "checkpoints", "training run"
         aside = path / "damaged-checkpoints"
         if aside.is_dir() and any(aside.iterdir()):
@@ -236,16 +231,15 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
             raise NotAnOutputError(f"{what} {str(path)!r} has no finished checkpoint under "
                                    f"{ckpts} to verify")
         return what, [_Item("orbax checkpoint", d, _folder_bytes(d)) for d in steps], notes
-    if (path / "report.json").is_file() and (path / "precision_rules.json").is_file():
-        if (path / "model.gguf").is_file():
-            gg = path / "model.gguf"
-            return "quantize output", [_Item("gguf", gg, gg.stat().st_size)], []
-        ck = path / "checkpoint"
+    if kind is QUANTIZE_OUTPUT:
+        ck = quantize_output_model(path)
+        if ck.is_file():
+            return "quantize output", [_Item("gguf", ck, ck.stat().st_size)], []
         items = _safetensors_items(ck) if ck.is_dir() else []
         if not items:
             items = [_Item("missing", ck, 0)]
         return "quantize output", items, []
-    if (path / "config.json").is_file() or (path / "manifest.json").is_file():
+    if isinstance(kind, Layout):  # an HF-style or microscale-layout folder
         items = _safetensors_items(path)
         if items:
             return _folder_kind(path), items, []

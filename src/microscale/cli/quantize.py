@@ -37,6 +37,8 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from microscale.export.registry import layout_names
+
     parser.add_argument("--checkpoint", "-c", required=True, metavar="RUN_DIR",
                         help="a training run folder (the out= of microscale train)")
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
@@ -88,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budgets of the searched Pareto points, comma-separated")
     parser.add_argument("--solver", default="auto", choices=("auto", "dp", "milp"))
     parser.add_argument("--layout", default=None,
-                        choices=("compressed-tensors", "modelopt", "microscale"),
+                        choices=layout_names(single_file=False, quantized=True),
                         help="checkpoint layout (default compressed-tensors; microscale = own "
                              "safetensors + manifest; not with --target gguf)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")

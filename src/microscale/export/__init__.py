@@ -27,6 +27,12 @@ input scales and mixed precision are in :mod:`microscale.export.layouts`; the fi
 format and its validation in :mod:`microscale.export.tensorfile`; HF names, the config
 mapping and the RoPE convention in :mod:`microscale.export.hf`.
 
+Each layout (compressed-tensors, modelopt, hf, gguf, microscale's manifest) is one row of
+:mod:`microscale.export.registry` with ``detect``, ``write`` and ``read``;
+:func:`detect` says what a path is (a training run, a quantize output, or a layout).
+Exporting a run, a quantize output or an HF folder end to end (what ``microscale export``
+does) is :func:`microscale.inference.export_run.export_run`.
+
 Safety: only JSON and safetensors are read (never pickle); names, dtypes, shapes and the
 config are validated before any tensor is used, and errors name the offending tensor.
 """
@@ -42,9 +48,9 @@ from microscale.export.hf import (
     ms_param_name,
     param_shapes,
 )
+from microscale.export.hfquant import HF_QUANT, HFQuant
 from microscale.export.layouts import (
     CT_SCHEMES,
-    LAYOUTS,
     MODELOPT_ALGOS,
     LayerQuant,
     exact_reciprocal,
@@ -63,13 +69,26 @@ from microscale.export.reader import (
     import_model,
     read_checkpoint,
 )
+from microscale.export.registry import (
+    KINDS,
+    QUANTIZE_OUTPUT,
+    RUN,
+    Kind,
+    Layout,
+    detect,
+    get_layout,
+    layout_names,
+)
 from microscale.export.tensorfile import SafetensorsError, TensorStore, write_safetensors
 from microscale.export.tokenizer import byte_tokenizer_hf, write_tokenizer
 from microscale.export.writer import DEFAULT_SHARD_BYTES, ExportResult, export_checkpoint
 
+LAYOUTS = tuple(HF_QUANT)  # the HF-style quantized layouts export_checkpoint writes
+
 __all__ = [
-    "CT_SCHEMES", "DEFAULT_SHARD_BYTES", "LAYOUTS", "MODELOPT_ALGOS", "Checkpoint",
-    "CheckpointError", "ExportResult", "LayerQuant", "SafetensorsError", "TensorStore",
+    "CT_SCHEMES", "DEFAULT_SHARD_BYTES", "HF_QUANT", "HFQuant", "KINDS", "LAYOUTS", "MODELOPT_ALGOS", "QUANTIZE_OUTPUT",
+    "RUN", "Checkpoint", "CheckpointError", "ExportResult", "Kind", "LayerQuant", "Layout",
+    "SafetensorsError", "TensorStore", "detect", "get_layout", "layout_names",
     "build_model", "byte_tokenizer_hf", "check_params", "exact_reciprocal",
     "export_checkpoint", "flat_params", "fused_groups", "hf_config", "hf_module",
     "hf_param_name", "import_model", "input_decode_scales", "linear_paths",

@@ -419,6 +419,15 @@ class GGUFResult:
     tensor_bytes: int
     # Tokenizer entry written (model, pre, tokens, merges).
     tokenizer: dict[str, Any]
+    # The model config written.
+    config: ModelConfig
+    # The layout (the name of its registry row).
+    layout: str = "gguf"
+
+    def describe(self) -> dict[str, Any]:
+        """What a report records of the export (``quantize``'s ``checkpoint`` entry)."""
+        return {"layout": self.layout, "path": str(self.path), "files": [self.path.name],
+                "tokenizer": self.tokenizer}
 
 
 def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
@@ -549,4 +558,4 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         w.close()
         seal_gguf_header(f.name)
     return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
-                      tokenizer=tok)
+                      tokenizer=tok, config=cfg)

@@ -38,11 +38,11 @@ from microscale.export.gguf import (
     _gguf,
     _rope_rows,
 )
-from microscale.export.hf import hf_config, hf_module, hf_param_name
+from microscale.export.hf import hf_config, hf_module, hf_param_name, ms_param_name
 from microscale.files import atomic_write_bytes
 from microscale.model import ModelConfig
 
-__all__ = ["gguf_model_config", "gguf_to_hf"]
+__all__ = ["gguf_model_config", "gguf_to_hf", "read_gguf_params"]
 
 # GGUF token_type values (gguf.TokenType): CONTROL tokens are HF special tokens.
 _CONTROL = 3
@@ -161,6 +161,18 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
     if template is not None:
         conf["chat_template"] = template
     return tok, conf
+
+
+def read_gguf_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], ModelConfig]:
+    """``({parameter path: float32 array}, ModelConfig)`` of the GGUF file ``path``: every
+    tensor decoded to float32, kernels ``[in, out]`` (RoPE rows in microscale's order)."""
+    reader = _gguf().GGUFReader(Path(path))
+    cfg = gguf_model_config(reader)
+    flat = {}
+    for name, arr in _hf_tensors(reader, cfg).items():
+        p = ms_param_name(name)
+        flat[p] = np.ascontiguousarray(arr.T) if p.endswith(".kernel") else arr
+    return flat, cfg
 
 
 def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

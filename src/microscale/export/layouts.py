@@ -69,7 +69,6 @@ from microscale.ops import get_recipe
 
 __all__ = [
     "CT_SCHEMES",
-    "LAYOUTS",
     "MODELOPT_ALGOS",
     "LayerQuant",
     "amax_from_decode_scale",
@@ -86,9 +85,6 @@ __all__ = [
     "to_hf_orientation",
     "to_kernel_orientation",
 ]
-
-LAYOUTS = ("compressed-tensors", "modelopt")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerQuant:

@@ -24,8 +24,6 @@ Global scales come back in microscale's decode direction: compressed-tensors sto
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,8 +41,9 @@ from microscale.export.hf import (
     model_config_from_hf,
     param_shapes,
 )
+from microscale.export.hfquant import HF_QUANT, CheckpointError, hf_quant, load_json, quant_method
 from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorStore
-from microscale.formats import QArray, dequantize, get_format
+from microscale.formats import QArray, dequantize
 from microscale.model import ModelConfig, Transformer
 
 __all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
@@ -52,10 +51,6 @@ __all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Tensors some HF checkpoints carry that a Llama forward pass does not use.
 _HARMLESS = re.compile(r".*\.rotary_emb\.inv_freq")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is inconsistent with its config (names the tensor / field)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -146,126 +141,6 @@ def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
                               f"shape {list(emb.shape)}; config and tensors disagree")
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{str(path)!r} does not exist") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a JSON file ({e})") from None
-
-
-def _ct_matches(name: str, target: str) -> bool:
-    if target == "Linear":
-        return True
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return name == target
-
-
-def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
-               ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise CheckpointError("quantization_config.config_groups: expected a non-empty object")
-    if qc.get("quantization_status", "compressed") != "compressed":
-        raise CheckpointError(f"quantization_config.quantization_status="
-                              f"{qc.get('quantization_status')!r}: only 'compressed' "
-                              "checkpoints hold packed weights")
-    ignore = qc.get("ignore") or []
-    if not (isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
-        raise CheckpointError("quantization_config.ignore: expected a list of strings")
-    top = qc.get("format")
-    parsed = []
-    for gname, g in groups.items():
-        where = f"quantization_config.config_groups.{gname}"
-        if not isinstance(g, dict) or not isinstance(g.get("targets"), list):
-            raise CheckpointError(f"{where}: expected an object with a 'targets' list")
-        w = g.get("weights")
-        if not isinstance(w, dict):
-            raise CheckpointError(f"{where}.weights: expected QuantizationArgs, got {w!r}")
-        wf = L.ct_format_of(w, f"{where}.weights")
-        fmt = g.get("format") or top
-        if fmt != L.CT_SCHEMES[wf].format:
-            raise CheckpointError(f"{where}: format {fmt!r} does not hold {wf} weights; "
-                                  f"expected {L.CT_SCHEMES[wf].format!r}")
-        inp = g.get("input_activations")
-        inf, static = None, False
-        if inp:
-            if not isinstance(inp, dict):
-                raise CheckpointError(f"{where}.input_activations: expected QuantizationArgs "
-                                      f"or null, got {inp!r}")
-            inf = L.ct_input_format_of(inp, f"{where}.input_activations")
-            static = get_format(inf).has_tensor_scale and inp.get("dynamic") in (False, "local")
-        parsed.append((g["targets"], L.LayerQuant(weights=wf, inputs=inf), static))
-    layers, static_in = {}, {}
-    for p in linear_paths(cfg):
-        name = hf_module(p)
-        layers[p], static_in[p] = L.LayerQuant(), False
-        if any(_ct_matches(name, t) for t in ignore):
-            continue
-        for targets, lq, static in parsed:
-            if any(_ct_matches(name, t) for t in targets):
-                layers[p], static_in[p] = lq, static
-                break
-    return layers, static_in
-
-
-def _modelopt_quant(path: Path, cfg_json: dict[str, Any]) -> dict[str, Any]:
-    if (path / "hf_quant_config.json").is_file():
-        obj = _load_json(path / "hf_quant_config.json")
-        q = obj.get("quantization") if isinstance(obj, dict) else None
-        if not isinstance(q, dict):
-            raise CheckpointError("hf_quant_config.json: expected {'quantization': {...}}")
-        return q
-    return cfg_json["quantization_config"]
-
-
-def _excluded(name: str, patterns: list[str]) -> bool:
-    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
-               for p in patterns)
-
-
-def _modelopt_layers(q: dict[str, Any], cfg: ModelConfig
-                     ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
-    if q.get("kv_cache_quant_algo") not in (None, "NONE"):
-        raise CheckpointError(f"kv_cache_quant_algo={q.get('kv_cache_quant_algo')!r}: "
-                              "quantized KV caches are not supported")
-    exclude = q.get("exclude_modules") or []
-
-    def algo(entry: Any, where: str) -> L.LayerQuant:
-        a = entry.get("quant_algo") if isinstance(entry, dict) else None
-        if a not in L.MODELOPT_ALGOS:
-            raise CheckpointError(f"{where}: quant_algo={a!r}; microscale reads "
-                                  f"{sorted(L.MODELOPT_ALGOS)}")
-        w, i = L.MODELOPT_ALGOS[a]
-        bs = get_format(w).block_size
-        gs = entry.get("group_size", bs)
-        if gs != bs:
-            raise CheckpointError(f"{where}: group_size={gs}; {a} uses blocks of {bs}")
-        return L.LayerQuant(weights=w, inputs=i)
-
-    layers = {}
-    if q.get("quant_algo") == "MIXED_PRECISION":
-        ql = q.get("quantized_layers")
-        if not isinstance(ql, dict):
-            raise CheckpointError("MIXED_PRECISION needs a 'quantized_layers' object")
-        known = {hf_module(p) for p in linear_paths(cfg)}
-        for name in ql:
-            if name not in known:
-                raise CheckpointError(f"quantized_layers: {name!r} is not a linear layer of "
-                                      "this model")
-        for p in linear_paths(cfg):
-            name = hf_module(p)
-            layers[p] = algo(ql[name], f"quantized_layers[{name!r}]") if name in ql \
-                else L.LayerQuant()
-    else:
-        lq = algo(q, "quant_algo")
-        for p in linear_paths(cfg):
-            layers[p] = L.LayerQuant() if _excluded(hf_module(p), exclude) else lq
-    return layers, {p: lq.inputs is not None for p, lq in layers.items()}
-
-
 # ---------------------------------------------------------------------- tensors
 
 def _expect(store: TensorStore, name: str, dtypes: tuple[str, ...], shapes: tuple, why: str
@@ -298,11 +173,11 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
     spec = lq.weight_spec
     k, n = kn
     why = f"{mod} is {lq} in the {layout} layout"
-    ct = layout == "compressed-tensors"
+    row = hf_quant(layout)
     if spec.block_size is not None and k % spec.block_size:
         raise CheckpointError(f"{mod}: input dimension {k} is not a multiple of the "
                               f"{spec.name} block size {spec.block_size}")
-    data_name = f"{mod}.weight_packed" if ct and spec.packed else f"{mod}.weight"
+    data_name = f"{mod}.{row.packed_data if spec.packed else 'weight'}"
     if spec.packed:
         data = _expect(store, data_name, ("U8",), ((n, k // 2),), why)
     else:
@@ -313,22 +188,23 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
         block_shape = None
     else:
         sdt = DTYPE_NAMES[np.dtype(spec.scale_dtype)]
-        storage = L.CT_SCHEMES[spec.name].scale_storage if ct else None
+        storage = row.scale_storage(spec.name)
         names = (storage, sdt) if storage else (sdt,)
         sc = _expect(store, f"{mod}.weight_scale", names, ((n, k // spec.block_size),), why)
         scales = sc.view(np.dtype(spec.scale_dtype)).T
         block_shape = (spec.block_size, 1)
     gs = None
     if spec.has_global_scale:
-        gs = np.asarray(_scale(store, f"{mod}.weight_global_scale" if ct
-                               else f"{mod}.weight_scale_2", why, encode=ct))
+        gs = np.asarray(_scale(store, f"{mod}.{row.global_scale}", why,
+                               encode=row.global_encode))
     q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)
     in_scale = None
     ispec = lq.input_spec
     if ispec is not None and static_input and ispec.has_tensor_scale:
-        enc = ct and ispec.has_global_scale
-        in_scale = _scale(store, f"{mod}.input_global_scale" if enc else f"{mod}.input_scale",
-                          why + " with static input scales", encode=enc)
+        name, enc = (row.input_global_scale, row.input_global_encode) \
+            if ispec.has_global_scale else ("input_scale", False)
+        in_scale = _scale(store, f"{mod}.{name}", why + " with static input scales",
+                          encode=enc)
     return q, in_scale
 
 
@@ -342,33 +218,28 @@ def read_checkpoint(path: str | Path, *, dequantize: bool = False,
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
-    cfg_json = _load_json(path / "config.json")
+    cfg_json = load_json(path / "config.json")
     try:
         cfg = model_config_from_hf(cfg_json, param_dtype=param_dtype)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
-    qc = cfg_json.get("quantization_config")
-    method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
-    if qc is not None and method not in ("compressed-tensors", "modelopt"):
-        raise CheckpointError(f"quantization_config.quant_method={method!r}: "
-                              "expected 'compressed-tensors' or 'modelopt'")
+    method = quant_method(cfg_json, path)
+    if method is not None and method not in HF_QUANT:
+        raise CheckpointError(f"quantization_config.quant_method={method!r}: expected "
+                              + " or ".join(repr(m) for m in HF_QUANT))
     try:
         store = TensorStore(path)
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
     _check_sizes(path, cfg, store)  # before anything of config.json's size is built
-    if qc is None and not (path / "hf_quant_config.json").is_file():
+    if method is None:
         layout = "hf"
         layers = {p: L.LayerQuant() for p in linear_paths(cfg)}
         static = dict.fromkeys(layers, False)
     else:
+        layout = method
         try:
-            if method == "compressed-tensors":
-                layout = "compressed-tensors"
-                layers, static = _ct_layers(qc, cfg)
-            else:
-                layout = "modelopt"
-                layers, static = _modelopt_layers(_modelopt_quant(path, cfg_json), cfg)
+            layers, static = HF_QUANT[method].parse(path, cfg_json, cfg)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
 

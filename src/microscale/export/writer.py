@@ -41,7 +41,6 @@ are stored in ``dtype``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,6 +54,7 @@ from microscale import __version__
 from microscale.data import check_vocab_fits, load_tokenizer
 from microscale.export import layouts as L
 from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_paths
+from microscale.export.hfquant import HF_QUANT, hf_quant
 from microscale.export.params import check_params, flat_params
 from microscale.export.tensorfile import DTYPES, write_sharded
 from microscale.export.tokenizer import write_tokenizer
@@ -69,6 +69,7 @@ __all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "check_export_out", "export_ch
 DEFAULT_SHARD_BYTES = 5 * 10**9
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 _MARKER = "microscale_export.json"
+_LAYOUTS = (*HF_QUANT, "hf")  # "hf": a plain HF folder, every linear unquantized
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +78,7 @@ class ExportResult:
 
     # The output folder.
     path: Path
-    # "compressed-tensors" or "modelopt".
+    # "compressed-tensors", "modelopt" or "hf".
     layout: str
     # File names written into the folder.
     files: tuple[str, ...]
@@ -85,6 +86,12 @@ class ExportResult:
     layers: dict[str, str]
     # Bytes of the safetensors data (all shards).
     tensor_bytes: int
+    # The model config written.
+    config: ModelConfig
+
+    def describe(self) -> dict[str, Any]:
+        """What a report records of the export (``quantize``'s ``checkpoint`` entry)."""
+        return {"layout": self.layout, "path": str(self.path), "files": list(self.files)}
 
 
 def _host(x) -> np.ndarray:
@@ -97,7 +104,9 @@ def _scalar(x, shape: tuple[int, ...]) -> np.ndarray:
 
 def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
                   input_scale: np.float32 | None) -> dict[str, np.ndarray]:
-    """The tensors of one quantized linear in ``layout`` (``q``: kernel or HF orientation)."""
+    """The tensors of one quantized linear in ``layout`` (an :data:`HF_QUANT` row's name;
+    ``q``: kernel or HF orientation)."""
+    row = hf_quant(layout)
     q = L.row_blocks(L.to_hf_orientation(q))
     spec = q.spec
     n, k = q.shape
@@ -105,77 +114,27 @@ def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
             spec.block_size is not None and k % spec.block_size):
         raise ValueError(f"{module}: weight of shape {(n, k)} is padded to {q.data.shape}; "
                          f"the input dimension must be a multiple of {spec.block_size}")
+    row.check(lq)  # raises for combinations the layout has no name for
+    storage = row.scale_storage(spec.name)
     out: dict[str, np.ndarray] = {}
-    scalar = (1,) if layout == "compressed-tensors" else ()
-    if layout == "compressed-tensors":
-        scheme = L.ct_scheme(spec.name)
-        out[f"{module}.weight_packed" if spec.packed else f"{module}.weight"] = _host(q.data)
-        sc = _host(q.scales)
-        if spec.block_size is None:
-            sc = _scalar(sc, scalar)
-        elif scheme.scale_storage is not None:
-            sc = sc.view(DTYPES[scheme.scale_storage])
-        out[f"{module}.weight_scale"] = sc
-        if spec.has_global_scale:
-            out[f"{module}.weight_global_scale"] = _scalar(
-                L.exact_reciprocal(np.asarray(q.global_scale)), scalar)
-        if input_scale is not None:
-            ispec = lq.input_spec
-            if ispec.has_global_scale:
-                out[f"{module}.input_global_scale"] = _scalar(L.exact_reciprocal(input_scale),
-                                                              scalar)
-            else:
-                out[f"{module}.input_scale"] = _scalar(input_scale, scalar)
-    else:
-        L.modelopt_algo(lq)  # raises for combinations ModelOpt has no name for
-        out[f"{module}.weight"] = _host(q.data)
-        sc = _host(q.scales)
-        out[f"{module}.weight_scale"] = _scalar(sc, scalar) if spec.block_size is None else sc
-        if spec.has_global_scale:
-            out[f"{module}.weight_scale_2"] = _scalar(q.global_scale, scalar)
-        if input_scale is not None:
-            out[f"{module}.input_scale"] = _scalar(input_scale, scalar)
+    out[f"{module}.{row.packed_data if spec.packed else 'weight'}"] = _host(q.data)
+    sc = _host(q.scales)
+    if spec.block_size is None:
+        sc = _scalar(sc, row.scalar)
+    elif storage is not None:
+        sc = sc.view(DTYPES[storage])
+    out[f"{module}.weight_scale"] = sc
+    if spec.has_global_scale:
+        g = L.exact_reciprocal(np.asarray(q.global_scale)) if row.global_encode \
+            else q.global_scale
+        out[f"{module}.{row.global_scale}"] = _scalar(g, row.scalar)
+    if input_scale is not None:
+        if lq.input_spec.has_global_scale:
+            s = L.exact_reciprocal(input_scale) if row.input_global_encode else input_scale
+            out[f"{module}.{row.input_global_scale}"] = _scalar(s, row.scalar)
+        else:
+            out[f"{module}.input_scale"] = _scalar(input_scale, row.scalar)
     return out
-
-
-def _ct_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
-    kinds: dict[L.LayerQuant, list[str]] = {}
-    for p, lq in layers.items():
-        if lq.quantized:
-            kinds.setdefault(lq, []).append(hf_module(p))
-    groups = {}
-    every = len(kinds) == 1 and all(lq.quantized for lq in layers.values())
-    for i, (lq, mods) in enumerate(kinds.items()):
-        scheme = L.ct_scheme(lq.weights)
-        groups[f"group_{i}"] = {
-            "targets": ["Linear"] if every else mods,
-            "weights": dict(scheme.weights),
-            "input_activations": None if lq.inputs is None
-            else dict(L.ct_scheme(lq.inputs).inputs),
-            "output_activations": None,
-            "format": scheme.format,
-        }
-    fmts = {g["format"] for g in groups.values()}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": fmts.pop() if len(fmts) == 1 else "mixed-precision",
-        "quantization_status": "compressed",
-        "config_groups": groups,
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-        "sparsity_config": {},
-    }
-
-
-def _modelopt_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
-    per = {hf_module(p): L.modelopt_algo(lq) for p, lq in layers.items() if lq.quantized}
-    algos = {json.dumps(a, sort_keys=True) for a in per.values()}
-    if len(algos) == 1:
-        return {**json.loads(algos.pop()), "kv_cache_quant_algo": None,
-                "exclude_modules": ignore}
-    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-            "quantized_layers": per, "exclude_modules": ignore}
 
 
 def _source(model: Any, config: ModelConfig | None):
@@ -203,7 +162,8 @@ def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
                       dtype: str = "bfloat16",
                       shard_bytes: int = DEFAULT_SHARD_BYTES,
                       overwrite: bool = False) -> ExportResult:
-    """Write ``model`` to ``out_dir`` in ``layout`` ("compressed-tensors" or "modelopt").
+    """Write ``model`` to ``out_dir`` in ``layout`` ("compressed-tensors", "modelopt", or
+    "hf": float weights only, ``layer_formats`` default "bf16").
 
     Args:
       model: a ``Transformer``, its params (``nnx.State``, nested or flat dict; kernels may
@@ -221,8 +181,8 @@ def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
       shard_bytes: above this many bytes the weights are sharded with an index.
       overwrite: replace an existing non-empty ``out_dir``.
     """
-    if layout not in L.LAYOUTS:
-        raise ValueError(f"layout={layout!r}: expected one of {L.LAYOUTS}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {_LAYOUTS}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
     out = Path(out_dir)
@@ -262,6 +222,8 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         check_vocab_fits(tokenizer.vocab_size, cfg.vocab_size)
     if activations is None:
         activations = input_amax is not None
+    if layout == "hf" and layer_formats is None:
+        layer_formats = "bf16"
     if ck_layers is not None and layer_formats is None and input_amax is None:
         layers, input_scales = ck_layers, ck_scales  # re-export: bytes and scales kept
     else:
@@ -269,6 +231,10 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
             layer_formats = {p: lq.weights for p, lq in ck_layers.items()}
         layers = L.resolve_layers(cfg, layer_formats, activations=activations)
         input_scales = L.input_decode_scales(cfg, layers, input_amax)
+    if layout == "hf" and any(lq.quantized for lq in layers.values()):
+        shown = sorted({str(lq) for lq in layers.values() if lq.quantized})
+        raise ValueError(f"layout='hf' stores float weights only, but layers are {shown}; "
+                         "choose compressed-tensors or modelopt for quantized layers")
     quantized = L.quantize_linear_weights(params, cfg, layers)
 
     # Everything is computed and validated before the output folder is touched.
@@ -294,23 +260,17 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
                                                   if not layers[p].quantized]
     cfg_json = hf_config(cfg, dtype=dtype,
                          eos_token_id=None if tokenizer is None else tokenizer.eos_id)
-    hq = None
+    extra: dict[str, Any] = {}  # files beside config.json describing the quantization
     if any(lq.quantized for lq in layers.values()):
-        if layout == "compressed-tensors":
-            cfg_json["quantization_config"] = _ct_config(layers, ignore)
-        else:
-            q = _modelopt_config(layers, ignore)
-            cfg_json["quantization_config"] = {"quant_method": "modelopt", **q}
-            hq = {"producer": {"name": "microscale", "version": __version__},
-                  "quantization": q}
+        cfg_json["quantization_config"], extra = hf_quant(layout).files(layers, ignore)
 
     # Written into a temporary sibling folder that replaces `out` only once complete: a
     # killed export leaves the old model (or none), never a partial one.
     files: list[str] = []
     with atomic_folder(out, overwrite=True) as tmp:
-        if hq is not None:
-            atomic_write_json(tmp / "hf_quant_config.json", hq)
-            files.append("hf_quant_config.json")
+        for name, obj in extra.items():
+            atomic_write_json(tmp / name, obj)
+            files.append(name)
         files += write_sharded(tmp, tensors, shard_bytes=shard_bytes, groups=groups,
                                metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg_json)
@@ -327,4 +287,4 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         files.append(_MARKER)
     return ExportResult(path=out, layout=layout, files=tuple(files),
                         layers={p: str(lq) for p, lq in layers.items()},
-                        tensor_bytes=sum(a.nbytes for a in tensors.values()))
+                        tensor_bytes=sum(a.nbytes for a in tensors.values()), config=cfg)

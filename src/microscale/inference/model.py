@@ -20,7 +20,6 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ from microscale.export.layouts import (
 )
 from microscale.export.params import check_params, flat_params
 from microscale.export.reader import Checkpoint, read_checkpoint
+from microscale.export.registry import RUN, Layout, detect
 from microscale.formats import QArray
 from microscale.inference.engine import Linear, build_weights, forward, init_cache
 from microscale.inference.sampling import GenerationConfig, sample_logits
@@ -375,8 +375,8 @@ def collect_input_amax(model: InferenceModel, batches) -> dict[str, float]:
 # ---------------------------------------------------------------------- loading
 
 def is_run_dir(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()
+    """Whether ``path`` is a training run folder (:data:`~microscale.export.registry.RUN`)."""
+    return detect(path) is RUN
 
 
 def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
@@ -393,7 +393,8 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
 
     p = check_input_dir(path, what="", expected="an exported model folder (config.json) or a "
                         "microscale training run (config.yaml + checkpoints/)")
-    if is_run_dir(p):
+    kind = detect(p)
+    if kind is RUN:
         from microscale.data import load_tokenizer
         from microscale.train import load_checkpoint
 
@@ -403,15 +404,15 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
         return InferenceModel.from_params(model, tcfg.model, formats=formats,
                                           activations=bool(activations), tokenizer=tok,
                                           compute_dtype=compute_dtype, source=str(p))
-    if (p / "config.json").is_file():
+    if isinstance(kind, Layout) and kind.hf_folder:
         if formats is None:
             return InferenceModel.from_checkpoint(p, activations=activations,
                                                   compute_dtype=compute_dtype)
-        ck = read_checkpoint(p)
-        if ck.layout != "hf":
-            raise ValueError(f"{str(p)!r} is a {ck.layout} export whose layers are already "
+        if kind.quantized:
+            raise ValueError(f"{str(p)!r} is a {kind.name} export whose layers are already "
                              "stored in their formats; formats= applies to float weights (a "
                              "training run or a plain HF folder)")
+        ck = read_checkpoint(p)
         return InferenceModel.from_params(ck.params, ck.config, formats=formats,
                                           activations=bool(activations),
                                           tokenizer=ck.tokenizer(),

@@ -14,13 +14,9 @@
                            the searched allocations across budgets
     sensitivity.png        layer x format heatmap of log10 scores, the chosen format marked
 
-microscale's own checkpoint layout (``checkpoint/manifest.json`` describes every tensor):
-per quantized linear ``<path>.weight`` (the QArray's data: packed uint8 ``[out, in/2]`` for
-4-bit formats, the 8-bit elements' raw bytes ``[out, in]`` as uint8), ``<path>.weight_scale``
-(block scales' raw bytes ``[out, in/block]`` as uint8, or the float32 per-tensor scale)
-and ``<path>.weight_global_scale`` (float32 ``[1]``, decode direction ``amax/2688``);
-``<path>.input_amax`` (float32 ``[1]``) for W4A4; other parameters float32 under their
-paths. :func:`read_own_checkpoint` reads it back into QArrays.
+microscale's own checkpoint layout (``checkpoint/manifest.json`` describes every tensor)
+is :mod:`microscale.export.manifest`; each layout is a row of
+:mod:`microscale.export.registry`.
 """
 
 from __future__ import annotations
@@ -31,139 +27,59 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
-import ml_dtypes
 import numpy as np
 
+from microscale.export import LayerQuant, flat_params
+from microscale.export.manifest import read_manifest, write_manifest
+from microscale.export.registry import (
+    QUANTIZE_OUTPUT,
+    Layout,
+    detect,
+    get_layout,
+    quantize_output_model,
+)
 from microscale.files import (
     atomic_folder,
     atomic_write_json,
     atomic_write_text,
     check_output_dir,
     lock_folder,
-    read_json,
     save_figure,
 )
-from microscale.formats import QArray, get_format
+from microscale.formats import get_format
 from microscale.ptq.pipeline import QuantizeResult
 
 __all__ = ["check_quantize_out", "plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_markdown",
            "write_outputs", "write_own_checkpoint"]
 
-_MANIFEST_VERSION = 1
-
-
-def _raw(a) -> tuple[np.ndarray, str]:
-    """An array as safetensors-storable numpy plus its logical dtype name."""
-    a = np.asarray(a)
-    name = str(a.dtype)
-    if a.dtype.itemsize == 1 and a.dtype not in (np.uint8, np.int8):
-        return a.view(np.uint8), name
-    if a.dtype == ml_dtypes.bfloat16:
-        return a.view(np.uint16), name
-    return a, name
-
 
 def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """microscale's own layout (see the module doc); returns a description."""
-    from microscale.export import flat_params, write_safetensors
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    engine = result.engine
-    tensors: dict[str, np.ndarray] = {}
-    layers: dict[str, Any] = {}
-    kernel_names = {f"{p}.kernel" for p in result.paths}
-    for name, v in flat_params(engine.params).items():
-        if name not in kernel_names:
-            tensors[name] = np.asarray(v, np.float32)
-    for p in result.paths:
-        w = result.weights[p]
-        q: QArray = w.qarray
-        entry: dict[str, Any] = {"format": w.format, "shape": list(q.shape), "layout": "out_in",
-                                 "axis": -1, "block_shape": None if q.block_shape is None
-                                 else list(q.block_shape), "amax": w.amax,
-                                 "scale_multiplier": w.scale_multiplier, "tensors": {}}
-        for field, key in (("data", "weight"), ("scales", "weight_scale"),
-                           ("global_scale", "weight_global_scale")):
-            arr = getattr(q, field)
-            if arr is None:
-                continue
-            raw, dtype = _raw(arr)
-            raw = raw.reshape(1) if raw.ndim == 0 else raw
-            tensors[f"{p}.{key}"] = np.ascontiguousarray(raw)
-            entry["tensors"][field] = {"name": f"{p}.{key}", "dtype": dtype}
-        if result.config.activations and get_format(w.format).quantized:
-            tensors[f"{p}.input_amax"] = np.asarray([result.act_amax[p]], np.float32)
-            entry["input_amax"] = result.act_amax[p]
-        layers[p] = entry
-    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "microscale-ptq"})
-    manifest = {"format": "microscale-ptq", "version": _MANIFEST_VERSION,
-                "activations": result.config.activations, "layers": layers,
-                "params": sorted(n for n in tensors if not any(n.startswith(p + ".")
-                                                               for p in result.paths)),
-                "rules": result.rules.to_dict()}
-    atomic_write_json(out / "manifest.json", manifest)
-    return {"layout": "microscale-ptq", "path": str(out),
-            "files": ["model.safetensors", "manifest.json"]}
+    """``result``'s weights in microscale's own layout
+    (:func:`microscale.export.manifest.write_manifest`); returns a description."""
+    return write_manifest(out_dir, params=flat_params(result.engine.params),
+                          weights={p: result.weights[p] for p in result.paths},
+                          activations=result.config.activations, input_amax=result.act_amax,
+                          rules=result.rules.to_dict())
 
 
-def read_own_checkpoint(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str, Any],
-                                                          dict[str, Any]]:
-    """``({layer path: QArray [out, in]}, {param path: float32 array}, manifest)``."""
-    from microscale.export import TensorStore
-
-    path = Path(path)
-    manifest = read_json(path / "manifest.json", what="PTQ manifest")
-    if manifest.get("format") != "microscale-ptq":
-        raise ValueError(f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
-                         "'microscale-ptq'")
-    store = TensorStore(path / "model.safetensors")
-    qs = {}
-    for p, e in manifest["layers"].items():
-        spec = get_format(e["format"])
-        leaves = {}
-        for field in ("data", "scales", "global_scale"):
-            t = e["tensors"].get(field)
-            if t is None:
-                leaves[field] = None
-                continue
-            arr = store.get(t["name"])
-            dt = np.dtype(getattr(ml_dtypes, t["dtype"], t["dtype"]))
-            arr = arr.view(dt) if arr.dtype != dt else arr
-            if field == "global_scale" or (field == "scales" and spec.block_size is None):
-                arr = arr.reshape(())
-            leaves[field] = jax.numpy.asarray(arr)
-        bs = None if e["block_shape"] is None else tuple(e["block_shape"])
-        qs[p] = QArray(leaves["data"], leaves["scales"], leaves["global_scale"], spec,
-                       1, tuple(e["shape"]), bs)
-    params = {n: np.array(store.get(n)) for n in manifest["params"]}
-    return qs, params, manifest
+read_own_checkpoint = read_manifest  # the layout's reader, under the name PTQ gave it
 
 
-def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: str):
-    from microscale.export import LayerQuant, export_checkpoint, flat_params
-
+def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: Layout):
+    """``result``'s quantized weights written by ``layout``'s row (byte for byte where the
+    layout stores their formats natively); returns the report's ``checkpoint`` entry."""
     flat = flat_params(result.engine.params)
     for p in result.paths:
         w = result.weights[p]
         if get_format(w.format).quantized:
             flat[f"{p}.kernel"] = w.qarray
-    if layout == "gguf":  # one llama.cpp file, the PTQ weights' bytes as they are
-        from microscale.export.gguf import write_gguf
-
-        res = write_gguf(flat, out, config=model_config, layer_formats=result.allocation.formats,
-                         tokenizer=tokenizer, overwrite=True)
-        return {"layout": "gguf", "path": str(res.path), "files": [res.path.name],
-                "tokenizer": res.tokenizer}
     acts = result.config.activations
     layers = {p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
               for p, f in result.allocation.formats.items()}
-    res = export_checkpoint(flat, out, config=model_config, layout=layout,
-                            layer_formats=layers, activations=acts,
-                            input_amax=result.act_amax if acts else None,
-                            tokenizer=tokenizer, overwrite=True)
-    return {"layout": res.layout, "path": str(res.path), "files": list(res.files)}
+    res = layout.write(flat, out, config=model_config, layer_formats=layers, activations=acts,
+                       input_amax=result.act_amax if acts else None, tokenizer=tokenizer,
+                       overwrite=True)
+    return res.describe()
 
 
 def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_config=None,
@@ -183,24 +99,26 @@ def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_c
 
 def check_quantize_out(out_dir: str | os.PathLike) -> Path:
     """Fail fast unless ``out_dir`` can take quantize outputs: a writable new or empty
-    folder, or an earlier quantize output (``report.json`` present), which is replaced."""
+    folder, or an earlier quantize output (:data:`~microscale.export.registry.QUANTIZE_OUTPUT`),
+    which is replaced."""
     out = check_output_dir(out_dir, what="quantize output folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "report.json").is_file():
+    if out.is_dir() and any(out.iterdir()) and detect(out) is not QUANTIZE_OUTPUT:
         raise FileExistsError(f"quantize output folder {str(out_dir)!r} is not empty and is "
-                              "not an earlier quantize output (no report.json); choose a new "
-                              "or empty folder")
+                              "not an earlier quantize output (no report.json + "
+                              "precision_rules.json); choose a new or empty folder")
     return out
 
 
 def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer, layout: str,
                    log, shown: Path) -> dict[str, Any]:
     say = log or (lambda _m: None)
+    row = get_layout(layout)
     result.rules.save(out / "precision_rules.json")
-    ck_dir = out / ("model.gguf" if layout == "gguf" else "checkpoint")
+    ck_dir = quantize_output_model(out, single_file=row.single_file)
     checkpoint: dict[str, Any]
-    if model_config is not None and layout != "microscale":
+    if model_config is not None and row.writes_model:
         try:
-            checkpoint = _export(result, ck_dir, model_config, tokenizer, layout)
+            checkpoint = _export(result, ck_dir, model_config, tokenizer, row)
         except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
             reason = f"{type(e).__name__}: {e}"
             say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.export.registry import RUN, detect, get_layout
 from microscale.files import check_input_dir, lock_folder
 from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
 
@@ -93,14 +94,14 @@ def quantize_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
     cfg = QuantizeConfig() if config is None else config
     run_dir = check_input_dir(run_dir, what="--checkpoint",
                               expected="the out= folder of a training run")
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder "
-                                "(no config.yaml); expected the out= folder of a training run")
+    if detect(run_dir) is not RUN:
+        raise FileNotFoundError(f"{str(run_dir)!r} is not a microscale run folder (no "
+                                "config.yaml + checkpoints/); expected the out= folder of a "
+                                "training run")
     check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
-    if layout == "gguf" and (run_dir / "tokenizer.json").is_file():
-        from microscale.export.gguf import gguf_vocab
-
-        gguf_vocab(run_dir / "tokenizer.json")  # a tokenizer llama.cpp cannot run: refused now
+    row = get_layout(layout)  # an unknown name: refused before any work
+    if row.check_tokenizer is not None and (run_dir / "tokenizer.json").is_file():
+        row.check_tokenizer(run_dir / "tokenizer.json")  # one it cannot store: refused now
     with lock_folder(out_dir):
         return _quantize_run(run_dir, out_dir, cfg, corpus=corpus, step=step,
                              eval_batches=eval_batches, layout=layout, log=log)

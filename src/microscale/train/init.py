@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from microscale.export import read_checkpoint
+from microscale.export.hf import model_config_from_hf
+from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
 
@@ -82,12 +85,10 @@ class InitSource:
         return d
 
 
-def _is_run(p: Path) -> bool:
-    return (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()
-
-
-def _is_quantize_output(p: Path) -> bool:
-    return (p / "precision_rules.json").is_file() and (p / "report.json").is_file()
+def _is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` holds an HF-style folder (config.json: plain or packed)."""
+    kind = detect(path)
+    return isinstance(kind, Layout) and kind.hf_folder
 
 
 def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int, ModelConfig]:
@@ -100,24 +101,12 @@ def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int,
 
 
 def _from_packed(path: Path) -> tuple[dict[str, np.ndarray], ModelConfig | None]:
-    """Dequantized float weights of a quantize output's ``checkpoint/`` folder."""
-    from microscale.formats import dequantize
-
-    if (path / "config.json").is_file():
-        from microscale.export import read_checkpoint
-
-        ck = read_checkpoint(path, dequantize=True)
-        return {k: np.asarray(v) for k, v in ck.params.items()}, ck.config
-    if (path / "manifest.json").is_file():
-        from microscale.ptq.report import read_own_checkpoint
-
-        qs, params, _ = read_own_checkpoint(path)
-        flat = {k: np.asarray(v, np.float32) for k, v in params.items()}
-        for p, q in qs.items():  # stored [out, in]; kernels are [in, out]
-            flat[f"{p}.kernel"] = np.asarray(dequantize(q, np.float32)).T
-        return flat, None
-    raise FileNotFoundError(f"{str(path)!r}: no config.json or manifest.json (expected the "
-                            "checkpoint/ folder that microscale quantize writes)")
+    """Dequantized float weights of a quantize output's model (its layout's ``read``)."""
+    kind = detect(path)
+    if not isinstance(kind, Layout):
+        raise FileNotFoundError(f"{str(path)!r}: no config.json or manifest.json (expected the "
+                                "checkpoint/ folder that microscale quantize writes)")
+    return kind.read(path)
 
 
 def load_init_weights(source: str | os.PathLike, *, step: int | None = None
@@ -126,14 +115,15 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
     path = check_input_dir(source, what="init_from=", expected="a microscale run folder, a "
                            "`microscale quantize` output or an HF Llama folder")
-    if _is_run(path):
+    kind = detect(path)
+    if kind is RUN:
         flat, got, model = _from_run(path, step)
         return flat, InitSource(path=str(source), kind="run", step=got, weights="master",
                                 model=model, note=f"master weights of step {got} of {path}")
     if step is not None:
         raise ValueError(f"init_step={step} applies to a run folder, but init_from="
                          f"{str(source)!r} is not one (no config.yaml + checkpoints/)")
-    if _is_quantize_output(path):
+    if kind is QUANTIZE_OUTPUT:
         report = json.loads((path / "report.json").read_text())
         calib = report.get("calibration") or {}
         run_dir, run_step = calib.get("run_dir"), calib.get("step")
@@ -141,7 +131,7 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
         if run_dir:
             run = Path(run_dir)
             why = f"its source run {run_dir!r} is gone"
-            if _is_run(run):
+            if detect(run) is RUN:
                 try:
                     flat, got, model = _from_run(run, run_step)
                 except FileNotFoundError:
@@ -151,16 +141,15 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                         path=str(source), kind="quantize", step=got, weights="master",
                         model=model, note=f"master weights of step {got} of {run}, the run "
                                           f"{path} quantized")
-        flat, model = _from_packed(path / "checkpoint")
+        packed = quantize_output_model(path)
+        flat, model = _from_packed(packed)
         return flat, InitSource(
             path=str(source), kind="quantize", step=None, weights="dequantized", model=model,
-            note=f"dequantized weights of {path / 'checkpoint'} ({why}): training starts "
+            note=f"dequantized weights of {packed} ({why}): training starts "
                  "from the quantized model, not from its master weights")
-    if (path / "config.json").is_file():
-        from microscale.export import read_checkpoint
-
+    if isinstance(kind, Layout) and kind.hf_folder:
         ck = read_checkpoint(path, dequantize=True)
-        packed = ck.layout != "hf"
+        packed = kind.quantized
         return ({k: np.asarray(v) for k, v in ck.params.items()},
                 InitSource(path=str(source), kind="hf", step=None,
                            weights="dequantized" if packed else "master", model=ck.config,
@@ -209,24 +198,22 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
     in microscale's layout, its source run's). None for anything else (a path that is not
     a model folder: :func:`load_init_weights` says what is wrong)."""
     path = Path(source).expanduser()
-    if _is_quantize_output(path):
+    if detect(path) is QUANTIZE_OUTPUT:
         report = read_json(path / "report.json", what="quantize report")
         calib = report.get("calibration") if isinstance(report, dict) else None
         run = calib.get("run_dir") if isinstance(calib, dict) else None
-        path = path / "checkpoint" if (path / "checkpoint" / "config.json").is_file() \
-            else Path(run or path)
+        packed = quantize_output_model(path)
+        path = packed if _is_hf_folder(packed) else Path(run or path)
     if not path.is_dir():
         return None
     tok = path / "tokenizer.json"
     tok = tok if tok.is_file() else None
-    if _is_run(path):
+    if detect(path) is RUN:
         from microscale.config import load_yaml
         from microscale.train.config import TrainConfig
 
         return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
-    if (path / "config.json").is_file() and not _is_quantize_output(path):
-        from microscale.export.hf import model_config_from_hf
-
+    if _is_hf_folder(path):
         where = str(path / "config.json")
         try:
             model = model_config_from_hf(read_json(where, what="config.json"))

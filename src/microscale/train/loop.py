@@ -26,6 +26,15 @@ saved, so the last good one is intact and ``resume=true`` continues from it.
 Exact resume: params, optimizer state, the step, the non-finite counters and the phase
 are checkpointed; batches and keys are functions of the step. 20 steps straight and 10 +
 resume + 10 give identical losses (``tests/train/test_train_loop.py``).
+
+The parts, each a top-level name with explicit arguments (``tests/train/test_train_parts.py``
+tests them alone): :class:`Phases` (which compiled program trains each step), :class:`Clock`
+(the counters and timers), :func:`compile_programs` (the train / eval steps of ``step.py``
+per phase), :func:`evaluate` (an ``"eval"`` record), :func:`checkpoint_meta` and
+:func:`write_summary` (``summary.json``). One start of a run (:func:`_run_start`) is
+:func:`_prepare` (files, data, model, weights), :func:`_announce`, :func:`_load_eval_sets`,
+:func:`_train_steps` (with :func:`_change_phase`, :func:`_read_back`, :func:`_evaluate`),
+then :func:`_finish` or :func:`_abort`; ``_Run`` holds what they share.
 """
 
 from __future__ import annotations
@@ -399,14 +408,339 @@ def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool
                 summary = read_json(done, what="run summary")
                 if summary.get("status") == "completed":
                     return summary
-        return _train(cfg, out, ckpt, latest if cfg.resume else None, t_start=t_start,
-                      progress=progress, callbacks=callbacks, label=label or cfg.recipe)
+        return _run_start(cfg, out, ckpt, latest if cfg.resume else None, t_start=t_start,
+                          progress=progress, callbacks=callbacks, label=label or cfg.recipe)
     finally:
         ckpt.close()
 
 
-def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None, *,
-           t_start: float, progress: bool, callbacks, label: str) -> dict[str, Any]:
+# ----------------------------------------------------------------------------- the loop's parts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phases:
+    """Which phase (compiled program) trains each step: an all-bf16 ``"warmup"`` first
+    (bf16_policy sensitivity / position_warmup), then ``"main"``, then ``"late"`` (the late
+    precision switch)."""
+
+    # First step after the all-bf16 warm-up (0: no warm-up).
+    warmup_end: int
+    # First step of the late high-precision phase (None: no late switch).
+    late_start: int | None
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig, graphdefs: dict[str, Any]) -> Phases:
+        """The phases of ``cfg`` (``graphdefs``: the phases its state was built with)."""
+        return cls(warmup_end=cfg.warmup_steps,
+                   late_start=cfg.switch_step if "late" in graphdefs else None)
+
+    def of(self, step: int) -> str:
+        """The phase that trains batch ``step`` (0-based)."""
+        if step < self.warmup_end:
+            return "warmup"
+        return "late" if self.late_start is not None and step >= self.late_start else "main"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Clock:
+    """The loop's counters and timers, updated once per step read back.
+
+    Time between two read-backs is training time; the first step of each compiled program
+    counts as compile time, the others feed the throughput (``tokens_per_s``).
+    Evaluations and checkpoints are excluded from both (:meth:`pause`). The non-finite
+    counters and ``train_time`` are checkpointed; the rest starts afresh with each start of
+    a run.
+    """
+
+    # time.perf_counter() when train() was called (the summary's wall time).
+    t_start: float
+    # Steps done: the last step read back (the step a run starts at before the first).
+    step: int
+    # Skipped (non-finite) updates so far, over all starts of the run.
+    nonfinite_total: int = 0
+    # Non-finite steps in a row, up to `step`.
+    streak: int = 0
+    # Seconds of training so far, over all starts of the run.
+    train_time: float = 0.0
+    # Seconds of the steps that compiled a program (this start).
+    compile_s: float = 0.0
+    # Seconds of the other steps (this start).
+    timed_s: float = 0.0
+    # Tokens of those steps.
+    timed_tokens: int = 0
+    # time.perf_counter() at the previous read-back (moved on by pauses).
+    t_prev: float = 0.0
+    # Start of the current log window (moved on by pauses).
+    win_t0: float = 0.0
+    # Tokens read back in the current log window.
+    win_tokens: int = 0
+    # Finite losses in the current log window.
+    win_loss: list[float] = dataclasses.field(default_factory=list)
+    # The last finite losses (at most `keep` of them, see count()).
+    recent: list[float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, meta: dict[str, Any], *, t_start: float, start: int) -> Clock:
+        """The clock of a run starting at ``start``; ``meta``: its checkpoint's metadata
+        (empty for a fresh run)."""
+        return cls(t_start=t_start, step=start,
+                   nonfinite_total=int(meta.get("nonfinite_total", 0)),
+                   streak=int(meta.get("nonfinite_streak", 0)),
+                   train_time=float(meta.get("train_time_s", 0.0)))
+
+    def tick(self, now: float, tokens: int, *, compiling: bool) -> None:
+        """A step was read back at ``now``: the time since the previous one is training
+        time, and compile time or throughput time."""
+        dt = now - self.t_prev
+        self.t_prev = now
+        self.train_time += dt
+        if compiling:
+            self.compile_s += dt
+        else:
+            self.timed_tokens += tokens
+            self.timed_s += dt
+
+    def count(self, step: int, loss: float, *, finite: bool, keep: int) -> None:
+        """Step ``step`` (1-based) ended with ``loss``: the streak and the losses kept."""
+        self.step = step
+        if not finite:
+            self.streak += 1
+            self.nonfinite_total += 1
+        else:
+            self.streak = 0
+            self.recent.append(loss)
+            del self.recent[:-keep]
+            self.win_loss.append(loss)
+
+    def end_window(self, now: float) -> tuple[float | None, float | None]:
+        """``(mean finite loss, tokens/s)`` of the log window ending at ``now``; a new
+        window starts."""
+        wdt = now - self.win_t0
+        loss_avg = float(np.mean(self.win_loss)) if self.win_loss else None
+        rate = self.win_tokens / wdt if wdt > 0 else None
+        self.win_loss.clear()
+        self.win_t0, self.win_tokens = now, 0
+        return loss_avg, rate
+
+    def pause(self, seconds: float) -> None:
+        """Exclude ``seconds`` (an evaluation, a checkpoint) from the clocks."""
+        self.t_prev += seconds
+        self.win_t0 += seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Throughput of this start, compile steps excluded (None before a timed step)."""
+        return (self.timed_tokens / self.timed_s) if self.timed_s > 0 else None
+
+    @property
+    def train_loss(self) -> float | None:
+        """Mean of the last finite losses (None before the first)."""
+        return float(np.mean(self.recent)) if self.recent else None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Programs:
+    """The compiled train and eval steps of every phase (``step.py``)."""
+
+    # phase -> step(params, opt_state, rest, batch, step[, poison]) (make_train_step)
+    train: dict[str, Callable]
+    # phase -> eval(params, rest, batch) -> mean loss (make_eval_step)
+    eval: dict[str, Callable]
+
+
+_BATCH_SPEC = PartitionSpec(None, BATCH_AXES, None)  # [grad_accum, micro, seq_len + 1]
+_EVAL_SPEC = PartitionSpec(BATCH_AXES, None)  # [rows, seq_len + 1]
+
+
+def compile_programs(st: _State) -> Programs:
+    """The train / eval steps of every phase of ``st`` (jitted; they compile on first use)."""
+    cfg, mesh = st.cfg, st.mesh
+    schedule = lr_schedule(cfg.optim, cfg.steps)
+    inject = bool(cfg.inject_nonfinite_steps)
+    train_fns, eval_fns = {}, {}
+    for ph, g in st.graphdefs.items():
+        train_fns[ph] = make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
+                                        param_shardings=st.param_shardings,
+                                        opt_shardings=st.opt_shardings,
+                                        batch_sharding=NamedSharding(mesh, _BATCH_SPEC))
+        eval_fns[ph] = make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
+                                      batch_sharding=NamedSharding(mesh, _EVAL_SPEC))
+    return Programs(train=train_fns, eval=eval_fns)
+
+
+def evaluate(eval_step: Callable, params, rest, val_batches: dict[str, Sequence], graphdef, *,
+             step: int, tokens: int, phase: str) -> dict[str, Any]:
+    """The ``"eval"`` record of ``params`` at ``step``: the mean loss of every eval set's
+    fixed batches (``eval_step``: :func:`~microscale.train.step.make_eval_step` of
+    ``graphdef``), each batch's loss, and the weight-quantization statistics of the model
+    (``graphdef`` + ``params`` + ``rest``)."""
+    t0 = time.perf_counter()
+    losses, per_batch = {}, {}
+    for name, batches in val_batches.items():
+        vals = [float(v) for v in jax.device_get([eval_step(params, rest, b) for b in batches])]
+        losses[name] = float(np.mean(vals))
+        per_batch[name] = vals
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    return {"kind": "eval", "step": step, "tokens": tokens, "phase": phase,
+            "val_loss": losses["val"], "val_ppl": math.exp(min(losses["val"], 50.0)),
+            "val_losses": losses, "val_batch_losses": per_batch,
+            "quant": _quant_stats(model),
+            "eval_time_s": time.perf_counter() - t0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a run's summary reports that does not change while it trains."""
+
+    # The resolved config.
+    cfg: TrainConfig
+    # The run folder.
+    out: Path
+    # Parameter count of the model.
+    n_params: int
+    # Content hash of the corpus.
+    corpus_hash: str
+    # Unigram entropy (nats) of each eval set ("val" first).
+    entropy: dict[str, float]
+    # First step of the late high-precision phase (None: no late switch).
+    late_switch_step: int | None
+    # Axis sizes of the device mesh.
+    mesh_shape: dict[str, int]
+    # The data's description (data.describe() without its config).
+    data: dict[str, Any]
+
+
+def write_summary(path: Path | None, status: str, *, facts: RunFacts, clock: Clock,
+                  last_eval: dict | None, precision: dict[str, str], init_source: dict | None,
+                  allocation: dict | None, **extra) -> dict[str, Any]:
+    """The run's summary (``status``: "completed" or "aborted"; ``extra``: more keys),
+    written atomically to ``path`` unless it is None, and returned.
+
+    ``last_eval``: the latest ``"eval"`` record; ``precision``: each linear layer's recipe
+    (:func:`~microscale.model.assignments`); ``init_source`` / ``allocation``: the run's
+    ``init_from`` and ``bf16_allocation`` records.
+    """
+    cfg = facts.cfg
+    s = {
+        "status": status,
+        "recipe": cfg.recipe,
+        "final_val_loss": last_eval["val_loss"] if last_eval else None,
+        "val_ppl": last_eval["val_ppl"] if last_eval else None,
+        "final_val_losses": last_eval["val_losses"] if last_eval else None,
+        # per fixed validation batch, so paired comparisons can measure eval noise
+        "final_val_batch_losses": last_eval["val_batch_losses"] if last_eval else None,
+        "final_train_loss": clock.train_loss,
+        "steps": clock.step,
+        "tokens": clock.step * cfg.tokens_per_step,
+        "tokens_per_s": clock.tokens_per_s,
+        "params": facts.n_params,
+        "corpus_hash": facts.corpus_hash,
+        "unigram_entropy": facts.entropy["val"],
+        "unigram_entropies": facts.entropy,
+        "nonfinite_steps": clock.nonfinite_total,
+        "late_switch_step": facts.late_switch_step,
+        "init_from": init_source,
+        "bf16_allocation": allocation,
+        "wall_time_s": time.perf_counter() - clock.t_start,
+        "train_time_s": clock.train_time,
+        "compile_time_s": clock.compile_s,
+        "precision": precision,
+        "mesh": facts.mesh_shape,
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "out": str(facts.out),
+        "data": facts.data,
+        "config": to_dict(cfg),
+        "microscale_version": __version__,
+    }
+    s.update(extra)
+    if path is not None:
+        atomic_write_json(path, s)
+    return s
+
+
+# ----------------------------------------------------------------------------- one start of a run
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Run:
+    """One start of a run: its parts (built by :func:`_prepare`) and what the loop
+    updates."""
+
+    # The resolved config.
+    cfg: TrainConfig
+    # The run folder.
+    out: Path
+    # Process 0: writes the files and prints.
+    main: bool
+    # microscale.data's loaded data (corpus, tokenizer, eval sets).
+    data: Any
+    # This process's training batcher.
+    batcher: Any
+    # Model graphs, shardings and optimizer of every phase.
+    st: _State
+    # The run's checkpoints.
+    ckpt: Checkpointer
+    # The compiled steps of every phase.
+    programs: Programs
+    # Which phase trains each step.
+    phases: Phases
+    # The float32 master weights (replaced every step).
+    params: Any
+    # The AdamW state (replaced every step).
+    opt_state: Any
+    # The step this start begins at (0, or the restored checkpoint's).
+    start: int
+    # The init_from record (weights of another run or model), or None.
+    init_source: dict | None
+    # The bf16_allocation record (bf16_policy=sensitivity), None until chosen.
+    allocation: dict | None
+    # metrics.jsonl / TensorBoard / progress display (set once the run starts logging).
+    logger: MetricsLogger | None = None
+    # Eval set name -> its fixed validation batches on the devices.
+    val: dict[str, list] = dataclasses.field(default_factory=dict)
+    # What the summary reports (set with `val`).
+    facts: RunFacts | None = None
+    # The phase of the latest step (that of `start` before the first).
+    phase: str = "main"
+    # The latest "eval" record, or None.
+    last_eval: dict | None = None
+
+    @property
+    def tps(self) -> int:
+        """Tokens per step."""
+        return self.cfg.tokens_per_step
+
+    def model(self, phase: str):
+        """The model of ``phase`` holding the current weights."""
+        return nnx.merge(self.st.graphdefs[phase], nnx.State(self.params), self.st.rest)
+
+
+def _run_start(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None, *,
+               t_start: float, progress: bool, callbacks, label: str) -> dict[str, Any]:
+    """One start of the run in ``out``: prepare, log the start, train, summarize."""
+    run, meta = _prepare(cfg, out, ckpt, resume_from)
+    clock = Clock.resumed(meta, t_start=t_start, start=run.start)
+    run.logger = MetricsLogger(out, total_steps=cfg.steps, start_step=run.start,
+                               progress=progress, tensorboard=cfg.tensorboard, main=run.main,
+                               callbacks=callbacks, description=label)
+    try:
+        _announce(run)
+        _load_eval_sets(run)
+        _train_steps(run, clock)
+    except _Abort as a:
+        _abort(run, clock, a.step)
+    except BaseException:
+        run.logger.close()
+        raise
+    return _finish(run, clock, progress=progress)
+
+
+def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None
+             ) -> tuple[_Run, dict[str, Any]]:
+    """The run's files, data, mesh, model and compiled steps, and its weights: restored
+    from the checkpoint at or before ``resume_from``, those of ``init_from``, or fresh.
+    Returns the run and the restored checkpoint's metadata (empty when none was)."""
     main = jax.process_index() == 0
     if main:
         dump_yaml(cfg, out / "config.yaml")
@@ -415,19 +749,51 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         from microscale.train.init import load_init_weights
 
         init = load_init_weights(cfg.init_from, step=cfg.init_step)
-
-    # ---- data
     data = load_data(cfg.data)
     check_vocab_fits(data.vocab_size, cfg.model.vocab_size,
                      what=f"data.tokenizer={cfg.data.tokenizer!r}" if data.tokenizer else
                      f"data.corpus={cfg.data.corpus!r}")
-    pi, pc = jax.process_index(), jax.process_count()
-    batcher = data.train_batcher(process_index=pi, process_count=pc)
+    batcher = data.train_batcher(process_index=jax.process_index(),
+                                 process_count=jax.process_count())
     if main and data.tokenizer is not None:
         data.save_tokenizer(out / "tokenizer.json")
-
-    # ---- mesh, model, optimizer
     mesh = build_mesh(cfg.mesh)
+    _check_divisible(cfg, mesh)
+    st = build_state(cfg, mesh)
+    if cfg.bf16_policy != "sensitivity":
+        _save_rules(st, out, main)  # a sensitivity-chosen allocation is saved once chosen
+    run = _Run(cfg=cfg, out=out, main=main, data=data, batcher=batcher, st=st, ckpt=ckpt,
+               programs=compile_programs(st), phases=Phases.of_run(cfg, st.graphdefs),
+               params=st.params, opt_state=st.opt_state, start=0, init_source=None,
+               allocation=None)
+    restored = None
+    if resume_from is not None:
+        restored = ckpt.restore_newest_intact(
+            {"params": run.params, "opt_state": run.opt_state}, upto=resume_from,
+            say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True))
+        if restored is None:
+            print(f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
+                  "starting from step 0", file=sys.stderr, flush=True)
+    meta: dict[str, Any] = {}
+    if restored is not None:
+        state, meta, _ = restored
+        run.params, run.opt_state = state["params"], state["opt_state"]
+        run.start = int(meta["step"])
+        run.init_source = meta.get("init_from")
+        run.allocation = meta.get("bf16_allocation")
+        if run.allocation:
+            st.set_main_rules(bf16_rules(cfg.recipe, run.allocation["bf16_layers"]))
+            run.programs = compile_programs(st)
+    elif init is not None:
+        run.params = _init_params(cfg, st, *init)
+        run.init_source = init[1].to_dict()
+    run.phase = run.phases.of(run.start)
+    return run, meta
+
+
+def _check_divisible(cfg: TrainConfig, mesh) -> None:
+    """Raise ValueError when a micro-batch or an eval batch does not split evenly over the
+    mesh's data-parallel ways."""
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.data.batch_size // cfg.data.grad_accum
     eval_rows = cfg.data.eval_batch_size or cfg.data.batch_size
@@ -436,93 +802,28 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
         if rows % dp:
             raise ValueError(f"{what} = {rows} is not divisible by the data-parallel ways "
                              f"mesh.data * mesh.fsdp = {dp}")
-    st = build_state(cfg, mesh)
-    adaptive = cfg.bf16_policy == "sensitivity"
-    warm_step = cfg.warmup_steps
 
-    def save_rules() -> None:
-        if main:
-            st.rules["main"].save(out / "precision_rules.json")
-            if "late" in st.rules:
-                st.rules["late"].save(out / "precision_rules_late.json")
 
-    if not adaptive:
-        save_rules()  # a sensitivity-chosen allocation is saved once chosen
-    schedule = lr_schedule(cfg.optim, cfg.steps)
-    inject = bool(cfg.inject_nonfinite_steps)
-    batch_spec = PartitionSpec(None, BATCH_AXES, None)
-    eval_spec = PartitionSpec(BATCH_AXES, None)
-    steps_fn: dict[str, Any] = {}
-    evals_fn: dict[str, Any] = {}
+def _save_rules(st: _State, out: Path, main: bool) -> None:
+    """``precision_rules.json`` (and ``precision_rules_late.json``) from ``st``'s rules."""
+    if main:
+        st.rules["main"].save(out / "precision_rules.json")
+        if "late" in st.rules:
+            st.rules["late"].save(out / "precision_rules_late.json")
 
-    def compile_phases() -> None:
-        """(Re)build the per-phase train / eval steps from ``st.graphdefs``."""
-        for ph, g in st.graphdefs.items():
-            steps_fn[ph] = make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
-                                           param_shardings=st.param_shardings,
-                                           opt_shardings=st.opt_shardings,
-                                           batch_sharding=NamedSharding(mesh, batch_spec))
-            evals_fn[ph] = make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
-                                          batch_sharding=NamedSharding(mesh, eval_spec))
 
-    compile_phases()
-    allocation: dict | None = None  # the bf16_allocation record (bf16_policy=sensitivity)
-
-    def choose_allocation(step: int) -> None:
-        nonlocal allocation
-        model = nnx.merge(st.graphdefs["warmup"], nnx.State(params), st.rest)
-        rules, allocation = choose_bf16_layers(model, cfg, data.corpus.train)
-        allocation["step"] = step
-        st.set_main_rules(rules)
-        compile_phases()
-        save_rules()
-        logger.log({"kind": "event", "event": "bf16_allocation", "tokens": step * tps,
-                    **allocation})
-        logger.message(f"step {step}: {allocation['method']} sensitivity keeps "
-                       f"{len(allocation['bf16_layers'])} layers in bf16 "
-                       f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
-                       f"{allocation['budget_bf16_flops']:.1%}): "
-                       + (", ".join(allocation["bf16_layers"]) or "none"))
-
-    # ---- resume, or the initial weights of init_from
-    params, opt_state = st.params, st.opt_state
-    start, nonfinite_total, streak, train_time = 0, 0, 0, 0.0
-    init_source: dict | None = None
-    restored = None
-    if resume_from is not None:
-        restored = ckpt.restore_newest_intact(
-            {"params": params, "opt_state": opt_state}, upto=resume_from,
-            say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True))
-        if restored is None:
-            print(f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
-                  "starting from step 0", file=sys.stderr, flush=True)
-    if restored is not None:
-        state, meta, _ = restored
-        params, opt_state = state["params"], state["opt_state"]
-        start = int(meta["step"])
-        nonfinite_total = int(meta.get("nonfinite_total", 0))
-        streak = int(meta.get("nonfinite_streak", 0))
-        train_time = float(meta.get("train_time_s", 0.0))
-        init_source = meta.get("init_from")
-        allocation = meta.get("bf16_allocation")
-        if allocation:
-            st.set_main_rules(bf16_rules(cfg.recipe, allocation["bf16_layers"]))
-            compile_phases()
-    elif init is not None:
-        params = _init_params(cfg, st, *init)
-        init_source = init[1].to_dict()
-
-    logger = MetricsLogger(out, total_steps=cfg.steps, start_step=start, progress=progress,
-                           tensorboard=cfg.tensorboard, main=main, callbacks=callbacks,
-                           description=label)
-    if init_source is not None and not start:
-        logger.log({"kind": "event", "event": "init_from", "step": 0, "source": init_source})
-        logger.message(f"init_from: {init_source['note']}")
+def _announce(run: _Run) -> None:
+    """The start's first records and messages: init_from, the precision, the resume."""
+    cfg, logger, start = run.cfg, run.logger, run.start
+    if run.init_source is not None and not start:
+        logger.log({"kind": "event", "event": "init_from", "step": 0,
+                    "source": run.init_source})
+        logger.message(f"init_from: {run.init_source['note']}")
     # recipes, not names: a rules file may hold custom recipes (QAT on a quantize output)
-    start_rules = st.rules["warmup" if start < warm_step else "main"]
+    warm_step = run.phases.warmup_end
+    start_rules = run.st.rules["warmup" if start < warm_step else "main"]
     q_blocks, hp_blocks = quantized_blocks({
-        p: start_rules.resolve(p) for p, _ in iter_linears(
-            nnx.merge(st.graphdefs["main"], nnx.State(params), st.rest))})
+        p: start_rules.resolve(p) for p, _ in iter_linears(run.model("main"))})
     logger.log({"kind": "event", "event": "precision", "step": start,
                 "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
     what = cfg.recipe if cfg.rules is None else f"rules {cfg.rules}"
@@ -533,247 +834,222 @@ def _train(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | N
                                           if hp_blocks else ""))
     if start:
         logger.log({"kind": "event", "event": "resume", "step": start,
-                    "tokens": start * cfg.tokens_per_step})
-        logger.message(f"resumed from {out / 'checkpoints'} at step {start}")
+                    "tokens": start * run.tps})
+        logger.message(f"resumed from {run.out / 'checkpoints'} at step {start}")
 
-    val_sets = {name: data.val_batches(name, process_index=pi, process_count=pc)
+
+def _load_eval_sets(run: _Run) -> None:
+    """The fixed validation batches of every eval set onto the devices, and the facts the
+    summary reports."""
+    data, mesh = run.data, run.st.mesh
+    val_sets = {name: data.val_batches(name, process_index=jax.process_index(),
+                                       process_count=jax.process_count())
                 for name in data.eval_sets()}
-    val_dev = {name: [shard_batch(mesh, b, eval_spec) for b in arr]
+    run.val = {name: [shard_batch(mesh, b, _EVAL_SPEC) for b in arr]
                for name, arr in val_sets.items()}
-    entropy = {name: data.unigram_entropy(name) for name in val_sets}
-    n_params = cfg.model.num_params()
-    tps = cfg.tokens_per_step
-    switch = cfg.switch_step
+    run.facts = RunFacts(cfg=run.cfg, out=run.out, n_params=run.cfg.model.num_params(),
+                         corpus_hash=data.corpus.content_hash,
+                         entropy={name: data.unigram_entropy(name) for name in val_sets},
+                         late_switch_step=run.phases.late_start, mesh_shape=dict(mesh.shape),
+                         data={k: v for k, v in data.describe().items() if k != "config"})
 
-    def phase_of(step: int) -> str:
-        if step < warm_step:
-            return "warmup"
-        return "late" if ("late" in st.graphdefs and step >= switch) else "main"
 
-    def evaluate(step: int, phase: str) -> dict:
-        t0 = time.perf_counter()
-        fn = evals_fn[phase]
-        losses, per_batch = {}, {}
-        for name, batches in val_dev.items():
-            vals = [float(v) for v in jax.device_get([fn(params, st.rest, b) for b in batches])]
-            losses[name] = float(np.mean(vals))
-            per_batch[name] = vals
-        model = nnx.merge(st.graphdefs[phase], nnx.State(params), st.rest)
-        rec = {"kind": "eval", "step": step, "tokens": step * tps, "phase": phase,
-               "val_loss": losses["val"], "val_ppl": math.exp(min(losses["val"], 50.0)),
-               "val_losses": losses, "val_batch_losses": per_batch,
-               "quant": _quant_stats(model),
-               "eval_time_s": time.perf_counter() - t0}
-        logger.log(rec)
-        logger.progress(step, val_loss=losses["val"], force=True)
-        return rec
+def _choose_allocation(run: _Run, step: int) -> None:
+    """bf16_policy=sensitivity at the end of the warm-up: measure, choose the bf16 layers,
+    recompile the phases with them, save and log the choice."""
+    model = run.model("warmup")
+    rules, allocation = choose_bf16_layers(model, run.cfg, run.data.corpus.train)
+    allocation["step"] = step
+    run.allocation = allocation
+    run.st.set_main_rules(rules)
+    run.programs = compile_programs(run.st)
+    _save_rules(run.st, run.out, run.main)
+    run.logger.log({"kind": "event", "event": "bf16_allocation", "tokens": step * run.tps,
+                    **allocation})
+    run.logger.message(f"step {step}: {allocation['method']} sensitivity keeps "
+                       f"{len(allocation['bf16_layers'])} layers in bf16 "
+                       f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
+                       f"{allocation['budget_bf16_flops']:.1%}): "
+                       + (", ".join(allocation["bf16_layers"]) or "none"))
 
-    def meta_for(step: int) -> dict:
-        return {"step": step, "data_step": step, "tokens": step * tps,
-                "nonfinite_total": nonfinite_total, "nonfinite_streak": streak,
-                "phase": phase_of(step), "train_time_s": train_time,
-                "recipe": cfg.recipe, "microscale_version": __version__,
-                "init_from": init_source, "bf16_allocation": allocation,
-                "config": to_dict(cfg)}
 
-    def summary_for(status: str, last_eval: dict | None, **extra) -> dict:
-        val = last_eval["val_loss"] if last_eval else None
-        s = {
-            "status": status,
-            "recipe": cfg.recipe,
-            "final_val_loss": val,
-            "val_ppl": last_eval["val_ppl"] if last_eval else None,
-            "final_val_losses": last_eval["val_losses"] if last_eval else None,
-            # per fixed validation batch, so paired comparisons can measure eval noise
-            "final_val_batch_losses": last_eval["val_batch_losses"] if last_eval else None,
-            "final_train_loss": float(np.mean(recent)) if recent else None,
-            "steps": last_step,
-            "tokens": last_step * tps,
-            "tokens_per_s": (timed_tokens / timed_s) if timed_s > 0 else None,
-            "params": n_params,
-            "corpus_hash": data.corpus.content_hash,
-            "unigram_entropy": entropy["val"],
-            "unigram_entropies": entropy,
-            "nonfinite_steps": nonfinite_total,
-            "late_switch_step": switch if "late" in st.graphdefs else None,
-            "init_from": init_source,
-            "bf16_allocation": allocation,
-            "wall_time_s": time.perf_counter() - t_start,
-            "train_time_s": train_time,
-            "compile_time_s": compile_s,
-            "precision": assignments(nnx.merge(st.graphdefs["main"], nnx.State(params),
-                                               st.rest)),
-            "mesh": dict(mesh.shape),
-            "devices": jax.device_count(),
-            "backend": jax.default_backend(),
-            "out": str(out),
-            "data": {k: v for k, v in data.describe().items() if k != "config"},
-            "config": to_dict(cfg),
-            "microscale_version": __version__,
-        }
-        s.update(extra)
-        return s
-
-    # ---- loop
-    recent: list[float] = []
-    last_eval: dict | None = None
-    last_step = start
-    timed_tokens, timed_s, compile_s = 0, 0.0, 0.0
-    win_loss: list[float] = []
-    win_t0, win_tokens = time.perf_counter(), 0
-    phase = phase_of(start)
-    if adaptive and allocation is None and start >= warm_step:
-        choose_allocation(start)  # resumed from the checkpoint taken just before the choice
-    if start == 0 and cfg.eval_every:
-        last_eval = evaluate(0, phase)
-    pending: tuple[int, dict] | None = None  # (batch index, metrics) read back one step late
-    t_prev = time.perf_counter()
-    warm = {start, switch, warm_step}  # first step of a compiled program: compile time, not throughput
-
-    def process(item) -> None:
-        nonlocal streak, nonfinite_total, last_step, t_prev, timed_tokens, timed_s
-        nonlocal compile_s, win_t0, win_tokens, train_time
-        idx, m = item
-        m = jax.device_get(m)
-        now = time.perf_counter()
-        dt = now - t_prev
-        t_prev = now
-        train_time += dt
-        if idx in warm:
-            compile_s += dt
-        else:
-            timed_tokens += tps
-            timed_s += dt
-        step = idx + 1
-        last_step = step
-        loss, gnorm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
-        if not bool(m["finite"]):
-            streak += 1
-            nonfinite_total += 1
-            logger.log({"kind": "event", "event": "nonfinite", "step": step, "loss": loss,
-                        "grad_norm": gnorm, "streak": streak, "total": nonfinite_total})
-            logger.message(f"step {step}: non-finite loss/gradient (loss={loss}, "
-                           f"grad_norm={gnorm}); update skipped ({streak} in a row)")
-            if streak >= cfg.max_nonfinite_in_a_row:
-                raise _Abort(step)
-        else:
-            streak = 0
-            recent.append(loss)
-            del recent[:-max(cfg.log_every, 10)]
-            win_loss.append(loss)
-        win_tokens += tps
-        logger.progress(step)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            wdt = now - win_t0
-            rec = {"kind": "train", "step": step, "loss": loss,
-                   "loss_avg": float(np.mean(win_loss)) if win_loss else None,
-                   "lr": lr, "grad_norm": gnorm, "tokens": step * tps,
-                   "tokens_per_s": win_tokens / wdt if wdt > 0 else None,
-                   "nonfinite": nonfinite_total, "phase": phase_of(idx),
-                   "time": now - t_start}
-            logger.log(rec)
-            logger.progress(step, loss=loss, tokens_per_s=rec["tokens_per_s"], lr=lr)
-            win_loss.clear()
-            win_t0, win_tokens = now, 0
-
-    def pause_end(t0: float) -> None:
-        """Exclude eval/checkpoint time (since ``t0``) from the throughput clocks."""
-        nonlocal t_prev, win_t0
-        d = time.perf_counter() - t0
-        t_prev += d
-        win_t0 += d
-
-    try:
-        with batcher.iterate(start, cfg.steps - start, prefetch=cfg.data.prefetch,
+def _train_steps(run: _Run, clock: Clock) -> None:
+    """The steps from ``run.start`` to ``cfg.steps``, with their evaluations and
+    checkpoints. Each step's metrics are read back one step late (the host never stalls
+    the device), and at once before a phase change, an evaluation or a checkpoint."""
+    cfg = run.cfg
+    clock.win_t0 = time.perf_counter()
+    if (cfg.bf16_policy == "sensitivity" and run.allocation is None
+            and run.start >= run.phases.warmup_end):
+        _choose_allocation(run, run.start)  # resumed from the checkpoint taken just before
+    if run.start == 0 and cfg.eval_every:
+        _evaluate(run, 0)
+    # the first step of a compiled program: compile time, not throughput
+    compiling = {run.start, cfg.switch_step, run.phases.warmup_end}
+    pending: tuple[int, dict] | None = None  # (batch index, metrics) not read back yet
+    clock.t_prev = time.perf_counter()
+    with run.batcher.iterate(run.start, cfg.steps - run.start, prefetch=cfg.data.prefetch,
                              microbatches=True) as it:
-            for idx, batch in it:
-                ph = phase_of(idx)
-                if ph != phase:
-                    if pending is not None:
-                        process(pending)
-                        pending = None
-                    if phase == "warmup" and adaptive:
-                        t0 = time.perf_counter()
-                        choose_allocation(idx)
-                        pause_end(t0)
-                    elif phase == "warmup":  # position_warmup: the positional rules from here
-                        logger.log({"kind": "event", "event": "warmup_end", "step": idx,
-                                    "tokens": idx * tps})
-                        logger.message(f"step {idx}: bf16 warm-up over; {cfg.recipe} with "
-                                       "the positional bf16 blocks")
-                    phase = ph
-                    if ph == "late":
-                        logger.log({"kind": "event", "event": "late_switch", "step": idx,
-                                    "tokens": idx * tps, "mode": cfg.late_switch.mode})
-                        logger.message(f"step {idx}: late switch to high precision "
-                                       f"({cfg.late_switch.mode}) for the last "
-                                       f"{cfg.steps - idx} steps")
-                args = [params, opt_state, st.rest, shard_batch(mesh, batch, batch_spec),
-                        jnp.int32(idx)]
-                if inject:
-                    args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
-                params, opt_state, m = steps_fn[phase](*args)
+        for idx, batch in it:
+            phase = run.phases.of(idx)
+            if phase != run.phase:
                 if pending is not None:
-                    process(pending)
-                pending = (idx, m)
-                step = idx + 1
-                do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
-                do_ckpt = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-                           ) or step == cfg.steps
-                if do_eval or do_ckpt:
-                    process(pending)
+                    _read_back(run, clock, *pending, compiling=compiling)
                     pending = None
-                    t0 = time.perf_counter()
-                    if do_eval:
-                        last_eval = evaluate(step, phase)
-                    if do_ckpt:
-                        ckpt.save(step, {"params": params, "opt_state": opt_state},
-                                  meta_for(step))
-                    pause_end(t0)
+                _change_phase(run, clock, phase, idx)
+            args = [run.params, run.opt_state, run.st.rest,
+                    shard_batch(run.st.mesh, batch, _BATCH_SPEC), jnp.int32(idx)]
+            if cfg.inject_nonfinite_steps:
+                args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
+            run.params, run.opt_state, m = run.programs.train[phase](*args)
             if pending is not None:
-                process(pending)
+                _read_back(run, clock, *pending, compiling=compiling)
+            pending = (idx, m)
+            step = idx + 1
+            do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
+            do_ckpt = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                       ) or step == cfg.steps
+            if do_eval or do_ckpt:
+                _read_back(run, clock, *pending, compiling=compiling)
                 pending = None
-    except _Abort as a:
-        ckpt.wait()  # an asynchronous save of the last good step finishes first
-        good = ckpt.latest_step()
-        msg = (f"training aborted at step {a.step}: {cfg.max_nonfinite_in_a_row} non-finite "
-               f"losses/gradients in a row (max_nonfinite_in_a_row="
-               f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
-               + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
-                  "(resume=true continues from it). " if good is not None else
-                  "No checkpoint was saved before the failure. ")
-               + "Try a lower optim.lr, more bf16 blocks (bf16_last=...) or another recipe.")
-        logger.log({"kind": "event", "event": "abort", "step": a.step, "message": msg})
-        logger.message(msg)
-        logger.close()
-        summary = summary_for("aborted", last_eval, error=msg, last_good_checkpoint=good)
-        if main:
-            atomic_write_json(out / "summary.json", summary)
-        raise TrainingAborted(msg, summary) from None
-    except BaseException:
-        logger.close()
-        raise
+                t0 = time.perf_counter()
+                if do_eval:
+                    _evaluate(run, step)
+                if do_ckpt:
+                    run.ckpt.save(step, {"params": run.params, "opt_state": run.opt_state},
+                                  checkpoint_meta(run, clock, step))
+                clock.pause(time.perf_counter() - t0)
+        if pending is not None:
+            _read_back(run, clock, *pending, compiling=compiling)
 
+
+def _change_phase(run: _Run, clock: Clock, phase: str, idx: int) -> None:
+    """Leave ``run.phase`` for ``phase`` at batch ``idx``: the end of the warm-up (the
+    sensitivity choice, or the positional rules) or the late switch."""
+    cfg, logger = run.cfg, run.logger
+    if run.phase == "warmup" and cfg.bf16_policy == "sensitivity":
+        t0 = time.perf_counter()
+        _choose_allocation(run, idx)
+        clock.pause(time.perf_counter() - t0)
+    elif run.phase == "warmup":  # position_warmup: the positional rules from here
+        logger.log({"kind": "event", "event": "warmup_end", "step": idx,
+                    "tokens": idx * run.tps})
+        logger.message(f"step {idx}: bf16 warm-up over; {cfg.recipe} with "
+                       "the positional bf16 blocks")
+    run.phase = phase
+    if phase == "late":
+        logger.log({"kind": "event", "event": "late_switch", "step": idx,
+                    "tokens": idx * run.tps, "mode": cfg.late_switch.mode})
+        logger.message(f"step {idx}: late switch to high precision "
+                       f"({cfg.late_switch.mode}) for the last "
+                       f"{cfg.steps - idx} steps")
+
+
+def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *,
+               compiling: set[int]) -> None:
+    """Account for batch ``idx``'s ``metrics`` (fetched from the device now): the clock,
+    a non-finite event (:class:`_Abort` after too many in a row), the progress display and,
+    every ``log_every`` steps, a ``"train"`` record."""
+    cfg, logger = run.cfg, run.logger
+    m = jax.device_get(metrics)
+    now = time.perf_counter()
+    clock.tick(now, run.tps, compiling=idx in compiling)
+    step = idx + 1
+    loss, gnorm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
+    finite = bool(m["finite"])
+    clock.count(step, loss, finite=finite, keep=max(cfg.log_every, 10))
+    if not finite:
+        logger.log({"kind": "event", "event": "nonfinite", "step": step, "loss": loss,
+                    "grad_norm": gnorm, "streak": clock.streak,
+                    "total": clock.nonfinite_total})
+        logger.message(f"step {step}: non-finite loss/gradient (loss={loss}, "
+                       f"grad_norm={gnorm}); update skipped ({clock.streak} in a row)")
+        if clock.streak >= cfg.max_nonfinite_in_a_row:
+            raise _Abort(step)
+    clock.win_tokens += run.tps
+    logger.progress(step)
+    if step % cfg.log_every == 0 or step == cfg.steps:
+        loss_avg, rate = clock.end_window(now)
+        logger.log({"kind": "train", "step": step, "loss": loss, "loss_avg": loss_avg,
+                    "lr": lr, "grad_norm": gnorm, "tokens": step * run.tps,
+                    "tokens_per_s": rate, "nonfinite": clock.nonfinite_total,
+                    "phase": run.phases.of(idx), "time": now - clock.t_start})
+        logger.progress(step, loss=loss, tokens_per_s=rate, lr=lr)
+
+
+def _evaluate(run: _Run, step: int) -> dict[str, Any]:
+    """:func:`evaluate` at ``step`` in the current phase, logged and displayed."""
+    rec = evaluate(run.programs.eval[run.phase], run.params, run.st.rest, run.val,
+                   run.st.graphdefs[run.phase], step=step, tokens=step * run.tps,
+                   phase=run.phase)
+    run.logger.log(rec)
+    run.logger.progress(step, val_loss=rec["val_loss"], force=True)
+    run.last_eval = rec
+    return rec
+
+
+def checkpoint_meta(run: _Run, clock: Clock, step: int) -> dict[str, Any]:
+    """The metadata saved with the checkpoint of ``step``: what an exact resume needs
+    besides the weights (the counters, the phase, the allocation) and the config."""
+    cfg = run.cfg
+    return {"step": step, "data_step": step, "tokens": step * run.tps,
+            "nonfinite_total": clock.nonfinite_total, "nonfinite_streak": clock.streak,
+            "phase": run.phases.of(step), "train_time_s": clock.train_time,
+            "recipe": cfg.recipe, "microscale_version": __version__,
+            "init_from": run.init_source, "bf16_allocation": run.allocation,
+            "config": to_dict(cfg)}
+
+
+def _summary(run: _Run, clock: Clock, status: str, **extra) -> dict[str, Any]:
+    """:func:`write_summary` of ``run`` (written by the main process only)."""
+    return write_summary(run.out / "summary.json" if run.main else None, status,
+                         facts=run.facts, clock=clock, last_eval=run.last_eval,
+                         precision=assignments(run.model("main")),
+                         init_source=run.init_source, allocation=run.allocation, **extra)
+
+
+def _abort(run: _Run, clock: Clock, step: int) -> None:
+    """Too many non-finite steps in a row ending at ``step``: log it, write the
+    ``"aborted"`` summary and raise :class:`TrainingAborted`."""
+    cfg, out, logger = run.cfg, run.out, run.logger
+    run.ckpt.wait()  # an asynchronous save of the last good step finishes first
+    good = run.ckpt.latest_step()
+    msg = (f"training aborted at step {step}: {cfg.max_nonfinite_in_a_row} non-finite "
+           f"losses/gradients in a row (max_nonfinite_in_a_row="
+           f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
+           + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
+              "(resume=true continues from it). " if good is not None else
+              "No checkpoint was saved before the failure. ")
+           + "Try a lower optim.lr, more bf16 blocks (bf16_last=...) or another recipe.")
+    logger.log({"kind": "event", "event": "abort", "step": step, "message": msg})
+    logger.message(msg)
+    logger.close()
+    summary = _summary(run, clock, "aborted", error=msg, last_good_checkpoint=good)
+    raise TrainingAborted(msg, summary) from None
+
+
+def _finish(run: _Run, clock: Clock, *, progress: bool) -> dict[str, Any]:
+    """The final evaluation (unless the last step had one), the last checkpoint written,
+    the ``"completed"`` summary and the closing line."""
     try:
-        if last_eval is None or last_eval["step"] != last_step:
-            last_eval = evaluate(last_step, phase)
-        ckpt.wait()
+        if run.last_eval is None or run.last_eval["step"] != clock.step:
+            _evaluate(run, clock.step)
+        run.ckpt.wait()
     finally:
-        logger.close()
-    summary = summary_for("completed", last_eval)
-    if main:
-        atomic_write_json(out / "summary.json", summary)
-        if progress:
-            ent = entropy["val"]
-            val = summary["final_val_loss"]
-            print(f"done: {cfg.recipe} val_loss {val:.4f} (unigram entropy {ent:.4f}), "
-                  f"{summary['tokens']:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tok/s, "
-                  f"{format_duration(summary['wall_time_s'])} -> {out}", flush=True)
+        run.logger.close()
+    summary = _summary(run, clock, "completed")
+    if run.main and progress:
+        ent = run.facts.entropy["val"]
+        val = summary["final_val_loss"]
+        print(f"done: {run.cfg.recipe} val_loss {val:.4f} (unigram entropy {ent:.4f}), "
+              f"{summary['tokens']:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tok/s, "
+              f"{format_duration(summary['wall_time_s'])} -> {run.out}", flush=True)
     return summary
 
 
 class _Abort(Exception):
+    """Raised by :func:`_read_back` when too many non-finite steps came in a row."""
+
     def __init__(self, step: int):
         super().__init__(step)
         self.step = step
-

@@ -1,0 +1,224 @@
+"""Output layouts and folder kinds: one registry row each, and one :func:`detect`.
+
+A **layout** is a way of storing a model on disk. Each is one :class:`Layout` row with
+``detect`` (does this path hold it?), ``write`` and ``read``:
+
+==================  =====================================================  ===============
+name                what                                                   single file
+==================  =====================================================  ===============
+compressed-tensors  HF folder, ``quantization_config`` of vLLM's            no
+                    compressed-tensors
+modelopt            HF folder + ``hf_quant_config.json`` (TensorRT-LLM)    no
+hf                  plain HF Llama folder: float weights, no quantization   no
+gguf                one llama.cpp file (:mod:`~microscale.export.gguf`)     yes
+microscale          ``model.safetensors`` + ``manifest.json``: PTQ's        no
+                    weights as PTQ holds them (:mod:`~.manifest`)
+==================  =====================================================  ===============
+
+Two more **folder kinds** are inputs only (:class:`Kind` rows, ``detect`` alone): a
+training run (``config.yaml`` + ``checkpoints/``, :data:`RUN`) and a ``microscale
+quantize`` output (``report.json`` + ``precision_rules.json``, :data:`QUANTIZE_OUTPUT`;
+its model in ``checkpoint/`` or ``model.gguf``, :func:`quantize_output_model`).
+
+The HF-style quantized layouts (compressed-tensors, modelopt) get their rows from
+:data:`microscale.export.hfquant.HF_QUANT`: how each names its tensors and describes its
+quantization, which :func:`~microscale.export.export_checkpoint` and
+:func:`~microscale.export.read_checkpoint` use; a new one is one ``HFQuant`` row there.
+Any other layout is one :class:`Layout` row in :data:`KINDS` plus its tests (the
+``microscale`` row was moved here from ``ptq/report.py`` that way).
+
+:func:`detect` returns the first row of :data:`KINDS` whose ``detect`` matches: the two
+kinds, then the layouts in the order above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from microscale.export.gguf import gguf_vocab, write_gguf
+from microscale.export.gguf_hf import read_gguf_params
+from microscale.export.hfquant import HF_QUANT, quant_method
+from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
+from microscale.export.reader import read_checkpoint
+from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint
+from microscale.model import ModelConfig
+
+__all__ = ["KINDS", "QUANTIZE_OUTPUT", "RUN", "Kind", "Layout", "detect", "get_layout",
+           "layout_names", "quantize_output_model"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kind:
+    """Something :func:`detect` recognizes at a path."""
+
+    # The name errors and reports use ("run", "compressed-tensors", ...).
+    name: str
+    # What it is, in a few words (help texts, errors).
+    description: str
+    # Whether the path holds this kind (file names and config fields only; never raises
+    # for a readable path).
+    detect: Callable[[Path], bool]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout(Kind):
+    """A layout: a :class:`Kind` microscale also writes and reads."""
+
+    # Written as one file (the others are folders).
+    single_file: bool
+    # write() takes a model (False: PTQ's weights, see `write`).
+    writes_model: bool
+    # Stores quantized weights (False: float weights only).
+    quantized: bool
+    # An HF-style folder: read_checkpoint reads it with its packed bytes (a re-export
+    # keeps them).
+    hf_folder: bool
+    # Whether it stores static scales of quantized layer inputs (W4A4 / W8A8).
+    input_scales: bool
+    # check_tokenizer(tokenizer.json) raises for a tokenizer the layout cannot store
+    # (called before any work); None: it stores any.
+    check_tokenizer: Callable[[Path], Any] | None
+    # The writer. Model layouts: write(model, out, *, config, layer_formats, activations,
+    # input_amax, tokenizer, dtype, shard_bytes, overwrite) -> a result with .path,
+    # .layers {linear path: format} and .tensor_bytes. The microscale row stores PTQ's
+    # weights instead: write(out, *, params, weights, activations, input_amax, rules).
+    write: Callable[..., Any]
+    # read(path) -> ({parameter path: float array, kernels [in, out]}, ModelConfig or None
+    # when the layout stores none): every weight decoded.
+    read: Callable[[Path], tuple[dict[str, np.ndarray], ModelConfig | None]]
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+def _is_run(p: Path) -> bool:
+    return (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()
+
+
+def _is_quantize_output(p: Path) -> bool:
+    return (p / "report.json").is_file() and (p / "precision_rules.json").is_file()
+
+
+def _quant_method(p: Path) -> str | None:
+    """The quantization method of an HF-style folder as :func:`read_checkpoint` decides it
+    ("hf" for none); None when ``p`` has no ``config.json``. An unreadable config.json
+    counts as "hf" (the reader then says what is wrong with it)."""
+    f = p / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "hf"
+    return quant_method(cfg, p) or "hf"
+
+
+def _is_gguf(p: Path) -> bool:
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ----------------------------------------------------------------------------- the rows' I/O
+
+
+def _hf_params(p: Path) -> tuple[dict[str, np.ndarray], ModelConfig]:
+    ck = read_checkpoint(p, dequantize=True)
+    return {k: np.asarray(v) for k, v in ck.params.items()}, ck.config
+
+
+def _write_hf_family(model: Any, out: str | os.PathLike, *, layout: str,
+                     shard_bytes: int | None = None, **options) -> Any:
+    return export_checkpoint(model, out, layout=layout,
+                             shard_bytes=DEFAULT_SHARD_BYTES if shard_bytes is None
+                             else shard_bytes, **options)
+
+
+def _write_gguf(model: Any, out: str | os.PathLike, *, activations: bool | None = None,
+                input_amax: Any = None, shard_bytes: int | None = None, **options) -> Any:
+    if activations or input_amax is not None:
+        raise ValueError("activations: GGUF stores weights only (llama.cpp quantizes "
+                         "activations itself)")
+    if shard_bytes is not None:
+        raise ValueError(f"shard_bytes={shard_bytes}: a GGUF is one file, never sharded")
+    return write_gguf(model, out, **options)
+
+
+RUN = Kind(name="run", description="a microscale training run (config.yaml + checkpoints/)",
+           detect=_is_run)
+QUANTIZE_OUTPUT = Kind(name="quantize output",
+                       description="a `microscale quantize` output (report.json + "
+                                   "precision_rules.json + checkpoint/ or model.gguf)",
+                       detect=_is_quantize_output)
+_HF = dict(single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None,
+           read=_hf_params)  # what the HF-style folders share
+KINDS: tuple[Kind, ...] = (
+    RUN,
+    QUANTIZE_OUTPUT,
+    # one row per HF-style quantized layout (microscale.export.hfquant)
+    *(Layout(name=q.name, description=q.description,
+             detect=functools.partial(lambda p, name: _quant_method(p) == name, name=q.name),
+             quantized=True, input_scales=True,
+             write=functools.partial(_write_hf_family, layout=q.name), **_HF)
+      for q in HF_QUANT.values()),
+    Layout(name="hf", description="a plain HF Llama folder (config.json + *.safetensors)",
+           # any other config.json: read_checkpoint names the unsupported quant_method
+           detect=lambda p: _quant_method(p) not in (None, *HF_QUANT),
+           quantized=False, input_scales=False,
+           write=functools.partial(_write_hf_family, layout="hf"), **_HF),
+    Layout(name="gguf", description="a llama.cpp GGUF file", detect=_is_gguf,
+           single_file=True, writes_model=True, quantized=True, hf_folder=False,
+           input_scales=False,
+           check_tokenizer=gguf_vocab, read=read_gguf_params, write=_write_gguf),
+    Layout(name="microscale",
+           description="microscale's own layout (model.safetensors + manifest.json)",
+           detect=lambda p: (p / MANIFEST).is_file(), single_file=False, writes_model=False,
+           quantized=True, hf_folder=False, input_scales=True, check_tokenizer=None, read=manifest_params,
+           write=write_manifest),
+)
+
+
+def layout_names(**where: bool) -> tuple[str, ...]:
+    """The layouts' names, in registry order; ``where``: only the rows with these field
+    values (``layout_names(writes_model=True)``: what ``microscale export`` writes)."""
+    for f in where:
+        if f not in {x.name for x in dataclasses.fields(Layout)}:
+            raise TypeError(f"layout_names({f}=...): Layout has no field {f!r}")
+    return tuple(k.name for k in KINDS if isinstance(k, Layout)
+                 and all(getattr(k, f) == v for f, v in where.items()))
+
+
+def get_layout(name: str) -> Layout:
+    """The layout row called ``name``; ValueError naming the choices otherwise."""
+    for k in KINDS:
+        if isinstance(k, Layout) and k.name == name:
+            return k
+    raise ValueError(f"layout {name!r}: expected one of {', '.join(layout_names())}")
+
+
+def detect(path: str | os.PathLike) -> Kind | None:
+    """What ``path`` is: the first row of :data:`KINDS` that matches, None for anything
+    else (a missing path, an unrelated folder)."""
+    p = Path(path).expanduser()
+    return next((k for k in KINDS if k.detect(p)), None)
+
+
+def quantize_output_model(path: str | os.PathLike, *, single_file: bool | None = None) -> Path:
+    """Where a quantize output (:data:`QUANTIZE_OUTPUT`) keeps its model: ``model.gguf``
+    for a single-file layout, else ``checkpoint/`` (an HF-style or a microscale-layout
+    folder). ``single_file=None``: whichever the output at ``path`` holds."""
+    p = Path(path)
+    if single_file is None:
+        single_file = (p / "model.gguf").is_file()
+    return p / "model.gguf" if single_file else p / "checkpoint"

@@ -1,0 +1,155 @@
+"""``export_run``: a training run, a quantize output or an HF folder written in a layout.
+
+What ``microscale export`` does, as a library function (the command only parses its
+flags). The source is recognized by :func:`microscale.export.detect`; the output is
+written by the layout's row of :mod:`microscale.export.registry`. It sits above
+``microscale.export`` because ``activations=True`` calibrates the input scales with the
+inference engine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from microscale.data import load_tokenizer
+from microscale.export import Checkpoint, read_checkpoint
+from microscale.export.layouts import LayerFormats
+from microscale.export.registry import (
+    QUANTIZE_OUTPUT,
+    RUN,
+    Layout,
+    detect,
+    get_layout,
+    quantize_output_model,
+)
+from microscale.export.writer import check_export_out
+from microscale.files import check_input_dir, check_output_file, lock_folder
+from microscale.inference.evaldata import eval_batches
+from microscale.inference.model import InferenceModel, collect_input_amax
+from microscale.model import PrecisionRules
+from microscale.train import load_checkpoint
+
+__all__ = ["CALIB_BATCHES", "export_run"]
+
+CALIB_BATCHES = 8  # calibration batches of activations=True by default
+
+
+def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
+               layout: str = "compressed-tensors", formats: LayerFormats = None,
+               activations: bool = False, calib_batches: int | None = None,
+               data: str | None = None, step: int | None = None, dtype: str = "bfloat16",
+               shard_bytes: int | None = None, overwrite: bool = False) -> Any:
+    """Write the model of ``source`` to ``out`` in ``layout``; returns the layout's result
+    (``.path``, ``.layers`` {linear path: format}, ``.tensor_bytes``).
+
+    Args:
+      source: a training run folder (its latest checkpoint, or ``step``), a ``microscale
+        quantize`` output (its HF-style ``checkpoint/``) or an HF-style folder (plain or
+        packed: converted between layouts byte for byte when ``formats`` is None).
+      out: the output folder (a file for a single-file layout such as gguf).
+      layout: a layout name of :mod:`microscale.export.registry`.
+      formats: per-layer formats (a format name, {layer path: format} or a
+        PrecisionRules); None: NVFP4, a packed folder's own formats, or the allocation a
+        run trained with (``rules=``, ``bf16_policy=sensitivity``).
+      activations: quantize layer inputs too (W4A4 / W8A8) with static scales calibrated
+        on ``calib_batches`` (default :data:`CALIB_BATCHES`) batches of ``data`` (default:
+        the run's corpus).
+      step: the run's checkpoint step (default: latest).
+      dtype: dtype of the unquantized tensors.
+      shard_bytes: shard a folder's weights above this many bytes (default 5 GB).
+      overwrite: replace an existing output (an earlier export).
+    """
+    row = get_layout(layout)
+    if row.single_file:
+        check_output_file(out, what="--out", overwrite=overwrite)
+    else:
+        check_export_out(out, overwrite=overwrite)
+    with lock_folder(out):  # before any work; held until the end
+        return _export_run(source, out, row, formats=formats, activations=activations,
+                           calib_batches=calib_batches, data=data, step=step, dtype=dtype,
+                           shard_bytes=shard_bytes, overwrite=overwrite)
+
+
+def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard_bytes) -> None:
+    """ValueError naming an option ``row`` or the other options leave without effect."""
+    if activations and not row.input_scales:
+        raise ValueError(f"activations=True: the {row.name} layout stores weights only; "
+                         "export without activations")
+    unused = [(row.single_file and shard_bytes is not None, f"shard_bytes={shard_bytes}",
+               f"with layout={row.name!r} (it writes one file)"),
+              (not activations and calib_batches is not None, f"calib_batches={calib_batches}",
+               "without activations (only layer inputs are calibrated)"),
+              (not activations and data is not None, f"data={data!r}",
+               "without activations (only layer inputs are calibrated)")]
+    for bad, what, why in unused:
+        if bad:
+            raise ValueError(f"{what} has no effect {why}")
+
+
+def _source_folder(source) -> Path:
+    """The folder to read: ``source``, or a quantize output's HF-style ``checkpoint/``."""
+    src = check_input_dir(source, what="--checkpoint", expected="a training run folder, a "
+                          "quantize output or an HF model folder")
+    if detect(src) is not QUANTIZE_OUTPUT:
+        return src
+    model = quantize_output_model(src)
+    if model.suffix == ".gguf":
+        raise ValueError(f"--checkpoint {str(src)!r} is a quantize output that already holds "
+                         f"its GGUF: {str(model)!r}")
+    found = detect(model)
+    if not (isinstance(found, Layout) and found.hf_folder):
+        raise FileNotFoundError(f"--checkpoint {str(src)!r}: a quantize output without an "
+                                "HF-style checkpoint/ (quantized with --layout microscale?)")
+    return model
+
+
+def _export_run(source, out, row: Layout, *, formats, activations, calib_batches, data, step,
+                dtype, shard_bytes, overwrite) -> Any:
+    _check_options(row, activations=activations, calib_batches=calib_batches, data=data,
+                   shard_bytes=shard_bytes)
+    src = _source_folder(source)
+    tokenizer, seq_len = None, 128
+    tok_file = src / "tokenizer.json"
+    if row.check_tokenizer is not None and tok_file.is_file():
+        row.check_tokenizer(tok_file)  # one it cannot store: refused before the model is read
+    kind = detect(src)
+    if kind is RUN:
+        model, tcfg, _ = load_checkpoint(src, step)
+        config = tcfg.model
+        if formats is None and tcfg.own_allocation:
+            # a run trained with an allocation (QAT, sensitivity-chosen bf16 layers)
+            # exports that allocation
+            formats = PrecisionRules.load(src / "precision_rules.json")
+        if tok_file.is_file():
+            tokenizer = load_tokenizer(tok_file)
+        data, seq_len = data or tcfg.data.corpus, tcfg.data.seq_len
+    elif isinstance(kind, Layout) and kind.hf_folder:
+        # A packed folder without formats is re-written as is (layout conversion keeps
+        # its bytes); otherwise its weights are decoded and quantized again (with
+        # activations, export_checkpoint keeps the folder's weight formats).
+        ck = read_checkpoint(src, dequantize=not row.single_file and (
+            formats is not None or activations))
+        if formats is None and not kind.quantized and row.quantized:
+            formats = "nvfp4"  # a float folder written in a quantized layout
+        model, config, tokenizer = ck, ck.config, ck.tokenizer()
+        seq_len = min(config.max_seq_len, 256)
+    else:
+        raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
+                                "(config.yaml + checkpoints/) nor an HF model folder")
+    input_amax = None
+    if activations:
+        if data is None:
+            raise ValueError("--activations needs calibration data: pass --data")
+        dense = InferenceModel.from_params(
+            model.params if isinstance(model, Checkpoint) else model, config)
+        batches = eval_batches(data, tokenizer, seq_len=seq_len, batch_size=8,
+                               max_batches=calib_batches or CALIB_BATCHES,
+                               vocab_size=config.vocab_size)
+        input_amax = collect_input_amax(dense, batches)
+    # a tokenizer.json brings its tokenizer_config.json (special tokens, chat template)
+    return row.write(model, out, config=config, layer_formats=formats,
+                     activations=activations, input_amax=input_amax, dtype=dtype,
+                     tokenizer=tok_file if tok_file.is_file() else tokenizer,
+                     shard_bytes=shard_bytes, overwrite=overwrite)
