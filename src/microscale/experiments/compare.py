@@ -43,11 +43,6 @@ from microscale.experiments.runs import BASELINES, RUNS
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.train import TrainConfig, TrainingAborted, train
 
-# Fields a run is allowed to change; everything else must match across runs.
-PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch", "bf16_policy",
-                    "adaptive")
-
-
 # Compare presets: (what it is for, overrides of the `tiny` training preset, runs, seeds).
 # The regime comes from the noise study (docs/compare-noise/): at peak lr 3e-3 some seeds'
 # bf16 runs sit on a plateau that nvfp4 escapes (or the reverse), so paired gaps swing by
