@@ -22,6 +22,8 @@ the test fails if one of them no longer exists (delete its entry then).
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,6 +60,7 @@ PENDING: dict[tuple[str, str], str] = {
 }
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     out = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -82,6 +85,12 @@ def import_edges(modules: dict[str, Path]) -> dict[str, dict[str, tuple[int, boo
     """{module: {imported module: (line, inside a function)}} over the microscale modules.
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
     ``pkg``."""
+    return copy.deepcopy(_import_edges(tuple(modules.items())))
+
+
+@functools.cache
+def _import_edges(items: tuple[tuple[str, Path], ...]) -> dict[str, dict[str, tuple[int, bool]]]:
+    modules = dict(items)
     edges: dict[str, dict[str, tuple[int, bool]]] = defaultdict(dict)
     for mod, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
