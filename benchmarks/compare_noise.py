@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from microscale.config import atomic_write_text
     from microscale.experiments.compare import CompareConfig, run_compare
-    from microscale.train import enable_compilation_cache
-    from microscale.train.config import resolve_config
+    from microscale.train import enable_compilation_cache, resolve_config
 
     enable_compilation_cache()
     names = [s.strip() for s in args.settings.split(",") if s.strip()]

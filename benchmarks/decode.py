@@ -14,8 +14,8 @@ Decode tokens/s = generated tokens / (time of a prompt + N tokens - time of the 
 1 token), so prefill and compilation are excluded. Also printed: resident weight bytes of
 the linear layers. Ratios are against bf16.
 
-With a llama.cpp binding installed (``pip install '.[llama]'``, see the README's "On device
-(llama.cpp)"), the same weights are also exported to GGUF in NVFP4, MXFP4, Q8_0 and BF16
+With a llama.cpp binding installed (``pip install '.[llama]'``, build flags in
+docs/llamacpp.md), the same weights are also exported to GGUF in NVFP4, MXFP4, Q8_0 and BF16
 (embeddings and the tied LM head stay BF16 in all four) and llama.cpp's greedy decode
 (batch 1, one ``llama_decode`` per token, prefill excluded) is timed on each, in the same
 run: the on-device path next to microscale's own engine. ``--gguf-only`` skips the

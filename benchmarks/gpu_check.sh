@@ -94,9 +94,9 @@ if [ -n "$CC" ]; then
   part compare 150 compare.txt "$PY" -m microscale compare --runs bf16,fp8,nvfp4 --seeds 0 --quiet \
     steps=60 eval_every=30 "out=$OUT/compare"
 else
-  note linear "skipped (GPU timing; the CPU numbers are in README)"
+  note linear "skipped (GPU timing; the CPU numbers are in docs/recipes.md)"
   note train "skipped (GPU timing)"
-  note compare "skipped (a CPU compare takes minutes: README's main job)"
+  note compare "skipped (a CPU compare takes minutes: the README's main command)"
 fi
 echo "---"
 cat "$SUMMARY"

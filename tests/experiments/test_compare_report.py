@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from microscale.experiments import CompareConfig, write_report
-from microscale.train.config import resolve_config
+from microscale.train import resolve_config
 
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=2", "model.n_kv_heads=2",
          "model.d_ff=128", "seq_len=32", "batch_size=4"]

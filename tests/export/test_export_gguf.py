@@ -105,6 +105,7 @@ def test_2d_tiles_are_stored_per_row():
     np.testing.assert_array_equal(got, np.asarray(dequantize(q)))
 
 
+@pytest.mark.slow
 def test_every_linear_tensor_decodes_to_microscale_weights(exported):
     model, path, res = exported
     r = GGUFReader(path)
@@ -187,6 +188,7 @@ def test_untied_lm_head_is_written(tmp_path):
                    np.float32).T)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, ok", [("nvfp4", False), ("mxfp4", True), ("q8_0", True)])
 def test_refuses_rows_ggml_cannot_hold(tmp_path, fmt, ok):
     cfg = TINY.replace(d_model=96, n_heads=2, n_kv_heads=2)  # K = 96: 1.5 NVFP4 blocks
@@ -200,6 +202,7 @@ def test_refuses_rows_ggml_cannot_hold(tmp_path, fmt, ok):
     assert not path.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q8_0", "bf16"])
 def test_refuses_non_finite_weights(tmp_path, fmt):
     params = flat_params(make_model())
@@ -223,6 +226,7 @@ def test_bad_arguments(tmp_path, tiny_model):
         write_gguf(tiny_model, tmp_path / "c.gguf", tokenizer=ByteTokenizer(), dtype="int4")
 
 
+@pytest.mark.slow
 def test_killed_write_leaves_no_file(tmp_path, tiny_model, monkeypatch):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"previous")

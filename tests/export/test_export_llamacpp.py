@@ -1,7 +1,7 @@
 """End to end with llama.cpp itself: a trained tiny model and a searched mixed allocation,
 exported to GGUF, loaded and run by llama.cpp, against microscale's engine on the same
 tokens. Skipped without llama.cpp (``pip install '.[llama]'``, or ``MICROSCALE_LIBLLAMA``; the
-README's "On device (llama.cpp)" has the build flags).
+build flags are in docs/llamacpp.md).
 
 llama.cpp quantizes a quantized matmul's activations to 8 bits on CPU, so the bar is
 agreement, not bit-exactness: relative L2 of the logits <= 5e-2 and top-1 agreement >= 95%

@@ -145,6 +145,7 @@ def test_nonfinite_input_propagates_as_nan(fmt, bad):
 # Sizes past the point where XLA:CPU vectorises float max reductions (which then drop NaN:
 # a (64, 128) float32 tensor with one NaN used to get a finite NVFP4 global scale), both
 # element widths, NaN/Inf at the first, an inner and the last element, and 2D blocks.
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape, block_shape", [((64, 128), None), ((8192,), None),
@@ -171,6 +172,7 @@ def test_nonfinite_propagates_at_any_size(fmt, dtype, shape, block_shape, bad, w
         assert np.isfinite(out[~np.isnan(out)]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("shape, axis", [((3, 5, 40), -1), ((40, 7), 0), ((2, 33, 3), 1),
                                          ((17,), 0)])
@@ -188,6 +190,7 @@ def test_padding_any_axis_and_batch_dims(fmt, shape, axis):
             spec.block_size // 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_input_dtypes(fmt, dtype):
@@ -227,6 +230,7 @@ def test_2d_blocks_weight_and_transpose_quantize_identically():
     assert not np.array_equal(np.asarray(a), np.asarray(d).T)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantize_dequantize_matches_two_step(fmt):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 96)), jnp.float32)
@@ -426,6 +430,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded_8_devices(fake_devices):
     assert "OK" in fake_devices(SHARDED)
 

@@ -21,6 +21,7 @@ def _x(shape, seed=0):
     return (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,kw", [("nvfp4", {}), ("nvfp4", {"four_over_six": True}),
                                     ("nvfp4", {"amax": 2.5}), ("mxfp4", {}), ("mxfp8", {}),
                                     ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {})])

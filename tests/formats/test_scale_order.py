@@ -150,6 +150,7 @@ def _ours(x, f=_te):
     return tuple(np.asarray(a) for a in f(jnp.asarray(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [random_f32_tensors, random_bf16_tensors],
                          ids=["float32", "bfloat16"])
 def test_nvfp4_equals_te_order_on_a_million_blocks(make):
@@ -185,6 +186,7 @@ def _jax_reference(x, s_dec):
     return jax.lax.bitcast_convert_type(rq, jnp.uint4).astype(jnp.uint8), rs.view(jnp.uint8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [random_f32_tensors, random_bf16_tensors],
                          ids=["float32", "bfloat16"])
 def test_scale_order_jax_bit_identical_to_jax_reference(make):

@@ -129,5 +129,6 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_grouped_sr_same_bits_sharded_and_unsharded(fake_devices):
     assert "OK" in fake_devices(SHARDED)

@@ -36,6 +36,7 @@ def run_dir(tmp_path_factory):
     mp.undo()
 
 
+@pytest.mark.slow
 def test_export_generate_eval(run_dir, tmp_path, capsys):
     run, corpus, out = run_dir / "run", run_dir / "corpus.txt", tmp_path / "ct"
     assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
@@ -54,6 +55,7 @@ def test_export_generate_eval(run_dir, tmp_path, capsys):
     assert abs(res["memory"]["ratio"] / (4.5 / 16) - 1) < 0.02
 
 
+@pytest.mark.slow
 def test_modelopt_w4a4_mixed_export(run_dir, tmp_path, capsys):
     run, out = run_dir / "run", tmp_path / "mo"
     formats = json.dumps({"layers": {**{f"layers.{i}.attn.o_proj": "fp8_e4m3" for i in (0, 1)},

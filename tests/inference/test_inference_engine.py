@@ -61,6 +61,7 @@ def test_packed_engine_equals_dequantized_weights(model, packed32):
                                np.asarray(dense.logits(tokens)), atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_kv_cache_decode_equals_full_forward(model, cdt="float32", atol=2e-5):
     """Prefill 6 tokens, decode 10 one at a time: the same logits as one full pass (float32
     compute; in bfloat16 the two differ by bf16 rounding of differently-shaped GEMMs)."""
@@ -91,6 +92,7 @@ def _greedy_reference(im, prompt, n):
     return seq[len(prompt):]
 
 
+@pytest.mark.slow
 def test_generation_matches_full_forward_and_batching(packed32):
     prompts = [[5, 17, 99], list(range(30, 42))]
     gen = GenerationConfig(max_new_tokens=8)
@@ -166,6 +168,7 @@ def test_weights_stay_packed_and_memory_ratio(packed32):
     assert "ratio 0.28" in st.summary()
 
 
+@pytest.mark.slow
 def test_w4a4_emulation_and_calibration(model):
     tokens = _tokens(t=16)
     w4a16 = InferenceModel.from_params(model, CFG32, formats="nvfp4")

@@ -28,6 +28,7 @@ def _fwd_bwd(chunk):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,s,chunk", [(4096, 4096, 512), (1000, 1000, 256),
                                        (37, 37, 8), (16, 48, 5)],
                          ids=["T4096", "T1000-partial", "T37", "decode-S48"])
@@ -61,6 +62,7 @@ def _temp_bytes(t, chunk):
     return c.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_chunked_attention_memory_grows_linearly():
     """Compiled fwd+bwd temporary bytes from T = 1024 to 4096 (4x): with 256-query chunks
     at most ~4x (linear); all queries at once 10.6x measured (the [T, T] float32 scores
@@ -72,6 +74,7 @@ def test_chunked_attention_memory_grows_linearly():
     assert _temp_bytes(4096, 256) < _temp_bytes(4096, 0) / 4
 
 
+@pytest.mark.slow
 def test_model_with_attention_chunks_matches():
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       d_ff=128, max_seq_len=64)

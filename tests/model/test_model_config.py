@@ -14,6 +14,7 @@ def _abstract_param_count(cfg: ModelConfig) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,lo,hi", [
     ("tiny", 1.0e6, 3.0e6),
     ("small", 20e6, 30e6),

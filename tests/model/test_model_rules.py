@@ -175,6 +175,7 @@ class UserMLP(nnx.Module):
         return self.head(self.mix(x))
 
 
+@pytest.mark.slow
 def test_apply_rules_on_user_model():
     x = jax.random.normal(jax.random.key(1), (32, 64), jnp.float32)
     model = UserMLP(nnx.Rngs(0))

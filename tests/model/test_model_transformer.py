@@ -77,6 +77,7 @@ def test_causal_masking():
     assert float(jnp.abs(a[:, 10:] - b[:, 10:]).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_gqa_equals_mha_with_repeated_kv():
     # Attention kernel level: KV heads shared by groups == explicitly repeated KV heads.
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
@@ -154,6 +155,7 @@ def test_tied_and_untied_embeddings():
     np.testing.assert_allclose(_forward(untied, tokens), logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
 def test_tiny_forward_grad_under_jit(recipe):
     cfg = ModelConfig.tiny()
@@ -178,6 +180,7 @@ def test_tiny_forward_grad_under_jit(recipe):
     assert q_grad.dtype == jnp.float32 and float(jnp.abs(q_grad).sum()) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "save_dots", "minimal", True])
 def test_remat_policies_match_no_remat(policy):
     """Every remat policy computes the same gradients as none (recomputation, not other
@@ -241,6 +244,7 @@ def test_sharding_annotations():
     assert "no mesh rule for logical axis 'expert'" in recs[0].reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", [r for r in list_recipes() if not get_recipe(r).delayed])
 def test_qlinear_kernel_gradient_is_the_float32_wgrad(recipe):
     """The f32 master kernel receives the float32-accumulated wgrad: float32, not

@@ -39,6 +39,7 @@ def _value_and_grads(model):
                          for p, v in nnx.to_flat_state(grads)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,remat,model", [
     ("bf16", "none", {}),
     ("bf16", "full", {}),
@@ -72,6 +73,7 @@ def test_segments_are_the_runs_of_equal_recipes(recipe, n, first, last, segments
     assert scan_segments(_model(n, recipe, first=first, last=last).layers) == segments
 
 
+@pytest.mark.slow
 def test_mixed_segments_keep_their_recipes():
     """Per-layer rules that split the blocks into runs: the scanned model equals the
     unrolled one, and differs from the all-bf16 model (the NVFP4 run really quantizes) and
@@ -101,6 +103,7 @@ def _compiled_dots(n_layers, scan):
     return len(re.findall(r"\bdot\(", text))
 
 
+@pytest.mark.slow
 def test_program_size_does_not_grow_with_depth():
     """The compiled train step of a scanned model has as many GEMMs at 8 blocks as at 2 (one
     body per run); unrolled, they grow with the depth."""

@@ -104,6 +104,7 @@ def sharded(fake_devices, native_on_cpu):
     return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[6:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["column", "row", "dgrad", "wgrad"])
 def test_sharded_equals_unsharded(sharded, name):
     r = sharded[name]
@@ -114,12 +115,14 @@ def test_sharded_equals_unsharded(sharded, name):
     assert not [g for g in r["gathers"] if g[-2:] == [q, c]], r["gathers"]
 
 
+@pytest.mark.slow
 def test_split_contractions_are_reduced(sharded):
     assert sharded["row"]["collectives"]["all-reduce"] >= 1
     assert sharded["column"]["collectives"]["all-reduce"] == 0
     assert sharded["wgrad"]["collectives"]["reduce-scatter"] >= 1
 
 
+@pytest.mark.slow
 def test_block_across_devices_refused(sharded):
     err = sharded["straddle"].get("error", "")
     assert "block straddling two devices" in err and "3 blocks of 32" in err, sharded["straddle"]

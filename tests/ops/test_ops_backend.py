@@ -66,6 +66,7 @@ def test_probe_thresholds(monkeypatch):
     assert not native_supported(r("fp8"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NATIVE_RECIPES)
 def test_native_plumbing_matches_emulated(monkeypatch, name):
     from microscale.ops import dot

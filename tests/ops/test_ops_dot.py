@@ -96,6 +96,7 @@ def _close(a, b, rtol=2e-6):
 
 # ---- values and gradients --------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_matches_fake_quant_reference(name):
     recipe = get_recipe(name)
@@ -130,6 +131,7 @@ def test_bf16_recipe_equals_jnp_dot():
                    np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "nvfp4"])
 def test_general_dimension_numbers(name):
     """Batch dims and several contracting dims equal the canonical [B,M,K] x [B,K,N] form."""
@@ -156,6 +158,7 @@ def test_general_dimension_numbers(name):
         _close(y, jax.lax.dot_general(lhs, rhs, dims, precision=HI), rtol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("n", [256, 257])
 def test_jit_grad_with_rhs_contracted_on_its_last_axis(name, n):
@@ -222,6 +225,7 @@ def test_key_contract():
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.slow
 def test_sr_dgrad_is_unbiased():
     """Mean of dX = Q_sr(dY) Wq^T over many keys -> E[Q_sr(dY)] Wq^T.
 
@@ -301,6 +305,7 @@ def test_sr_slots_fair_and_independent_at_ops_level():
 
 # ---- structure -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_2d_weights_same_w_in_fprop_and_dgrad():
     """X = I and dY = I expose the W each GEMM sees: Y = W_fprop, dX = W_dgrad^T."""
     k = 48
@@ -418,6 +423,7 @@ def test_jaxpr_no_gemm_quantized_for_bf16():
             assert not any("float8" in t for t in side)
 
 
+@pytest.mark.slow
 def test_raw_prng_key_remat_and_vector_lhs():
     x, w, _ = _data(m=16, k=32, n=16)
     loss = lambda x, w, k: jnp.sum(qdot(x, w, "nvfp4", key=k) ** 2)

@@ -3,6 +3,8 @@ before jax is imported, and the parent process has already imported it)."""
 
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -45,5 +47,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded_on_8_devices(fake_devices):
     assert "SHARDED_OK" in fake_devices(CHILD)

@@ -104,6 +104,7 @@ def test_remat_adds_a_forward():
         plain * 4 / 3, rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,mesh", [
     ("llama-8b", {"data": 1, "fsdp": 8, "tensor": 1}),
     ("llama-70b", {"data": 1, "fsdp": 8, "tensor": 8}),

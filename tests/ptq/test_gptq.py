@@ -60,6 +60,7 @@ def _hessian(x):
     return 2.0 * x.T @ x / x.shape[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,four6", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False),
                                        ("mxfp8", False), ("fp8_e4m3", False)])
 def test_matches_numpy_reference(fmt, four6):
@@ -74,6 +75,7 @@ def test_matches_numpy_reference(fmt, four6):
     np.testing.assert_allclose(got128, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "fp8_e4m3"])
 @pytest.mark.parametrize("four6", [False, True])
 def test_identity_hessian_is_round_to_nearest(fmt, four6):
@@ -100,6 +102,7 @@ def test_identity_hessian_is_round_to_nearest(fmt, four6):
 LAYERS = [(32, 128, False), (48, 200, False), (64, 256, True), (16, 96, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_output_error_below_rtn(fmt):
     rng = np.random.default_rng(3)
@@ -117,6 +120,7 @@ def test_output_error_below_rtn(fmt):
     assert np.mean(ratios) < 0.9, ratios
 
 
+@pytest.mark.slow
 def test_values_are_on_the_format_grid():
     rng = np.random.default_rng(4)
     w, x = _layer(rng, 16, 64)
@@ -157,6 +161,7 @@ def test_engine_hessians_shared_by_fused_inputs(tiny_model, token_batches):
     assert np.all(np.linalg.eigvalsh(h) > -1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_gptq_brings_the_model_closer_to_bf16(tiny_model, fmt):
     """Uniform weights in ``fmt`` on the tiny model: with GPTQ (Hessians from 2048
@@ -178,6 +183,7 @@ def test_gptq_brings_the_model_closer_to_bf16(tiny_model, fmt):
     assert np.all(kl["gptq"] < kl["rtn"]), kl
 
 
+@pytest.mark.slow
 def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
     """`quantize --weight-method gptq` end to end: every evaluated point uses GPTQ weights,
     the PTQ-effects table has a gptq column next to round-to-nearest."""
@@ -195,6 +201,7 @@ def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
     assert "| gptq |" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_pipeline_gptq_option(tiny_model, token_batches):
     calib, evals = token_batches
     cfg = QuantizeConfig(budget=5.0, formats=("nvfp4", "mxfp8", "bf16"),

@@ -10,6 +10,7 @@ import pytest
 from microscale.cli import main
 
 
+@pytest.mark.slow
 def test_cli_quantizes_a_training_run(trained_run, tmp_path, capsys):
     out = tmp_path / "q"
     rc = main(["quantize", "--checkpoint", trained_run, "--out", str(out), "--budget", "6",
@@ -40,6 +41,7 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
     assert rc == 2 and "not a microscale run folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, capsys):
     gguf = pytest.importorskip("gguf")
     out = tmp_path / "qg"

@@ -32,6 +32,7 @@ def result(tiny_model, token_batches):
     return quantize_model(tiny_model, calib, evals, CFG)
 
 
+@pytest.mark.slow
 def test_report_contents(result):
     rep = result.report()
     for key in ("budget", "effective_bits", "val_ppl", "layers", "scores", "scores_raw",
@@ -105,6 +106,7 @@ def test_files_and_own_checkpoint_roundtrip(result, tmp_path):
     assert "| searched |" in md and "layers.0.attn.q_proj" in md
 
 
+@pytest.mark.slow
 def test_w4a4_and_determinism(tiny_model, token_batches):
     calib, evals = token_batches
     cfg = QuantizeConfig(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"),
@@ -200,6 +202,7 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
     assert "| uniform_nvfp4 | 1.0000 |" in md and md.count("| rtn |") >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activations", [False, True])
 def test_trained_allocation_point(tiny_model, token_batches, activations, tmp_path):
     """A QAT run's own allocation is evaluated as the point "trained", rounded to nearest

@@ -71,6 +71,7 @@ def _direct_score(engine, tokens, path, wq_values) -> float:
                       jnp.asarray(tokens)))
 
 
+@pytest.mark.slow
 def test_gradient_score_matches_direct_per_layer_computation(engine, qweights, token_batches):
     calib, _ = token_batches
     got = score(engine, calib[:1], qweights, "gradient")
@@ -87,6 +88,7 @@ def test_gradient_score_matches_direct_per_layer_computation(engine, qweights, t
     assert score(engine, calib[:1], qweights, "gradient") == got
 
 
+@pytest.mark.slow
 def test_gradient_linear_term_equals_kernel_gradient(engine, qweights, token_batches):
     """sum(dL/dY * X dW) == <dL/dW, dW>: the tapped X and dL/dY agree with the ordinary
     parameter gradient (no tap involved on that side)."""
@@ -113,6 +115,7 @@ def test_gradient_linear_term_equals_kernel_gradient(engine, qweights, token_bat
     assert got == pytest.approx(ref, rel=0.03, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_kl_and_loss_scores(engine, qweights, token_batches):
     calib, _ = token_batches
     kl, dloss = kl_loss_scores(engine, calib[:1], qweights)
@@ -124,6 +127,7 @@ def test_kl_and_loss_scores(engine, qweights, token_batches):
     assert dloss[p]["nvfp4"] == pytest.approx(direct - base, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_w4a4_scores_include_input_quantization(engine, qweights, token_batches):
     calib, _ = token_batches
     amax = engine.input_amax(calib)
@@ -149,6 +153,7 @@ def test_engine_leaves_the_model_alone(tiny_model):
         tiny_model.set_rules(PrecisionRules(default=before[next(iter(before))]))
 
 
+@pytest.mark.slow
 def test_tap_outside_its_block_raises(tiny_model):
     e = Engine(tiny_model)
     model = nnx.merge(e.graphdef, nnx.State(e.params), e.rest)

@@ -21,6 +21,7 @@ def _sq(a, b) -> float:
     return float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "fp8_e4m3"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mse_scale_and_four_over_six_never_worse_than_rtn(fmt, seed):

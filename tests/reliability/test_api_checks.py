@@ -81,6 +81,7 @@ NARROW = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5
           jnp.float8_e8m0fnu, jnp.float4_e2m1fn]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "q8_0"])
 @pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
 def test_narrow_float_inputs_quantize_as_their_float32_values(dtype, fmt):

@@ -301,6 +301,7 @@ def test_enough_cases():
     assert len({c[0] for c in CASES}) == len(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_one_clear_line(argv, expect, places, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing lands in the repository (runs/, caches)

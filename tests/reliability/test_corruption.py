@@ -70,6 +70,7 @@ def test_damaged_metadata_is_named(tiny_run, tmp_path):
         load_checkpoint(run)
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_newest_intact_and_matches(tiny_run, tmp_path, capsys):
     """Step 4 damaged and the run not marked completed (as after a crash): resume=true
     restores step 2, says so, moves step 4 aside and recomputes it bit-exactly."""

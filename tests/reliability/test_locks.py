@@ -42,6 +42,7 @@ def held(tmp_path):
         p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "compare", "quantize", "export"])
 def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, capsys):
     out, pid = held
@@ -60,6 +61,7 @@ def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, caps
     assert not out.exists() or not any(out.iterdir())  # nothing was written
 
 
+@pytest.mark.slow
 def test_cli_process_against_held_folder(held, words_corpus, hang_guard_s):
     """A real `microscale train` process (not in-process) refuses the held folder."""
     out, pid = held

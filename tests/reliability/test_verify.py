@@ -131,6 +131,7 @@ GGUF_DATA = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, tensor, at", GGUF_DATA, ids=[c[0] for c in GGUF_DATA])
 @pytest.mark.parametrize("mask", [0x01, 0x80])
 def test_gguf_tensor_flip_is_named(gguf_file, tmp_path, capsys, case, tensor, at, mask):
@@ -233,6 +234,7 @@ def test_gguf_header_flip_fails_clearly(gguf_file, tmp_path, capsys, case, where
         verify_gguf(path)
 
 
+@pytest.mark.slow
 def test_gguf_every_header_region_sweep(gguf_file, tmp_path):
     """Every 7th header byte (all regions: counts, keys, types, the vocabulary, the
     checksums, the tensor table), flipped alone: never a silent pass."""
@@ -444,6 +446,7 @@ def test_damaged_checkpoints_folder_is_noted(tiny_run, tmp_path, capsys):
 
 # ---------------------------------------------------------------------- clean, usage, API
 
+@pytest.mark.slow
 def test_intact_outputs_verify_clean(tiny_run, tiny_export, modelopt_export, gguf_file,
                                      quantize_out, capsys):
     rc, out, err = _verify(capsys, gguf_file, tiny_export, modelopt_export, tiny_run,

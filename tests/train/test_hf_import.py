@@ -105,6 +105,7 @@ def test_import_is_the_hf_model_bit_for_bit(hf, run):
     assert main(["verify", str(run), "-q"]) == 0
 
 
+@pytest.mark.slow
 def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
     out = []
     for m in (hf, run):
@@ -133,6 +134,7 @@ def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
     assert field.contents() == (run / "chat_template.jinja").read_text()
 
 
+@pytest.mark.slow
 def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path,
                                                                            capsys):
     assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"),
@@ -165,6 +167,7 @@ def test_import_refuses_what_it_cannot_represent(hf, tmp_path, capsys, change, e
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing half-made
 
 
+@pytest.mark.slow
 def test_smollm2_config_json_imports(tmp_path):
     """SmolLM2-135M-Instruct's config.json as published (2 of its 30 layers, a smaller
     vocabulary): every field is read or harmless; 9 heads of 64, theta 100000, tied."""
@@ -277,6 +280,7 @@ def mismatched(hf, run, big_tokenizer, tmp_path_factory) -> dict[str, Path]:
     return {"hf": hf_bad, "run": run_bad, "tok": big_tokenizer}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["train", "init_from={run}", "data.corpus={corpus}", "data.heldout=none", "steps=1",
      "tensorboard=false", "out={tmp}/t", "--no-compile-cache", "-q"],

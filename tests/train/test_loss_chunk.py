@@ -45,6 +45,7 @@ def _loss_and_grads(model, cfg, chunk, tokens):
     return float(loss), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
 def test_chunked_loss_equals_the_whole_sequence_loss(tie, recipe):
@@ -66,6 +67,7 @@ def test_chunks_need_not_divide_the_sequence_and_keep_the_gradient_finite():
     assert np.isfinite(loss) and all(np.isfinite(x).all() for x in g)
 
 
+@pytest.mark.slow
 def test_chunked_loss_holds_one_chunk_of_logits():
     """The compiled fwd+bwd's temporary bytes: whole-sequence logits and their gradient
     (float32 [4, 512, 8192]: 64 MiB each) are gone with 64-position chunks."""

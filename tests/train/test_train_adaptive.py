@@ -68,6 +68,7 @@ def test_allocation_is_the_best_feasible_set(seed, fraction):
     assert sum(numel[p] for p in chosen) <= fraction * total
 
 
+@pytest.mark.slow
 def test_choice_on_a_model_block_granularity_and_positional_default(make_cfg, tokens):
     cfg = make_cfg("recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.granularity=block",
                    "adaptive.calib_tokens=512")
@@ -140,6 +141,7 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
     assert s2["bf16_allocation"]["bf16_layers"] == alloc["bf16_layers"]
 
 
+@pytest.mark.slow
 def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_path):
     """The control for sensitivity's warm-up: the same all-bf16 steps, then exactly the
     positional rules (no allocation is chosen or recorded)."""

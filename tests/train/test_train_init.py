@@ -38,6 +38,7 @@ def source_run(make_cfg, tmp_path):
     return cfg
 
 
+@pytest.mark.slow
 def test_init_from_run_latest_and_given_step(make_cfg, source_run, tmp_path):
     src = source_run.out
     ft = make_cfg(f"init_from={src}", "steps=4", "eval_every=2", "optim.warmup_steps=2",
@@ -126,6 +127,7 @@ def test_init_from_hf_llama_matches_transformers_loss(make_cfg, tmp_path):
     assert abs(_eval_at(ft.out, 0) - ref) < 0.02 * ref
 
 
+@pytest.mark.slow
 def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
     wide = make_cfg(f"init_from={source_run.out}", "model.d_ff=128", "steps=1",
                     f"out={tmp_path / 'x'}")

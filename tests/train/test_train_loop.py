@@ -17,6 +17,7 @@ def _records(out, kind):
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_loss_goes_down_and_files(make_cfg):
     cfg = make_cfg("steps=30", "eval_every=15", "log_every=5", "tensorboard=true")
     s = train(cfg, progress=False)
@@ -83,6 +84,7 @@ def test_exact_resume_across_late_switch(make_cfg):
     assert s3["final_val_loss"] == s2["final_val_loss"]
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_then_abort_keeps_last_checkpoint(make_cfg):
     cfg = make_cfg("inject_nonfinite_steps=[3,7,8,9]", "max_nonfinite_in_a_row=3",
                    "checkpoint_every=5", "eval_every=0", "steps=12")

@@ -54,6 +54,7 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
     assert {p: v["weights"] for p, v in layers.items()} == formats
 
 
+@pytest.mark.slow
 def test_rules_with_custom_recipes_train(make_cfg, tmp_path):
     """A quantize output's rules hold recipes that are not presets (ptq_<fmt>_w)."""
     from microscale.ptq import allocation_rules

@@ -98,6 +98,7 @@ def test_lr_schedules(schedule):
         assert np.all(np.diff(lr[10:]) <= 1e-7)
 
 
+@pytest.mark.slow
 def test_step_skips_nonfinite_updates():
     cfg = TrainConfig(model=TEST_MODEL, data=DataConfig(seq_len=32), recipe="bf16")
     st = build_state(cfg)

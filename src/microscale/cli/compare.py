@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from microscale.experiments.runs import ABLATIONS
     from microscale.experiments.scaling import ScalingConfig, run_scaling
     from microscale.train import TrainConfig
-    from microscale.train.config import resolve_config
+    from microscale.train.init import resolve_config
 
     out = None
     overrides = []

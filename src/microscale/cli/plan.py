@@ -17,12 +17,13 @@ import argparse
 import sys
 
 from microscale.cli.args import positive_int
+from microscale.train.config import list_presets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", default="tiny",
-                        help="preset (tiny, small, gpt2-124m, llama-1b, llama-8b, llama-70b) "
-                             "or a YAML path (default: tiny)")
+                        help=f"preset ({', '.join(list_presets())}) or a YAML path "
+                             "(default: tiny)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides: mesh.fsdp=64 mesh.tensor=8 grad_accum=4 ...")
     parser.add_argument("--accelerator", "-a", default="b200",
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from microscale.config import ConfigError
-    from microscale.train.config import resolve_config
+    from microscale.train.init import resolve_config
 
     try:
         cfg = resolve_config(args.config, list(args.overrides) + [f"recipe={args.recipe}"])

@@ -6,7 +6,8 @@
     microscale train --config tiny --print-config              # resolved YAML, no training
     microscale train --list-keys                               # every key with its comment
 
-``--config`` is a preset (tiny, small, gpt2-124m, llama-1b, llama-8b) or a YAML file;
+``--config`` is a preset (``--help`` lists them: ``microscale.train.list_presets()``) or a
+YAML file;
 then dotted ``key=value`` overrides. Everything else is :func:`microscale.train.train`.
 Exit codes: 0 done, 1 aborted (non-finite losses), 2 bad config or arguments.
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from microscale.train.config import list_presets
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", default="tiny",
-                        help="preset name (tiny, small, gpt2-124m, llama-1b, llama-8b) or a "
-                             "YAML path (default: tiny)")
+                        help=f"preset name ({', '.join(list_presets())}) or a YAML path "
+                             "(default: tiny)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, dotted for nested fields: recipe=nvfp4 "
                              "steps=300 optim.lr=1e-3 model.d_model=256 out=runs/x")
@@ -35,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from microscale.config import ConfigError, describe, to_yaml
-    from microscale.train.config import resolve_config
+    from microscale.train.init import resolve_config
 
     try:
         cfg = resolve_config(args.config, args.overrides)

@@ -43,11 +43,6 @@ from microscale.experiments.runs import BASELINES, RUNS
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.train import TrainConfig, TrainingAborted, train
 
-# Fields a run is allowed to change; everything else must match across runs.
-PRECISION_FIELDS = ("recipe", "bf16_first", "bf16_last", "late_switch", "bf16_policy",
-                    "adaptive")
-
-
 # Compare presets: (what it is for, overrides of the `tiny` training preset, runs, seeds).
 # The regime comes from the noise study (docs/compare-noise/): at peak lr 3e-3 some seeds'
 # bf16 runs sit on a plateau that nvfp4 escapes (or the reverse), so paired gaps swing by
@@ -60,12 +55,10 @@ REGIME = ("model.d_model=64", "model.d_ff=128", "steps=150", "optim.warmup_steps
           "lr=1e-3", "optim.min_lr_ratio=0", "eval_every=0", "eval_batches=64",
           "data.eval_batch_size=16", "tensorboard=false")
 PRESETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[int, ...]]] = {
-    "default": ("bf16, fp8 and nvfp4 paired over 6 seeds; 12.8 min measured on an idle "
-                "2-core CPU",
+    "default": ("bf16, fp8 and nvfp4 paired over 6 seeds (timings: benchmarks/timings.md)",
                 REGIME, ("bf16", "fp8", "nvfp4"), tuple(range(6))),
     "decisive": ("the default's regime with 20 seeds (measured: +-0.12-point intervals vs "
-                 "bf16 and fp8); ~43 min on an idle 2-core CPU", REGIME,
-                 ("bf16", "fp8", "nvfp4"), tuple(range(20))),
+                 "bf16 and fp8)", REGIME, ("bf16", "fp8", "nvfp4"), tuple(range(20))),
 }
 
 

@@ -381,7 +381,7 @@ def reading(summary: dict[str, Any]) -> list[str]:
             out.append(f"- Against FP8: {n8['verdict']}")
     if len(setup["seeds"]) < 2:
         out.append("- Only one seed was run: the gaps above are single measurements, not "
-                   "verdicts (DESIGN.md). Use `--seeds 0,1,2,...`.")
+                   "verdicts (docs/design.md#statistics). Use `--seeds 0,1,2,...`.")
     sd = b and b.get("final_val_loss_std")
     if sd and nv and nv["gap_sd"] is not None:
         out.append(f"- Seed spread: bf16's own final loss moves by "

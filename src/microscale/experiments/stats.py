@@ -17,7 +17,7 @@ differences ``d_b = l_x,b - l_r,b`` its standard error is ``sd(d) / sqrt(B)`` (l
 ``sqrt(sum_s se_s^2) / n``. The t interval over seeds already contains this noise (each
 seed's gap carries it); the eval SE says how much of the interval it is.
 
-Verdict. Words follow the interval (DESIGN.md, Statistics): the run is "worse" when the whole
+Verdict. Words follow the interval (docs/design.md#statistics): the run is "worse" when the whole
 interval is above 0, "better" when below, else "no difference detected" and the interval's
 ends are the largest gaps still compatible with the data.
 

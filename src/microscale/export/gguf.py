@@ -73,7 +73,6 @@ import numpy as np
 from microscale.data import check_vocab_fits
 from microscale.export import layouts as L
 from microscale.export.gguffile import CRC_HEADER_KEY, CRC_TENSORS_KEY, seal_gguf_header
-from microscale.export.hf import linear_paths
 from microscale.export.params import check_params
 from microscale.export.tokenizer import byte_tokenizer_hf
 from microscale.files import atomic_writer
@@ -86,7 +85,7 @@ from microscale.formats import (
     unpack_nibbles,
 )
 from microscale.integrity import crc32_many
-from microscale.model import ModelConfig
+from microscale.model import ModelConfig, linear_paths
 
 __all__ = ["GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_format", "gguf_layer_formats",
            "gguf_tensor", "gguf_vocab", "tensor_name", "write_gguf"]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from microscale.model import ModelConfig
+from microscale.model import BLOCK_LINEARS, ModelConfig, fused_groups, linear_paths
 
 __all__ = [
     "LINEAR_KINDS",
@@ -52,37 +52,13 @@ __all__ = [
     "param_shapes",
 ]
 
-# Linear sub-paths inside a block: microscale -> HF.
+# Linear sub-paths inside a block: microscale -> HF (HF names the attention "self_attn").
 LINEAR_KINDS: dict[str, str] = {
-    "attn.q_proj": "self_attn.q_proj",
-    "attn.k_proj": "self_attn.k_proj",
-    "attn.v_proj": "self_attn.v_proj",
-    "attn.o_proj": "self_attn.o_proj",
-    "mlp.gate_proj": "mlp.gate_proj",
-    "mlp.up_proj": "mlp.up_proj",
-    "mlp.down_proj": "mlp.down_proj",
-}
+    k: "self_" + k if k.startswith("attn.") else k for k in BLOCK_LINEARS}
 _HF_KINDS = {v: k for k, v in LINEAR_KINDS.items()}
-# Fused by vLLM / TensorRT-LLM (one GEMM): they must share formats and tensor scales.
-_FUSED = (("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 _MS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def linear_paths(cfg: ModelConfig) -> list[str]:
-    """Module paths of every quantizable linear layer, in model order."""
-    return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in LINEAR_KINDS]
-
-
-def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
-    """Groups of linear paths that inference engines fuse into one GEMM (q/k/v, gate/up)
-    plus the singletons (o_proj, down_proj): every linear appears in exactly one group."""
-    out: list[tuple[str, ...]] = []
-    for i in range(cfg.n_layers):
-        out += [tuple(f"layers.{i}.{k}" for k in g) for g in _FUSED]
-        out += [(f"layers.{i}.attn.o_proj",), (f"layers.{i}.mlp.down_proj",)]
-    return out
 
 
 def hf_module(path: str) -> str:

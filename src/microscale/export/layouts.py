@@ -62,9 +62,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from microscale.export.hf import fused_groups, linear_paths, ms_module
+from microscale.export.hf import ms_module
 from microscale.formats import FormatSpec, QArray, get_format, quantize, tensor_amax
-from microscale.model import ModelConfig, PrecisionRules
+from microscale.model import ModelConfig, PrecisionRules, fused_groups, linear_paths
 from microscale.ops import get_recipe
 
 __all__ = [

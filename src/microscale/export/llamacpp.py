@@ -3,8 +3,8 @@ peer of microscale's engine in ``benchmarks/decode.py``.
 
 Two ways to reach llama.cpp work (both optional, tried in this order):
 
-* ``llama-cpp-python`` (``import llama_cpp``), built from source (see the README's "On
-  device (llama.cpp)" for the build flags);
+* ``llama-cpp-python`` (``import llama_cpp``), built from source (see docs/llamacpp.md for
+  the build flags);
 * any llama.cpp shared library named by ``MICROSCALE_LIBLLAMA=/path/libllama.so`` (e.g. a
   llama.cpp build, or the prebuilt CPU libraries of the ``@node-llama-cpp/linux-x64`` npm
   package), called through ``ctypes`` with the few C functions of ``llama.h`` that have been

@@ -1,6 +1,6 @@
 """quantize / dequantize for every registry row, and the :class:`QArray` container.
 
-NVFP4 (exactly Transformer Engine's formulas and float32 order; DESIGN.md):
+NVFP4 (exactly Transformer Engine's formulas and float32 order; docs/design.md#scales):
 
     s_enc = 2688 / amax(|x|)            (float32; 1 when amax == 0 or not finite)
     s_dec = 1 / s_enc                   (QArray.global_scale)
@@ -28,7 +28,7 @@ into a multiplication by its float32 reciprocal, so what runs is
 
 It applies the global scale first and the block scale last. On continuous random data
 it agrees with TE's order in all but ~1 block per million; on data built near rounding
-ties, in ~99.4% of blocks (README, tests). Zero elements of an all-zero block stay zero
+ties, in ~99.4% of blocks (docs/formats.md, tests). Zero elements of an all-zero block stay zero
 codes (JAX computes 0 * inf = NaN there); both decode to zeros.
 
 MX (OCP v1.0): one E8M0 power of two per 32 elements (rule: see ``spec.py``), elements

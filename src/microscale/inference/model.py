@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.data import check_vocab_fits
-from microscale.export.hf import linear_paths
 from microscale.export.layouts import (
     LayerFormats,
     LayerQuant,
@@ -41,7 +40,8 @@ from microscale.export.registry import RUN, Layout, detect
 from microscale.formats import QArray
 from microscale.inference.engine import Linear, build_weights, forward, init_cache
 from microscale.inference.sampling import GenerationConfig, sample_logits
-from microscale.model import ModelConfig
+from microscale.model import ModelConfig, linear_paths
+from microscale.ops.loss import token_nll
 
 __all__ = ["GenerationResult", "InferenceModel", "MemoryStats", "collect_input_amax",
            "evaluate_ppl", "load_model"]
@@ -349,9 +349,7 @@ def _nll_fn(cfg: ModelConfig, cdt):
     @jax.jit
     def fn(weights, batch):
         logits = forward(weights, batch[:, :-1], cfg=cfg, cdt=cdt)[0]
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        tgt = batch[:, 1:]
-        return -jnp.sum(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
+        return jnp.sum(token_nll(logits, batch[:, 1:]))
     return fn
 
 

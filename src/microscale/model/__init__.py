@@ -1,6 +1,6 @@
 """Llama-style decoder in Flax NNX, presets, and per-layer precision rules.
 
-* `ModelConfig` (presets: ``tiny``, ``small``, ``gpt2-124m``, ``llama-1b``, ``llama-8b``)
+* `ModelConfig` (presets: ``list_presets()``)
 * `Transformer` — every projection a `QLinear` through ``microscale.ops``' quantized
   ``dot_general``; embeddings, norms, attention products and the LM head high precision.
 * `PrecisionRules` / `apply_rules` / `late_switch` — which recipe each linear layer runs,
@@ -36,10 +36,20 @@ from microscale.model.sharding import (
     partition_specs,
     var_logical_axes,
 )
-from microscale.model.transformer import MLP, Attention, Block, Transformer, causal_attention
+from microscale.model.transformer import (
+    BLOCK_LINEARS,
+    FUSED_LINEARS,
+    MLP,
+    Attention,
+    Block,
+    Transformer,
+    causal_attention,
+    fused_groups,
+    linear_paths,
+)
 
 __all__ = [
-    "BF16_LAYOUTS", "LOGICAL_AXES", "MESH_AXES", "MLP", "Attention", "Block", "Embed", "LMHead", "ModelConfig",
+    "BF16_LAYOUTS", "BLOCK_LINEARS", "FUSED_LINEARS", "fused_groups", "linear_paths", "LOGICAL_AXES", "MESH_AXES", "MLP", "Attention", "Block", "Embed", "LMHead", "ModelConfig",
     "PrecisionRules", "QLinear", "RMSNorm", "Transformer", "apply_rope", "apply_rules",
     "assignments", "causal_attention", "default_bf16_last", "iter_linears", "late_switch",
     "list_presets", "logical_to_mesh_rules", "logical_to_mesh_spec", "param_logical_axes",

@@ -206,7 +206,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def tiny(cls) -> ModelConfig:
-        """~1.67M params; trains to a meaningful byte-level loss in minutes on 2 CPU cores."""
+        """~1.67M params; trains to a meaningful byte-level loss on a CPU."""
         return cls(vocab_size=257, d_model=192, n_layers=4, n_heads=4, n_kv_heads=2,
                    d_ff=512, max_seq_len=256, tie_embeddings=True)
 

@@ -1,6 +1,6 @@
 """Building blocks: the quantized linear layer and the high-precision pieces around it.
 
-Where each operation runs (the NVIDIA NVFP4 recipe, DESIGN.md):
+Where each operation runs (the NVIDIA NVFP4 recipe; docs/design.md#what-stays-in-high-precision):
 
 ==========================  ===================================================
 operation                   precision

@@ -15,8 +15,9 @@ to HF checkpoints by a transpose alone.
 
 The seven projections per block are `QLinear`\\ s; their recipes come from a
 `PrecisionRules` (default: every layer bf16). Everything else — embedding, norms,
-attention products, LM head — is high precision (DESIGN.md). ``__call__`` takes a PRNG
-``key`` (fresh per training step); each projection folds in a stable id of its path, so
+attention products, LM head — is high precision
+(docs/design.md#what-stays-in-high-precision). ``__call__`` takes a PRNG ``key`` (fresh
+per training step); each projection folds in a stable id of its path, so
 stochastic rounding never repeats across layers or steps. ``key=None`` is fine for a
 forward pass; a recipe with stochastic rounding needs a key to differentiate.
 
@@ -61,7 +62,40 @@ from microscale.model.sharding import constrain
 # Logical axes of the activations (microscale.model.sharding maps them to the mesh).
 RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
 
-__all__ = ["MLP", "Attention", "Block", "Transformer", "causal_attention"]
+__all__ = ["BLOCK_LINEARS", "FUSED_LINEARS", "MLP", "Attention", "Block", "Transformer",
+           "causal_attention", "fused_groups", "linear_paths"]
+
+# The seven linear layers of a block, by their path inside it, in model order.
+BLOCK_LINEARS: tuple[str, ...] = (
+    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+# The one table of fused linears: {group path inside a block: its members}. Inference
+# engines (vLLM, TensorRT-LLM, llama.cpp) run each group as one GEMM, so its members share
+# a number format (PTQ's search, `microscale.ptq.search.DEFAULT_GROUPS`) and a tensor scale
+# (export, `fused_groups`).
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {
+    "attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def linear_paths(cfg: ModelConfig) -> list[str]:
+    """Paths of every quantizable linear layer of a `Transformer` of ``cfg``, in model
+    order (``layers.<i>.<kind>`` for each kind of `BLOCK_LINEARS`; not the LM head)."""
+    return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in BLOCK_LINEARS]
+
+
+def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    """The linear paths of ``cfg`` grouped as inference engines fuse them: per block, the
+    groups of `FUSED_LINEARS`, then the unfused linears as singletons. Every path of
+    `linear_paths` is in exactly one group."""
+    fused = {m for members in FUSED_LINEARS.values() for m in members}
+    out: list[tuple[str, ...]] = []
+    for i in range(cfg.n_layers):
+        out += [tuple(f"layers.{i}.{m}" for m in g) for g in FUSED_LINEARS.values()]
+        out += [(f"layers.{i}.{k}",) for k in BLOCK_LINEARS if k not in fused]
+    return out
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0

@@ -14,6 +14,7 @@ from microscale.ops.dot import (
     quantize_operand,
     quantized_dot_general,
 )
+from microscale.ops.loss import cross_entropy, token_nll
 from microscale.ops.recipe import (
     GEMMS,
     RECIPES,
@@ -27,10 +28,11 @@ from microscale.ops.recipe import (
 )
 
 __all__ = [
-    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "device_capability",
+    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "cross_entropy",
+    "device_capability",
     "get_recipe",
     "init_amax_history",
     "list_recipes", "make_dot_general", "native_supported", "operand_key", "qdot",
     "quantize_operand",
-    "quantized_dot_general", "recipe_name", "resolve_backend",
+    "quantized_dot_general", "recipe_name", "resolve_backend", "token_nll",
 ]

@@ -304,7 +304,8 @@ class Recipe:
     @classmethod
     def nvfp4(cls, *, rht: bool = True, stochastic_rounding: bool = True,
               weight_2d: bool = True, fwd_only: bool = False, name: str = "nvfp4") -> Recipe:
-        """NVIDIA's NVFP4 training recipe (DESIGN.md), each element switchable."""
+        """NVIDIA's NVFP4 training recipe (docs/design.md#the-three-gemms), each element
+        switchable."""
         fmt = "nvfp4"
         block = get_format(fmt).block_size
         x = OperandSpec(format=fmt)

@@ -32,7 +32,8 @@ from flax import nnx
 
 from microscale.formats import get_format, quantize_dequantize, tensor_amax
 from microscale.model import PrecisionRules, apply_rules
-from microscale.ptq.tap import intercept_linears, linear_paths, without_remat
+from microscale.ops.loss import cross_entropy
+from microscale.ptq.tap import intercept_linears, tappable_paths, without_remat
 
 __all__ = ["ActQuant", "Engine", "next_token_loss"]
 
@@ -44,10 +45,7 @@ _GRAD_TERMS = ("fisher", "linear", "token_fisher", "taylor")
 
 def next_token_loss(model: Any, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``model(tokens[:, :-1])`` against ``tokens[:, 1:]``."""
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)
-    return jnp.mean(nll)
+    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
 
 
 def _next_token_logp(model: Any, tokens: jax.Array) -> jax.Array:
@@ -112,7 +110,7 @@ class Engine:
         work = nnx.merge(graphdef, params, rest)  # a private copy of the graph
         apply_rules(work, PrecisionRules(default="bf16"))
         without_remat(work)
-        self.paths: list[str] = linear_paths(work)
+        self.paths: list[str] = tappable_paths(work)
         if not self.paths:
             raise ValueError("Engine: the model has no linear layer with a 2-D kernel "
                              "(QLinear / nnx.Linear) to quantize")
@@ -392,11 +390,10 @@ class Engine:
             def f(params, tokens, ref, sel, amax):
                 model = self._model(params)
                 with intercept_linears(model, self._act_hook(palette, sel, amax)):
-                    logp = _next_token_logp(model, tokens)
+                    logits = model(tokens[:, :-1]).astype(jnp.float32)
+                logp = jax.nn.log_softmax(logits, axis=-1)
                 kl = jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1).mean()
-                nll = -jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32),
-                                           axis=-1).mean()
-                return kl, nll
+                return kl, cross_entropy(logits, tokens[:, 1:])
             return jax.jit(f)
 
         fn = self._cached(("kl", static), build)

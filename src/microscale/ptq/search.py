@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -45,17 +46,28 @@ from fractions import Fraction
 import numpy as np
 
 from microscale.formats import get_format
+from microscale.model import FUSED_LINEARS
 
 __all__ = ["DEFAULT_GROUPS", "Allocation", "Problem", "brute_force", "effective_bits",
            "model_bits",
            "group_layers", "search"]
 
-# (regex fully matching a layer path, group-name template): q/k/v and gate/up of one block
-# share a format. Paths that match nothing are groups of their own.
-DEFAULT_GROUPS: tuple[tuple[str, str], ...] = (
-    (r"(.*)\.(q|k|v)_proj", r"\1.qkv_proj"),
-    (r"(.*)\.(gate|up)_proj", r"\1.gate_up_proj"),
-)
+
+def _group_pattern(name: str, members: Sequence[str]) -> tuple[str, str]:
+    """One `DEFAULT_GROUPS` row: the members' last names as alternatives of a regex
+    (their common suffix factored out, e.g. ``(q|k|v)_proj``), the group's last name."""
+    leaves = [m.rsplit(".", 1)[-1] for m in members]
+    suffix = os.path.commonprefix([leaf[::-1] for leaf in leaves])[::-1]
+    stems = "|".join(re.escape(leaf[:len(leaf) - len(suffix)]) for leaf in leaves)
+    return rf"(.*)\.({stems}){re.escape(suffix)}", r"\1." + name.rsplit(".", 1)[-1]
+
+
+# (regex fully matching a layer path, group-name template): the members of each fused group
+# of `microscale.model.FUSED_LINEARS` (q/k/v, gate/up) share a format. Matched by their last
+# name, so HF paths (``model.layers.3.self_attn.q_proj``) group too. Paths that match
+# nothing are groups of their own.
+DEFAULT_GROUPS: tuple[tuple[str, str], ...] = tuple(
+    _group_pattern(name, members) for name, members in FUSED_LINEARS.items())
 
 # Largest dynamic-programming table (groups x capacity units) before switching to MILP.
 _DP_MAX_CELLS = 40_000_000

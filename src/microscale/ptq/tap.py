@@ -32,7 +32,7 @@ import jax
 
 from microscale.model import iter_linears
 
-__all__ = ["Hook", "intercept_linears", "linear_paths", "without_remat"]
+__all__ = ["Hook", "intercept_linears", "tappable_paths", "without_remat"]
 
 # hook(path, call, x) -> y
 Hook = Callable[[str, Callable[[jax.Array], jax.Array], jax.Array], jax.Array]
@@ -58,7 +58,7 @@ def _tapped_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def linear_paths(model: Any) -> list[str]:
+def tappable_paths(model: Any) -> list[str]:
     """Dotted paths of the linear layers with a 2-D ``kernel`` ``[in, out]``."""
     return [p for p, m in iter_linears(model) if _kernel_2d(m)]
 

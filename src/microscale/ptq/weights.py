@@ -7,8 +7,8 @@ transposed ``[out, in]`` array with ``axis=-1``, so the :class:`~microscale.form
 is already in the export layout and its values equal blocks of 16 along ``in`` of the
 ``[in, out]`` kernel.
 
-Round-to-nearest (RTN) NVFP4 (DESIGN.md) fixes two scales from the data: the tensor
-scale ``s_dec = amax / (448 * 6)`` and, per block, ``sb = e4m3(block_amax / (6 s_dec))``
+Round-to-nearest (RTN) NVFP4 (docs/design.md#scales) fixes two scales from the data: the
+tensor scale ``s_dec = amax / (448 * 6)`` and, per block, ``sb = e4m3(block_amax / (6 s_dec))``
 so the block maximum lands on E2M1's largest value 6. Two cheap choices lower the error
 without changing the storage format:
 

@@ -15,6 +15,7 @@ Modules: :mod:`~microscale.train.config` (TrainConfig and presets),
 :mod:`~microscale.train.checkpoint`, :mod:`~microscale.train.metrics`.
 """
 
+from microscale.ops.loss import cross_entropy
 from microscale.train.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
@@ -27,8 +28,8 @@ from microscale.train.config import (
     TrainConfig,
     list_presets,
     preset_yaml,
-    resolve_config,
 )
+from microscale.train.init import resolve_config
 from microscale.train.loop import (
     TrainingAborted,
     build_state,
@@ -39,7 +40,7 @@ from microscale.train.loop import (
 from microscale.train.mesh import build_mesh, maybe_initialize_distributed
 from microscale.train.metrics import weight_quant_stats
 from microscale.train.optim import lr_schedule, make_optimizer
-from microscale.train.step import cross_entropy, make_eval_step, make_train_step
+from microscale.train.step import make_eval_step, make_train_step
 
 __all__ = [
     "CheckpointCorruptError", "Checkpointer", "CheckpointMismatchError", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig",

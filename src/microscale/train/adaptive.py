@@ -40,6 +40,19 @@ import numpy as np
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import get_recipe
+from microscale.ptq import (
+    Engine,
+    Problem,
+    WeightPTQ,
+    calibration_windows,
+    group_layers,
+    monotone,
+    quantize_weight,
+    score,
+    search,
+)
+from microscale.ptq.search import DEFAULT_GROUPS
+from microscale.ptq.sensitivity import SIGNED_METHODS
 
 __all__ = ["allocate_bf16", "bf16_rules", "choose_bf16_layers"]
 
@@ -64,8 +77,6 @@ def allocate_bf16(scores: Mapping[str, Mapping[str, float]], numel: Mapping[str,
                   groups: Mapping[str, str], low: str, fraction: float) -> list[str]:
     """The layers kept in bf16: least total score of {``low``, bf16} per group with at most
     ``fraction`` of the weight elements (= linear FLOPs) in bf16 (exact knapsack)."""
-    from microscale.ptq import Problem, search
-
     bits = float(get_format(low).bits_per_element)
     hi = float(get_format("bf16").bits_per_element)
     budget = bits + (hi - bits) * fraction + 1e-9
@@ -78,18 +89,6 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
                                                                           dict[str, Any]]:
     """``(rules, record)`` for the rest of the run (see the module doc). ``model``: the
     warmed-up model; ``train_tokens``: the training split (1-D token ids)."""
-    from microscale.ptq import (
-        Engine,
-        WeightPTQ,
-        calibration_windows,
-        group_layers,
-        monotone,
-        quantize_weight,
-        score,
-    )
-    from microscale.ptq.search import DEFAULT_GROUPS
-    from microscale.ptq.sensitivity import SIGNED_METHODS
-
     t0 = time.perf_counter()
     a = cfg.adaptive
     recipe = get_recipe(cfg.recipe)

@@ -15,28 +15,29 @@ classmethods (``microscale.config.to_yaml(TrainConfig.tiny())``). Overrides are 
 have top-level aliases (``batch_size``, ``seq_len``, ``grad_accum``, ``eval_batches``,
 ``corpus``, ``lr``).
 
-The ``tiny`` preset is sized for a laptop: 300 steps of 16 x 128 tokens. Measured on 2
-CPU cores shared with other jobs (load average 5-8): bf16 1m46s, emulated nvfp4 2m58s
-(about half of that on an idle machine), final val loss 1.69 / 1.74 nats against a
-unigram entropy of 3.28 for the stdlib corpus. Per step, bf16 : fp8 : mxfp8 : nvfp4 :
-mxfp4 cost about 1 : 1.2 : 1.3 : 1.5 : 1.3 on CPU, which ``microscale compare`` budgets for.
+The ``tiny`` preset is sized for a laptop: 300 steps of 16 x 128 tokens on CPU. Measured
+times and losses, with their date and machine load, are in ``benchmarks/timings.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
-from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides, to_yaml
+from microscale.config import to_yaml
 from microscale.data import DataConfig
-from microscale.model import BF16_LAYOUTS, ModelConfig, PrecisionRules, rules_for_training
+from microscale.model import (
+    BF16_LAYOUTS,
+    ModelConfig,
+    PrecisionRules,
+    list_presets,
+    rules_for_training,
+)
 from microscale.ops import get_recipe
+from microscale.ptq.sensitivity import METHODS
 
 __all__ = ["AdaptiveConfig", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
-           "preset_yaml", "resolve_config"]
+           "preset_yaml"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,8 +156,6 @@ class AdaptiveConfig:
         if self.bf16_flops is not None and not 0 <= self.bf16_flops < 1:
             raise ValueError(f"adaptive.bf16_flops={self.bf16_flops}: expected None or a "
                              "fraction in [0, 1)")
-        from microscale.ptq.sensitivity import METHODS
-
         if self.method not in METHODS:
             raise ValueError(f"adaptive.method={self.method!r}: expected one of {METHODS}")
         if self.calib_tokens < 1:
@@ -170,7 +169,7 @@ class AdaptiveConfig:
 class TrainConfig:
     """One training run. Serializes to/from YAML and ``key=value`` overrides."""
 
-    # Model shape and dtypes (presets: tiny, small, gpt2-124m, llama-1b, llama-8b, llama-70b).
+    # Model shape and dtypes (presets: list_presets()).
     model: ModelConfig = ModelConfig.tiny()
     # Corpus, tokenizer and batching: data.seq_len, data.batch_size (global sequences per
     # optimizer step), data.grad_accum, data.eval_batches live here.
@@ -345,8 +344,8 @@ class TrainConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def tiny(cls) -> TrainConfig:
-        """~1.7M params, byte-level stdlib, 614k tokens; a few minutes on 2 CPU cores,
-        val loss far below the unigram entropy for bf16 and nvfp4 alike."""
+        """~1.7M params, byte-level stdlib, 614k tokens; sized for a CPU, val loss far below
+        the unigram entropy for bf16 and nvfp4 alike (benchmarks/timings.md)."""
         return cls(model=ModelConfig.tiny(),
                    data=DataConfig(seq_len=128, batch_size=16, eval_batches=8),
                    optim=OptimConfig(lr=3e-3, warmup_steps=30),
@@ -354,7 +353,7 @@ class TrainConfig:
 
     @classmethod
     def small(cls) -> TrainConfig:
-        """~25M params; tens of minutes on a CPU, minutes on one GPU."""
+        """~25M params; sized for one GPU."""
         return cls(model=ModelConfig.small(),
                    data=DataConfig(seq_len=512, batch_size=32, eval_batches=16),
                    optim=OptimConfig(lr=1.5e-3, warmup_steps=100),
@@ -410,12 +409,8 @@ class TrainConfig:
         return getattr(cls, key)()
 
 
-_PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b", "llama_70b")
-
-
-def list_presets() -> list[str]:
-    """Preset names ('tiny', 'small', 'gpt2-124m', 'llama-1b', 'llama-8b', 'llama-70b')."""
-    return [p.replace("_", "-") for p in _PRESETS]
+# One training preset per model preset (a classmethod of TrainConfig each).
+_PRESETS = tuple(p.replace("-", "_") for p in list_presets())
 
 
 def preset_yaml(name: str) -> str:
@@ -425,37 +420,3 @@ def preset_yaml(name: str) -> str:
     return (f"# microscale TrainConfig preset {key!r}: a serialization of TrainConfig.{key}().\n"
             "# Copy and edit it, then: microscale train --config my.yaml [key=value ...]\n"
             + to_yaml(cfg))
-
-
-def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
-                   overrides: Sequence[str] | dict = ()) -> TrainConfig:
-    """A preset name or YAML path (or a TrainConfig), then ``key=value`` overrides.
-
-    With ``init_from``, the model and tokenizer are the source's (overrides that contradict
-    it are refused; :func:`microscale.train.init.adopt_source_model`).
-
-    Raises :class:`~microscale.config.ConfigError` naming the bad key/value or preset.
-    """
-    if isinstance(config, TrainConfig):
-        cfg = config
-    else:
-        text = str(config)
-        path = Path(text).expanduser()
-        if path.suffix in (".yaml", ".yml") or path.is_file():
-            cfg = load_yaml(TrainConfig, path)
-        else:
-            try:
-                cfg = TrainConfig.preset(text)
-            except ValueError as e:
-                raise ConfigError(f"{e} (or the path of a YAML config file)") from None
-    cfg = apply_overrides(cfg, overrides)
-    if cfg.init_from is None:
-        return cfg
-    from microscale.train.init import adopt_source_model
-
-    items = list(overrides) if isinstance(overrides, dict) else [
-        k for k, _ in parse_overrides(overrides)]
-    try:
-        return adopt_source_model(cfg, {TrainConfig._aliases.get(k, k) for k in items})
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None

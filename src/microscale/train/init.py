@@ -32,20 +32,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from microscale.export import read_checkpoint
+from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides
+from microscale.export import flat_params, read_checkpoint
 from microscale.export.hf import model_config_from_hf
 from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
+from microscale.train.config import TrainConfig
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
-           "source_model"]
+           "resolve_config", "source_model"]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -92,7 +94,6 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int, ModelConfig]:
-    from microscale.export import flat_params
     from microscale.train.loop import load_checkpoint
 
     model, cfg, meta = load_checkpoint(path, step)
@@ -209,9 +210,6 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
     tok = path / "tokenizer.json"
     tok = tok if tok.is_file() else None
     if detect(path) is RUN:
-        from microscale.config import load_yaml
-        from microscale.train.config import TrainConfig
-
         return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
     if _is_hf_folder(path):
         where = str(path / "config.json")
@@ -254,3 +252,37 @@ def adopt_source_model(cfg, overridden: set[str]):
     if "data.seq_len" not in overridden and data.seq_len > model.max_seq_len:
         data = dataclasses.replace(data, seq_len=model.max_seq_len)
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+# ------------------------------------------------------------------ resolving a config
+
+def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
+                   overrides: Sequence[str] | dict = ()) -> TrainConfig:
+    """A preset name or YAML path (or a TrainConfig), then ``key=value`` overrides.
+
+    With ``init_from``, the model and tokenizer are the source's (overrides that contradict
+    it are refused; :func:`adopt_source_model`).
+
+    Raises :class:`~microscale.config.ConfigError` naming the bad key/value or preset.
+    """
+    if isinstance(config, TrainConfig):
+        cfg = config
+    else:
+        text = str(config)
+        path = Path(text).expanduser()
+        if path.suffix in (".yaml", ".yml") or path.is_file():
+            cfg = load_yaml(TrainConfig, path)
+        else:
+            try:
+                cfg = TrainConfig.preset(text)
+            except ValueError as e:
+                raise ConfigError(f"{e} (or the path of a YAML config file)") from None
+    cfg = apply_overrides(cfg, overrides)
+    if cfg.init_from is None:
+        return cfg
+    items = list(overrides) if isinstance(overrides, dict) else [
+        k for k, _ in parse_overrides(overrides)]
+    try:
+        return adopt_source_model(cfg, {TrainConfig._aliases.get(k, k) for k in items})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None

@@ -34,14 +34,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from microscale.model.sharding import activation_sharding, batch_axes
+from microscale.ops.loss import cross_entropy, token_nll
 
-__all__ = ["cross_entropy", "lm_loss", "make_eval_step", "make_train_step", "step_key"]
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats), computed in float32."""
-    logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+__all__ = ["lm_loss", "make_eval_step", "make_train_step", "step_key"]
 
 
 def step_key(seed: int, step) -> jax.Array:
@@ -79,8 +74,7 @@ def lm_loss(model, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array
 
         @jax.checkpoint
         def chunk_loss(xc, tc, vc):
-            logits = model.logits(xc, head).astype(jnp.float32)
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
+            ce = token_nll(model.logits(xc, head), tc)
             return jnp.sum(jnp.where(vc, ce, 0.0))
 
         def body(total, chunk):
