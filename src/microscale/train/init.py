@@ -30,7 +30,6 @@ overridden.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,7 +41,7 @@ from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
-           "source_model"]
+           "quantized_run", "source_kind", "source_model"]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -90,6 +89,39 @@ def _is_quantize_output(p: Path) -> bool:
     return (p / "precision_rules.json").is_file() and (p / "report.json").is_file()
 
 
+# What a model source folder may be (the expected part of the errors).
+SOURCE_KINDS = ("a microscale run folder, a `microscale quantize` output or an HF Llama "
+                "folder")
+
+
+def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
+    """``"run"``, ``"quantize"`` or ``"hf"``: which model folder ``path`` is (a run's
+    ``config.yaml`` + ``checkpoints/``; a quantize output's ``precision_rules.json`` +
+    ``report.json``; an HF folder's ``config.json``), or a ``ValueError`` naming ``what``
+    (``"init_from="``, ``"--checkpoint"``) and the three layouts."""
+    p = Path(path).expanduser()
+    if _is_run(p):
+        return "run"
+    if _is_quantize_output(p):
+        return "quantize"
+    if (p / "config.json").is_file():
+        return "hf"
+    shown = f"{what}{'' if not what or what.endswith('=') else ' '}{str(path)!r}"
+    raise ValueError(f"{shown} is not a model folder: expected a microscale "
+                     "run (config.yaml + checkpoints/), a `microscale quantize` output "
+                     "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
+                     "(config.json + *.safetensors)")
+
+
+def quantized_run(path: str | os.PathLike) -> tuple[str | None, int | None]:
+    """``(run folder, step)`` a quantize output's ``report.json`` names as its source
+    (``calibration.run_dir`` / ``step``; None where it names none)."""
+    report = read_json(Path(path) / "report.json", what="quantize report")
+    calib = report.get("calibration") if isinstance(report, dict) else None
+    calib = calib if isinstance(calib, dict) else {}
+    return calib.get("run_dir"), calib.get("step")
+
+
 def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int, ModelConfig]:
     from microscale.export import flat_params
     from microscale.train.loop import load_checkpoint
@@ -124,19 +156,17 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                       ) -> tuple[dict[str, np.ndarray], InitSource]:
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
-    path = check_input_dir(source, what="init_from=", expected="a microscale run folder, a "
-                           "`microscale quantize` output or an HF Llama folder")
-    if _is_run(path):
+    path = check_input_dir(source, what="init_from=", expected=SOURCE_KINDS)
+    kind = source_kind(path, what="init_from=")
+    if kind == "run":
         flat, got, model = _from_run(path, step)
         return flat, InitSource(path=str(source), kind="run", step=got, weights="master",
                                 model=model, note=f"master weights of step {got} of {path}")
     if step is not None:
         raise ValueError(f"init_step={step} applies to a run folder, but init_from="
                          f"{str(source)!r} is not one (no config.yaml + checkpoints/)")
-    if _is_quantize_output(path):
-        report = json.loads((path / "report.json").read_text())
-        calib = report.get("calibration") or {}
-        run_dir, run_step = calib.get("run_dir"), calib.get("step")
+    if kind == "quantize":
+        run_dir, run_step = quantized_run(path)
         why = "the report names no source run"
         if run_dir:
             run = Path(run_dir)
@@ -156,21 +186,16 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
             path=str(source), kind="quantize", step=None, weights="dequantized", model=model,
             note=f"dequantized weights of {path / 'checkpoint'} ({why}): training starts "
                  "from the quantized model, not from its master weights")
-    if (path / "config.json").is_file():
-        from microscale.export import read_checkpoint
+    from microscale.export import read_checkpoint
 
-        ck = read_checkpoint(path, dequantize=True)
-        packed = ck.layout != "hf"
-        return ({k: np.asarray(v) for k, v in ck.params.items()},
-                InitSource(path=str(source), kind="hf", step=None,
-                           weights="dequantized" if packed else "master", model=ck.config,
-                           note=f"{ck.layout} weights of {path}"
-                                + (" (dequantized: the folder holds packed weights)"
-                                   if packed else "")))
-    raise ValueError(f"init_from={str(source)!r} is not a model folder: expected a microscale "
-                     "run (config.yaml + checkpoints/), a `microscale quantize` output "
-                     "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
-                     "(config.json + *.safetensors)")
+    ck = read_checkpoint(path, dequantize=True)
+    packed = ck.layout != "hf"
+    return ({k: np.asarray(v) for k, v in ck.params.items()},
+            InitSource(path=str(source), kind="hf", step=None,
+                       weights="dequantized" if packed else "master", model=ck.config,
+                       note=f"{ck.layout} weights of {path}"
+                            + (" (dequantized: the folder holds packed weights)"
+                               if packed else "")))
 
 
 def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],
@@ -210,9 +235,7 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
     a model folder: :func:`load_init_weights` says what is wrong)."""
     path = Path(source).expanduser()
     if _is_quantize_output(path):
-        report = read_json(path / "report.json", what="quantize report")
-        calib = report.get("calibration") if isinstance(report, dict) else None
-        run = calib.get("run_dir") if isinstance(calib, dict) else None
+        run, _ = quantized_run(path)
         path = path / "checkpoint" if (path / "checkpoint" / "config.json").is_file() \
             else Path(run or path)
     if not path.is_dir():
