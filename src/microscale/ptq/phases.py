@@ -75,16 +75,17 @@ class Phases:
 
             bar = tqdm(total=total, desc=f"{self.prefix} {name}", unit=unit, leave=False,
                        dynamic_ncols=True, file=sys.stderr)
-        step = max(1, (total or 10) // 10)
+        step = max(1, total // 10) if total else 10  # plain lines: ~10 per phase
+        units = unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
 
         def tick(n: int = 1) -> None:
             nonlocal done
             done += n
             if bar is not None:
                 bar.update(n)
-            elif self.show and done % step < n:
+            elif self.show and (done % step < n or done == total):
                 of = f"/{total}" if total else ""
-                self.log(f"{self.prefix}: {name} {done}{of} {unit}s "
+                self.log(f"{self.prefix}: {name} {done}{of} {units} "
                          f"({time.perf_counter() - t0:.0f}s)")
 
         try:
