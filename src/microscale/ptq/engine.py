@@ -258,15 +258,26 @@ class Engine:
                 progress()
         return out
 
-    def input_hessians(self, batches, *, progress: Callable[[], None] | None = None
+    def input_hessians(self, batches, *, act_format: str | None = None,
+                       act_amax: Mapping[str, float] | None = None,
+                       progress: Callable[[], None] | None = None
                        ) -> dict[str, np.ndarray]:
         """``H_l = 2 X_l^T X_l / n`` (float64 ``[in, in]``) of every linear layer's input
         over ``batches`` (``n``: tokens), GPTQ's Hessian of the layer's output error. Layers
         that read the same input (q/k/v, gate/up) share one array. ``progress`` is called
-        after each batch."""
+        after each batch.
+
+        ``act_format``: the inputs as a W4A4 / W8A8 layer reads them, quantized in that
+        format (``X_l`` -> ``Q_f(X_l)``, with the static ``act_amax[l]`` when given, else
+        each batch's own amax, as :class:`ActQuant` evaluates them), so GPTQ minimises the
+        output error of the GEMM that runs: ``||Q_f(X) W - Q_f(X) W_q||``."""
+        if act_format is not None and not get_format(act_format).quantized:
+            act_format = None  # an unquantized input format reads X itself
+        amax = None if act_amax is None or act_format is None else \
+            {p: jnp.float32(act_amax[p]) for p in self.paths}
 
         def build():
-            def f(params, tokens):
+            def f(params, tokens, amax):
                 model = self._model(params)
                 seen: dict[str, jax.Array] = {}
 
@@ -278,17 +289,19 @@ class Engine:
                     self.loss_fn(model, tokens)
                 grams = {}
                 for p, x in seen.items():
+                    if act_format is not None:
+                        x = _qact(x, act_format, None if amax is None else amax[p])
                     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
                     grams[p] = x2.T @ x2
                 return grams
             return jax.jit(f)
 
-        fn = self._cached(("hessian",), build)
+        fn = self._cached(("hessian", act_format, amax is None), build)
         sums: dict[str, np.ndarray] = {}
         n_tok = 0
         for b in batches:
             b = jnp.asarray(b)
-            grams = fn(self.params, b)
+            grams = fn(self.params, b, amax)
             for p, g in grams.items():
                 g = np.asarray(g, np.float64)
                 sums[p] = sums[p] + g if p in sums else g

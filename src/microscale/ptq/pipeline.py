@@ -34,7 +34,9 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
 ``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
 quantized too, in the layer's format, with the calibrated static amax
-(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike.
+(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike;
+GPTQ then takes each format's Hessians ``2 Q_f(X)^T Q_f(X) / n`` from the inputs quantized
+in that format (one calibration pass per format, when GPTQ first needs it).
 
 The result carries the :class:`~microscale.model.PrecisionRules` of the searched allocation
 (each layer's recipe quantizes its forward weights, and inputs under W4A4, in its format:
@@ -121,7 +123,9 @@ class QuantizeConfig:
     seed: int = 0
     # Weight PTQ beyond round-to-nearest (MSE tensor scale, four over six).
     ptq: WeightPTQ = dataclasses.field(default_factory=WeightPTQ)
-    # Quantize each quantized layer's input too (W4A4 / W8A8), in scoring and evaluation.
+    # Quantize each quantized layer's input too (W4A4 / W8A8), in scoring and evaluation;
+    # with ptq.method "gptq", each format's GPTQ Hessians come from the inputs quantized in
+    # that format (the GEMM that runs).
     activations: bool = False
     # With activations: static calibrated input amax (True) or dynamic per batch (False).
     static_act_scales: bool = True
@@ -384,10 +388,13 @@ class _Weights:
     """Quantized kernels per (format, PTQ options), computed once per group."""
 
     def __init__(self, engine: Engine, groups: Mapping[str, str],
-                 hessians: Mapping[str, Any] | None = None):
+                 hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None):
         self.engine = engine
-        # {path: input Hessian} for GPTQ (None: only round-to-nearest is available)
+        # {path: input Hessian} for GPTQ, or format -> {path: Hessian} (W4A4: the inputs
+        # quantized in that format; computed when GPTQ first needs the format, the latest
+        # kept); None: only round-to-nearest is available
         self.hessians = hessians
+        self._hessians_of: tuple[str, Mapping[str, Any]] | None = None
         self.members: dict[str, list[str]] = {}
         for p in engine.paths:
             self.members.setdefault(groups[p], []).append(p)
@@ -400,12 +407,23 @@ class _Weights:
         key = (fmt, ptq if get_format(fmt).quantized else None)
         if key not in self._cache:
             out = {}
+            by_path = self._hessians(fmt, ptq)
             for mem in self.members.values():
-                hs = None if self.hessians is None else [self.hessians[p] for p in mem]
+                hs = None if by_path is None else [by_path[p] for p in mem]
                 qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq, hs)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
         return self._cache[key]
+
+    def _hessians(self, fmt: str, ptq: WeightPTQ) -> Mapping[str, Any] | None:
+        if not callable(self.hessians):
+            return self.hessians
+        if ptq.method != "gptq" or not get_format(fmt).quantized:
+            return None
+        if self._hessians_of is None or self._hessians_of[0] != fmt:
+            self._hessians_of = None  # the previous format's arrays go first
+            self._hessians_of = (fmt, self.hessians(fmt))
+        return self._hessians_of[1]
 
     def for_assignment(self, assignment: Mapping[str, str], ptq: WeightPTQ
                        ) -> dict[str, QuantizedWeight]:
@@ -465,7 +483,14 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     gptq = cfg.ptq.method == "gptq"
     with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
         act_amax = engine.input_amax(calib, progress=tick)
-        hessians = engine.input_hessians(calib, progress=tick) if gptq else None
+        static = act_amax if (cfg.activations and cfg.static_act_scales) else None
+        hessians: Any = None
+        if gptq and cfg.activations:  # W4A4: each format's Hessians from its inputs
+            def hessians(fmt: str) -> dict[str, np.ndarray]:
+                return engine.input_hessians(calib, act_format=fmt, act_amax=static)
+            tick(len(calib))
+        elif gptq:
+            hessians = engine.input_hessians(calib, progress=tick)
     weights = _Weights(engine, groups, hessians)
     with phases.phase("quantize_weights", total=len(cfg.formats), unit="format") as tick:
         cand = {}
@@ -475,7 +500,6 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     stats = _weight_stats(engine, cand)
 
     # 2. sensitivity: one capture pass per batch, each layer's candidates in turn
-    static = act_amax if (cfg.activations and cfg.static_act_scales) else None
     with phases.phase("score", total=len(calib)) as tick:
         raw = score(engine, calib, cand, cfg.method, activations=cfg.activations,
                     act_amax=static, progress=tick)
