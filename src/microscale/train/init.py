@@ -157,15 +157,14 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
     path = check_input_dir(source, what="init_from=", expected=SOURCE_KINDS)
-    kind = source_kind(path, what="init_from=")
-    if kind == "run":
+    if _is_run(path):
         flat, got, model = _from_run(path, step)
         return flat, InitSource(path=str(source), kind="run", step=got, weights="master",
                                 model=model, note=f"master weights of step {got} of {path}")
     if step is not None:
         raise ValueError(f"init_step={step} applies to a run folder, but init_from="
                          f"{str(source)!r} is not one (no config.yaml + checkpoints/)")
-    if kind == "quantize":
+    if source_kind(path, what="init_from=") == "quantize":
         run_dir, run_step = quantized_run(path)
         why = "the report names no source run"
         if run_dir:
