@@ -38,7 +38,7 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
     assert rc == 2 and "unknown format" in capsys.readouterr().err
     rc = main(["quantize", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "y"), "-q",
                "--no-compile-cache"])
-    assert rc == 2 and "not a microscale run folder" in capsys.readouterr().err
+    assert rc == 2 and "is not a model folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -201,3 +201,62 @@ def test_taylor_tracks_the_measured_loss_change(engine, qweights, token_batches)
     assert np.corrcoef(est, meas)[0, 1] > 0.9
     big = np.abs(meas) > 0.2 * np.abs(meas).max()
     assert big.sum() >= 3 and np.all(np.sign(est[big]) == np.sign(meas[big]))
+
+
+def _all_at_once_terms(engine, tokens, deltas):
+    """The Taylor terms as scoring computed them before it streamed: ONE compiled
+    function holding every layer's delta in every format, all ``dY`` in one program."""
+    from microscale.ptq.engine import _outputs
+
+    def f(params, tokens, deltas):
+        def fwd(eps):
+            model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+            xs = {}
+
+            def hook(path, call, x):
+                xs[path] = x
+                y = call(x)
+                return y + eps[path].astype(y.dtype)
+
+            with intercept_linears(model, hook):
+                loss = next_token_loss(model, tokens)
+            return loss, xs
+
+        shapes = jax.eval_shape(lambda: _outputs(engine, params, tokens))
+        eps = {p: jnp.zeros(s.shape, jnp.float32) for p, s in shapes.items()}
+        _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
+        (g,) = vjp(jnp.float32(1.0))
+        out = {}
+        for fmt, d in deltas.items():
+            out[fmt] = {}
+            for p in engine.paths:
+                dy = xs[p].astype(jnp.float32) @ d[p]
+                gp = g[p].astype(jnp.float32)
+                lin = jnp.sum(gp * dy)
+                tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))
+                out[fmt][p] = jnp.stack([jnp.sum(jnp.square(gp * dy)), lin, tok,
+                                         lin + 0.5 * np.prod(gp.shape[:-1]) * tok])
+        return out
+
+    return jax.device_get(jax.jit(f)(engine.params, jnp.asarray(tokens), deltas))
+
+
+@pytest.mark.parametrize("method", ["taylor", "gradient"])
+def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_batches, method):
+    """Scoring streams layer by layer from the packed candidates (one batch's activations
+    and one layer's candidates in memory); the scores are those of the one-program
+    computation that held every layer in every format at once."""
+    calib, _ = token_batches
+    deltas = {f: {p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
+                  - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
+                  for p in engine.paths} for f in FMTS}
+    per = [_all_at_once_terms(engine, b, deltas) for b in calib]
+    got = score(engine, calib, qweights, method)
+    i = 3 if method == "taylor" else 0
+    for p in engine.paths:
+        for f in FMTS:
+            want = sum(float(t[f][p][i]) for t in per)
+            want = want / len(per) if method == "taylor" else want
+            if jax.default_backend() == "cpu":  # the same XLA kernels: bit for bit
+                assert got[p][f] == want, (p, f)
+            assert got[p][f] == pytest.approx(want, rel=1e-6, abs=1e-12), (p, f)

@@ -7,9 +7,11 @@
     microscale quantize --checkpoint runs/tiny --weight-method gptq --out out/g   # GPTQ
     microscale quantize --checkpoint runs/tiny --target gguf --budget 5.0 --out out/q
         # llama.cpp: searches nvfp4, mxfp4, q8_0, bf16 only; writes out/q/model.gguf
+    microscale quantize --checkpoint /models/SmolLM2-135M --corpus texts/ --out out/s
+        # an HF Llama folder, calibrated on texts/ with the model's own tokenizer
 
 Everything else is :func:`microscale.ptq.quantize_run`. Exit codes: 0 done, 2 bad
-arguments (unknown format, infeasible budget, not a run folder).
+arguments (unknown format, infeasible budget, not a model folder).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def _formats(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from microscale.export.registry import layout_names
 
-    parser.add_argument("--checkpoint", "-c", required=True, metavar="RUN_DIR",
-                        help="a training run folder (the out= of microscale train)")
+    parser.add_argument("--checkpoint", "-c", required=True, metavar="PATH",
+                        help="a training run folder (the out= of microscale train), an HF "
+                             "Llama folder (config.json, *.safetensors, tokenizer.json) or a "
+                             "quantize output")
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--budget", type=positive_float, default=4.8,
                         help="effective bits per weight element (default 4.8)")
@@ -61,11 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="calibration window seed")
     parser.add_argument("--corpus", default=None,
-                        help="calibrate/evaluate on this corpus instead of the run's")
+                        help="calibrate/evaluate on this corpus (a text file or folder, a "
+                             ".jsonl, stdlib, ...) tokenized with the model's own tokenizer; "
+                             "default: a run's own corpus, stdlib for an HF folder")
     parser.add_argument("--step", type=nonnegative_int, default=None,
-                        help="checkpoint step (default latest)")
+                        help="checkpoint step of a run folder (default latest)")
     parser.add_argument("--eval-batches", type=positive_int, default=None,
-                        help="validation batches for perplexity (default: the run's)")
+                        help="validation batches for perplexity (default: the run's; 8 "
+                             "batches of 2 x 512 tokens for an HF folder)")
     parser.add_argument("--w4a4", action="store_true",
                         help="quantize layer inputs too (W4A4/W8A8) with static calibrated amax")
     parser.add_argument("--dynamic-act-scales", action="store_true",

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from microscale.formats import get_format, quantize_dequantize, tensor_amax
+from microscale.formats import QArray, dequantize, get_format, quantize_dequantize, tensor_amax
 from microscale.model import PrecisionRules, apply_rules
 from microscale.ops.loss import cross_entropy
 from microscale.ptq.tap import intercept_linears, tappable_paths, without_remat
@@ -209,11 +209,17 @@ class Engine:
 
         return self._cached(("loss", static), build)
 
-    def batch_losses(self, params: dict, batches, act: ActQuant | None = None) -> np.ndarray:
-        """The loss of each batch (float64 ``[n]``; for paired comparisons)."""
+    def batch_losses(self, params: dict, batches, act: ActQuant | None = None, *,
+                     progress: Callable[[], None] | None = None) -> np.ndarray:
+        """The loss of each batch (float64 ``[n]``; for paired comparisons); ``progress``
+        is called after each batch."""
         fn = self._loss_jit(act)
         _, sel, amax = self._act_inputs(act)
-        vals = [float(fn(params, jnp.asarray(b), sel, amax)) for b in batches]
+        vals = []
+        for b in batches:
+            vals.append(float(fn(params, jnp.asarray(b), sel, amax)))
+            if progress is not None:
+                progress()
         if not vals:
             raise ValueError("Engine.loss: no batches")
         return np.asarray(vals, np.float64)
@@ -222,8 +228,10 @@ class Engine:
         """Mean loss over ``batches`` (int32 ``[n, rows, seq + 1]`` or a list of batches)."""
         return float(np.mean(self.batch_losses(params, batches, act)))
 
-    def input_amax(self, batches) -> dict[str, float]:
-        """``max |X_l|`` over ``batches`` of every linear layer's input (float32)."""
+    def input_amax(self, batches, *, progress: Callable[[], None] | None = None
+                   ) -> dict[str, float]:
+        """``max |X_l|`` over ``batches`` of every linear layer's input (float32);
+        ``progress`` is called after each batch."""
 
         def build():
             def f(params, tokens):
@@ -244,56 +252,139 @@ class Engine:
         for b in batches:
             got = fn(self.params, jnp.asarray(b))
             out = {p: max(out[p], float(got[p])) for p in self.paths}
+            if progress is not None:
+                progress()
         return out
 
-    def input_hessians(self, batches) -> dict[str, np.ndarray]:
+    def input_hessians(self, batches, *, act_format: str | None = None,
+                       act_amax: Mapping[str, float] | None = None,
+                       progress: Callable[[], None] | None = None
+                       ) -> dict[str, np.ndarray]:
         """``H_l = 2 X_l^T X_l / n`` (float64 ``[in, in]``) of every linear layer's input
         over ``batches`` (``n``: tokens), GPTQ's Hessian of the layer's output error. Layers
-        that read the same input (q/k/v, gate/up) share one array."""
+        that read the same input (q/k/v, gate/up) share one array. ``progress`` is called
+        after each batch.
 
-        # path -> the path whose input it shares, filled when the function is traced
-        owner: dict[str, str] = self.__dict__.setdefault("_input_owner", {})
+        ``act_format``: the inputs as a W4A4 / W8A8 layer reads them, quantized in that
+        format (``X_l`` -> ``Q_f(X_l)``, with the static ``act_amax[l]`` when given, else
+        each batch's own amax, as :class:`ActQuant` evaluates them), so GPTQ minimises the
+        output error of the GEMM that runs: ``||Q_f(X) W - Q_f(X) W_q||``."""
+        if act_format is not None and not get_format(act_format).quantized:
+            act_format = None  # an unquantized input format reads X itself
+        amax = None if act_amax is None or act_format is None else \
+            {p: jnp.float32(act_amax[p]) for p in self.paths}
 
         def build():
-            def f(params, tokens):
+            def f(params, tokens, amax):
                 model = self._model(params)
                 seen: dict[str, jax.Array] = {}
 
                 def hook(path, call, x):
-                    same = [p for p, v in seen.items() if v is x]
-                    owner[path] = same[0] if same else path
-                    if not same:
-                        seen[path] = x
+                    self._note_input(seen, path, x)
                     return call(x)
 
                 with intercept_linears(model, hook):
                     self.loss_fn(model, tokens)
                 grams = {}
                 for p, x in seen.items():
+                    if act_format is not None:
+                        x = _qact(x, act_format, None if amax is None else amax[p])
                     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
                     grams[p] = x2.T @ x2
                 return grams
             return jax.jit(f)
 
-        fn = self._cached(("hessian",), build)
+        fn = self._cached(("hessian", act_format, amax is None), build)
         sums: dict[str, np.ndarray] = {}
         n_tok = 0
         for b in batches:
             b = jnp.asarray(b)
-            grams = fn(self.params, b)
+            grams = fn(self.params, b, amax)
             for p, g in grams.items():
                 g = np.asarray(g, np.float64)
                 sums[p] = sums[p] + g if p in sums else g
             n_tok += int(np.prod(b.shape[:-1])) * (b.shape[-1] - 1)
+            if progress is not None:
+                progress()
         if not n_tok:
             raise ValueError("Engine.input_hessians: no batches")
         hs = {p: 2.0 * h / n_tok for p, h in sums.items()}
-        return {p: hs[owner[p]] for p in self.paths}
+        return {p: hs[self._input_owner[p]] for p in self.paths}
 
-    def grad_terms(self, batches, deltas: Mapping[str, Mapping[str, jax.Array]],
+    def _note_input(self, seen: dict[str, jax.Array], path: str, x: jax.Array) -> None:
+        """While tracing: keep ``x`` as layer ``path``'s input in ``seen`` unless an earlier
+        layer read the same array (q/k/v, gate/up); ``self._input_owner[path]`` names the
+        layer whose entry holds it."""
+        owner: dict[str, str] = self.__dict__.setdefault("_input_owner", {})
+        same = [p for p, v in seen.items() if v is x]
+        owner[path] = same[0] if same else path
+        if not same:
+            seen[path] = x
+
+    def _capture_jit(self) -> Callable:
+        """``(params, tokens) -> (xs, g)``: one forward and backward pass of the loss, with
+        every distinct layer input ``xs`` (layers that read the same input, q/k/v and
+        gate/up, share one entry: ``_input_owner``) and every layer's ``g = dL/dY``."""
+
+        def build():
+            def f(params, tokens):
+                def fwd(eps):
+                    model = self._model(params)
+                    xs: dict[str, jax.Array] = {}
+
+                    def hook(path, call, x):
+                        self._note_input(xs, path, x)
+                        y = call(x)
+                        return y + eps[path].astype(y.dtype)
+
+                    with intercept_linears(model, hook):
+                        loss = self.loss_fn(model, tokens)
+                    return loss, xs
+
+                shapes = jax.eval_shape(lambda: _outputs(self, params, tokens))
+                eps = {p: jnp.zeros(s.shape, jnp.float32) for p, s in shapes.items()}
+                _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
+                (g,) = vjp(jnp.float32(1.0))
+                return xs, g
+            return jax.jit(f)
+
+        return self._cached(("capture",), build)
+
+    def _terms_jit(self, act_fmt: str | None, from_qarray: bool) -> Callable:
+        """One layer's Taylor terms (:data:`_GRAD_TERMS`, stacked) in one format from its
+        captured input ``x`` and output gradient ``g``: ``dY = X dW`` (``dW = delta``, or
+        ``bf16(dequantize(q)^T) - bf16(W)`` from the candidate's QArray), or
+        ``Q_f(X) W_q - X W`` when ``act_fmt`` quantizes the input too."""
+
+        def build():
+            def f(x, g, cand, kernel, amax):
+                x32 = x.astype(jnp.float32)
+                w = kernel.astype(jnp.bfloat16).astype(jnp.float32)
+                if from_qarray:  # the values the model computes with: bf16 operands
+                    cand = dequantize(cand).T.astype(jnp.bfloat16).astype(jnp.float32)
+                    if act_fmt is None:
+                        cand = cand - w
+                if act_fmt is not None:
+                    xq = _qact(x, act_fmt, amax)
+                    dy = xq.astype(jnp.float32) @ cand - x32 @ w
+                else:
+                    dy = x32 @ cand
+                gp = g.astype(jnp.float32)
+                lin = jnp.sum(gp * dy)                          # first order
+                tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
+                n_tok = np.prod(gp.shape[:-1])                  # loss terms
+                return jnp.stack([
+                    jnp.sum(jnp.square(gp * dy)),               # diagonal Fisher
+                    lin, tok, lin + 0.5 * n_tok * tok])         # Taylor estimate
+            return jax.jit(f)
+
+        return self._cached(("terms", act_fmt, from_qarray), build)
+
+    def grad_terms(self, batches, deltas: Mapping[str, Mapping[str, Any]],
                    act_formats: Mapping[str, bool] | None = None,
                    act_amax: Mapping[str, float] | None = None,
                    quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
+                   *, progress: Callable[[], None] | None = None,
                    ) -> dict[str, dict[str, dict[str, float]]]:
         """Taylor terms ``{term: {path: {format: sum over batches}}}`` with ``g = dL/dY``
         of the batch's mean loss and ``dY`` the output change of the layer in the format:
@@ -307,71 +398,45 @@ class Engine:
           ``1/N`` times each token's own gradient, so the empirical Fisher of the mean
           loss is ``N`` times the sum of the ``g g^T``).
 
-        ``deltas[fmt][path] = bf16(W_q) - bf16(W)`` ``[in, out]``. One forward and one
-        backward pass per batch capture every layer's ``X`` and ``dL/dY``; ``dY = X dW`` is
-        then one extra GEMM per layer and format. With ``act_formats[fmt]`` true the
-        input is quantized too (W4A4-style): ``dY = Q_f(X) W_q - X W`` with
-        ``W_q = quantized_kernels[fmt][path]`` and the static ``act_amax`` when given.
+        ``deltas[fmt][path]``: ``bf16(W_q) - bf16(W)`` ``[in, out]``, or the candidate
+        itself as a :class:`~microscale.formats.QArray` of ``W^T`` (the export layout;
+        ``dW`` is then formed from it inside the compiled function, one layer at a time).
+        One forward and one backward pass per batch capture every layer's ``X`` and
+        ``dL/dY`` (held for that batch only); ``dY = X dW`` is then one extra GEMM per layer
+        and format, computed layer by layer, so memory holds one batch's activations and
+        one layer's candidates, not every layer in every format (a lazy ``deltas`` mapping
+        streams the candidates too). With ``act_formats[fmt]`` true the input is quantized
+        too (W4A4-style): ``dY = Q_f(X) W_q - X W`` with ``W_q = quantized_kernels[fmt]
+        [path]`` (or the QArray's values) and the static ``act_amax`` when given.
+        ``progress`` is called after each batch.
         """
         fmts = tuple(deltas)
         act_formats = dict(act_formats or {})
         use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized
                         for f in fmts)
-
-        def build():
-            def f(params, tokens, deltas, wq, amax):
-                def fwd(eps):
-                    model = self._model(params)
-                    xs = {}
-
-                    def hook(path, call, x):
-                        xs[path] = x
-                        y = call(x)
-                        return y + eps[path].astype(y.dtype)
-
-                    with intercept_linears(model, hook):
-                        loss = self.loss_fn(model, tokens)
-                    return loss, xs
-
-                shapes = jax.eval_shape(lambda: _outputs(self, params, tokens))
-                eps = {p: jnp.zeros(s.shape, jnp.float32) for p, s in shapes.items()}
-                _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
-                (g,) = vjp(jnp.float32(1.0))
-                out = {}
-                for fmt, act_on in zip(fmts, use_act, strict=True):
-                    out[fmt] = {}
-                    for p in self.paths:
-                        x = xs[p].astype(jnp.float32)
-                        if act_on:
-                            w = self.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
-                            xq = _qact(xs[p], fmt, None if amax is None else amax[p])
-                            dy = xq.astype(jnp.float32) @ wq[fmt][p] - x @ w
-                        else:
-                            dy = x @ deltas[fmt][p]
-                        gp = g[p].astype(jnp.float32)
-                        lin = jnp.sum(gp * dy)                          # first order
-                        tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
-                        n_tok = np.prod(gp.shape[:-1])                  # loss terms
-                        out[fmt][p] = jnp.stack([
-                            jnp.sum(jnp.square(gp * dy)),               # diagonal Fisher
-                            lin, tok, lin + 0.5 * n_tok * tok])         # Taylor estimate
-                return out
-            return jax.jit(f)
-
-        key = ("grad", fmts, use_act, act_amax is None)
-        fn = self._cached(key, build)
-        wq = {f: dict(quantized_kernels[f]) for f, on in zip(fmts, use_act, strict=True) if on} \
-            if quantized_kernels else {}
+        capture = self._capture_jit()
         amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
-        dl = {f: {p: jnp.asarray(d[p], jnp.float32) for p in self.paths}
-              for f, d in deltas.items()}
         terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
         for b in batches:
-            got = jax.device_get(fn(self.params, jnp.asarray(b), dl, wq, amax))
-            for f in fmts:
-                for p in self.paths:
+            xs, g = capture(self.params, jnp.asarray(b))
+            owner = self._input_owner  # filled when capture was traced
+            for p in self.paths:
+                x, gp, kernel = xs[owner[p]], g[p], self.kernels[p]
+                a = None if amax is None else amax[p]
+                for f, act_on in zip(fmts, use_act, strict=True):
+                    cand = deltas[f][p]
+                    is_q = isinstance(cand, QArray)
+                    if act_on and not is_q:
+                        cand = jnp.asarray(quantized_kernels[f][p], jnp.float32)
+                    elif not is_q:
+                        cand = jnp.asarray(cand, jnp.float32)
+                    fn = self._terms_jit(f if act_on else None, is_q)
+                    got = np.asarray(jax.device_get(fn(x, gp, cand, kernel, a)))
                     for i, k in enumerate(_GRAD_TERMS):
-                        terms[k][p][f] += float(got[f][p][i])
+                        terms[k][p][f] += float(got[i])
+            del xs, g
+            if progress is not None:
+                progress()
         return terms
 
     def ref_logp(self, tokens) -> jax.Array:

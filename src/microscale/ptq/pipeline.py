@@ -34,7 +34,9 @@ checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batc
 Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
 ``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
 quantized too, in the layer's format, with the calibrated static amax
-(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike.
+(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike;
+GPTQ then takes each format's Hessians ``2 Q_f(X)^T Q_f(X) / n`` from the inputs quantized
+in that format (one calibration pass per format, when GPTQ first needs it).
 
 The result carries the :class:`~microscale.model.PrecisionRules` of the searched allocation
 (each layer's recipe quantizes its forward weights, and inputs under W4A4, in its format:
@@ -48,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import OperandSpec, Recipe
 from microscale.ptq.engine import ActQuant, Engine, LossFn
+from microscale.ptq.phases import Phases
 from microscale.ptq.search import (
     DEFAULT_GROUPS,
     Allocation,
@@ -121,7 +123,9 @@ class QuantizeConfig:
     seed: int = 0
     # Weight PTQ beyond round-to-nearest (MSE tensor scale, four over six).
     ptq: WeightPTQ = dataclasses.field(default_factory=WeightPTQ)
-    # Quantize each quantized layer's input too (W4A4 / W8A8), in scoring and evaluation.
+    # Quantize each quantized layer's input too (W4A4 / W8A8), in scoring and evaluation;
+    # with ptq.method "gptq", each format's GPTQ Hessians come from the inputs quantized in
+    # that format (the GEMM that runs).
     activations: bool = False
     # With activations: static calibrated input amax (True) or dynamic per batch (False).
     static_act_scales: bool = True
@@ -313,8 +317,11 @@ class QuantizeResult:
     weights: dict[str, QuantizedWeight]
     # Calibration description (source, tokens, batches).
     calibration: dict[str, Any]
-    # Wall times of the stages in seconds.
+    # Wall times of the phases in seconds ("calibrate_s", "quantize_weights_s", "score_s",
+    # "search_s", "evaluate_s", "ptq_effects_s").
     timings: dict[str, float]
+    # Peak resident memory of each phase in GiB (microscale.ptq.phases).
+    peak_rss_gb: dict[str, float] = dataclasses.field(default_factory=dict)
     # The engine (model view) used; not serialized.
     engine: Engine | None = None
 
@@ -360,6 +367,7 @@ class QuantizeResult:
             "weight_stats": self.weight_stats,
             "calibration": self.calibration,
             "timings": self.timings,
+            "peak_rss_gb": self.peak_rss_gb,
             "config": _jsonable(self.config.to_dict()),
         }
 
@@ -380,25 +388,42 @@ class _Weights:
     """Quantized kernels per (format, PTQ options), computed once per group."""
 
     def __init__(self, engine: Engine, groups: Mapping[str, str],
-                 hessians: Mapping[str, Any] | None = None):
+                 hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None):
         self.engine = engine
-        # {path: input Hessian} for GPTQ (None: only round-to-nearest is available)
+        # {path: input Hessian} for GPTQ, or format -> {path: Hessian} (W4A4: the inputs
+        # quantized in that format; computed when GPTQ first needs the format, the latest
+        # kept); None: only round-to-nearest is available
         self.hessians = hessians
+        self._hessians_of: tuple[str, Mapping[str, Any]] | None = None
         self.members: dict[str, list[str]] = {}
         for p in engine.paths:
             self.members.setdefault(groups[p], []).append(p)
-        self._cache: dict[tuple[str, WeightPTQ], dict[str, QuantizedWeight]] = {}
+        # (format, PTQ options or None for an unquantized format) -> {path: weight}; the
+        # weights hold only their packed QArrays (QuantizedWeight.values decodes on demand)
+        self._cache: dict[tuple[str, WeightPTQ | None], dict[str, QuantizedWeight]] = {}
 
     def get(self, fmt: str, ptq: WeightPTQ) -> dict[str, QuantizedWeight]:
-        key = (fmt, ptq)
+        # an unquantized format ignores the PTQ options: one entry serves them all
+        key = (fmt, ptq if get_format(fmt).quantized else None)
         if key not in self._cache:
             out = {}
+            by_path = self._hessians(fmt, ptq)
             for mem in self.members.values():
-                hs = None if self.hessians is None else [self.hessians[p] for p in mem]
+                hs = None if by_path is None else [by_path[p] for p in mem]
                 qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq, hs)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
         return self._cache[key]
+
+    def _hessians(self, fmt: str, ptq: WeightPTQ) -> Mapping[str, Any] | None:
+        if not callable(self.hessians):
+            return self.hessians
+        if ptq.method != "gptq" or not get_format(fmt).quantized:
+            return None
+        if self._hessians_of is None or self._hessians_of[0] != fmt:
+            self._hessians_of = None  # the previous format's arrays go first
+            self._hessians_of = (fmt, self.hessians(fmt))
+        return self._hessians_of[1]
 
     def for_assignment(self, assignment: Mapping[str, str], ptq: WeightPTQ
                        ) -> dict[str, QuantizedWeight]:
@@ -431,9 +456,9 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     if not calib or not evals:
         raise ValueError(f"quantize_model needs calibration and evaluation batches (got "
                          f"{len(calib)} and {len(evals)})")
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    engine = Engine(model, loss_fn=loss_fn)
+    phases = Phases(log)
+    with phases.phase("setup", total=1, unit="model"):
+        engine = Engine(model, loss_fn=loss_fn)
     paths = engine.paths
     groups = group_layers(paths, cfg.groups)
     pinned = {}
@@ -455,78 +480,88 @@ def quantize_model(model: Any, calib_batches, eval_batches,
 
     # 1. calibration: input amax (and GPTQ's input Hessians); weight statistics come with
     # the quantized weights.
-    act_amax = engine.input_amax(calib)
-    hessians = engine.input_hessians(calib) if cfg.ptq.method == "gptq" else None
+    gptq = cfg.ptq.method == "gptq"
+    with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
+        act_amax = engine.input_amax(calib, progress=tick)
+        static = act_amax if (cfg.activations and cfg.static_act_scales) else None
+        hessians: Any = None
+        if gptq and cfg.activations:  # W4A4: each format's Hessians from its inputs
+            def hessians(fmt: str) -> dict[str, np.ndarray]:
+                return engine.input_hessians(calib, act_format=fmt, act_amax=static)
+            tick(len(calib))
+        elif gptq:
+            hessians = engine.input_hessians(calib, progress=tick)
     weights = _Weights(engine, groups, hessians)
-    timings["calibrate_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    cand = {f: weights.get(f, cfg.ptq) for f in cfg.formats}
-    timings["quantize_weights_s"] = time.perf_counter() - t
+    with phases.phase("quantize_weights", total=len(cfg.formats), unit="format") as tick:
+        cand = {}
+        for f in cfg.formats:  # packed QArrays: every candidate of every layer, compactly
+            cand[f] = weights.get(f, cfg.ptq)
+            tick()
     stats = _weight_stats(engine, cand)
 
-    # 2. sensitivity
-    t = time.perf_counter()
-    static = act_amax if (cfg.activations and cfg.static_act_scales) else None
-    raw = score(engine, calib, cand, cfg.method, activations=cfg.activations, act_amax=static)
-    scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
-    timings["score_s"] = time.perf_counter() - t
+    # 2. sensitivity: one capture pass per batch, each layer's candidates in turn
+    with phases.phase("score", total=len(calib)) as tick:
+        raw = score(engine, calib, cand, cfg.method, activations=cfg.activations,
+                    act_amax=static, progress=tick)
+        scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
+    del cand
     say(f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
-        f"in {timings['score_s']:.1f}s")
+        f"in {phases.timings['score_s']:.1f}s")
 
     # 3. search
-    problem = Problem(formats=cfg.formats, scores=scores, numel=engine.numel, groups=groups,
-                      pinned=pinned, extra_numel=extra)
-    alloc = search(problem, cfg.budget, solver=cfg.solver)
-    timings["search_s"] = alloc.solve_time_s
+    with phases.phase("search", total=1, unit="solve"):
+        problem = Problem(formats=cfg.formats, scores=scores, numel=engine.numel,
+                          groups=groups, pinned=pinned, extra_numel=extra)
+        alloc = search(problem, cfg.budget, solver=cfg.solver)
     say(f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
         f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms")
 
     # 4. evaluation
-    t = time.perf_counter()
     evaluator = _Evaluator(engine, weights, evals, cfg, static, extra,
                            extra_formats=tuple((trained or {}).values()))
-    points: dict[str, dict[str, Any]] = {}
-    for f in cfg.uniform_formats:
-        label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
-        points[label] = evaluator.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
-    if "bf16" not in points:
-        points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
-    heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
-    points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
-    points["searched"] = evaluator.point(alloc.formats, cfg.ptq, kind="searched",
-                                         budget=cfg.budget)
-    hb = points["heuristic"]["effective_bits"]
-    try:
-        at_h = search(problem, hb + 1e-9, solver=cfg.solver)
-        points["searched_at_heuristic_bits"] = evaluator.point(at_h.formats, cfg.ptq,
-                                                               kind="searched", budget=hb)
-    except ValueError:
-        pass
-    for b in cfg.pareto_budgets:
+    with phases.phase("evaluate", total=None) as tick:
+        evaluator.progress = tick
+        points: dict[str, dict[str, Any]] = {}
+        for f in cfg.uniform_formats:
+            label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
+            points[label] = evaluator.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
+        if "bf16" not in points:
+            points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
+        heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
+        points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
+        points["searched"] = evaluator.point(alloc.formats, cfg.ptq, kind="searched",
+                                             budget=cfg.budget)
+        hb = points["heuristic"]["effective_bits"]
         try:
-            a = search(problem, b, solver=cfg.solver)
+            at_h = search(problem, hb + 1e-9, solver=cfg.solver)
+            points["searched_at_heuristic_bits"] = evaluator.point(at_h.formats, cfg.ptq,
+                                                                   kind="searched", budget=hb)
         except ValueError:
-            say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
-            continue
-        points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
-    comparisons = {}
-    refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
-            "bf16": _uniform(paths, "bf16", {})}
-    compared = {"searched": (alloc.formats, cfg.ptq)}
-    if trained is not None:
-        # QAT trained its weights against round-to-nearest, and export rounds so
-        roundings = {"trained": WeightPTQ.rtn()}
-        if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
-            roundings["trained_ptq"] = cfg.ptq
-        for label, ptq in roundings.items():
-            points[label] = evaluator.point(trained, ptq, kind=label)
-            compared[label] = (trained, ptq)
-    for label, (assignment, ptq) in compared.items():
-        for name, ref in refs.items():
-            if name in points:
-                comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, ptq,
-                                                                     cfg.ptq)
-    timings["evaluate_s"] = time.perf_counter() - t
+            pass
+        for b in cfg.pareto_budgets:
+            try:
+                a = search(problem, b, solver=cfg.solver)
+            except ValueError:
+                say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
+                continue
+            points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
+        comparisons = {}
+        refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
+                "bf16": _uniform(paths, "bf16", {})}
+        compared = {"searched": (alloc.formats, cfg.ptq)}
+        if trained is not None:
+            # QAT trained its weights against round-to-nearest, and export rounds so
+            roundings = {"trained": WeightPTQ.rtn()}
+            if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
+                roundings["trained_ptq"] = cfg.ptq
+            for label, ptq in roundings.items():
+                points[label] = evaluator.point(trained, ptq, kind=label)
+                compared[label] = (trained, ptq)
+        for label, (assignment, ptq) in compared.items():
+            for name, ref in refs.items():
+                if name in points:
+                    comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, ptq,
+                                                                         cfg.ptq)
     say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
                                          for k, v in points.items()
                                          if not k.startswith("pareto_")))
@@ -534,9 +569,10 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     # 5. effect of each PTQ choice
     effects: dict[str, Any] = {}
     if cfg.ptq_effects:
-        t = time.perf_counter()
-        effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
-        timings["ptq_effects_s"] = time.perf_counter() - t
+        with phases.phase("ptq_effects", total=None) as tick:
+            evaluator.progress = tick
+            effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
+    evaluator.progress = None
 
     return QuantizeResult(
         config=cfg, paths=paths, numel=dict(engine.numel), groups=groups, pinned=pinned,
@@ -546,7 +582,7 @@ def quantize_model(model: Any, calib_batches, eval_batches,
         weights=weights.for_assignment(alloc.formats, cfg.ptq),
         calibration=dict(calibration or {}, batches=len(calib),
                          tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib))),
-        timings=timings, engine=engine)
+        timings=phases.timings, peak_rss_gb=phases.peak_rss_gb, engine=engine)
 
 
 def _weight_stats(engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeight]]
@@ -574,6 +610,8 @@ class _Evaluator:
         self.static_amax = static_amax
         self.extra = extra_numel
         self._cache: dict[Any, np.ndarray] = {}
+        # called after each evaluated batch (progress), or None
+        self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
         self.palette = tuple(sorted({f for f in (*cfg.formats, *cfg.uniform_formats,
                                                  *cfg.heuristic, *extra_formats)
@@ -593,7 +631,9 @@ class _Evaluator:
             qw = self.weights.for_assignment(assignment, ptq)
             params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
             act = ActQuant.matching(assignment, amax, self.palette) if acts else None
-            self._cache[key] = self.engine.batch_losses(params, self.evals, act)
+            self._cache[key] = self.engine.batch_losses(params, self.evals, act,
+                                                        progress=self.progress)
+            del params
         return self._cache[key]
 
     def paired(self, a: Mapping[str, str], b: Mapping[str, str], ptq: WeightPTQ,

@@ -234,6 +234,9 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     lines += ["", f"Calibration: {cal.get('tokens')} tokens in {cal.get('batches')} batches "
               f"from the {cal.get('split', '?')} split (seed {report['seed']}). Timings: "
               + ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items()) + "."]
+    if report.get("peak_rss_gb"):
+        lines[-1] += " Peak resident memory: " + ", ".join(
+            f"{k} {v:.2f} GiB" for k, v in report["peak_rss_gb"].items()) + "."
     ck = report.get("checkpoint")
     if ck:
         lines.append(f"Checkpoint: `{ck['path']}` ({ck['layout']}).")

@@ -48,9 +48,7 @@ search prefers the cheaper.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-import jax.numpy as jnp
+from collections.abc import Callable, Mapping, Sequence
 
 from microscale.formats import get_format
 from microscale.ptq.engine import ActQuant, Engine
@@ -66,46 +64,48 @@ SIGNED_METHODS = ("taylor", "loss")
 QWeights = Mapping[str, Mapping[str, QuantizedWeight]]  # {format: {path: weight}}
 
 
-def _bf16(a):
-    return jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32)
-
-
 def _grad_terms(engine: Engine, batches, qweights: QWeights, activations: bool,
-                act_amax: Mapping[str, float] | None) -> dict[str, dict[str, dict[str, float]]]:
-    kernels = {f: {p: _bf16(qw[p].values) for p in engine.paths} for f, qw in qweights.items()}
-    ref = {p: _bf16(engine.kernels[p]) for p in engine.paths}
-    deltas = {f: {p: k[p] - ref[p] for p in engine.paths} for f, k in kernels.items()}
-    act_formats = {f: activations for f in qweights}
-    return engine.grad_terms(batches, deltas, act_formats=act_formats, act_amax=act_amax,
-                             quantized_kernels=kernels if activations else None)
+                act_amax: Mapping[str, float] | None, progress=None
+                ) -> dict[str, dict[str, dict[str, float]]]:
+    """The Taylor terms of every quantized candidate, streamed layer by layer from the
+    candidates' QArrays (no dequantized copy of every layer in every format is held).
+    An unquantized format (bf16: ``bf16(W) - bf16(W) = 0``) has every term exactly 0."""
+    quantized = [f for f in qweights if get_format(f).quantized]
+    cands = {f: {p: qweights[f][p].qarray for p in engine.paths} for f in quantized}
+    terms = engine.grad_terms(batches, cands, act_formats={f: activations for f in quantized},
+                              act_amax=act_amax, progress=progress)
+    for rows in terms.values():
+        for p, row in rows.items():
+            rows[p] = {f: row.get(f, 0.0) for f in qweights}
+    return terms
 
 
 def gradient_scores(engine: Engine, batches, qweights: QWeights, *,
                     activations: bool = False,
-                    act_amax: Mapping[str, float] | None = None
+                    act_amax: Mapping[str, float] | None = None, progress=None
                     ) -> dict[str, dict[str, float]]:
     """Fisher scores ``{path: {format: s}}`` (see the module doc)."""
-    return _grad_terms(engine, batches, qweights, activations, act_amax)["fisher"]
+    return _grad_terms(engine, batches, qweights, activations, act_amax, progress)["fisher"]
 
 
 def taylor_scores(engine: Engine, batches, qweights: QWeights, *,
                   activations: bool = False,
-                  act_amax: Mapping[str, float] | None = None
+                  act_amax: Mapping[str, float] | None = None, progress=None
                   ) -> dict[str, dict[str, float]]:
     """Second-order Taylor estimates of the mean loss change ``{path: {format: dL}}``
     (signed; first-order term included; see the module doc), averaged over batches."""
     batches = list(batches)
     n = max(len(batches), 1)
-    terms = _grad_terms(engine, batches, qweights, activations, act_amax)["taylor"]
+    terms = _grad_terms(engine, batches, qweights, activations, act_amax, progress)["taylor"]
     return {p: {f: v / n for f, v in row.items()} for p, row in terms.items()}
 
 
 def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
                    activations: bool = False,
-                   act_amax: Mapping[str, float] | None = None
+                   act_amax: Mapping[str, float] | None = None, progress=None
                    ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """``(kl, loss increase)`` scores ``{path: {format: s}}``, summed over batches, with one
-    forward pass per (layer, format, batch)."""
+    forward pass per (layer, format, batch); ``progress`` is called after each batch."""
     kl = {p: {f: 0.0 for f in qweights} for p in engine.paths}
     dloss = {p: {f: 0.0 for f in qweights} for p in engine.paths}
     for b in batches:
@@ -122,6 +122,8 @@ def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
                 k, nll = engine.kl_and_loss(params, b, ref, act)
                 kl[p][f] += k
                 dloss[p][f] += nll - base
+        if progress is not None:
+            progress()
     return kl, dloss
 
 
@@ -136,17 +138,16 @@ def monotone(scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
 
 
 def score(engine: Engine, batches, qweights: QWeights, method: str = "gradient", *,
-          activations: bool = False, act_amax: Mapping[str, float] | None = None
-          ) -> dict[str, dict[str, float]]:
-    """Raw (uncorrected) scores of ``method`` ("taylor", "gradient", "kl" or "loss")."""
+          activations: bool = False, act_amax: Mapping[str, float] | None = None,
+          progress: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+    """Raw (uncorrected) scores of ``method`` ("taylor", "gradient", "kl" or "loss");
+    ``progress`` is called after each calibration batch."""
     if method not in METHODS:
         raise ValueError(f"unknown sensitivity method {method!r}; expected one of {METHODS}")
+    kw = dict(activations=activations, act_amax=act_amax, progress=progress)
     if method == "gradient":
-        return gradient_scores(engine, batches, qweights, activations=activations,
-                               act_amax=act_amax)
+        return gradient_scores(engine, batches, qweights, **kw)
     if method == "taylor":
-        return taylor_scores(engine, batches, qweights, activations=activations,
-                             act_amax=act_amax)
-    kl, dloss = kl_loss_scores(engine, batches, qweights, activations=activations,
-                               act_amax=act_amax)
+        return taylor_scores(engine, batches, qweights, **kw)
+    kl, dloss = kl_loss_scores(engine, batches, qweights, **kw)
     return kl if method == "kl" else dloss

@@ -151,10 +151,9 @@ class QuantizedWeight:
 
     # Format name.
     format: str
-    # Quantized ``W^T [out, in]`` along axis -1 (the export layout).
+    # Quantized ``W^T [out, in]`` along axis -1 (the export layout). Only this packed form
+    # is held (a 4-bit kernel: ~1/8 of float32); ``values`` decodes it on demand.
     qarray: QArray
-    # Dequantized kernel ``[in, out]`` float32 (what the model computes with).
-    values: jax.Array
     # Tensor amax passed to the quantizer (None: the format has no tensor scale).
     amax: float | None
     # Chosen multiplier c of amax(|W|) (1.0 = RTN scale).
@@ -165,6 +164,13 @@ class QuantizedWeight:
     # Fraction of blocks that took the max->4 scale (0 when four over six is off, and
     # under GPTQ, whose scales follow the updated weights).
     four_fraction: float = 0.0
+
+    @property
+    def values(self) -> jax.Array:
+        """The dequantized kernel ``[in, out]`` float32 (what the model computes with),
+        decoded from ``qarray`` on each access (not cached: callers hold it as long as
+        they need it)."""
+        return dequantize(self.qarray).T
 
 
 def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
@@ -205,7 +211,7 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
             q = quantize(t, spec, axis=-1)
             vals = dequantize(q).T
             err = float(jnp.sum(jnp.square(vals - w))) / n
-            out.append(QuantizedWeight(format=spec.name, qarray=q, values=vals, amax=None,
+            out.append(QuantizedWeight(format=spec.name, qarray=q, amax=None,
                                        scale_multiplier=1.0, rel_mse=err, rel_mse_rtn=err))
         return out
     tensor = spec.has_tensor_scale
@@ -238,7 +244,7 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
         if four6 and not gptq:
             rtn_scales = quantize(t, spec, axis=-1, amax=amax).scales
             frac = float(jnp.mean((q.scales != rtn_scales).astype(jnp.float32)))
-        out.append(QuantizedWeight(format=spec.name, qarray=q, values=dequantize(q).T,
+        out.append(QuantizedWeight(format=spec.name, qarray=q,
                                    amax=float(amax) if tensor else None,
                                    scale_multiplier=best_c, rel_mse=e / n, rel_mse_rtn=e0 / n,
                                    four_fraction=frac))

@@ -30,7 +30,6 @@ overridden.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,7 +46,7 @@ from microscale.model import ModelConfig
 from microscale.train.config import TrainConfig
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
-           "resolve_config", "source_model"]
+           "quantized_run", "resolve_config", "source_kind", "source_model"]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -93,6 +92,40 @@ def _is_hf_folder(path: Path) -> bool:
     return isinstance(kind, Layout) and kind.hf_folder
 
 
+# What a model source folder may be (the expected part of the errors).
+SOURCE_KINDS = ("a microscale run folder, a `microscale quantize` output or an HF Llama "
+                "folder")
+
+
+def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
+    """``"run"``, ``"quantize"`` or ``"hf"``: which model folder ``path`` is
+    (``export.registry.detect``: a run's ``config.yaml`` + ``checkpoints/``; a quantize
+    output's ``precision_rules.json`` + ``report.json``; an HF-style folder's
+    ``config.json``), or a ``ValueError`` naming ``what`` (``"init_from="``,
+    ``"--checkpoint"``) and the three kinds."""
+    kind = detect(Path(path).expanduser())
+    if kind is RUN:
+        return "run"
+    if kind is QUANTIZE_OUTPUT:
+        return "quantize"
+    if isinstance(kind, Layout) and kind.hf_folder:
+        return "hf"
+    shown = f"{what}{'' if not what or what.endswith('=') else ' '}{str(path)!r}"
+    raise ValueError(f"{shown} is not a model folder: expected a microscale "
+                     "run (config.yaml + checkpoints/), a `microscale quantize` output "
+                     "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
+                     "(config.json + *.safetensors)")
+
+
+def quantized_run(path: str | os.PathLike) -> tuple[str | None, int | None]:
+    """``(run folder, step)`` a quantize output's ``report.json`` names as its source
+    (``calibration.run_dir`` / ``step``; None where it names none)."""
+    report = read_json(Path(path) / "report.json", what="quantize report")
+    calib = report.get("calibration") if isinstance(report, dict) else None
+    calib = calib if isinstance(calib, dict) else {}
+    return calib.get("run_dir"), calib.get("step")
+
+
 def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int, ModelConfig]:
     from microscale.train.loop import load_checkpoint
 
@@ -114,8 +147,7 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                       ) -> tuple[dict[str, np.ndarray], InitSource]:
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
-    path = check_input_dir(source, what="init_from=", expected="a microscale run folder, a "
-                           "`microscale quantize` output or an HF Llama folder")
+    path = check_input_dir(source, what="init_from=", expected=SOURCE_KINDS)
     kind = detect(path)
     if kind is RUN:
         flat, got, model = _from_run(path, step)
@@ -125,9 +157,7 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
         raise ValueError(f"init_step={step} applies to a run folder, but init_from="
                          f"{str(source)!r} is not one (no config.yaml + checkpoints/)")
     if kind is QUANTIZE_OUTPUT:
-        report = json.loads((path / "report.json").read_text())
-        calib = report.get("calibration") or {}
-        run_dir, run_step = calib.get("run_dir"), calib.get("step")
+        run_dir, run_step = quantized_run(path)
         why = "the report names no source run"
         if run_dir:
             run = Path(run_dir)
@@ -157,10 +187,8 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                            note=f"{ck.layout} weights of {path}"
                                 + (" (dequantized: the folder holds packed weights)"
                                    if packed else "")))
-    raise ValueError(f"init_from={str(source)!r} is not a model folder: expected a microscale "
-                     "run (config.yaml + checkpoints/), a `microscale quantize` output "
-                     "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
-                     "(config.json + *.safetensors)")
+    source_kind(path, what="init_from=")  # raises, naming what the folder is not
+    raise AssertionError("unreachable")
 
 
 def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],
@@ -200,9 +228,7 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
     a model folder: :func:`load_init_weights` says what is wrong)."""
     path = Path(source).expanduser()
     if detect(path) is QUANTIZE_OUTPUT:
-        report = read_json(path / "report.json", what="quantize report")
-        calib = report.get("calibration") if isinstance(report, dict) else None
-        run = calib.get("run_dir") if isinstance(calib, dict) else None
+        run, _ = quantized_run(path)
         packed = quantize_output_model(path)
         path = packed if _is_hf_folder(packed) else Path(run or path)
     if not path.is_dir():
