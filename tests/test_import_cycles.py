@@ -53,6 +53,9 @@ PENDING: dict[tuple[str, str], str] = {
         "quantize_run reads a training run with train.load_checkpoint: ptq -> train, while "
         "train/adaptive is a client of ptq. Moves with the ptq/run rework (issue #24): the "
         "run-folder reading below both, or quantize_run above both",
+    ("microscale.ptq.run", "microscale.train.init"):
+        "quantize_run reads HF folders and quantize outputs as init_from does "
+        "(train.init.source_kind, load_init_weights): moves with the entry above",
     ("microscale.train.init", "microscale.train.loop"):
         "init_from reads a run's weights with loop.load_checkpoint while loop calls "
         "init.load_init_weights: load_checkpoint/build_state leave loop.py in the trainer "
