@@ -225,6 +225,7 @@ def test_pipeline_gptq_option(tiny_model, token_batches):
     assert all(bool(jnp.isfinite(w.values).all()) for w in res.weights.values())
 
 
+@pytest.mark.slow
 def test_w4a4_hessians_are_those_of_the_quantized_inputs(tiny_model, token_batches):
     """``input_hessians(act_format=f)`` is ``2 Q_f(X)^T Q_f(X) / n`` of the inputs the W4A4
     GEMM reads (static amax), computed here from a tap of one layer's input."""
@@ -256,6 +257,7 @@ def test_w4a4_hessians_are_those_of_the_quantized_inputs(tiny_model, token_batch
     np.testing.assert_array_equal(eng.input_hessians(calib, act_format="bf16")[path], plain)
 
 
+@pytest.mark.slow
 def test_w4a4_gptq_lowers_the_quantized_gemm_error():
     """W4A4: the GEMM reads ``Xq = Q_f(X)``. GPTQ on the Hessian of ``Xq`` leaves a smaller
     error ``||Xq W^T - Xq W_q^T||`` than GPTQ on the Hessian of ``X``, on every layer of the
@@ -278,6 +280,7 @@ def test_w4a4_gptq_lowers_the_quantized_gemm_error():
         assert max(ratios) < 1.0, (fmt, ratios)
 
 
+@pytest.mark.slow
 def test_pipeline_w4a4_gptq(tiny_model, token_batches):
     """``activations=True`` with GPTQ: the searched weights are GPTQ'd on each format's
     quantized-input Hessians (not the weight-only ones)."""

@@ -38,6 +38,7 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MICROSCALE_CACHE", str(tmp_path_factory.getbasetemp() / "ms-cache"))
 
 
+@pytest.mark.slow
 def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     out = tmp_path / "q"
     rc = main(["quantize", "--checkpoint", str(hf), "--corpus", corpus_dir, "--out", str(out),
@@ -73,6 +74,7 @@ def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     assert again["calibration"]["corpus"] == corpus_dir
 
 
+@pytest.mark.slow
 def test_hf_folder_default_corpus_is_said(hf, tmp_path, capsys):
     rc = main(["quantize", "--checkpoint", str(hf), "--out", str(tmp_path / "q"),
                *[a for a in ARGS if a != "-q"]])

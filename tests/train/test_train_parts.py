@@ -69,6 +69,7 @@ def test_clock_resumed_from_checkpoint_meta():
     assert Clock.resumed({}, t_start=1.0, start=0) == Clock(t_start=1.0, step=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
 def test_evaluate_is_the_mean_loss_of_the_batches(make_cfg, recipe):
     cfg = make_cfg(f"recipe={recipe}", "bf16_last=0")
