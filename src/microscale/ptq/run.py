@@ -212,11 +212,9 @@ def _quantize_folder(path: Path, kind: str, out_dir, cfg: QuantizeConfig, *, cor
 
 
 def _recorded_corpus(path: Path) -> str | None:
-    from microscale.files import read_json
+    from microscale.train.init import quantize_calibration
 
-    report = read_json(path / "report.json", what="quantize report")
-    calib = report.get("calibration") if isinstance(report, dict) else None
-    got = calib.get("corpus") if isinstance(calib, dict) else None
+    got = quantize_calibration(path).get("corpus")
     return got if isinstance(got, str) else None
 
 

@@ -46,7 +46,7 @@ from microscale.model import ModelConfig
 from microscale.train.config import TrainConfig
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
-           "quantized_run", "resolve_config", "source_kind", "source_model"]
+           "quantize_calibration", "quantized_run", "resolve_config", "source_kind", "source_model"]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -117,12 +117,18 @@ def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
                      "(config.json + *.safetensors)")
 
 
+def quantize_calibration(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``calibration`` record of a quantize output's ``report.json`` (source run, step,
+    corpus, ...); empty where the report has none."""
+    report = read_json(Path(path) / "report.json", what="quantize report")
+    calib = report.get("calibration") if isinstance(report, dict) else None
+    return calib if isinstance(calib, dict) else {}
+
+
 def quantized_run(path: str | os.PathLike) -> tuple[str | None, int | None]:
     """``(run folder, step)`` a quantize output's ``report.json`` names as its source
     (``calibration.run_dir`` / ``step``; None where it names none)."""
-    report = read_json(Path(path) / "report.json", what="quantize report")
-    calib = report.get("calibration") if isinstance(report, dict) else None
-    calib = calib if isinstance(calib, dict) else {}
+    calib = quantize_calibration(path)
     return calib.get("run_dir"), calib.get("step")
 
 
