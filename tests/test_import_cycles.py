@@ -15,8 +15,10 @@ run). Three rules:
    a cycle, so none is there to dodge one; those left are lazy loads (e.g. the CLI's, to
    start fast).
 
-`PENDING` names the edges that still close a cycle, each with the change that removes it;
-the test fails if one of them no longer exists (delete its entry then).
+A fourth, said directly: **no import inside a function dodges a cycle**. For each
+function-level import ``a -> b``, nothing that ``b`` imports (at any depth, counting that
+importing ``pkg.mod`` runs ``pkg``'s ``__init__``) reaches ``a``: the import could be
+moved to the top of ``a`` without creating a cycle.
 """
 
 from __future__ import annotations
@@ -41,27 +43,10 @@ LAYERS: list[set[str]] = [
     {"ops"},
     {"microscale", "model"},
     {"train", "ptq", "export"},
-    {"experiments", "plan", "inference", "verify"},
+    {"experiments", "plan", "inference", "verify", "workflows"},
     {"cli", "__main__"},
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
-
-# (importing module, imported module): the edges that still close a cycle, and why they are
-# left. Each must be removed by the change named, then its entry deleted.
-PENDING: dict[tuple[str, str], str] = {
-    ("microscale.ptq.run", "microscale.train"):
-        "quantize_run reads a training run with train.load_checkpoint: ptq -> train, while "
-        "train/adaptive is a client of ptq. Moves with the ptq/run rework (issue #24): the "
-        "run-folder reading below both, or quantize_run above both",
-    ("microscale.ptq.run", "microscale.train.init"):
-        "quantize_run reads HF folders and quantize outputs as init_from does "
-        "(train.init.source_kind, load_init_weights): moves with the entry above",
-    ("microscale.train.init", "microscale.train.loop"):
-        "init_from reads a run's weights with loop.load_checkpoint while loop calls "
-        "init.load_init_weights: load_checkpoint/build_state leave loop.py in the trainer "
-        "split (issue #24 step 4)",
-}
-
 
 @functools.cache
 def _modules() -> dict[str, Path]:
@@ -160,13 +145,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _edges_without_pending(modules):
-    edges = import_edges(modules)
-    for src, dst in PENDING:
-        edges.get(src, {}).pop(dst, None)
-    return edges
-
-
 def test_every_unit_has_a_layer():
     units = {unit(m) for m in _modules()}
     assert units - set(RANK) == set(), f"give these a layer in LAYERS: {units - set(RANK)}"
@@ -174,7 +152,7 @@ def test_every_unit_has_a_layer():
 
 def test_imports_go_down_the_layers():
     found = []
-    for src, targets in _edges_without_pending(_modules()).items():
+    for src, targets in import_edges(_modules()).items():
         for dst, (line, _) in targets.items():
             a, b = unit(src), unit(dst)
             if a in RANK and b in RANK and RANK[a] < RANK[b]:
@@ -186,7 +164,7 @@ def test_imports_go_down_the_layers():
 def test_no_cycle_between_subpackages():
     graph: dict[str, set[str]] = defaultdict(set)
     where: dict[tuple[str, str], str] = {}
-    for src, targets in _edges_without_pending(_modules()).items():
+    for src, targets in import_edges(_modules()).items():
         for dst, (line, fn) in targets.items():
             a, b = unit(src), unit(dst)
             if a != b:
@@ -199,7 +177,7 @@ def test_no_cycle_between_subpackages():
 
 def test_no_cycle_between_the_modules_of_a_subpackage():
     graph: dict[str, set[str]] = defaultdict(set)
-    edges = _edges_without_pending(_modules())
+    edges = import_edges(_modules())
     for src, targets in edges.items():
         for dst in targets:
             if unit(src) == unit(dst):
@@ -208,13 +186,6 @@ def test_no_cycle_between_the_modules_of_a_subpackage():
                      for a in comp for b in comp if b in edges.get(a, {})])
              for comp in cycles(graph)]
     assert found == [], found
-
-
-def test_pending_edges_still_exist():
-    """A pending edge that is gone must leave `PENDING`, so the list only shrinks."""
-    edges = import_edges(_modules())
-    gone = [e for e in PENDING if e[1] not in edges.get(e[0], {})]
-    assert gone == [], f"these edges are gone: delete them from PENDING: {gone}"
 
 
 def test_the_walk_sees_function_level_imports():
@@ -235,3 +206,63 @@ def test_no_function_level_imports_within_the_package(package):
              for dst, (line, fn) in targets.items()
              if fn and dst.startswith(f"microscale.{package}")]
     assert found == [], found
+
+
+def _module_graph(edges: dict[str, dict[str, tuple[int, bool]]]) -> dict[str, set[str]]:
+    """Every import edge ``a -> b``, plus ``a -> P`` for each package ``P`` holding ``b`` but
+    not ``a``: importing ``b`` from outside ``P`` runs ``P``'s ``__init__`` first (from
+    inside, that ``__init__`` is already running)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for src, targets in edges.items():
+        for dst in targets:
+            graph[src].add(dst)
+            parts = dst.split(".")
+            for i in range(1, len(parts)):
+                pkg = ".".join(parts[:i])
+                if pkg in _modules() and not src.startswith(pkg + "."):
+                    graph[src].add(pkg)
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A path ``start -> ... -> goal`` in ``graph`` (breadth first), or None."""
+    before: dict[str, str | None] = {start: None}
+    queue = [start]
+    for node in queue:
+        if node == goal:
+            path = [node]
+            while (prev := before[path[-1]]) is not None:
+                path.append(prev)
+            return path[::-1]
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in before:
+                before[nxt] = node
+                queue.append(nxt)
+    return None
+
+
+def test_no_function_level_import_dodges_a_cycle():
+    """Each import inside a function could move to the module's top: what it imports never
+    leads back to the importing module (the train.init <-> train.loop, ptq.run -> train and
+    ptq.run -> train.init edges once did)."""
+    edges = import_edges(_modules())
+    graph = _module_graph(edges)
+    found = []
+    for src, targets in edges.items():
+        for dst, (line, fn) in targets.items():
+            if fn and (back := _reaches(graph, dst, src)) is not None:
+                found.append(f"{src}:{line} imports {dst} inside a function; "
+                             f"{' -> '.join(back)} closes the cycle")
+    assert found == [], "\n".join(found)
+
+
+def test_the_dodge_check_can_fail():
+    """`_reaches` finds a cycle closed through a package's ``__init__``, which
+    `_module_graph` adds for imports from outside the package only."""
+    graph = {"m.a.x": {"m.b"}, "m.b": {"m.a"}, "m.a": {"m.a.x"}}
+    assert _reaches(graph, "m.b", "m.a.x") == ["m.b", "m.a", "m.a.x"]
+    assert _reaches(graph, "m.a.x", "m.c") is None
+    edges = _module_graph({"microscale.ptq.run": {"microscale.train.init": (1, True)},
+                           "microscale.train.loop": {"microscale.train.init": (1, False)}})
+    assert edges["microscale.ptq.run"] == {"microscale.train.init", "microscale.train"}
+    assert edges["microscale.train.loop"] == {"microscale.train.init"}

@@ -43,7 +43,7 @@ def crc32(array) -> str:
     flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
     c = 0
     for i in range(0, flat.size, _CHUNK):
-        c = zlib.crc32(flat[i:i + _CHUNK], c)
+        c = zlib.crc32(memoryview(flat[i:i + _CHUNK]), c)
     return f"{c:08x}"
 
 
@@ -121,8 +121,8 @@ def tree_path_parts(path) -> tuple[str, ...]:
 def root_cause(e: BaseException) -> str:
     """The first line of the innermost cause (tensorstore names the array and file there;
     the outer orbax messages are pages of spec dumps), at most 300 characters."""
-    while (e.__cause__ or e.__context__) is not None:
-        e = e.__cause__ or e.__context__
+    while (inner := e.__cause__ or e.__context__) is not None:
+        e = inner
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
 
@@ -189,5 +189,5 @@ def silence_checkpoint_reader_noise() -> None:
         if not _is_checkpoint_reader_noise(u):
             hook(u)
 
-    filtered._microscale = True
+    filtered._microscale = True  # type: ignore[attr-defined]
     sys.unraisablehook = filtered

@@ -250,7 +250,8 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run, tmp_path
 
 @pytest.mark.slow
 def test_init_from_a_quantize_output_takes_its_model(run, corpus, tmp_path):
-    from microscale.ptq import QuantizeConfig, quantize_run
+    from microscale.ptq import QuantizeConfig
+    from microscale.workflows import quantize_run
 
     qcfg = QuantizeConfig(budget=4.5, formats=("nvfp4", "bf16"), calib_tokens=256,
                           pareto_budgets=(), ptq_effects=False,

@@ -63,7 +63,8 @@ def test_init_from_run_latest_and_given_step(make_cfg, source_run, tmp_path):
 
 @pytest.mark.slow
 def test_init_from_quantize_output_master_then_dequantized(make_cfg, source_run, tmp_path):
-    from microscale.ptq import QuantizeConfig, quantize_run
+    from microscale.ptq import QuantizeConfig
+    from microscale.workflows import quantize_run
 
     qcfg = QuantizeConfig(budget=4.5, formats=("nvfp4", "bf16"), calib_tokens=256,
                           pareto_budgets=(), ptq_effects=False,

@@ -14,7 +14,8 @@ from microscale.train import train
 @pytest.mark.slow
 def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_path, capsys):
     from microscale.cli import main
-    from microscale.ptq import QuantizeConfig, quantize_run
+    from microscale.ptq import QuantizeConfig
+    from microscale.workflows import quantize_run
 
     src = make_cfg("steps=10", f"out={tmp_path / 'src'}")
     train(src, progress=False)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 
 def _number(text: str, kind: type, lo: float | None, lo_open: bool, hi: float | None,
-            what: str) -> float | int:
+            what: str) -> Any:
     try:
         v = kind(text)
     except (TypeError, ValueError):

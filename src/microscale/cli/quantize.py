@@ -10,7 +10,7 @@
     microscale quantize --checkpoint /models/SmolLM2-135M --corpus texts/ --out out/s
         # an HF Llama folder, calibrated on texts/ with the model's own tokenizer
 
-Everything else is :func:`microscale.ptq.quantize_run`. Exit codes: 0 done, 2 bad
+Everything else is :func:`microscale.workflows.quantize_run`. Exit codes: 0 done, 2 bad
 arguments (unknown format, infeasible budget, not a model folder).
 """
 
@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from microscale.ptq import QuantizeConfig, WeightPTQ, quantize_run
+    from microscale.ptq import QuantizeConfig, WeightPTQ
+    from microscale.workflows import quantize_run
 
     try:
         budgets = args.pareto_budgets

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,7 @@ def load_data(config: DataConfig | None = None) -> Data:
     c = DataConfig() if config is None else config
     if not isinstance(c, DataConfig):
         raise TypeError(f"load_data expects a DataConfig, got {type(c).__name__}")
-    common = dict(val_fraction=c.val_fraction, cache=c.cache, cache_dir=c.cache_dir)
+    common: dict[str, Any] = dict(val_fraction=c.val_fraction, cache=c.cache, cache_dir=c.cache_dir)
     corpus = load_corpus(
         c.corpus, tokenizer=None if c.corpus.endswith(".bin") and c.tokenizer == "byte"
         else c.tokenizer, bpe_vocab_size=c.vocab_size, pattern=c.pattern,

@@ -100,9 +100,10 @@ def eval_se(x_batches: Sequence[float], ref_batches: Sequence[float]) -> float |
 
 def combined_eval_se(per_seed: Sequence[float | None]) -> float | None:
     """Eval SE of the mean gap over seeds: ``sqrt(sum se_s^2) / n`` (None if any is)."""
-    if not per_seed or any(v is None for v in per_seed):
+    known = [v for v in per_seed if v is not None]
+    if not per_seed or len(known) < len(per_seed):
         return None
-    return math.sqrt(sum(v * v for v in per_seed)) / len(per_seed)
+    return math.sqrt(sum(v * v for v in known)) / len(known)
 
 
 def seeds_needed(sd: float | None, half_width: float = 0.5, level: float = 0.95,

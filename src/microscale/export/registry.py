@@ -161,7 +161,7 @@ QUANTIZE_OUTPUT = Kind(name="quantize output",
                        description="a `microscale quantize` output (report.json + "
                                    "precision_rules.json + checkpoint/ or model.gguf)",
                        detect=_is_quantize_output)
-_HF = dict(single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None,
+_HF: dict[str, Any] = dict(single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None,
            read=_hf_params)  # what the HF-style folders share
 KINDS: tuple[Kind, ...] = (
     RUN,

@@ -26,6 +26,7 @@ that rounds once instead of twice. XLA fuses all stages into one pass over the a
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ def random_hadamard(x: jax.Array, axis: int = -1, *, size: int = 16, seed_or_key
     out_dtype = x.dtype if dtype is None else dtype
     if isinstance(seed_or_key, int | np.integer):
         with jax.ensure_compile_time_eval():  # a constant, not a kernel
-            signs = np.asarray(random_signs(seed_or_key, size))
+            signs: Any = np.asarray(random_signs(seed_or_key, size))
     else:
         signs = random_signs(seed_or_key, size)
     return _hadamard_butterfly(x, signs, axis=axis, size=size, inverse=inverse).astype(

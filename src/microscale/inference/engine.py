@@ -161,7 +161,7 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
         return _apply_linear(w, x, cdt)
 
     x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
-    new_cache = [] if cache is not None else None
+    new_cache: list[dict[str, Any]] = []
     for i, lw in enumerate(weights["layers"]):
         p = f"layers.{i}"
         h = _rms_norm(x, lw["attn_norm"], cfg.norm_eps, cdt)
@@ -195,8 +195,8 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
     logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt),
                         preferred_element_type=jnp.float32)
     if collect_amax:
-        return logits, new_cache, amax
-    return logits, new_cache
+        return logits, (new_cache if cache is not None else None), amax
+    return logits, (new_cache if cache is not None else None)
 
 
 # ---------------------------------------------------------------------- building

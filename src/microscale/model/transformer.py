@@ -49,6 +49,8 @@ attention output and MLP hidden, ``none`` everything.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -206,7 +208,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
         prefix = f"layers.{index}"
-        norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
+        norm: dict[str, Any] = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
                     compute_dtype=cfg.compute_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(cfg, f"{prefix}.attn", rngs=rngs)

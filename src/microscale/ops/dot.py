@@ -376,7 +376,7 @@ def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str =
                                      backend=backend, amax_history=amax_history,
                                      operand_dtype=operand_dtype)
 
-    dot_general.recipe = recipe
+    dot_general.recipe = recipe  # type: ignore[attr-defined]
     return dot_general
 
 

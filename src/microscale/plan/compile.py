@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the real sharded train step on simulated devices.
 
 `compile_step` builds exactly what ``microscale train`` runs -- the abstract model and
-AdamW state with the trainer's shardings (``train.loop.build_state(abstract=True)``: only
+AdamW state with the trainer's shardings (``train.state.build_state(abstract=True)``: only
 ``jax.ShapeDtypeStruct``\\ s, nothing allocated) and the jitted step of
 ``train.step.make_train_step`` -- lowers it for an abstract global batch and compiles it
 with XLA's SPMD partitioner. The compiled program is the per-device program, so its
@@ -55,9 +55,9 @@ def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
     from jax.sharding import NamedSharding, PartitionSpec
 
     from microscale.plan.hlo import HloModule
-    from microscale.train.loop import build_state
     from microscale.train.mesh import BATCH_AXES
     from microscale.train.optim import lr_schedule
+    from microscale.train.state import build_state
     from microscale.train.step import make_train_step
 
     t0 = time.perf_counter()

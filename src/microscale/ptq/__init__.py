@@ -4,7 +4,8 @@ Not every layer tolerates 4 bits. ``microscale quantize`` measures how much each
 layer's loss contribution suffers in each candidate format and gives each layer the
 cheapest format its sensitivity allows under an effective-bits budget::
 
-    from microscale.ptq import QuantizeConfig, quantize_model, quantize_run
+    from microscale.ptq import QuantizeConfig, quantize_model
+    from microscale.workflows import quantize_run
 
     result = quantize_run("runs/tiny", "out/q", QuantizeConfig(budget=4.8))   # a run folder
     result = quantize_model(model, calib_batches, eval_batches, QuantizeConfig())  # any model
@@ -18,8 +19,10 @@ Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
 :mod:`~microscale.ptq.gptq` (GPTQ error compensation for block-scaled formats),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
-:mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (a
-training run folder), :mod:`~microscale.ptq.report` (files and plots).
+:mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (calibration
+windows, a run's trained allocation), :mod:`~microscale.ptq.report` (files and plots).
+``quantize_run`` (a model folder in, quantized outputs out) reads training runs, so it
+sits above ``ptq`` and ``train``: :mod:`microscale.workflows`.
 """
 
 from microscale.ptq.engine import ActQuant, Engine, next_token_loss
@@ -34,7 +37,7 @@ from microscale.ptq.pipeline import (
     quantize_model,
 )
 from microscale.ptq.report import read_own_checkpoint, write_outputs
-from microscale.ptq.run import calibration_windows, quantize_run, trained_allocation
+from microscale.ptq.run import calibration_windows, trained_allocation
 from microscale.ptq.search import (
     DEFAULT_GROUPS,
     Allocation,
@@ -67,6 +70,6 @@ __all__ = [
     "brute_force", "calibration_windows", "effective_bits", "model_bits", "four_over_six",
     "gptq_quantize", "gradient_scores", "group_layers", "heuristic_allocation", "intercept_linears",
     "kl_loss_scores", "monotone", "next_token_loss", "ptq_recipe", "quantize_group",
-    "quantize_model", "quantize_run", "quantize_weight", "read_own_checkpoint", "score",
+    "quantize_model", "quantize_weight", "read_own_checkpoint", "score",
     "search", "taylor_scores", "trained_allocation", "write_outputs",
 ]

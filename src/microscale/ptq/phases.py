@@ -83,7 +83,7 @@ class Phases:
             done += n
             if bar is not None:
                 bar.update(n)
-            elif self.show and (done % step < n or done == total):
+            elif self.log is not None and self.show and (done % step < n or done == total):
                 of = f"/{total}" if total else ""
                 self.log(f"{self.prefix}: {name} {done}{of} {units} "
                          f"({time.perf_counter() - t0:.0f}s)")

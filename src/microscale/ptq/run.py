@@ -1,56 +1,25 @@
-"""A model folder -> quantized outputs: the thin layer over :func:`quantize_model`.
+"""The pieces of quantizing a run that sit in ``ptq`` (``train.adaptive`` uses them too).
 
-``quantize_run(checkpoint, out_dir, config)`` takes what ``train init_from=`` takes
-(:func:`microscale.train.init.source_kind`, with its errors):
-
-* a **training run folder**: its latest checkpoint (``microscale.train.load_checkpoint``;
-  ``step=`` another), its corpus with its tokenizer (``microscale.data.load_data``;
-  ``corpus=`` swaps in another one, tokenized the same way);
-* an **HF Llama folder** (``config.json`` + safetensors + ``tokenizer.json``; plain,
-  compressed-tensors or ModelOpt, packed weights dequantized): the weights as
-  :func:`~microscale.train.init.load_init_weights` reads them, the text of ``corpus=`` (a
-  text file or folder, a ``.jsonl``, ``stdlib``...) tokenized with the folder's own
-  ``tokenizer.json``; without ``corpus=`` the ``stdlib`` corpus (:data:`MODEL_DEFAULT_CORPUS`,
-  said in the log and recorded in ``report.json``). Windows of :data:`MODEL_SEQ_LEN` tokens
-  (at most the model's context), :data:`MODEL_ROWS` per batch, :data:`MODEL_EVAL_BATCHES`
-  evaluation batches unless ``eval_batches=``;
-* a **``microscale quantize`` output**: the run it quantized (at the recorded step) when
-  that checkpoint still exists, as that run; otherwise its ``checkpoint/`` folder
-  (dequantized) as a model folder, on the corpus the report names.
-
-The held-out tokens are split so:
-
-* evaluation: the run's own fixed validation batches (``Data.val_batches("val")``:
-  ``eval_batches`` batches of windows from the *start* of the val split), so the
-  perplexities here are the ones training reported;
-* calibration: ``calib_tokens`` worth of windows drawn with ``seed`` from the val split
-  *after* the evaluation windows (disjoint), falling back to the train split when the val
-  split is too short.
-
-A run trained with an allocation (QAT: ``rules=``; ``bf16_policy=sensitivity``) also has
-that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
-
-Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
-quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
-``sensitivity.png`` under ``out_dir``.
+:func:`calibration_windows` cuts seeded calibration windows out of a token stream, and
+:func:`trained_allocation` reads the allocation a run trained with. The run-level workflow
+that uses them, ``quantize_run`` (a run folder, an HF folder or a quantize output in,
+quantized outputs out), reads training runs, so it sits above both ``ptq`` and ``train``:
+:mod:`microscale.workflows.quantize`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from microscale.export.registry import get_layout
-from microscale.files import check_input_dir, lock_folder
-from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
+from microscale.export.layouts import resolve_layers
+from microscale.model import PrecisionRules
 
-__all__ = ["calibration_windows", "quantize_run", "trained_allocation"]
+__all__ = ["calibration_windows", "trained_allocation"]
 
 
 def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, str] | None:
@@ -58,9 +27,6 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
     (``rules=``, e.g. QAT on a quantize output, or ``bf16_policy=sensitivity``): each
     layer's forward weight format in the run's ``precision_rules.json``, the allocation
     ``microscale export`` writes for it. None for a run with the positional rule."""
-    from microscale.export.layouts import resolve_layers
-    from microscale.model import PrecisionRules
-
     if not train_cfg.own_allocation:
         return None
     path = Path(run_dir) / "precision_rules.json"
@@ -90,182 +56,3 @@ def calibration_windows(tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows
     starts = rng.choice(n_starts, size=need, replace=False)
     out = np.stack([region[s:s + seq_len + 1] for s in starts.tolist()]).astype(np.int32)
     return out.reshape(n_batches, rows, seq_len + 1)
-
-
-# A model folder (HF, or a quantize output without its run): the text without --corpus,
-# the window length (at most the model's context), windows per batch, evaluation batches.
-MODEL_DEFAULT_CORPUS = "stdlib"
-MODEL_SEQ_LEN = 512
-MODEL_ROWS = 2
-MODEL_EVAL_BATCHES = 8
-
-
-def quantize_run(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                 config: QuantizeConfig | None = None, *, corpus: str | None = None,
-                 step: int | None = None, eval_batches: int | None = None,
-                 layout: str = "compressed-tensors",
-                 log: Callable[[str], None] | None = None) -> QuantizeResult:
-    """Quantize a training run, an HF Llama folder or a quantize output's model (see the
-    module doc). Returns the result.
-
-    ``corpus``: calibrate and evaluate on this corpus (a run's tokenizer settings; a model
-    folder's own tokenizer); ``step``: checkpoint step of a run (default latest);
-    ``eval_batches``: validation batches (default: the run's ``data.eval_batches``,
-    :data:`MODEL_EVAL_BATCHES` for a model folder); ``layout``: checkpoint layout
-    ("compressed-tensors", "modelopt", "microscale" or "gguf").
-    """
-    from microscale.ptq.report import check_quantize_out
-    from microscale.train.init import SOURCE_KINDS, source_kind
-
-    cfg = QuantizeConfig() if config is None else config
-    path = check_input_dir(checkpoint, what="--checkpoint", expected=SOURCE_KINDS)
-    kind = source_kind(path, what="--checkpoint")
-    if step is not None and kind != "run":
-        what = "an HF folder" if kind == "hf" else "a quantize output"
-        raise ValueError(f"--step {step} applies to a training run folder, but --checkpoint "
-                         f"{str(checkpoint)!r} is {what}")
-    check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
-    row = get_layout(layout)  # an unknown name: refused before any work
-    if kind == "quantize":
-        run = _live_source_run(path)
-        if run is not None:
-            if log:
-                log(f"quantize: {path} is a quantize output of step {run[1]} of {run[0]}, "
-                    "which still exists: quantizing that run's master weights")
-            path, step, kind = run[0], run[1], "run"
-    tok_file = _tokenizer_file(path, kind)
-    if row.check_tokenizer is not None and tok_file is not None:
-        row.check_tokenizer(tok_file)  # one the layout cannot store: refused now
-    with lock_folder(out_dir):
-        if kind == "run":
-            return _quantize_run(path, out_dir, cfg, corpus=corpus, step=step,
-                                 eval_batches=eval_batches, layout=layout, log=log)
-        return _quantize_folder(path, kind, out_dir, cfg, corpus=corpus,
-                                eval_batches=eval_batches, layout=layout, log=log)
-
-
-def _live_source_run(path: Path) -> tuple[Path, int | None] | None:
-    """A quantize output's source run and step when that checkpoint still exists."""
-    from microscale.train.init import quantized_run, source_kind
-
-    run_dir, step = quantized_run(path)
-    if not run_dir:
-        return None
-    run = Path(run_dir)
-    try:
-        if source_kind(run) != "run":
-            return None
-    except ValueError:
-        return None
-    if step is not None and not (run / "checkpoints" / str(step)).is_dir():
-        return None
-    return run, step
-
-
-def _tokenizer_file(path: Path, kind: str) -> Path | None:
-    """The tokenizer.json a model folder (or a run that saved one) carries."""
-    folder = path / "checkpoint" if kind == "quantize" else path
-    tok = folder / "tokenizer.json"
-    return tok if tok.is_file() else None
-
-
-def _quantize_folder(path: Path, kind: str, out_dir, cfg: QuantizeConfig, *, corpus,
-                     eval_batches, layout, log) -> QuantizeResult:
-    """An HF folder, or a quantize output whose run is gone: weights, the folder's own
-    tokenizer and ``corpus`` (default :data:`MODEL_DEFAULT_CORPUS`)."""
-    from microscale.data import DataConfig
-    from microscale.export.reader import build_model
-    from microscale.train.init import load_init_weights, source_model
-
-    say = log or (lambda _: None)
-    found = source_model(path)
-    if found is None:
-        raise ValueError(f"--checkpoint {str(path)!r}: no config.json describes its model (a "
-                         "quantize output in microscale's own layout whose run is gone)")
-    model_cfg, _, where = found
-    tok = _tokenizer_file(path, kind)
-    if tok is None:
-        raise FileNotFoundError(f"--checkpoint {str(path)!r} has no tokenizer.json"
-                                f"{' in checkpoint/' if kind == 'quantize' else ''}; "
-                                "quantize tokenizes the calibration text with the model's own "
-                                "tokenizer")
-    if corpus is None:
-        recorded = _recorded_corpus(path) if kind == "quantize" else None
-        corpus = recorded or MODEL_DEFAULT_CORPUS
-        say(f"quantize: no --corpus: calibrating and evaluating on {corpus!r}"
-            + (" (the corpus the report names)" if recorded else
-               " (the Python standard library's sources, no download); pass --corpus "
-               "FOLDER|FILE.jsonl for text of the model's own domain"))
-    say(f"quantize: reading the weights of {path} ({where})")
-    flat, init = load_init_weights(path)
-    model = build_model(model_cfg, flat)
-    del flat
-    data_cfg = DataConfig(corpus=corpus, heldout="none", tokenizer=str(tok.absolute()),
-                          seq_len=min(MODEL_SEQ_LEN, model_cfg.max_seq_len),
-                          batch_size=MODEL_ROWS,
-                          eval_batches=int(eval_batches or MODEL_EVAL_BATCHES))
-    source = {"source": {"kind": kind, "path": str(path), "weights": init.weights,
-                         "note": init.note}}
-    return _calibrate_and_quantize(model, model_cfg, data_cfg, out_dir, cfg, source=source,
-                                   trained=None, tokenizer=tok, what=f"the tokenizer {tok}",
-                                   layout=layout, log=log)
-
-
-def _recorded_corpus(path: Path) -> str | None:
-    from microscale.train.init import quantize_calibration
-
-    got = quantize_calibration(path).get("corpus")
-    return got if isinstance(got, str) else None
-
-
-def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches,
-                  layout, log) -> QuantizeResult:
-    from microscale.train import load_checkpoint
-
-    model, train_cfg, meta = load_checkpoint(run_dir, step)
-    data_cfg = train_cfg.data
-    if corpus is not None:
-        data_cfg = dataclasses.replace(data_cfg, corpus=corpus, heldout="none")
-    if eval_batches is not None:
-        data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
-    tok_file = run_dir / "tokenizer.json"  # with its tokenizer_config.json, if any
-    return _calibrate_and_quantize(
-        model, train_cfg.model, data_cfg, out_dir, cfg,
-        source={"run_dir": str(run_dir), "step": meta.get("step")},
-        trained=trained_allocation(run_dir, train_cfg),
-        tokenizer=tok_file if tok_file.is_file() else None,
-        what=f"the tokenizer of {run_dir}", layout=layout, log=log)
-
-
-def _calibrate_and_quantize(model, model_cfg, data_cfg, out_dir, cfg: QuantizeConfig, *,
-                            source: dict[str, Any], trained, tokenizer, what: str, layout,
-                            log) -> QuantizeResult:
-    """Load ``data_cfg``'s corpus, cut evaluation and calibration windows, quantize, write."""
-    from microscale.data import check_vocab_fits, load_data
-    from microscale.ptq.report import write_outputs
-
-    data = load_data(data_cfg)
-    check_vocab_fits(data.vocab_size, model_cfg.vocab_size,
-                     what=what if data.tokenizer else f"corpus {data_cfg.corpus!r}")
-    evals = data.val_batches("val")
-    rows, seq = evals.shape[1], evals.shape[2] - 1
-    val_tokens = data.eval_sets()["val"]
-    used = evals.shape[0] * rows * seq + 1  # evaluation windows start at k * seq_len
-    calib = calibration_windows(val_tokens, n_tokens=cfg.calib_tokens, seq_len=seq,
-                                rows=rows, seed=cfg.seed, start=used)
-    desc: dict[str, Any] = {"split": "val", "offset": used, "corpus": data_cfg.corpus}
-    if calib is None:
-        calib = calibration_windows(data.corpus.train, n_tokens=cfg.calib_tokens, seq_len=seq,
-                                    rows=rows, seed=cfg.seed)
-        desc = {"split": "train", "offset": 0, "corpus": data_cfg.corpus,
-                "note": "val split too short for disjoint calibration windows"}
-        if calib is None:
-            raise ValueError(f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
-                             f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens")
-    desc.update(source, tokenizer=data_cfg.tokenizer, seed=cfg.seed)
-    result = quantize_model(model, calib, evals, cfg, calibration=desc, trained=trained,
-                            log=log)
-    write_outputs(result, out_dir, model_config=model_cfg,
-                  tokenizer=tokenizer if tokenizer is not None else data.tokenizer,
-                  layout=layout, log=log)
-    return result

@@ -49,6 +49,7 @@ search prefers the cheaper.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from microscale.formats import get_format
 from microscale.ptq.engine import ActQuant, Engine
@@ -144,7 +145,7 @@ def score(engine: Engine, batches, qweights: QWeights, method: str = "gradient",
     ``progress`` is called after each calibration batch."""
     if method not in METHODS:
         raise ValueError(f"unknown sensitivity method {method!r}; expected one of {METHODS}")
-    kw = dict(activations=activations, act_amax=act_amax, progress=progress)
+    kw: dict[str, Any] = dict(activations=activations, act_amax=act_amax, progress=progress)
     if method == "gradient":
         return gradient_scores(engine, batches, qweights, **kw)
     if method == "taylor":

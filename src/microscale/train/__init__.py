@@ -11,7 +11,8 @@ Library use (what ``microscale train`` and ``microscale compare`` call)::
 
 Modules: :mod:`~microscale.train.config` (TrainConfig and presets),
 :mod:`~microscale.train.step` (the jitted step), :mod:`~microscale.train.loop`
-(``train``), :mod:`~microscale.train.optim`, :mod:`~microscale.train.mesh`,
+(``train``), :mod:`~microscale.train.state` (``build_state``, ``load_checkpoint``),
+:mod:`~microscale.train.optim`, :mod:`~microscale.train.mesh`,
 :mod:`~microscale.train.checkpoint`, :mod:`~microscale.train.metrics`.
 """
 
@@ -30,16 +31,11 @@ from microscale.train.config import (
     preset_yaml,
 )
 from microscale.train.init import resolve_config
-from microscale.train.loop import (
-    TrainingAborted,
-    build_state,
-    enable_compilation_cache,
-    load_checkpoint,
-    train,
-)
+from microscale.train.loop import TrainingAborted, enable_compilation_cache, train
 from microscale.train.mesh import build_mesh, maybe_initialize_distributed
 from microscale.train.metrics import weight_quant_stats
 from microscale.train.optim import lr_schedule, make_optimizer
+from microscale.train.state import build_state, load_checkpoint
 from microscale.train.step import make_eval_step, make_train_step
 
 __all__ = [

@@ -102,7 +102,8 @@ def _save_step0(cfg, src: Path, directory: Path):
     """Checkpoint step 0 of ``cfg``: ``src``'s weights and a fresh optimizer state."""
     from microscale.train.checkpoint import Checkpointer
     from microscale.train.init import load_init_weights
-    from microscale.train.loop import _init_params, build_state
+    from microscale.train.loop import _init_params
+    from microscale.train.state import build_state
 
     weights, init = load_init_weights(src.absolute())
     st = build_state(cfg, abstract=True)

@@ -44,6 +44,7 @@ from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, qua
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
 from microscale.train.config import TrainConfig
+from microscale.train.state import load_checkpoint
 
 __all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
            "quantize_calibration", "quantized_run", "resolve_config", "source_kind", "source_model"]
@@ -110,11 +111,16 @@ def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
         return "quantize"
     if isinstance(kind, Layout) and kind.hf_folder:
         return "hf"
+    raise _not_a_model_folder(path, what=what)
+
+
+def _not_a_model_folder(path: str | os.PathLike, *, what: str) -> ValueError:
+    """The error for a folder that is none of the three model-folder kinds."""
     shown = f"{what}{'' if not what or what.endswith('=') else ' '}{str(path)!r}"
-    raise ValueError(f"{shown} is not a model folder: expected a microscale "
-                     "run (config.yaml + checkpoints/), a `microscale quantize` output "
-                     "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
-                     "(config.json + *.safetensors)")
+    return ValueError(f"{shown} is not a model folder: expected a microscale "
+                      "run (config.yaml + checkpoints/), a `microscale quantize` output "
+                      "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
+                      "(config.json + *.safetensors)")
 
 
 def quantize_calibration(path: str | os.PathLike) -> dict[str, Any]:
@@ -133,8 +139,6 @@ def quantized_run(path: str | os.PathLike) -> tuple[str | None, int | None]:
 
 
 def _from_run(path: Path, step: int | None) -> tuple[dict[str, np.ndarray], int, ModelConfig]:
-    from microscale.train.loop import load_checkpoint
-
     model, cfg, meta = load_checkpoint(path, step)
     flat = {k: np.asarray(v) for k, v in flat_params(model).items()}
     return flat, int(meta["step"]), cfg.model
@@ -193,8 +197,7 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                            note=f"{ck.layout} weights of {path}"
                                 + (" (dequantized: the folder holds packed weights)"
                                    if packed else "")))
-    source_kind(path, what="init_from=")  # raises, naming what the folder is not
-    raise AssertionError("unreachable")
+    raise _not_a_model_folder(path, what="init_from=")
 
 
 def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],

@@ -41,20 +41,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -62,21 +60,16 @@ from microscale import __version__
 from microscale.config import dump_yaml, load_yaml, to_dict
 from microscale.data import check_vocab_fits, load_data
 from microscale.files import atomic_write_json, check_output_dir, lock_folder, read_json
-from microscale.integrity import CorruptDataError
 from microscale.model import (
-    ModelConfig,
-    PrecisionRules,
-    Transformer,
     assignments,
     iter_linears,
-    late_switch,
-    partition_specs,
     quantized_blocks,
 )
 from microscale.ops import get_recipe
 from microscale.train.adaptive import bf16_rules, choose_bf16_layers
-from microscale.train.checkpoint import Checkpointer, CheckpointMismatchError
+from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
+from microscale.train.init import check_init_shapes, load_init_weights
 from microscale.train.mesh import (
     BATCH_AXES,
     build_mesh,
@@ -84,11 +77,11 @@ from microscale.train.mesh import (
     shard_batch,
 )
 from microscale.train.metrics import MetricsLogger, format_duration, weight_quant_stats
-from microscale.train.optim import lr_schedule, make_optimizer
+from microscale.train.optim import lr_schedule
+from microscale.train.state import _leaf_diff, _State, build_state
 from microscale.train.step import make_eval_step, make_train_step
 
-__all__ = ["TrainingAborted", "build_state", "default_out", "enable_compilation_cache",
-           "load_checkpoint", "train"]
+__all__ = ["TrainingAborted", "default_out", "enable_compilation_cache", "train"]
 
 # Config fields that must not change when resuming (they define the run).
 _RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "bf16_layout",
@@ -115,7 +108,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     env = os.environ.get("MICROSCALE_JAX_CACHE")
     if env is not None and env.strip().lower() in ("0", "off", "false", "no", ""):
         return None
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     if current:
         return current
     from microscale.data import cache_root
@@ -132,131 +125,6 @@ def default_out(cfg: TrainConfig) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     m = cfg.model
     return os.path.join("runs", f"d{m.d_model}x{m.n_layers}-{cfg.recipe}-{stamp}")
-
-
-# ----------------------------------------------------------------------------- state
-
-
-def _param_shardings(abs_params: nnx.State, mesh, replicated: list | None = None) -> dict:
-    """Pure-dict tree of NamedShardings from the parameters' logical axes; dimensions
-    left replicated (not divisible, no rule) are appended to ``replicated``."""
-    specs = partition_specs(abs_params, mesh=mesh, replicated=replicated)
-    return nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())),
-                                         specs, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
-@dataclasses.dataclass
-class _State:
-    """Everything built from a config before the loop starts."""
-
-    cfg: TrainConfig
-    mesh: Any
-    graphdefs: dict[str, Any]  # phase -> graphdef
-    rules: dict[str, PrecisionRules]  # phase -> rules
-    rest: Any
-    params: Any
-    opt_state: Any
-    tx: optax.GradientTransformation
-    param_shardings: Any
-    opt_shardings: Any
-    replicated: list  # model.Replicated: parameter dims the mesh could not shard
-    abs_model: Any  # the abstract model the graphdefs are split from
-
-    def set_main_rules(self, main: PrecisionRules) -> None:
-        """Replace the main phase's rules (and the late phase's, derived from them)."""
-        self.rules = _phase_rules(self.cfg, main)
-        self.graphdefs = _graphdefs(self.abs_model, self.rules)
-
-
-def _phase_rules(cfg: TrainConfig, main: PrecisionRules) -> dict[str, PrecisionRules]:
-    """{phase: rules}: "main"; "late" with a late switch; "warmup" (all bf16) before a
-    sensitivity-chosen allocation."""
-    rules = {"main": main}
-    if cfg.late_switch.fraction > 0:
-        mode = "bf16" if cfg.late_switch.mode == "full" else "forward"
-        rules["late"] = late_switch(main, mode)
-    if cfg.warmup_steps:
-        rules["warmup"] = PrecisionRules(default="bf16")
-    return rules
-
-
-def _graphdefs(abs_model, rules: dict[str, PrecisionRules]) -> dict[str, Any]:
-    out = {}
-    for phase, r in rules.items():
-        abs_model.set_rules(r)
-        out[phase] = nnx.split(abs_model, nnx.Param, ...)[0]
-    abs_model.set_rules(rules["main"])
-    return out
-
-
-def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _State:
-    """Model graph(s), sharded float32 params and AdamW state for ``cfg`` (fresh init).
-
-    ``abstract=True`` allocates nothing: params and optimizer state are
-    ``jax.ShapeDtypeStruct``\\ s carrying their shardings (a checkpoint restore target).
-    """
-    mesh = build_mesh(cfg.mesh) if mesh is None else mesh
-    rules = _phase_rules(cfg, cfg.precision_rules())
-
-    def make():
-        return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed), rules=rules["main"])
-
-    abs_model = nnx.eval_shape(make)
-    _, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-    graphdefs = _graphdefs(abs_model, rules)
-    unsharded: list = []
-    p_sh = _param_shardings(abs_params, mesh, unsharded)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rest_sh = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abs_rest))
-
-    def init():
-        m = make()
-        _, p, r = nnx.split(m, nnx.Param, ...)
-        return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
-
-    init_fn = jax.jit(init, out_shardings=(p_sh, rest_sh))
-    tx = make_optimizer(cfg.optim)
-    params_abs, _ = jax.eval_shape(init_fn)
-    abs_opt = jax.eval_shape(tx.init, params_abs)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abs_opt, p_sh,
-                                   transform_non_params=lambda _: replicated)
-    if abstract:
-        with_sh = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-        params = jax.tree.map(with_sh, params_abs, p_sh)
-        opt_state = jax.tree.map(with_sh, abs_opt, opt_sh)
-        rest = init_fn()[1] if jax.tree.leaves(rest_sh) else nnx.to_pure_dict(abs_rest)
-    else:
-        params, rest = init_fn()
-        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
-                  rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
-                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=unsharded,
-                  abs_model=abs_model)
-
-
-def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
-                    phase: str | None = None):
-    """``(model, cfg, meta)`` from a run folder's checkpoint (latest by default).
-
-    The model is a :class:`~microscale.model.Transformer` with the restored float32
-    weights and the precision rules of ``phase`` (default: the phase the checkpoint was
-    in). Useful for evaluation, PTQ, export and generation.
-    """
-    run_dir = Path(run_dir)
-    cfg = load_yaml(TrainConfig, run_dir / "config.yaml")
-    mesh = build_mesh(dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1, device_ids=()))
-    st = build_state(cfg, mesh, abstract=True)
-    ck = Checkpointer(run_dir / "checkpoints", async_save=False)
-    try:
-        _check_stored_model(ck, step, cfg, run_dir / "config.yaml")
-        state, meta = ck.restore(step, {"params": st.params, "opt_state": st.opt_state})
-    finally:
-        ck.close()
-    if meta.get("bf16_allocation"):
-        st.set_main_rules(bf16_rules(cfg.recipe, meta["bf16_allocation"]["bf16_layers"]))
-    phase = phase or meta.get("phase", "main")
-    model = nnx.merge(st.graphdefs[phase], nnx.State(state["params"]), st.rest)
-    return model, cfg, meta
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -278,40 +146,8 @@ def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
             "options may change); use a new out= for a different run")
 
 
-def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig,
-                        path: Path) -> None:
-    """Raise :class:`CheckpointMismatchError` naming each ``model.*`` key on which the
-    config a checkpoint was saved with (its metadata) and ``path`` disagree. Settings the
-    checkpoint predates (absent from its metadata) are not compared."""
-    try:
-        stored = ck.restore_meta(step).get("config") or {}
-    except (FileNotFoundError, CorruptDataError):
-        return  # restore() reports it
-    now = json.loads(json.dumps(to_dict(cfg)["model"]))
-    raw = stored.get("model")
-    if isinstance(raw, dict):  # read as a config today reads it (remat: true -> "full")
-        with contextlib.suppress(TypeError, ValueError):
-            raw = {k: v for k, v in ModelConfig.from_dict(raw).to_dict().items() if k in raw}
-    diff = [(k, a, b) for k, a, b in _leaf_diff("model", raw, now) if a is not None]
-    if diff:
-        shown = ", ".join(f"{k}={b!r} (the checkpoint has {a!r})" for k, a, b in diff)
-        raise CheckpointMismatchError(
-            f"{path} does not describe the model in its checkpoint: {shown}. Was it edited "
-            "after training? Restore the checkpoint's values")
-
-
-def _leaf_diff(key: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, old, new)`` for every differing leaf of two plain-data values."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in dict.fromkeys([*a, *b])
-                for d in _leaf_diff(f"{key}.{k}", a.get(k), b.get(k))]
-    return [] if a == b else [(key, a, b)]
-
-
 def _init_params(cfg: TrainConfig, st: _State, weights: dict, src):
     """``weights`` (of ``init_from``) checked against the model, sharded like ``st.params``."""
-    from microscale.train.init import check_init_shapes
-
     def name(path) -> str:
         return ".".join(str(getattr(k, "key", k)) for k in path)
 
@@ -361,6 +197,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     maybe_initialize_distributed(cfg.mesh)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=default_out(cfg))
+    assert cfg.out is not None
     out = check_output_dir(cfg.out, what="out=")
     # One writer per run folder (on multi-host runs, process 0 speaks for all).
     lock = lock_folder(out) if jax.process_index() == 0 else contextlib.nullcontext()
@@ -568,7 +405,7 @@ def compile_programs(st: _State) -> Programs:
     return Programs(train=train_fns, eval=eval_fns)
 
 
-def evaluate(eval_step: Callable, params, rest, val_batches: dict[str, Sequence], graphdef, *,
+def evaluate(eval_step: Callable, params, rest, val_batches: Mapping[str, Sequence], graphdef, *,
              step: int, tokens: int, phase: str) -> dict[str, Any]:
     """The ``"eval"`` record of ``params`` at ``step``: the mean loss of every eval set's
     fixed batches (``eval_step``: :func:`~microscale.train.step.make_eval_step` of
@@ -611,7 +448,7 @@ class RunFacts:
 
 
 def write_summary(path: Path | None, status: str, *, facts: RunFacts, clock: Clock,
-                  last_eval: dict | None, precision: dict[str, str], init_source: dict | None,
+                  last_eval: dict | None, precision: dict[str, str | None], init_source: dict | None,
                   allocation: dict | None, **extra) -> dict[str, Any]:
     """The run's summary (``status``: "completed" or "aborted"; ``extra``: more keys),
     written atomically to ``path`` unless it is None, and returned.
@@ -695,12 +532,13 @@ class _Run:
     init_source: dict | None
     # The bf16_allocation record (bf16_policy=sensitivity), None until chosen.
     allocation: dict | None
-    # metrics.jsonl / TensorBoard / progress display (set once the run starts logging).
-    logger: MetricsLogger | None = None
+    # metrics.jsonl / TensorBoard / progress display (set by _run_start before any part
+    # logs).
+    logger: MetricsLogger = dataclasses.field(init=False)
     # Eval set name -> its fixed validation batches on the devices.
     val: dict[str, list] = dataclasses.field(default_factory=dict)
     # What the summary reports (set with `val`).
-    facts: RunFacts | None = None
+    facts: RunFacts = dataclasses.field(init=False)
     # The phase of the latest step (that of `start` before the first).
     phase: str = "main"
     # The latest "eval" record, or None.
@@ -746,8 +584,6 @@ def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int |
         dump_yaml(cfg, out / "config.yaml")
     init = None  # read first: a bad init_from fails before data and model are built
     if cfg.init_from is not None and resume_from is None:
-        from microscale.train.init import load_init_weights
-
         init = load_init_weights(cfg.init_from, step=cfg.init_step)
     data = load_data(cfg.data)
     check_vocab_fits(data.vocab_size, cfg.model.vocab_size,

@@ -214,25 +214,26 @@ class MetricsLogger:
             cb(dict(rec))
         if not self.main:
             return
+        assert self._file is not None  # opened by __init__ on the main process
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._tb is not None:
-            self._tensorboard(rec)
+            self._tensorboard(self._tb, rec)
 
-    def _tensorboard(self, rec: dict) -> None:
+    def _tensorboard(self, tb: Any, rec: dict) -> None:
         step = int(rec["step"])
         kind = rec.get("kind")
         if kind == "train":
             for k in ("loss", "loss_avg", "lr", "grad_norm", "tokens_per_s", "nonfinite"):
                 if isinstance(rec.get(k), (int, float)):
-                    self._tb.add_scalar(f"train/{k}", rec[k], step)
+                    tb.add_scalar(f"train/{k}", rec[k], step)
         elif kind == "eval":
             for k in ("val_loss", "val_ppl"):
                 if isinstance(rec.get(k), (int, float)):
-                    self._tb.add_scalar(f"eval/{k}", rec[k], step)
+                    tb.add_scalar(f"eval/{k}", rec[k], step)
             for layer, stats in (rec.get("quant") or {}).items():
                 for k, v in stats.items():
-                    self._tb.add_scalar(f"quant/{k}/{layer}", v, step)
+                    tb.add_scalar(f"quant/{k}/{layer}", v, step)
 
     # ------------------------------------------------------------------ progress
     def progress(self, step: int, *, loss: float | None = None, val_loss: float | None = None,
