@@ -415,7 +415,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
         raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
                           f"keys to values, got {type(data).__name__} {data!r}")
     fields = _fields(cls)
-    hints = _hints(cls)
+    hints = _hints(cls)  # type: ignore[arg-type]  # a dataclass type: hashable
     kwargs = {}
     for k, v in data.items():
         key = _prefix + str(k)
@@ -533,7 +533,7 @@ def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) ->
     ``_aliases`` class attribute ``{shorthand: dotted key}`` (e.g. ``lr -> optim.lr``).
     """
     items = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
-    aliases = getattr(type(cfg), "_aliases", None) or {}
+    aliases: dict[str, str] = getattr(type(cfg), "_aliases", None) or {}
     if not items:
         return cfg
     root = _Pending.of(cfg)

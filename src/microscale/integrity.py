@@ -43,7 +43,7 @@ def crc32(array) -> str:
     flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
     c = 0
     for i in range(0, flat.size, _CHUNK):
-        c = zlib.crc32(memoryview(flat[i:i + _CHUNK]), c)
+        c = zlib.crc32(flat[i:i + _CHUNK].data, c)
     return f"{c:08x}"
 
 

@@ -227,6 +227,7 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         ckpts, what = path, "checkpoint folder"
     if ckpts is not None:
         steps = _steps(ckpts)
+        assert what is not None  # set with ckpts
         if not steps:
             raise NotAnOutputError(f"{what} {str(path)!r} has no finished checkpoint under "
                                    f"{ckpts} to verify")
@@ -413,6 +414,7 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
     state = item.path.absolute() / _STATE  # orbax resolves relative paths elsewhere
     problems: list[Problem] = []
     sums = _read_meta_checksums(item.path, problems)
+    stored: dict[str, str] = sums or {}
     by_parts = {_keystr_parts(k): k for k in (sums or {})}
     is_arr = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")  # noqa: E731
     ckptr = ocp.PyTreeCheckpointer()
@@ -481,9 +483,9 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
         got = crc32_many({n: a for n, a in named.items() if sums and n in sums})
         checked += len(got)
         for n, a in named.items():
-            if n in got and got[n] != str(sums[n]).lower():
+            if n in got and got[n] != str(stored[n]).lower():
                 problems.append(Problem(n, f"tensor {n!r} fails its checksum (crc32 "
-                                           f"{got[n]}, stored {sums[n]})"))
+                                           f"{got[n]}, stored {stored[n]})"))
                 continue
             if sums and n not in sums:
                 problems.append(Problem(n, f"tensor {n!r} has no stored checksum although "

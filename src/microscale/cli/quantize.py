@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from microscale.cli.args import (
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
              "with --target gguf (it writes one GGUF file, OUT/model.gguf)"),
             (args.dynamic_act_scales and not args.w4a4, "--dynamic-act-scales",
              "without --w4a4 (only quantized layer inputs have scales)"))
-        make, layout = QuantizeConfig, args.layout or "compressed-tensors"
+        make: Callable[..., QuantizeConfig] = QuantizeConfig
+        layout = args.layout or "compressed-tensors"
         if args.target == "gguf":
             from microscale.export.gguf import gguf_format
 

@@ -188,7 +188,8 @@ def _tokenize_cached(docs: Documents, tok: Tokenizer, cache_dir, use_cache: bool
 def _file_hash(path: Path, cache_dir, use_cache: bool) -> str:
     """Content hash of one file, framed like text sources; memoized by (path, size, mtime)."""
     st = path.stat()
-    stamp = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    stamp: dict[str, Any] = {"path": str(path.resolve()), "size": st.st_size,
+                             "mtime_ns": st.st_mtime_ns}
     memo = (cache_root(cache_dir) / "hashes"
             / f"{hashlib.sha256(stamp['path'].encode()).hexdigest()[:24]}.json")
     if use_cache and memo.is_file():

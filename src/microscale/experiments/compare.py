@@ -139,6 +139,7 @@ def find_previous(base_dir: str | os.PathLike, settings_hash: str) -> Path | Non
 
 
 def _run_subprocess(cfg: TrainConfig, env_extra: dict[str, str]) -> subprocess.Popen:
+    assert cfg.out is not None  # every run of a comparison has its folder
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     yaml_path = run_dir / "compare_config.yaml"
@@ -184,9 +185,11 @@ def _run_serial(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
     ``OUT/timings.json``."""
     from tqdm.auto import tqdm
 
+    assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    todo = [j for j in jobs if not _completed(Path(j[2].out))]
+    todo = [j for j in jobs
+            if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
     bar = tqdm(total=sum(j[2].steps for j in todo), unit="step", disable=not progress,
                desc="compare", dynamic_ncols=True)
     for i, (name, seed, rcfg) in enumerate(todo):
@@ -216,9 +219,11 @@ def _run_parallel(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
     a progress bar over runs, recording each run's wall and CPU seconds (``os.wait4``)."""
     from tqdm.auto import tqdm
 
+    assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    pending = [j for j in jobs if not _completed(Path(j[2].out))]
+    pending = [j for j in jobs
+               if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
     free = _device_groups(cfg.parallel)
     bar = tqdm(total=len(pending), unit="run", disable=not progress, desc="compare",
                dynamic_ncols=True)

@@ -200,7 +200,7 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
             "heldout_losses": {k: stats.mean_ci(v)["mean"] for k, v in other.items()},
             "tokens": sums[0].get("tokens"),
             "tokens_per_s": stats.mean_ci([s.get("tokens_per_s") for s in sums])["mean"],
-            "status": sorted({s.get("status") for s in sums}),
+            "status": sorted({s.get("status") for s in sums}),  # type: ignore[type-var]
             "seeds": len(sums),
             "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
             "weight_bits_per_param": weight_bits_per_param(
@@ -400,7 +400,8 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(
+        color=plt.get_cmap("tab20").colors)  # type: ignore[attr-defined]
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, by_seed in curves.items():
         pts = next(iter(by_seed.values()), [])

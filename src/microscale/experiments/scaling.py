@@ -37,7 +37,7 @@ from microscale.files import atomic_write_text
 
 # size name -> model overrides of the tiny shape family (4 heads, 2 kv heads, byte vocab).
 # "0.05M" has 2 heads of 16 (NVFP4 and FP8 only: MX formats need dims in blocks of 32).
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "0.05M": {"d_model": 32, "d_ff": 96, "n_heads": 2, "n_kv_heads": 1, "dim_multiple": 16},
     "0.16M": {"d_model": 64, "d_ff": 128},
     "0.6M": {"d_model": 128, "d_ff": 256},

@@ -44,6 +44,7 @@ import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +108,8 @@ class GGUFHeader:
 
     def string(self, key: str) -> str | None:
         v = self.kv.get(key)
-        return v.value if v is not None and v.vtype == _STRING else None
+        value = v.value if v is not None and v.vtype == _STRING else None
+        return value if isinstance(value, str) else None  # None: absent, or not decoded
 
 
 def _gguf_types():
@@ -209,6 +211,7 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         for i in range(n_kv):
             begin = c.pos
             _, key = c.string(f"metadata entry {i} key")
+            assert key is not None  # decoded
             if key in kv:
                 raise c.fail(f"metadata key {key!r} appears twice", begin)
             vtype = c.u32(f"type of {key!r}")
@@ -228,6 +231,7 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         for i in range(n_tensors):
             start = c.pos
             _, name = c.string(f"tensor {i} name")
+            assert name is not None  # decoded
             n_dims = c.u32(f"tensor {name!r} dimension count")
             if not 1 <= n_dims <= _MAX_DIMS:
                 raise c.fail(f"tensor {name!r}: {n_dims} dimensions, expected 1 to "
@@ -251,10 +255,12 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
     align_v = kv.get("general.alignment")
     align = _DEFAULT_ALIGNMENT
     if align_v is not None:
-        if align_v.vtype != _UINT32 or not align_v.value or align_v.value & (align_v.value - 1):
+        stored = align_v.value
+        if align_v.vtype != _UINT32 or not isinstance(stored, int) or not stored or (
+                stored & (stored - 1)):
             raise GGUFFormatError(f"{path}: general.alignment must be a uint32 power of two; "
                                   "the header is damaged")
-        align = align_v.value
+        align = stored
     data_start = -(-header_end // align) * align
     tensors: list[GGUFTensorInfo] = []
     names: set[str] = set()
@@ -355,7 +361,7 @@ def check_gguf(path: str | os.PathLike, *,
             problems.append((None, f"the header (metadata and tensor table) fails its "
                                    f"checksum (crc32 {got_header}, stored {shown}): the "
                                    "header is damaged"))
-    sums: dict[str, str] = {}
+    sums: Any = {}
     text = header.string(CRC_TENSORS_KEY)
     if text is not None:
         try:

@@ -308,6 +308,7 @@ def row_blocks(q: QArray) -> QArray:
     if q.block_shape is None or q.block_shape[0] == 1:
         return q
     rows = q.block_shape[0]
+    assert q.scales is not None  # a block-scaled QArray has scales
     sc = jnp.repeat(q.scales, rows, axis=0)[: q.data.shape[0]]
     return QArray(q.data, sc, q.global_scale, q.spec, q.axis, q.shape, (1, q.block_shape[1]))
 

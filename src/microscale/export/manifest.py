@@ -85,6 +85,7 @@ def write_manifest(out_dir: str | os.PathLike, *, params: Mapping[str, Any],
             tensors[f"{p}.{key}"] = np.ascontiguousarray(raw)
             entry["tensors"][field] = {"name": f"{p}.{key}", "dtype": dtype}
         if activations and get_format(w.format).quantized:
+            assert input_amax is not None  # activations=True comes with input_amax
             tensors[f"{p}.input_amax"] = np.asarray([input_amax[p]], np.float32)
             entry["input_amax"] = input_amax[p]
         layers[p] = entry
@@ -111,7 +112,7 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str,
     qs = {}
     for p, e in manifest["layers"].items():
         spec = get_format(e["format"])
-        leaves = {}
+        leaves: dict[str, Any] = {}
         for field in ("data", "scales", "global_scale"):
             t = e["tensors"].get(field)
             if t is None:

@@ -24,6 +24,7 @@ Global scales come back in microscale's decode direction: compressed-tensors sto
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -97,7 +98,7 @@ class Checkpoint:
 def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> Transformer:
     """A ``Transformer(cfg)`` holding ``params`` (flat float dict), without a random init."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     dt = jnp.dtype(cfg.param_dtype)
     flat = []
     for path, var in nnx.to_flat_state(state):
@@ -169,7 +170,7 @@ def _scale(store: TensorStore, name: str, why: str, *, encode: bool) -> np.float
 
 
 def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
-                 static_input: bool, kn: tuple[int, int]) -> tuple[QArray, np.float32 | None]:
+                 static_input: bool, kn: tuple[int, ...]) -> tuple[QArray, np.float32 | None]:
     spec = lq.weight_spec
     k, n = kn
     why = f"{mod} is {lq} in the {layout} layout"
@@ -197,7 +198,7 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
     if spec.has_global_scale:
         gs = np.asarray(_scale(store, f"{mod}.{row.global_scale}", why,
                                encode=row.global_encode))
-    q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)
+    q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)  # type: ignore[arg-type]
     in_scale = None
     ispec = lq.input_spec
     if ispec is not None and static_input and ispec.has_tensor_scale:
@@ -208,7 +209,7 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
     return q, in_scale
 
 
-def read_checkpoint(path: str | Path, *, dequantize: bool = False,
+def read_checkpoint(path: str | os.PathLike, *, dequantize: bool = False,
                     param_dtype: str = "float32") -> Checkpoint:
     """Read an HF-style Llama folder (plain, compressed-tensors or ModelOpt).
 

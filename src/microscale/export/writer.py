@@ -129,6 +129,7 @@ def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
             else q.global_scale
         out[f"{module}.{row.global_scale}"] = _scalar(g, row.scalar)
     if input_scale is not None:
+        assert lq.input_spec is not None  # an input scale is a quantized input's
         if lq.input_spec.has_global_scale:
             s = L.exact_reciprocal(input_scale) if row.input_global_encode else input_scale
             out[f"{module}.{row.input_global_scale}"] = _scalar(s, row.scalar)

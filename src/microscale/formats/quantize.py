@@ -138,9 +138,9 @@ def _resolve_blocks(spec: FormatSpec, shape, axis: int, block_shape) -> tuple[in
         return None
     ndim = len(shape)
     if block_shape is None:
-        blocks = [1] * ndim
-        blocks[axis] = spec.block_size
-        return tuple(blocks)
+        ones = [1] * ndim
+        ones[axis] = spec.block_size
+        return tuple(ones)
     bs = tuple(int(b) for b in block_shape)
     if len(bs) > ndim or any(b < 1 for b in bs):
         raise ValueError(f"block_shape={block_shape!r} does not fit an array of shape "
@@ -248,6 +248,7 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
             raise ValueError(f"four_over_six needs E4M3 block scales; format {spec.name!r} "
                              f"has scale_kind={spec.scale_kind!r}")
         rule = scale_rounding or spec.scale_rounding
+        assert rule is not None  # an e8m0 format has its scale rounding
         byte = elements.e8m0_from_amax(bamax, spec.elem_max, spec.elem_emax, rule)
         y = elements.e8m0_divide(xb, byte)
         scales = elements.e8m0_to_float(byte)
@@ -409,6 +410,7 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
 def _requantize_scaled(x, q: QArray):
     """``x`` padded and divided by ``q``'s scales: (``y`` blockified float32, padded shape)."""
     blocks, spec = q.block_shape, q.spec
+    assert blocks is not None and q.scales is not None  # a block-scaled QArray
     pads = [(0, -d % b) for d, b in zip(x.shape, blocks, strict=True)]
     if any(p for _, p in pads):
         x = jnp.pad(x, pads)
@@ -479,6 +481,7 @@ def requantize(x, q: QArray) -> QArray:
 def block_scales_f32(q: QArray) -> jax.Array:
     """The block scales as float32 (E4M3 value, E8M0 power of two or float16), scale-array
     shape."""
+    assert q.scales is not None  # a scaled QArray
     if q.spec.scale_kind == "e8m0":
         return elements.e8m0_to_float(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
     return q.scales.astype(jnp.float32)
@@ -499,6 +502,7 @@ def _decode_blocks(q: QArray, codes: jax.Array, with_global_scale: bool) -> jax.
     """Unpacked codes (padded shape) -> float32 values in the original shape."""
     vals = elements.e2m1_decode(codes) if q.spec.packed else codes.astype(jnp.float32)
     sc = block_scales_f32(q)
+    assert q.block_shape is not None  # a block-scaled QArray
     vb = _blockify(vals, q.block_shape) * _block_view(sc, q.block_shape)
     return _scale_blocks(vb, q.global_scale if with_global_scale else None, vals.shape,
                          q.shape)
@@ -517,6 +521,7 @@ def _dequantize(q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool 
     if q.block_shape is None:
         vals = q.data.astype(jnp.float32)
         if with_global_scale:
+            assert q.scales is not None  # a per-tensor scaled QArray
             vals = vals * q.scales
         return vals.astype(dtype)
     return _decode_blocks(q, q.codes(), with_global_scale).astype(dtype)

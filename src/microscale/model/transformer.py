@@ -365,7 +365,7 @@ class Transformer(nnx.Module):
             positions = jnp.arange(t)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         x = constrain(self.embed(tokens), RESIDUAL)
-        run = _RUN[cfg.remat]
+        run = _RUN[str(cfg.remat)]  # a str once ModelConfig has normalized it
         if not cfg.scan_layers:
             for block in self.layers:
                 x = run(block, x, cos, sin, key)
@@ -373,7 +373,7 @@ class Transformer(nnx.Module):
         for seg in scan_segments(self.layers):
             blocks = [self.layers[i] for i in seg]
             x = (run(blocks[0], x, cos, sin, key) if len(blocks) == 1
-                 else _scan_blocks(blocks, x, cos, sin, key, cfg.remat))
+                 else _scan_blocks(blocks, x, cos, sin, key, str(cfg.remat)))
         return self.final_norm(x)
 
     def logits(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:

@@ -109,6 +109,7 @@ def native_operand(t, spec, *, axis: int = -1, key=None):
     codes = q.codes()
     elems = (e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes)
     scales = q.scales
+    assert scales is not None  # a block-scaled QArray has scales
     other = -2 if axis == -1 else -1
     if q.block_shape[other] > 1:  # a tile scale serves each of its rows
         scales = jnp.repeat(scales, q.block_shape[other], axis=other)

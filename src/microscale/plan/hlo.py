@@ -99,7 +99,7 @@ class HloModule:
                     self.entry = current
                 continue
             m = _INSTR.match(line) if current else None
-            if m:
+            if m and current:
                 shape, tail = _split_shape(m.group(2))
                 op = tail.split("(", 1)[0].strip()
                 self.computations[current].append((m.group(1), shape, op, tail))
@@ -110,6 +110,7 @@ class HloModule:
 
     def _multiplicity(self, order: list[str]) -> dict[str, float]:
         mult: dict[str, float] = defaultdict(float)
+        assert self.entry is not None  # __init__ raised otherwise
         mult[self.entry] = 1.0
         # Callees are printed before their callers: walk callers first.
         for name in reversed(order):

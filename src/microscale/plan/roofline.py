@@ -152,6 +152,7 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
     terms = dict.fromkeys(TERMS, 0.0)
     missing: set[int] = set()
     bf16 = acc.peak(16)
+    assert bf16 is not None  # every accelerator has a 16-bit peak
     for lin in linears:
         r = get_recipe(rules.resolve(lin.path) or "bf16")
         for gemm, (sa, sb) in r.gemms().items():
@@ -205,7 +206,7 @@ def roofline(cfg, mesh: dict[str, int], acc: Accelerator,
     fused = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears, fused=True)
              for r in recipes}
     target = recipes[-1]
-    ratios = {}
+    ratios: dict[str, dict[str, float] | None] = {}
     for base in recipes[:-1]:
         a, b = rows[base], rows[target]
         if not (a["supported"] and b["supported"]):
@@ -218,7 +219,8 @@ def roofline(cfg, mesh: dict[str, int], acc: Accelerator,
             "step_without_quantize": ((a["total"] - a["terms"]["quantize"])
                                       / (b["total"] - b["terms"]["quantize"])),
         }
-    out = {"accelerator": acc.name, "recipes": rows, "fused": fused, "target": target,
+    out: dict[str, Any] = {"accelerator": acc.name, "recipes": rows, "fused": fused,
+                           "target": target,
            "speedup": ratios}
     if comm_bytes is not None:
         out["comm_s"] = comm_bytes / acc.link_bw

@@ -119,6 +119,7 @@ def gptq_quantize(w_t, hessian, fmt: str | FormatSpec, *, amax=None,
     template = quantize(w, spec, axis=-1, amax=a if spec.has_tensor_scale else None,
                         four_over_six=bool(four_over_six))
     if spec.block_size is not None:
+        assert template.scales is not None  # a block-scaled QArray
         n_blocks = template.scales.shape[-1]
         stored = jax.lax.bitcast_convert_type(scales[:, :n_blocks], template.scales.dtype)
         template = QArray(template.data, stored, template.global_scale, template.spec,

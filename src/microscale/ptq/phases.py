@@ -63,7 +63,7 @@ class Phases:
 
     @contextlib.contextmanager
     def phase(self, name: str, total: int | None = None, unit: str = "batch"
-              ) -> Iterator[Callable[[int], None]]:
+              ) -> Iterator[Callable[..., None]]:
         """Time ``name``; yields ``tick(n=1)`` that advances its progress by ``n``."""
         if not _reset_peak():
             self.peak_rss_scope = "process"

@@ -406,7 +406,7 @@ class _Weights:
         # an unquantized format ignores the PTQ options: one entry serves them all
         key = (fmt, ptq if get_format(fmt).quantized else None)
         if key not in self._cache:
-            out = {}
+            out: dict[str, QuantizedWeight] = {}
             by_path = self._hessians(fmt, ptq)
             for mem in self.members.values():
                 hs = None if by_path is None else [by_path[p] for p in mem]

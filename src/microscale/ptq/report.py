@@ -56,6 +56,7 @@ __all__ = ["check_quantize_out", "plot_pareto", "plot_sensitivity", "read_own_ch
 def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> dict[str, Any]:
     """``result``'s weights in microscale's own layout
     (:func:`microscale.export.manifest.write_manifest`); returns a description."""
+    assert result.engine is not None  # a result of quantize_model holds its engine
     return write_manifest(out_dir, params=flat_params(result.engine.params),
                           weights={p: result.weights[p] for p in result.paths},
                           activations=result.config.activations, input_amax=result.act_amax,
@@ -68,6 +69,7 @@ read_own_checkpoint = read_manifest  # the layout's reader, under the name PTQ g
 def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: Layout):
     """``result``'s quantized weights written by ``layout``'s row (byte for byte where the
     layout stores their formats natively); returns the report's ``checkpoint`` entry."""
+    assert result.engine is not None  # a result of quantize_model holds its engine
     flat = flat_params(result.engine.params)
     for p in result.paths:
         w = result.weights[p]
@@ -227,9 +229,9 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
               "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|"]
     for p, f in report["layers"].items():
         sc = report["scores"].get(p, {})
-        cells = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
+        scores = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
         lines.append(f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
-                     f"{cells} | {report['act_amax'].get(p, float('nan')):.3g} |")
+                     f"{scores} | {report['act_amax'].get(p, float('nan')):.3g} |")
     cal = report["calibration"]
     lines += ["", f"Calibration: {cal.get('tokens')} tokens in {cal.get('batches')} batches "
               f"from the {cal.get('split', '?')} split (seed {report['seed']}). Timings: "

@@ -91,5 +91,6 @@ def intercept_linears(model: Any, hook: Hook, paths: set[str] | None = None) -> 
 def without_remat(model: Any) -> None:
     """Turn off microscale's per-block remat on ``model`` (in place; a model you own)."""
     cfg = getattr(model, "config", None)
-    if dataclasses.is_dataclass(cfg) and getattr(cfg, "remat", False):
+    if (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
+            and getattr(cfg, "remat", False)):
         model.config = dataclasses.replace(cfg, remat=False)

@@ -228,9 +228,9 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
         for c in ptq.scale_grid:
             if c == 1.0:
                 continue
-            e = errors(c, four6)
-            if sum(e) < sum(best):
-                best_c, best = c, e
+            errs = errors(c, four6)
+            if sum(errs) < sum(best):
+                best_c, best = c, errs
     amax = base * jnp.float32(best_c)
     out = []
     for i, (t, e, e0, n) in enumerate(zip(wts, best, rtn, norms, strict=True)):
@@ -243,7 +243,8 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
         frac = 0.0
         if four6 and not gptq:
             rtn_scales = quantize(t, spec, axis=-1, amax=amax).scales
-            frac = float(jnp.mean((q.scales != rtn_scales).astype(jnp.float32)))
+            frac = float(jnp.mean(
+                (q.scales != rtn_scales).astype(jnp.float32)))  # type: ignore[union-attr]
         out.append(QuantizedWeight(format=spec.name, qarray=q,
                                    amax=float(amax) if tensor else None,
                                    scale_multiplier=best_c, rel_mse=e / n, rel_mse_rtn=e0 / n,

@@ -100,7 +100,9 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
     numel = dict(engine.numel)
     positional = PrecisionRules.for_recipe(cfg.recipe, cfg.model.n_layers,
                                            bf16_first=cfg.bf16_first, bf16_last=cfg.bf16_last)
-    pos_layers = [p for p in paths if not get_recipe(positional.resolve(p)).quantized]
+    # for_recipe's rules have a default, so resolve() never returns None here.
+    pos_layers = [p for p in paths
+                  if not get_recipe(positional.resolve(p)).quantized]  # type: ignore[arg-type]
     frac = a.bf16_flops
     if frac is None:
         frac = _fraction(paths, numel, set(pos_layers).__contains__)

@@ -183,20 +183,21 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                         model=model, note=f"master weights of step {got} of {run}, the run "
                                           f"{path} quantized")
         packed = quantize_output_model(path)
-        flat, model = _from_packed(packed)
+        flat, packed_model = _from_packed(packed)
         return flat, InitSource(
-            path=str(source), kind="quantize", step=None, weights="dequantized", model=model,
+            path=str(source), kind="quantize", step=None, weights="dequantized",
+            model=packed_model,
             note=f"dequantized weights of {packed} ({why}): training starts "
                  "from the quantized model, not from its master weights")
     if isinstance(kind, Layout) and kind.hf_folder:
         ck = read_checkpoint(path, dequantize=True)
-        packed = kind.quantized
+        is_packed = kind.quantized
         return ({k: np.asarray(v) for k, v in ck.params.items()},
                 InitSource(path=str(source), kind="hf", step=None,
-                           weights="dequantized" if packed else "master", model=ck.config,
+                           weights="dequantized" if is_packed else "master", model=ck.config,
                            note=f"{ck.layout} weights of {path}"
                                 + (" (dequantized: the folder holds packed weights)"
-                                   if packed else "")))
+                                   if is_packed else "")))
     raise _not_a_model_folder(path, what="init_from=")
 
 
@@ -242,8 +243,8 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
         path = packed if _is_hf_folder(packed) else Path(run or path)
     if not path.is_dir():
         return None
-    tok = path / "tokenizer.json"
-    tok = tok if tok.is_file() else None
+    tok_file = path / "tokenizer.json"
+    tok = tok_file if tok_file.is_file() else None
     if detect(path) is RUN:
         return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
     if _is_hf_folder(path):

@@ -155,7 +155,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, see
                    "lr": lr, "finite": finite}
         return params, opt_state, metrics
 
-    in_sh = out_sh = None
+    in_sh: tuple | None = None
+    out_sh: tuple | None = None
     if param_shardings is not None:
         in_sh = (param_shardings, opt_shardings, None, batch_sharding, None)
         if inject:
