@@ -240,7 +240,12 @@ def _exact_int(f: float, key: str, text: str | None = None) -> int:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit."""
+    """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit.
+
+    Long: one dispatch over every annotation form a config field may take (None, Union,
+    Literal, tuple, list, dict, dataclass, enum-like scalars), each branch a few lines that
+    share ``value``, ``key`` and the recursion.
+    """
     if tp is Any:
         return value
     if tp is type(None):

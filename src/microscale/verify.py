@@ -403,6 +403,46 @@ def _read_meta_checksums(step_dir: Path, problems: list[Problem]) -> dict[str, s
     return sums
 
 
+def _nbytes(m) -> int:
+    """Bytes of an array (or its metadata: ``shape`` and ``dtype``)."""
+    return int(np.prod(m.shape, dtype=np.int64)) * np.dtype(m.dtype).itemsize
+
+
+def _batches(leaves: list) -> list[list]:
+    """``(path, metadata)`` leaves in restore batches of at most ``_BATCH_BYTES`` (a larger
+    array alone)."""
+    batches: list[list] = [[]]
+    size = 0
+    for leaf in leaves:
+        if batches[-1] and size + _nbytes(leaf[1]) > _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(leaf)
+        size += _nbytes(leaf[1])
+    return batches
+
+
+def _check_arrays(named: dict[str, np.ndarray], sums: dict[str, str] | None, where: Path,
+                  problems: list[Problem]) -> int:
+    """Check restored arrays against the stored checksums (``sums``; None: none stored)
+    and for non-finite values, appending to ``problems``; returns how many were hashed."""
+    stored: dict[str, str] = sums or {}
+    got = crc32_many({n: a for n, a in named.items() if sums and n in sums})
+    for n, a in named.items():
+        if n in got and got[n] != str(stored[n]).lower():
+            problems.append(Problem(n, f"tensor {n!r} fails its checksum (crc32 "
+                                       f"{got[n]}, stored {stored[n]})"))
+            continue
+        if sums and n not in sums:
+            problems.append(Problem(n, f"tensor {n!r} has no stored checksum although "
+                                       "the step stores them; the metadata is damaged"))
+        try:
+            check_finite([(n, a)], where=str(where))
+        except CorruptDataError as e:
+            problems.append(Problem(n, _strip(str(e), where)))
+    return len(got)
+
+
 def _check_step(item: _Item, step: _Progress) -> FileReport:
     """One orbax step folder of ``train/checkpoint.py`` (see the module doc): arrays are
     restored into numpy a batch at a time (a failed batch again one array at a time, to
@@ -414,7 +454,6 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
     state = item.path.absolute() / _STATE  # orbax resolves relative paths elsewhere
     problems: list[Problem] = []
     sums = _read_meta_checksums(item.path, problems)
-    stored: dict[str, str] = sums or {}
     by_parts = {_keystr_parts(k): k for k in (sums or {})}
     is_arr = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")  # noqa: E731
     ckptr = ocp.PyTreeCheckpointer()
@@ -449,17 +488,7 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
         return {p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
                 if p in chosen}
 
-    def nbytes(m) -> int:
-        return int(np.prod(m.shape, dtype=np.int64)) * np.dtype(m.dtype).itemsize
-
-    batches: list[list] = [[]]
-    size = 0
-    for leaf in leaves:
-        if batches[-1] and size + nbytes(leaf[1]) > _BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(leaf)
-        size += nbytes(leaf[1])
+    batches = _batches(leaves)
     seen: set[tuple[str, ...]] = set()
     checked = 0
     for batch in batches:
@@ -480,21 +509,8 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
         named = {name_of(p): a for p, a in arrays.items()}
         seen.update(tree_path_parts(p) for p in arrays)
         del arrays
-        got = crc32_many({n: a for n, a in named.items() if sums and n in sums})
-        checked += len(got)
-        for n, a in named.items():
-            if n in got and got[n] != str(stored[n]).lower():
-                problems.append(Problem(n, f"tensor {n!r} fails its checksum (crc32 "
-                                           f"{got[n]}, stored {stored[n]})"))
-                continue
-            if sums and n not in sums:
-                problems.append(Problem(n, f"tensor {n!r} has no stored checksum although "
-                                           "the step stores them; the metadata is damaged"))
-            try:
-                check_finite([(n, a)], where=str(item.path))
-            except CorruptDataError as e:
-                problems.append(Problem(n, _strip(str(e), item.path)))
-        step(sum(nbytes(m) for _, m in batch))
+        checked += _check_arrays(named, sums, item.path, problems)
+        step(sum(_nbytes(m) for _, m in batch))
         del named
     for parts, n in sorted(by_parts.items(), key=lambda kv: kv[1]):
         if parts not in seen:

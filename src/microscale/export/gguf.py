@@ -445,6 +445,9 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
                overwrite: bool = False) -> GGUFResult:
     """Write ``model`` as a llama.cpp GGUF file (see the module doc).
 
+    Long: its split (config, vocab, tensors, file) waits for issue #23's quantized
+    embedding, which edits this function in parallel.
+
     Args:
       model: a ``Transformer``, its params (kernels may be pre-quantized QArrays, e.g. from
         PTQ: stored byte for byte when their format is native to ggml), or a

@@ -191,6 +191,46 @@ def _map(path: str | os.PathLike) -> tuple[np.ndarray, GGUFHeader]:
     return buf, _parse(buf, path, size)
 
 
+def _place_tensors(path: Path, size: int, kv: dict[str, GGUFValue], infos: list,
+                   header_end: int) -> tuple[int, list[GGUFTensorInfo]]:
+    """``(data start, tensors)``: the tensor table's ``(name, type, type name, shape,
+    offset, bytes)`` rows placed after the header at ``general.alignment``, each checked to
+    be unique, aligned, inside the file and not overlapping another."""
+    align_v = kv.get("general.alignment")
+    align = _DEFAULT_ALIGNMENT
+    if align_v is not None:
+        stored = align_v.value
+        if align_v.vtype != _UINT32 or not isinstance(stored, int) or not stored or (
+                stored & (stored - 1)):
+            raise GGUFFormatError(f"{path}: general.alignment must be a uint32 power of two; "
+                                  "the header is damaged")
+        align = stored
+    data_start = -(-header_end // align) * align
+    tensors: list[GGUFTensorInfo] = []
+    names: set[str] = set()
+    for name, t, tname, shape, offset, nbytes in infos:
+        where = f"{path}: tensor {name!r}"
+        if name in names:
+            raise GGUFFormatError(f"{where} appears twice in the tensor table; the header is "
+                                  "damaged")
+        names.add(name)
+        if offset % align:
+            raise GGUFFormatError(f"{where}: offset {offset} is not a multiple of the "
+                                  f"alignment {align}; the header is damaged")
+        begin = data_start + offset
+        if begin + nbytes > size:
+            raise GGUFFormatError(f"{where}: its {nbytes} bytes at byte {begin} run past the "
+                                  f"end of the file ({size} bytes): truncated, or the header "
+                                  "is damaged")
+        tensors.append(GGUFTensorInfo(name, t, tname, shape, begin, begin + nbytes))
+    spans = sorted((x.begin, x.end, x.name) for x in tensors if x.end > x.begin)
+    for (_, e0, a), (b1, _, b) in zip(spans, spans[1:], strict=False):
+        if b1 < e0:
+            raise GGUFFormatError(f"{path}: tensors {a!r} and {b!r} overlap in the file; the "
+                                  "header is damaged")
+    return data_start, tensors
+
+
 def _parse(buf, path: Path, size: int) -> GGUFHeader:
     qtypes, qsizes = _gguf_types()
     c = _Cursor(buf, path)
@@ -252,38 +292,7 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         header_end = c.pos
     except struct.error as e:  # pragma: no cover - take() bounds every read
         raise c.fail(str(e)) from None
-    align_v = kv.get("general.alignment")
-    align = _DEFAULT_ALIGNMENT
-    if align_v is not None:
-        stored = align_v.value
-        if align_v.vtype != _UINT32 or not isinstance(stored, int) or not stored or (
-                stored & (stored - 1)):
-            raise GGUFFormatError(f"{path}: general.alignment must be a uint32 power of two; "
-                                  "the header is damaged")
-        align = stored
-    data_start = -(-header_end // align) * align
-    tensors: list[GGUFTensorInfo] = []
-    names: set[str] = set()
-    for name, t, tname, shape, offset, nbytes in infos:
-        where = f"{path}: tensor {name!r}"
-        if name in names:
-            raise GGUFFormatError(f"{where} appears twice in the tensor table; the header is "
-                                  "damaged")
-        names.add(name)
-        if offset % align:
-            raise GGUFFormatError(f"{where}: offset {offset} is not a multiple of the "
-                                  f"alignment {align}; the header is damaged")
-        begin = data_start + offset
-        if begin + nbytes > size:
-            raise GGUFFormatError(f"{where}: its {nbytes} bytes at byte {begin} run past the "
-                                  f"end of the file ({size} bytes): truncated, or the header "
-                                  "is damaged")
-        tensors.append(GGUFTensorInfo(name, t, tname, shape, begin, begin + nbytes))
-    spans = sorted((x.begin, x.end, x.name) for x in tensors if x.end > x.begin)
-    for (_, e0, a), (b1, _, b) in zip(spans, spans[1:], strict=False):
-        if b1 < e0:
-            raise GGUFFormatError(f"{path}: tensors {a!r} and {b!r} overlap in the file; the "
-                                  "header is damaged")
+    data_start, tensors = _place_tensors(path, size, kv, infos, header_end)
     return GGUFHeader(path=path, version=version, size=size, kv=kv, tensors=tensors,
                       header_end=header_end, data_start=data_start)
 

@@ -186,6 +186,10 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
             four_over_six=False, scale_order="te"):
     """Shared core of quantize / quantize_dequantize (blocks is not None).
 
+    Long: the scale computation of every scale kind (E4M3 in Transformer Engine's or
+    JAX's order and with four-over-six, E8M0, float16) in the operation order that makes
+    it bit-identical to Transformer Engine; split, that order would span functions.
+
     Returns ``y`` (the input divided by its block scales, blockified float32, still to
     be rounded to the element format), the uniforms for stochastic rounding (or None),
     the block scales as float32 (blockified, broadcastable against ``y``), the same

@@ -437,6 +437,9 @@ def quantize_model(model: Any, calib_batches, eval_batches,
                    log: Callable[[str], None] | None = None) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
 
+    Long: the run's phases in order over shared state; its split into one function per
+    phase waits for issue #23's changes to this function, made in parallel.
+
     Args:
       model: an NNX model with linear layers (left untouched: a private copy is used).
       calib_batches: int token batches ``[n, rows, seq + 1]`` (held out; calibration).

@@ -161,6 +161,39 @@ def _bits(d: Mapping[str, Any], key: str) -> str:
     return f"{d[key]:.3f}" if key in d else "-"
 
 
+def _ptq_effect_lines(report: Mapping[str, Any]) -> list[str]:
+    """``report.md``'s sections on the PTQ choices and the quantized inputs (none when the
+    report measured neither)."""
+    lines: list[str] = []
+    eff = report.get("ptq_effects") or {}
+    if eff.get("weights"):
+        lines += ["", "## PTQ choices (val ppl)", "",
+                  "Every allocation above uses the run's choice "
+                  f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
+                  "choice on its own.", "",
+                  "| allocation | rtn | mse_scale | four_over_six | both | gptq | best |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for label, row in eff["weights"].items():
+            cells = [_fmt(row.get(k)) if k in row else "n/a"
+                     for k in ("rtn", "mse_scale", "four_over_six", "both", "gptq")]
+            best = min(row, key=row.get) if row else "-"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {best} |")
+        used = _ptq_name(report.get("ptq") or {})
+        worse = [lab for lab, row in eff["weights"].items()
+                 if used in row and row[used] > row.get("rtn", row[used])]
+        if worse:
+            lines += ["", f"**Note**: the run's PTQ choice ({used}) measured WORSE than "
+                      f"round-to-nearest on {', '.join(worse)}."]
+    if eff.get("activations"):
+        lines += ["", "## Quantized inputs (W4A4 / W8A8, val ppl)", "",
+                  "| allocation | weight-only | dynamic input amax | static calibrated amax |",
+                  "|---|---:|---:|---:|"]
+        for label, row in eff["activations"].items():
+            lines.append(f"| {label} | {_fmt(row['weight_only'])} | {_fmt(row['dynamic'])} | "
+                         f"{_fmt(row['static'])} |")
+    return lines
+
+
 def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``report.md``: summary, points, PTQ effects and the per-layer table."""
     pts = report["points"]
@@ -196,32 +229,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
                          f"{_fmt(c['t'], 1)} |")
         lines += ["", "|t| < 2: the difference is within the evaluation noise of "
                   f"{next(iter(comp.values()))['batches']} batches."]
-    eff = report.get("ptq_effects") or {}
-    if eff.get("weights"):
-        lines += ["", "## PTQ choices (val ppl)", "",
-                  "Every allocation above uses the run's choice "
-                  f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
-                  "choice on its own.", "",
-                  "| allocation | rtn | mse_scale | four_over_six | both | gptq | best |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
-        for label, row in eff["weights"].items():
-            cells = [_fmt(row.get(k)) if k in row else "n/a"
-                     for k in ("rtn", "mse_scale", "four_over_six", "both", "gptq")]
-            best = min(row, key=row.get) if row else "-"
-            lines.append(f"| {label} | " + " | ".join(cells) + f" | {best} |")
-        used = _ptq_name(report.get("ptq") or {})
-        worse = [lab for lab, row in eff["weights"].items()
-                 if used in row and row[used] > row.get("rtn", row[used])]
-        if worse:
-            lines += ["", f"**Note**: the run's PTQ choice ({used}) measured WORSE than "
-                      f"round-to-nearest on {', '.join(worse)}."]
-    if eff.get("activations"):
-        lines += ["", "## Quantized inputs (W4A4 / W8A8, val ppl)", "",
-                  "| allocation | weight-only | dynamic input amax | static calibrated amax |",
-                  "|---|---:|---:|---:|"]
-        for label, row in eff["activations"].items():
-            lines.append(f"| {label} | {_fmt(row['weight_only'])} | {_fmt(row['dynamic'])} | "
-                         f"{_fmt(row['static'])} |")
+    lines += _ptq_effect_lines(report)
     fmts = report["formats"]
     lines += ["", "## Layers", "",
               "| layer | group | elements | chosen | " + " | ".join(
