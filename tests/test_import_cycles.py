@@ -2,11 +2,11 @@
 
 The whole package is walked: every ``import microscale...`` / ``from microscale... import``,
 at module level or inside a function (``if TYPE_CHECKING:`` blocks excepted: they never
-run). Three rules:
+run). Four rules:
 
 1. **Layers.** Each subpackage (and top-level module) has a layer (`LAYERS`, low to high:
-   formats -> ops -> model -> train/ptq/export -> experiments/plan/inference -> cli); an
-   import may only reach the same layer or a lower one.
+   formats -> ops -> model -> train/ptq/export -> experiments/plan/inference/workflows ->
+   cli); an import may only reach the same layer or a lower one.
 2. **No cycle between subpackages**, counting function-level imports: importing any module
    of a subpackage runs that subpackage's ``__init__``, so a cycle of subpackages is a
    cycle of modules.
@@ -14,11 +14,10 @@ run). Three rules:
    the graph acyclic, an import inside a function can be moved to the top without creating
    a cycle, so none is there to dodge one; those left are lazy loads (e.g. the CLI's, to
    start fast).
-
-A fourth, said directly: **no import inside a function dodges a cycle**. For each
-function-level import ``a -> b``, nothing that ``b`` imports (at any depth, counting that
-importing ``pkg.mod`` runs ``pkg``'s ``__init__``) reaches ``a``: the import could be
-moved to the top of ``a`` without creating a cycle.
+4. **No import inside a function dodges a cycle**, said directly: for each function-level
+   import ``a -> b``, nothing that ``b`` imports (at any depth, counting that importing
+   ``pkg.mod`` from outside ``pkg`` runs ``pkg``'s ``__init__``) reaches ``a``, so the
+   import could move to the top of ``a`` without creating a cycle.
 """
 
 from __future__ import annotations
