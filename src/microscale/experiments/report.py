@@ -25,6 +25,7 @@ from microscale.config import to_dict
 from microscale.experiments import stats
 from microscale.experiments.runs import ABLATIONS, CONTROLS
 from microscale.files import atomic_write_text, save_figure
+from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 
 if TYPE_CHECKING:
     from microscale.experiments.compare import CompareConfig
@@ -237,6 +238,7 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
         "target_half_width": TARGET_HALF_WIDTH,
         "timings": _timings(out),
         "machine": _machine(),
+        "numerics": numerics_fingerprint("compare"),
     }
     summary = {"runs": runs, "comparisons": comparisons, "setup": setup}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -306,6 +308,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"- machine: {m['platform']} ({m['device']}), {m['devices']} device(s), "
         f"{m['cpu_count']} CPU cores, jax {m['jax']}; NVFP4 GEMM backend: "
         f"{m['backend_nvfp4']}",
+        fingerprint_line(setup.get("numerics")),
         "", "## Reading", "", *reading(summary), ""]
     return "\n".join(lines)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from microscale.files import atomic_write_json, atomic_write_text, check_output_dir
+from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.plan.hardware import Accelerator, get_accelerator
 
 __all__ = ["check_config", "largest_microbatch", "plan", "shape_memory"]
@@ -236,6 +237,7 @@ def plan(cfg, *, accelerator: str | Accelerator = "b200", devices: int | None = 
     recipes = tuple(r for r in baselines if r != target) + (target,)
     res["roofline"] = roofline(cfg, mesh, acc, recipes, comm_bytes=comm, model=model)
     res["plan_s"] = time.perf_counter() - t0
+    res["numerics"] = numerics_fingerprint("plan")
     res["markdown"] = report_markdown(res)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -309,6 +311,7 @@ def report_markdown(res: dict[str, Any]) -> str:
     lines += ["", f"Dimensions the mesh could not shard (replicated): {len(rep)}"]
     lines += [f"- {r}" for r in rep[:20]] + (["- ..."] if len(rep) > 20 else [])
     lines += _roofline_md(res["roofline"], acc)
+    lines += ["", fingerprint_line(res.get("numerics"))]
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,7 @@ from microscale.files import (
     lock_folder,
     save_figure,
 )
+from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
 from microscale.ptq.pipeline import QuantizeResult
 
@@ -132,6 +133,7 @@ def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer
     checkpoint["path"] = str(shown / Path(checkpoint["path"]).name)
     report = result.report()
     report["checkpoint"] = checkpoint
+    report["numerics"] = numerics_fingerprint("quantize")
     atomic_write_json(out / "report.json", report)
     write_markdown(report, out / "report.md")
     plot_pareto(report, out / "pareto.png")
@@ -250,6 +252,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     ck = report.get("checkpoint")
     if ck:
         lines.append(f"Checkpoint: `{ck['path']}` ({ck['layout']}).")
+    lines += ["", fingerprint_line(report.get("numerics"))]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
