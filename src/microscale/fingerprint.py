@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent
 # command -> the module whose import closure determines that command's numbers
 ENTRY_MODULES: dict[str, str] = {
     "compare": "microscale.experiments.compare",
-    "quantize": "microscale.ptq.run",
+    "quantize": "microscale.workflows.quantize",
     "plan": "microscale.plan.run",
 }
 
