@@ -310,6 +310,17 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
     assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
                  str(tmp_path / "m2.gguf"), "--activations"]) == 2
     assert "weights only" in capsys.readouterr().err
+    # --embed-format: the same layers, token_embd in Q8_0; refused for other layouts
+    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
+                 str(tmp_path / "m3.gguf"), "--embed-format", "q8_0"]) == 0
+    t3 = {t.name: t for t in GGUFReader(tmp_path / "m3.gguf").tensors}
+    assert t3["token_embd.weight"].tensor_type.name == "Q8_0"
+    assert t3["blk.0.attn_v.weight"].tensor_type.name == "NVFP4"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "ct2"),
+                 "--embed-format", "q8_0"]) == 2
+    assert "embed_format='q8_0' has no effect with layout='compressed-tensors'" in \
+        capsys.readouterr().err
 
 
 def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.ndarray:
