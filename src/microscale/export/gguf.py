@@ -88,8 +88,9 @@ from microscale.formats import (
 from microscale.integrity import crc32_many
 from microscale.model import ModelConfig, linear_paths
 
-__all__ = ["EMBED_FORMATS", "GGUF_FORMATS", "GGUFResult", "gguf_embed_format", "GGUFVocab", "gguf_format", "gguf_layer_formats",
-           "gguf_tensor", "gguf_vocab", "tensor_name", "write_gguf"]
+__all__ = ["EMBED_FORMATS", "GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_embed_format",
+           "gguf_format", "gguf_layer_formats", "gguf_tensor", "gguf_vocab", "tensor_name",
+           "write_gguf"]
 
 # microscale formats ggml runs natively -> GGMLQuantizationType member name.
 GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
@@ -97,8 +98,8 @@ _FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # Stored formats of the token embedding (and of an untied LM head): unquantized (``dtype``)
 # or a ggml type that needs no tensor scale, so llama.cpp's get_rows (the embedding lookup)
 # and the tied LM head matmul both decode it. NVFP4 is not one of them: its FP32 tensor
-# scale lives in a separate ``.scale`` tensor that llama.cpp applies to linear layers'
-# outputs only.
+# scale lives in a separate ``.scale`` tensor that llama.cpp's Llama graph applies to linear
+# layers' outputs, not to the embedding lookup.
 EMBED_FORMATS = ("bf16", "q8_0", "mxfp4")
 # Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
 _LINEAR_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
@@ -487,8 +488,8 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         ``tokenizer_config.json`` beside it (:func:`gguf_vocab`).
       dtype: unquantized tensors: "bfloat16" (default), "float16" or "float32".
       embed_format: the token embedding (the tied LM head) and an untied LM head: "bf16"
-        (default: stored as ``dtype``), "q8_0" or "mxfp4" (8-bit formats become q8_0), a
-        quarter or an eighth of the bytes a decode step reads for the LM head in BF16.
+        (default: stored as ``dtype``), "q8_0" or "mxfp4" (8-bit formats become q8_0):
+        about a half or a quarter of the BF16 bytes a decode step reads for the LM head.
       name: ``general.name`` (default: the file's stem).
       overwrite: replace an existing file.
     """
