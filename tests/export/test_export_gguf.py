@@ -188,6 +188,47 @@ def test_untied_lm_head_is_written(tmp_path):
                    np.float32).T)
 
 
+@pytest.mark.parametrize("fmt, stored, ggml", [("bf16", "bf16", "BF16"),
+                                               ("q8_0", "q8_0", "Q8_0"),
+                                               ("mxfp4", "mxfp4", "MXFP4"),
+                                               ("fp8_e4m3", "q8_0", "Q8_0")])
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_embedding_and_lm_head(tmp_path, fmt, stored, ggml, tied):
+    """embed_format: token_embd (and an untied output.weight) stored in ggml's type, decoded
+    by the gguf package to microscale's own quantization of the float weights (one block
+    row per token), and a smaller file than the BF16 embedding gives."""
+    params = flat_params(make_model(TINY.replace(tie_embeddings=tied)))
+    cfg = TINY.replace(tie_embeddings=tied)
+    path, base = tmp_path / "m.gguf", tmp_path / "base.gguf"
+    res = write_gguf(params, path, config=cfg, layer_formats="q8_0",
+                     tokenizer=ByteTokenizer(), embed_format=fmt)
+    assert res.embedding == stored and res.describe()["embedding"] == stored
+    names = {t.name: t for t in GGUFReader(path).tensors}
+    heads = {"token_embd.weight": params["embed.embedding"]}
+    if not tied:
+        heads["output.weight"] = jnp.asarray(params["lm_head.kernel"]).T
+    for name, w in heads.items():
+        t = names[name]
+        assert t.tensor_type == gguf.GGMLQuantizationType[ggml], name
+        want = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32) if stored == "bf16" \
+            else np.asarray(dequantize(quantize(jnp.asarray(w, jnp.float32), stored, axis=1)))
+        got = quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
+        np.testing.assert_array_equal(got, want)
+        assert name.replace(".weight", ".scale") not in names
+    if stored != "bf16":
+        write_gguf(params, base, config=cfg, layer_formats="q8_0", tokenizer=ByteTokenizer())
+        assert path.stat().st_size < base.stat().st_size
+
+
+@pytest.mark.parametrize("fmt, match", [("nvfp4", r"embed_format='nvfp4'.*tensor scale"),
+                                        ("int3", "int3")])
+def test_refuses_embedding_formats_llama_cpp_cannot_look_up(tmp_path, tiny_model, fmt, match):
+    path = tmp_path / "m.gguf"
+    with pytest.raises(ValueError, match=match):
+        write_gguf(tiny_model, path, tokenizer=ByteTokenizer(), embed_format=fmt)
+    assert not path.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt, ok", [("nvfp4", False), ("mxfp4", True), ("q8_0", True)])
 def test_refuses_rows_ggml_cannot_hold(tmp_path, fmt, ok):
@@ -212,6 +253,13 @@ def test_refuses_non_finite_weights(tmp_path, fmt):
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_up.*non-finite"):
         write_gguf(params, path, config=TINY, layer_formats=fmt, tokenizer=ByteTokenizer())
     assert not path.exists()
+
+
+def test_llama_quantize_refuses_an_unknown_preset(tmp_path):
+    from microscale.export.llamacpp import llama_quantize
+
+    with pytest.raises(ValueError, match=r"ftype='q4_k_x'.*q4_k_m"):
+        llama_quantize(tmp_path / "a.gguf", tmp_path / "b.gguf", "q4_k_x")
 
 
 def test_bad_arguments(tmp_path, tiny_model):
@@ -262,6 +310,17 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
     assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
                  str(tmp_path / "m2.gguf"), "--activations"]) == 2
     assert "weights only" in capsys.readouterr().err
+    # --embed-format: the same layers, token_embd in Q8_0; refused for other layouts
+    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
+                 str(tmp_path / "m3.gguf"), "--embed-format", "q8_0"]) == 0
+    t3 = {t.name: t for t in GGUFReader(tmp_path / "m3.gguf").tensors}
+    assert t3["token_embd.weight"].tensor_type.name == "Q8_0"
+    assert t3["blk.0.attn_v.weight"].tensor_type.name == "NVFP4"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "ct2"),
+                 "--embed-format", "q8_0"]) == 2
+    assert "embed_format='q8_0' has no effect with layout='compressed-tensors'" in \
+        capsys.readouterr().err
 
 
 def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.ndarray:

@@ -19,7 +19,13 @@ import pytest
 from microscale.data import ByteTokenizer, DataConfig
 from microscale.export import flat_params, linear_paths
 from microscale.export.gguf import gguf_format, write_gguf
-from microscale.export.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
+from microscale.export.llamacpp import (
+    LlamaCpp,
+    llama_cpp_available,
+    llama_quantize,
+    logits_agreement,
+)
+from microscale.formats import dequantize, quantize
 from microscale.inference import InferenceModel
 from microscale.model import ModelConfig
 
@@ -48,9 +54,10 @@ def trained(tmp_path_factory, corpus_dir):
     return flat_params(model)
 
 
-def _compare(params, formats, path, dtype="bfloat16"):
+def _compare(params, formats, path, dtype="bfloat16", embed_format="bf16"):
     tok = ByteTokenizer()
-    write_gguf(params, path, config=CFG, layer_formats=formats, tokenizer=tok, dtype=dtype)
+    write_gguf(params, path, config=CFG, layer_formats=formats, tokenizer=tok, dtype=dtype,
+               embed_format=embed_format)
     stored = None if formats == "bf16" else (
         {p: gguf_format(f) for p, f in formats.items()} if isinstance(formats, dict)
         else gguf_format(formats))
@@ -61,6 +68,10 @@ def _compare(params, formats, path, dtype="bfloat16"):
         for k in ["embed.embedding"] + [f"{p}.kernel" for p, f in layers.items()
                                         if f == "bf16"]:
             ref_params[k] = jnp.asarray(params[k], jnp.bfloat16).astype(jnp.float32)
+    if embed_format != "bf16":  # the file's embedding / tied LM head, as stored
+        ref_params["embed.embedding"] = dequantize(quantize(
+            jnp.asarray(params["embed.embedding"], jnp.float32), gguf_format(embed_format),
+            axis=1))
     ref = InferenceModel.from_params(ref_params, CFG, formats=stored,
                                      compute_dtype=jnp.float32)
     llm = LlamaCpp(path, n_ctx=CFG.max_seq_len)
@@ -91,6 +102,36 @@ def test_uniform_formats_agree_with_microscale(trained, tmp_path, fmt):
     rel, top1 = _compare(trained, fmt, tmp_path / f"{fmt}.gguf")
     print(f"\nllama.cpp vs microscale, uniform {fmt}: rel L2 {rel:.2e}, top-1 {top1:.3f}")
     assert rel <= 5e-2 and top1 >= 0.95
+
+
+@pytest.mark.parametrize("embed", ["q8_0", "mxfp4"])
+def test_quantized_embedding_and_tied_head_agree(trained, tmp_path, embed):
+    """A quantized token_embd serves llama.cpp's embedding lookup (get_rows) and its tied LM
+    head: the logits agree with microscale's on the same quantized embedding."""
+    rel, top1 = _compare(trained, "nvfp4", tmp_path / f"e-{embed}.gguf", embed_format=embed)
+    print(f"\nllama.cpp vs microscale, nvfp4 + {embed} embedding: rel L2 {rel:.2e}, "
+          f"top-1 {top1:.3f}")
+    assert rel <= 5e-2 and top1 >= 0.95
+
+
+@pytest.mark.parametrize("ftype, ggml, bar", [("q8_0", "Q8_0", 2e-2), ("q4_0", "Q4_0", 0.3)])
+def test_llama_cpp_own_quantizer_on_a_microscale_file(trained, tmp_path, ftype, ggml, bar):
+    """llama_quantize (llama.cpp's llama_model_quantize) turns a microscale BF16 GGUF into
+    its own preset: the linear layers get the preset's type, and the file runs close to the
+    BF16 file's logits (Q8_0 tighter than Q4_0; the bars are loose, the print says more)."""
+    from gguf import GGUFReader
+
+    src, dst = tmp_path / "bf16.gguf", tmp_path / f"{ftype}.gguf"
+    write_gguf(trained, src, config=CFG, layer_formats="bf16", tokenizer=ByteTokenizer())
+    llama_quantize(src, dst, ftype, n_threads=1)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(dst).tensors}
+    assert types["blk.0.attn_q.weight"] == ggml, types
+    ids = ByteTokenizer().encode(PROMPTS[0])
+    a, b = LlamaCpp(dst, n_ctx=CFG.max_seq_len, verify=False), LlamaCpp(src, n_ctx=CFG.max_seq_len)
+    rel, top1 = logits_agreement(a.logits(ids), b.logits(ids))
+    a.close(), b.close()
+    print(f"\nllama.cpp {ftype} vs its BF16 input: rel L2 {rel:.2e}, top-1 {top1}/{len(ids)}")
+    assert 0 < rel <= bar
 
 
 def test_unquantized_float32_floor(trained, tmp_path):

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of unquantized tensors (default: bfloat16)")
+    parser.add_argument("--embed-format", default=None,
+                        help="GGUF only: the token embedding / tied LM head's format (bf16, "
+                             "q8_0, mxfp4; default: unquantized, as --dtype)")
     parser.add_argument("--shard-size", type=positive_float, default=None,
                         help=f"shard the weights above this many GB (default: "
                              f"{DEFAULT_SHARD_BYTES / 1e9:g}; not with --format gguf)")
@@ -144,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                          data=args.data, step=args.step, dtype=args.dtype,
                          shard_bytes=None if args.shard_size is None
                          else int(args.shard_size * 1e9),
-                         overwrite=args.overwrite)
+                         embed_format=args.embed_format, overwrite=args.overwrite)
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2

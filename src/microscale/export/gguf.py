@@ -82,17 +82,25 @@ from microscale.formats import (
     dequantize,
     get_format,
     pack_nibbles,
+    quantize,
     unpack_nibbles,
 )
 from microscale.integrity import crc32_many
 from microscale.model import ModelConfig, linear_paths
 
-__all__ = ["GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_format", "gguf_layer_formats",
-           "gguf_tensor", "gguf_vocab", "tensor_name", "write_gguf"]
+__all__ = ["EMBED_FORMATS", "GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_embed_format",
+           "gguf_format", "gguf_layer_formats", "gguf_tensor", "gguf_vocab", "tensor_name",
+           "write_gguf"]
 
 # microscale formats ggml runs natively -> GGMLQuantizationType member name.
 GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
 _FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# Stored formats of the token embedding (and of an untied LM head): unquantized (``dtype``)
+# or a ggml type that needs no tensor scale, so llama.cpp's get_rows (the embedding lookup)
+# and the tied LM head matmul both decode it. NVFP4 is not one of them: its FP32 tensor
+# scale lives in a separate ``.scale`` tensor that llama.cpp's Llama graph applies to linear
+# layers' outputs, not to the embedding lookup.
+EMBED_FORMATS = ("bf16", "q8_0", "mxfp4")
 # Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
 _LINEAR_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
                  "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
@@ -125,6 +133,26 @@ def gguf_format(fmt: str) -> str:
         return "q8_0"
     raise ValueError(f"format {spec.name!r} has no GGUF type; expected one of "
                      f"{sorted(GGUF_FORMATS)}, an 8-bit format (stored as q8_0) or bf16")
+
+
+def gguf_embed_format(fmt: str) -> str:
+    """The stored format of the token embedding / LM head for ``fmt`` (one of
+    :data:`EMBED_FORMATS`, or an 8-bit format, stored as ``q8_0``); others are refused."""
+    stored = gguf_format(fmt)
+    if stored not in EMBED_FORMATS:
+        raise ValueError(f"embed_format={fmt!r}: the token embedding / LM head can be stored "
+                         f"as {list(EMBED_FORMATS)} (or an 8-bit format, as q8_0); {stored} "
+                         "needs a tensor scale that llama.cpp does not apply to the "
+                         "embedding lookup")
+    return stored
+
+
+def _embed_tensor(x: Any, fmt: str, name: str, dtype: str) -> tuple[np.ndarray, Any]:
+    """A ``[vocab, d_model]`` embedding (or transposed LM head kernel) as stored: ``dtype``
+    when ``fmt`` is bf16, else quantized along ``d_model`` (one block row per token)."""
+    if fmt == "bf16":
+        return _float_tensor(x, dtype)
+    return gguf_tensor(quantize(jnp.asarray(x, jnp.float32), fmt, axis=1), name)
 
 
 def tensor_name(path: str) -> str:
@@ -422,11 +450,13 @@ class GGUFResult:
     config: ModelConfig
     # The layout (the name of its registry row).
     layout: str = "gguf"
+    # Stored format of the token embedding (and of an untied LM head): bf16 = ``dtype``.
+    embedding: str = "bf16"
 
     def describe(self) -> dict[str, Any]:
         """What a report records of the export (``quantize``'s ``checkpoint`` entry)."""
         return {"layout": self.layout, "path": str(self.path), "files": [self.path.name],
-                "tokenizer": self.tokenizer}
+                "tokenizer": self.tokenizer, "embedding": self.embedding}
 
 
 def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
@@ -441,8 +471,8 @@ def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
 
 def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | None = None,
                layer_formats: L.LayerFormats = None, tokenizer: Any = None,
-               dtype: str = "bfloat16", name: str | None = None,
-               overwrite: bool = False) -> GGUFResult:
+               dtype: str = "bfloat16", embed_format: str = "bf16",
+               name: str | None = None, overwrite: bool = False) -> GGUFResult:
     """Write ``model`` as a llama.cpp GGUF file (see the module doc).
 
     Long: its split (config, vocab, tensors, file) waits for issue #23's quantized
@@ -460,6 +490,9 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         needs a vocab); a path brings the special tokens and chat template of the
         ``tokenizer_config.json`` beside it (:func:`gguf_vocab`).
       dtype: unquantized tensors: "bfloat16" (default), "float16" or "float32".
+      embed_format: the token embedding (the tied LM head) and an untied LM head: "bf16"
+        (default: stored as ``dtype``), "q8_0" or "mxfp4" (8-bit formats become q8_0):
+        about a half or a quarter of the BF16 bytes a decode step reads for the LM head.
       name: ``general.name`` (default: the file's stem).
       overwrite: replace an existing file.
     """
@@ -478,6 +511,7 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         raise ValueError("GGUF export needs the model's tokenizer (llama.cpp stores the vocab "
                          "in the file); pass tokenizer=... (a run or a folder with "
                          "tokenizer.json provides it)")
+    emb_fmt = gguf_embed_format(embed_format)
     vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
     check_params(params, cfg)
@@ -505,7 +539,8 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         arr, raw = _float_tensor(x, dt)
         tensors.append((tname, arr, raw))
 
-    add_float("token_embd.weight", params["embed.embedding"])
+    tensors.append(("token_embd.weight",
+                    *_embed_tensor(params["embed.embedding"], emb_fmt, "token_embd", dtype)))
     for i in range(cfg.n_layers):
         for sub, gname in _OTHER_NAMES.items():
             add_float(f"blk.{i}.{gname}", params[f"layers.{i}.{sub}"], "float32")
@@ -529,7 +564,9 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
             add_float(f"{tname}.weight", w)
     add_float("output_norm.weight", params["final_norm.scale"], "float32")
     if not cfg.tie_embeddings:
-        add_float("output.weight", np.asarray(jnp.asarray(params["lm_head.kernel"])).T)
+        tensors.append(("output.weight", *_embed_tensor(
+            np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T, emb_fmt,
+            "output", dtype)))
 
     w = gguf.GGUFWriter(None, "llama")
     w.add_name(name or out.stem)
@@ -560,4 +597,4 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         w.close()
         seal_gguf_header(f.name)
     return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
-                      tokenizer=tok, config=cfg)
+                      tokenizer=tok, config=cfg, embedding=emb_fmt)

@@ -28,7 +28,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["LlamaCpp", "llama_cpp_available", "logits_agreement"]
+__all__ = ["LLAMA_FTYPES", "LlamaCpp", "llama_cpp_available", "llama_quantize",
+           "logits_agreement"]
+
+# llama.cpp's own quantization presets: name -> ``enum llama_ftype`` of llama.h (values
+# stable since 2023). The K-quant mixes (``_s``, ``_m``) keep some tensors in more bits.
+LLAMA_FTYPES: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
+                                "q4_k_s": 14, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 
 
 def logits_agreement(a, b) -> tuple[float, int]:
@@ -61,6 +67,44 @@ class _Batch(ctypes.Structure):
 
 class _Params(ctypes.Structure):  # opaque, larger than any llama.cpp params struct
     _fields_ = [("head", ctypes.c_uint32 * 3), ("rest", ctypes.c_uint8 * 1012)]
+
+
+class _QuantizeParams(ctypes.Structure):  # opaque: only nthread and ftype (the first two
+    # int32 fields of llama_model_quantize_params in every version) are set
+    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int32),
+                ("rest", ctypes.c_uint8 * 1016)]
+
+
+def llama_quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, *,
+                   n_threads: int | None = None) -> None:
+    """llama.cpp's own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs,
+    with its default parameters: no importance matrix) from the float GGUF ``src`` to
+    ``dst`` in the preset ``ftype`` (a key of :data:`LLAMA_FTYPES`). The metadata is copied,
+    microscale's checksums included, so ``dst`` no longer passes ``microscale verify``."""
+    if ftype not in LLAMA_FTYPES:
+        raise ValueError(f"ftype={ftype!r}: expected one of {sorted(LLAMA_FTYPES)}")
+    backend = llama_cpp_available()
+    if backend is None:
+        raise ImportError("no llama.cpp: pip install llama-cpp-python or set "
+                          "MICROSCALE_LIBLLAMA=/path/to/libllama.so")
+    c = ctypes
+    if backend == "llama_cpp":
+        import llama_cpp as lib
+
+        params = lib.llama_model_quantize_default_params()
+        pointer = c.byref(params)
+    else:
+        lib = c.CDLL(os.environ["MICROSCALE_LIBLLAMA"])
+        lib.llama_model_quantize_default_params.restype = _QuantizeParams
+        lib.llama_model_quantize.restype = c.c_uint32
+        lib.llama_model_quantize.argtypes = [c.c_char_p, c.c_char_p,
+                                             c.POINTER(_QuantizeParams)]
+        params = lib.llama_model_quantize_default_params()
+        pointer = c.byref(params)
+    params.nthread, params.ftype = int(n_threads or os.cpu_count() or 1), LLAMA_FTYPES[ftype]
+    rc = lib.llama_model_quantize(str(src).encode(), str(dst).encode(), pointer)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({str(src)!r} -> {ftype}) failed: {rc}")
 
 
 class _LibLlama:
@@ -213,6 +257,14 @@ class LlamaCpp:
         """Next-token logits at every position of ``tokens`` (float32 ``[T, V]``)."""
         self._reset()
         return self._decode(tokens, 0, True)
+
+    def prefill(self, tokens: Sequence[int]) -> float:
+        """Tokens/s of one prefill of ``tokens`` (one batch, a fresh KV cache, the last
+        position's logits only, as a prompt is processed before generation)."""
+        self._reset()
+        t0 = time.perf_counter()
+        self._decode(tokens, 0, False)
+        return len(tokens) / (time.perf_counter() - t0)
 
     def greedy(self, tokens: Sequence[int], n: int, *,
                stop_at_eog: bool = False) -> tuple[list[int], float]:

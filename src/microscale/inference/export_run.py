@@ -40,7 +40,8 @@ def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
                layout: str = "compressed-tensors", formats: LayerFormats = None,
                activations: bool = False, calib_batches: int | None = None,
                data: str | None = None, step: int | None = None, dtype: str = "bfloat16",
-               shard_bytes: int | None = None, overwrite: bool = False) -> Any:
+               shard_bytes: int | None = None, embed_format: str | None = None,
+               overwrite: bool = False) -> Any:
     """Write the model of ``source`` to ``out`` in ``layout``; returns the layout's result
     (``.path``, ``.layers`` {linear path: format}, ``.tensor_bytes``).
 
@@ -59,6 +60,8 @@ def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
       step: the run's checkpoint step (default: latest).
       dtype: dtype of the unquantized tensors.
       shard_bytes: shard a folder's weights above this many bytes (default 5 GB).
+      embed_format: the token embedding / LM head's format in a GGUF (``bf16``, ``q8_0``,
+        ``mxfp4``; :func:`~microscale.export.gguf.write_gguf`); None: unquantized.
       overwrite: replace an existing output (an earlier export).
     """
     row = get_layout(layout)
@@ -69,10 +72,12 @@ def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
     with lock_folder(out):  # before any work; held until the end
         return _export_run(source, out, row, formats=formats, activations=activations,
                            calib_batches=calib_batches, data=data, step=step, dtype=dtype,
-                           shard_bytes=shard_bytes, overwrite=overwrite)
+                           shard_bytes=shard_bytes, embed_format=embed_format,
+                           overwrite=overwrite)
 
 
-def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard_bytes) -> None:
+def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard_bytes,
+                   embed_format) -> None:
     """ValueError naming an option ``row`` or the other options leave without effect."""
     if activations and not row.input_scales:
         raise ValueError(f"activations=True: the {row.name} layout stores weights only; "
@@ -82,7 +87,9 @@ def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard
               (not activations and calib_batches is not None, f"calib_batches={calib_batches}",
                "without activations (only layer inputs are calibrated)"),
               (not activations and data is not None, f"data={data!r}",
-               "without activations (only layer inputs are calibrated)")]
+               "without activations (only layer inputs are calibrated)"),
+              (row.name != "gguf" and embed_format is not None,
+               f"embed_format={embed_format!r}", f"with layout={row.name!r} (GGUF only)")]
     for bad, what, why in unused:
         if bad:
             raise ValueError(f"{what} has no effect {why}")
@@ -106,9 +113,9 @@ def _source_folder(source) -> Path:
 
 
 def _export_run(source, out, row: Layout, *, formats, activations, calib_batches, data, step,
-                dtype, shard_bytes, overwrite) -> Any:
+                dtype, shard_bytes, embed_format, overwrite) -> Any:
     _check_options(row, activations=activations, calib_batches=calib_batches, data=data,
-                   shard_bytes=shard_bytes)
+                   shard_bytes=shard_bytes, embed_format=embed_format)
     src = _source_folder(source)
     tokenizer, seq_len = None, 128
     tok_file = src / "tokenizer.json"
@@ -149,7 +156,8 @@ def _export_run(source, out, row: Layout, *, formats, activations, calib_batches
                                vocab_size=config.vocab_size)
         input_amax = collect_input_amax(dense, batches)
     # a tokenizer.json brings its tokenizer_config.json (special tokens, chat template)
+    extra = {} if embed_format is None else {"embed_format": embed_format}
     return row.write(model, out, config=config, layer_formats=formats,
                      activations=activations, input_amax=input_amax, dtype=dtype,
                      tokenizer=tok_file if tok_file.is_file() else tokenizer,
-                     shard_bytes=shard_bytes, overwrite=overwrite)
+                     shard_bytes=shard_bytes, overwrite=overwrite, **extra)
