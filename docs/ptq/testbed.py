@@ -90,14 +90,17 @@ def seed_row(root: Path, seed: int, mode: str) -> dict:
                    "closed": (rtn - ppl[label]) / (rtn - bf16),
                    "bits": reps[k]["points"][pt]["effective_bits"]}
            for label, k, pt in ROWS}
-    pairs = {}
+    pairs, batch_ci = {}, {}
     for (ka, pa), (kb, pb) in PAIRS:
         a, b = _loss(reps[ka], pa), _loss(reps[kb], pb)
         if len(a) != len(b):
             raise SystemExit(f"seed {seed} {mode}: {ka}/{pa} and {kb}/{pb} were evaluated on "
                              f"{len(a)} and {len(b)} batches; rerun with one --eval-batches")
-        pairs[f"{RUNS[ka][0]} {pa} - {RUNS[kb][0]} {pb}"] = sum(a) / len(a) - sum(b) / len(b)
-    return {"points": row, "pairs": pairs}
+        name = f"{RUNS[ka][0]} {pa} - {RUNS[kb][0]} {pb}"
+        pairs[name] = sum(a) / len(a) - sum(b) / len(b)
+        # the same difference with its interval over this seed's evaluation batches
+        batch_ci[name] = ci([x - y for x, y in zip(a, b, strict=True)])
+    return {"points": row, "pairs": pairs, "pairs_over_batches": batch_ci}
 
 
 def _band(c: dict, fmt) -> str:
@@ -122,6 +125,10 @@ def table(root: Path, seeds: list[int], mode: str) -> dict:
     print()
     for k, c in pairs.items():
         print(f"{mode}: {k}: {_band(c, lambda x: f'{x:+.4f}')} nats")
+    for s, r in zip(seeds, rows, strict=True):  # each seed over its evaluation batches
+        for k, c in r["pairs_over_batches"].items():
+            print(f"{mode}, seed {s} (95% CI over batches): {k}: "
+                  f"{_band(c, lambda x: f'{x:+.4f}')} nats")
     return {"points": points, "pairs": pairs, "per_seed": rows}
 
 

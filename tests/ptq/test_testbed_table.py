@@ -58,6 +58,9 @@ def test_table_gaps_closed_fractions_and_pairs(testbed, tmp_path, capsys):
         pair = got["per_seed"][s]["pairs"][
             "GPTQ + MSE scale + four over six uniform_nvfp4 - RTN uniform_nvfp4"]
         assert pair == pytest.approx(0.04 - 0.10)
+        over = got["per_seed"][s]["pairs_over_batches"][
+            "GPTQ + MSE scale + four over six searched - RTN bf16"]
+        assert over["mean"] == pytest.approx(0.02) and over["n"] == 4
     assert "RTN NVFP4 gap closed" in capsys.readouterr().out
 
 
