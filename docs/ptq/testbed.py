@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "qat"))
-from measure import BUDGET, TESTBED, ci, sh  # noqa: E402  (the test bed's one definition)
+from measure import ci, ptq_flags, sh, train_source  # noqa: E402  (the test bed's one definition)
 
 # run prefix: (label, extra quantize flags)
 RUNS = {"r": ("RTN", ["--no-mse-scale", "--no-four-over-six"]),
@@ -56,13 +56,9 @@ PAIRS = ((("g", "uniform_nvfp4"), ("r", "uniform_nvfp4")),
 
 
 def run_seed(root: Path, seed: int, modes: list[str], eval_batches: str) -> None:
-    src = root / f"src-{seed}"
-    if not (src / "summary.json").is_file():
-        sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
-           "resume=true")
+    src = train_source(root, seed)
     for mode in modes:
-        flags = ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
-                 "--eval-batches", eval_batches] + (["--w4a4"] if mode == "w4a4" else [])
+        flags = ptq_flags(mode, eval_batches)
         for prefix, (_, extra) in RUNS.items():
             out = root / f"{prefix}-{seed}-{mode}"
             if not (out / "report.json").is_file():
