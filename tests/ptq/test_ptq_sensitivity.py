@@ -260,28 +260,3 @@ def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_ba
             if jax.default_backend() == "cpu":  # the same XLA kernels: bit for bit
                 assert got[p][f] == want, (p, f)
             assert got[p][f] == pytest.approx(want, rel=1e-6, abs=1e-12), (p, f)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_row_sliced_capture_gives_the_whole_batch_terms(tiny_model, engine, qweights,
-                                                        token_batches, rows):
-    """Capturing X and dL/dY a few rows at a time (Engine.capture_rows: the backward's
-    residuals of those rows only) gives every Taylor term of the whole-batch pass: each
-    slice's gradient is rescaled by its share of the batch's tokens (to rounding)."""
-    calib, _ = token_batches
-    assert calib.shape[1] == 4
-    sliced = Engine(tiny_model, capture_rows=rows)
-    cands = {f: {p: qweights[f][p].qarray for p in engine.paths} for f in ("nvfp4", "mxfp4")}
-    want = engine.grad_terms(calib, cands)
-    got = sliced.grad_terms(calib, cands)
-    for k in want:
-        for p in engine.paths:
-            for f in cands:
-                # not bit for bit: XLA's kernels for fewer rows sum in another order
-                assert got[k][p][f] == pytest.approx(want[k][p][f], rel=1e-5, abs=1e-12), \
-                    (rows, k, p, f)
-
-
-def test_capture_rows_must_be_positive(tiny_model):
-    with pytest.raises(ValueError, match="capture_rows must be >= 1"):
-        Engine(tiny_model, capture_rows=0)

@@ -88,9 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--monotone", default="auto", choices=("auto", "on", "off"),
                         help="monotone score correction (auto: on for gradient/kl, off for "
                              "the signed taylor/loss scores)")
-    parser.add_argument("--score-rows", type=nonnegative_int, default=0,
-                        help="rows of a calibration batch per scoring forward+backward pass "
-                             "(default 0: the whole batch; fewer: less memory)")
     parser.add_argument("--no-ptq-effects", action="store_true",
                         help="skip the on/off evaluation of each PTQ choice")
     parser.add_argument("--count-other-params", action="store_true",
@@ -140,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                           method=args.weight_method),
             activations=args.w4a4, static_act_scales=not args.dynamic_act_scales,
             monotone={"auto": None, "on": True, "off": False}[args.monotone],
-            ptq_effects=not args.no_ptq_effects, score_rows=args.score_rows or None,
+            ptq_effects=not args.no_ptq_effects,
             count_other_params=args.count_other_params, solver=args.solver,
             pareto_budgets=budgets)
     except (TypeError, ValueError) as e:

@@ -105,10 +105,7 @@ def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
 class Engine:
     """A model prepared for calibration, scoring and evaluation (see the module doc)."""
 
-    def __init__(self, model: Any, *, loss_fn: LossFn | None = None,
-                 capture_rows: int | None = None):
-        if capture_rows is not None and capture_rows < 1:
-            raise ValueError(f"Engine: capture_rows must be >= 1 or None, got {capture_rows}")
+    def __init__(self, model: Any, *, loss_fn: LossFn | None = None):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         work = nnx.merge(graphdef, params, rest)  # a private copy of the graph
         apply_rules(work, PrecisionRules(default="bf16"))
@@ -121,8 +118,6 @@ class Engine:
         self.params: dict = nnx.to_pure_dict(params)
         self._kernel_keys = self._find_kernels(params)
         self.loss_fn: LossFn = loss_fn or next_token_loss
-        # Rows of a batch per scoring capture pass (None: the whole batch); see _capture.
-        self.capture_rows: int | None = capture_rows
         self._jit_cache: dict[Any, Callable] = {}
         self.kernels: dict[str, jax.Array] = {p: self._get(self.params, k)
                                               for p, k in self._kernel_keys.items()}
@@ -355,41 +350,6 @@ class Engine:
 
         return self._cached(("capture",), build)
 
-    def _capture(self, batch) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(xs, g)`` of :meth:`_capture_jit` for a whole batch, captured
-        ``capture_rows`` rows at a time, so the backward pass's residuals are those of a
-        few rows and not of the batch (the peak memory of scoring; docs/ptq/real-model.md).
-
-        A slice's loss is the mean over its own tokens, so its ``dL/dY`` is the batch's
-        times ``rows / slice_rows``; each slice's ``g`` is scaled back by
-        ``slice_rows / rows``, an exact power of two when both are (the default 2-row
-        batches, 1 row per pass). This assumes the loss is the mean of equally weighted
-        rows (``next_token_loss``; a ``loss_fn`` that weights rows otherwise must leave
-        ``capture_rows`` None). The slices' ``xs`` and ``g`` are gathered into host
-        arrays of the batch's shape, so the Taylor terms are computed as for one pass.
-        They equal the whole-batch terms up to rounding, not bit for bit: XLA's kernels
-        for fewer rows round the bf16 activations differently (on SmolLM2, 4 batches:
-        score changes of median 5e-4 of each layer's largest score, the same
-        allocation)."""
-        capture = self._capture_jit()
-        tokens = np.asarray(batch)
-        n, r = tokens.shape[0], self.capture_rows
-        if r is None or r >= n:
-            return capture(self.params, jnp.asarray(tokens))
-        xs: dict[str, np.ndarray] = {}
-        g: dict[str, np.ndarray] = {}
-        for i in range(0, n, r):
-            part_x, part_g = capture(self.params, jnp.asarray(tokens[i:i + r]))
-            rows = min(r, n - i)
-            for out, part, w in ((xs, part_x, None), (g, part_g, rows / n)):
-                for k, v in part.items():
-                    v = np.asarray(v)
-                    if k not in out:
-                        out[k] = np.empty((n, *v.shape[1:]), v.dtype)
-                    out[k][i:i + rows] = v if w is None else v * v.dtype.type(w)
-            del part_x, part_g
-        return xs, g
-
     def _terms_jit(self, act_fmt: str | None, from_qarray: bool) -> Callable:
         """One layer's Taylor terms (:data:`_GRAD_TERMS`, stacked) in one format from its
         captured input ``x`` and output gradient ``g``: ``dY = X dW`` (``dW = delta``, or
@@ -454,10 +414,11 @@ class Engine:
         act_formats = dict(act_formats or {})
         use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized
                         for f in fmts)
+        capture = self._capture_jit()
         amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
         terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
         for b in batches:
-            xs, g = self._capture(b)
+            xs, g = capture(self.params, jnp.asarray(b))
             owner = self._input_owner  # filled when capture was traced
             for p in self.paths:
                 x, gp, kernel = xs[owner[p]], g[p], self.kernels[p]

@@ -151,12 +151,6 @@ class QuantizeConfig:
     heuristic: tuple[str, str] = ("fp8_e4m3", "nvfp4")
     # Evaluate each PTQ choice (RTN vs MSE scale vs four over six; W4A4 static vs dynamic).
     ptq_effects: bool = True
-    # Rows of a calibration batch per scoring forward+backward pass (None: the whole
-    # batch). Fewer rows hold fewer backward residuals; the terms are summed over the
-    # whole batch either way, equal to bf16 rounding (Engine._capture; on SmolLM2 1 row
-    # of 2 saved 0.48 of 5.84 GiB, docs/ptq/real-model.md). Only with the default loss
-    # (rows weighted equally): quantize_model uses whole batches for a custom loss_fn.
-    score_rows: int | None = None
 
     def __post_init__(self):
         b = self.budget
@@ -200,9 +194,6 @@ class QuantizeConfig:
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
-        r = self.score_rows
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise ValueError(f"QuantizeConfig.score_rows={r!r}: expected a positive int or None")
 
     @classmethod
     def for_gguf(cls, **overrides: Any) -> QuantizeConfig:
@@ -467,8 +458,7 @@ def quantize_model(model: Any, calib_batches, eval_batches,
                          f"{len(calib)} and {len(evals)})")
     phases = Phases(log)
     with phases.phase("setup", total=1, unit="model"):
-        engine = Engine(model, loss_fn=loss_fn,
-                        capture_rows=cfg.score_rows if loss_fn is None else None)
+        engine = Engine(model, loss_fn=loss_fn)
     paths = engine.paths
     groups = group_layers(paths, cfg.groups)
     pinned = {}
