@@ -50,6 +50,21 @@ def sh(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "microscale", *args], check=True)
 
 
+def train_source(root: Path, seed: int) -> Path:
+    """The test bed of ``seed``: ``root/src-S``, trained unless it exists."""
+    src = root / f"src-{seed}"
+    if not (src / "summary.json").is_file():
+        sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
+           "resume=true")
+    return src
+
+
+def ptq_flags(mode: str, eval_batches: str) -> list[str]:
+    """``microscale quantize`` flags of the PTQ-alone runs (``mode``: w or w4a4)."""
+    return ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
+            "--eval-batches", eval_batches] + (["--w4a4"] if mode == "w4a4" else [])
+
+
 def ci(xs: list[float]) -> dict:
     """Mean and 95% Student-t interval over seeds (the compare harness's statistics)."""
     from microscale.experiments.stats import mean_ci
@@ -75,14 +90,9 @@ def main() -> None:
     rows = []
     seeds, modes = [int(s) for s in a.seeds.split(",")], a.modes.split(",")
     for seed in seeds:
-        src = root / f"src-{seed}"
-        if not (src / "summary.json").is_file():
-            sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
-               "resume=true")
+        src = train_source(root, seed)
         for mode in modes:
-            flags = ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
-                     "--eval-batches", a.eval_batches]
-            flags += ["--w4a4"] if mode == "w4a4" else []
+            flags = ptq_flags(mode, a.eval_batches)
             q, qat, qq = (root / f"{k}-{seed}-{mode}" for k in ("q", "qat", "qq"))
             if not (q / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(src), "--out", str(q), *flags)

@@ -187,6 +187,11 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
         assert c["batches"] == 2 and c["se"] >= 0
         if c["se"] > 0:
             assert c["t"] == pytest.approx(c["dloss"] / c["se"])
+        # each point's per-batch losses pair the same way (benchmarks/paired_points.py)
+        d = np.subtract(pts["searched"]["batch_losses"], pts[ref]["batch_losses"])
+        assert len(d) == 2 and np.mean(d) == pytest.approx(c["dloss"], abs=1e-9)
+    for p in pts.values():
+        assert np.mean(p["batch_losses"]) == pytest.approx(p["val_loss"], abs=1e-9)
     write_markdown(rep, tmp_path / "a.md")
     md = (tmp_path / "a.md").read_text()
     assert "## Paired differences" in md and "| searched - heuristic |" in md

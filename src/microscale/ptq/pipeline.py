@@ -653,11 +653,14 @@ class _Evaluator:
 
     def point(self, assignment: Mapping[str, str], ptq: WeightPTQ, *, kind: str,
               budget: float | None = None, **kw) -> dict[str, Any]:
-        loss = self.loss(assignment, ptq, **kw)
+        losses = self.batch_losses(assignment, ptq, **kw)
+        loss = float(np.mean(losses))
         bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
+        # per-batch losses: pairs with any other point (or run) on the same batches
         out = {"kind": kind, "effective_bits": bits,
                **model_bits(assignment, self.engine.numel, self.engine.other_numel),
-               "val_loss": loss, "val_ppl": float(math.exp(loss))}
+               "val_loss": loss, "val_ppl": float(math.exp(loss)),
+               "batch_losses": [float(v) for v in losses]}
         if budget is not None:
             out["budget"] = budget
             out["layers"] = dict(assignment)
