@@ -192,15 +192,16 @@ def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
                          f"the {qtype.name} block length; ggml cannot hold this tensor "
                          f"(use another format for this layer, e.g. bf16)")
     sub = spec.block_size
+    assert sub is not None  # only block-scaled formats have a ggml block type
     groups = per_block // sub  # scale groups per ggml block
     scales = np.asarray(q.scales)[:n]  # 16x16 tiles may pad rows
     data = np.asarray(q.data)[:n]
     if spec.has_global_scale and not np.isfinite(np.asarray(q.global_scale)):
-        raise ValueError(f"{name}: the tensor scale is {float(q.global_scale)} (non-finite "
+        raise ValueError(f"{name}: the tensor scale is {float(np.asarray(q.global_scale))} (non-finite "
                          "weights); refusing to write a tensor llama.cpp would misread")
     # Block scales must be finite and non-negative (decoded: E8M0 0xFF is NaN, which ggml
     # does not handle; a UE4M3 byte has no sign bit and reads 0x7F as 0).
-    decoded = np.asarray(block_scales_f32(dataclasses.replace(q, scales=scales)))
+    decoded = np.asarray(block_scales_f32(dataclasses.replace(q, scales=jnp.asarray(scales))))
     if not (np.isfinite(decoded) & (decoded >= 0) & ~np.signbit(decoded)).all():
         raise ValueError(f"{name}: non-finite or negative block scales (non-finite "
                          "weights); refusing to write a tensor llama.cpp would misread")
@@ -278,7 +279,7 @@ def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
                      "regex (llama-bpe)")
 
 
-def _token_text(v: Any, key: str, where: Path) -> str | None:
+def _token_text(v: Any, key: str, where: Path | None) -> str | None:
     """A special token of tokenizer_config.json: a string or an AddedToken object."""
     if v is None:
         return None
@@ -289,7 +290,7 @@ def _token_text(v: Any, key: str, where: Path) -> str | None:
     return v
 
 
-def _chat_template(cfg: dict, folder: Path, where: Path) -> str | None:
+def _chat_template(cfg: dict, folder: Path, where: Path | None) -> str | None:
     """The default chat template: tokenizer_config.json's ``chat_template`` (a string, or
     a list of named templates: "default"), else ``chat_template.jinja`` beside it."""
     t = cfg.get("chat_template")
@@ -589,12 +590,12 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
     w.add_string(CRC_HEADER_KEY, "00000000")
     for tname, arr, raw in tensors:
         w.add_tensor(tname, arr, raw_dtype=raw)
-    with atomic_writer(out, "wb") as f:
-        w.open_output_file(Path(f.name))
+    with atomic_writer(out, "wb") as fh:
+        w.open_output_file(Path(fh.name))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        seal_gguf_header(f.name)
+        seal_gguf_header(fh.name)
     return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
                       tokenizer=tok, config=cfg, embedding=emb_fmt)

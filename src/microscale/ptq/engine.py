@@ -105,8 +105,10 @@ def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
 class Engine:
     """A model prepared for calibration, scoring and evaluation (see the module doc)."""
 
+    _input_owner: dict[str, str]  # set when the capture pass is traced (_capture_jit)
+
     def __init__(self, model: Any, *, loss_fn: LossFn | None = None):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         work = nnx.merge(graphdef, params, rest)  # a private copy of the graph
         apply_rules(work, PrecisionRules(default="bf16"))
         without_remat(work)
@@ -114,7 +116,7 @@ class Engine:
         if not self.paths:
             raise ValueError("Engine: the model has no linear layer with a 2-D kernel "
                              "(QLinear / nnx.Linear) to quantize")
-        self.graphdef, params, self.rest = nnx.split(work, nnx.Param, ...)
+        self.graphdef, params, self.rest = nnx.split(work, nnx.Param, ...)  # type: ignore[misc]
         self.params: dict = nnx.to_pure_dict(params)
         self._kernel_keys = self._find_kernels(params)
         self.loss_fn: LossFn = loss_fn or next_token_loss
@@ -189,6 +191,7 @@ class Engine:
         if act is None:
             return (), None, None
         chosen = dict(act.formats)
+        assert act.palette is not None  # ActQuant always carries its palette
         sel = {p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0)
                for p in self.paths}
         amax = None
@@ -427,6 +430,7 @@ class Engine:
                     cand = deltas[f][p]
                     is_q = isinstance(cand, QArray)
                     if act_on and not is_q:
+                        assert quantized_kernels is not None  # given with act_formats
                         cand = jnp.asarray(quantized_kernels[f][p], jnp.float32)
                     elif not is_q:
                         cand = jnp.asarray(cand, jnp.float32)
