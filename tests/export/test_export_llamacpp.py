@@ -114,11 +114,11 @@ def test_quantized_embedding_and_tied_head_agree(trained, tmp_path, embed):
     assert rel <= 5e-2 and top1 >= 0.95
 
 
-@pytest.mark.parametrize("ftype, ggml, bar", [("q8_0", "Q8_0", 2e-2), ("q4_0", "Q4_0", 0.3)])
+@pytest.mark.parametrize("ftype, ggml, bar", [("q8_0", "Q8_0", 1e-2), ("q4_0", "Q4_0", 5e-2)])
 def test_llama_cpp_own_quantizer_on_a_microscale_file(trained, tmp_path, ftype, ggml, bar):
     """llama_quantize (llama.cpp's llama_model_quantize) turns a microscale BF16 GGUF into
     its own preset: the linear layers get the preset's type, and the file runs close to the
-    BF16 file's logits (Q8_0 tighter than Q4_0; the bars are loose, the print says more)."""
+    BF16 file's logits (measured 1.8e-3 for Q8_0 and 8.1e-3 for Q4_0: the bars leave ~5x)."""
     from gguf import GGUFReader
 
     src, dst = tmp_path / "bf16.gguf", tmp_path / f"{ftype}.gguf"
