@@ -157,7 +157,7 @@ def test_transformer_assignments():
     assert model.layers[0].attn.q_proj.recipe == "nvfp4"
     assert got == model.rules.assignments(model)
     # Late switch re-applies rules in place.
-    model.set_rules(late_switch(model.rules, "bf16"))
+    model.set_rules(late_switch(model.rules, "all"))
     assert set(assignments(model).values()) == {"bf16"}
 
 
@@ -220,12 +220,12 @@ def test_late_switch_forward_only():
     fwd = late_switch(rules, "forward")
     r = get_recipe(fwd.default)
     nv = get_recipe("nvfp4")
-    assert r.name == "nvfp4+bf16_fprop"
+    assert r.name == "nvfp4+bf16_forward"
     assert not r.fprop_x.quantized and not r.fprop_w.quantized
     assert (r.dgrad_dy, r.wgrad_x, r.wgrad_dy) == (nv.dgrad_dy, nv.wgrad_x, nv.wgrad_dy)
     assert fwd.resolve("layers.3.attn.q_proj") == "bf16"  # bf16 layers stay bf16
     assert PrecisionRules.from_json(fwd.to_json()) == fwd
-    with pytest.raises(ValueError, match="late_switch mode='both'"):
+    with pytest.raises(ValueError, match="late_switch bf16='both'"):
         late_switch(rules, "both")  # type: ignore[arg-type]
 
     # On a layer: the forward equals bf16's, the gradients do not (backward still NVFP4).

@@ -27,8 +27,8 @@ The held-out tokens are split so:
   *after* the evaluation windows (disjoint), falling back to the train split when the val
   split is too short.
 
-A run trained with an allocation (QAT: ``rules=``; ``bf16_policy=sensitivity``) also has
-that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
+A run trained with an allocation (QAT: ``precision.kind=rules``; ``precision.kind=
+sensitivity``) also has that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
 
 Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
 quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
@@ -55,7 +55,7 @@ __all__ = ["calibration_windows", "quantize_run", "trained_allocation"]
 
 def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, str] | None:
     """``{linear path: weight format}`` a run trained with when it trained with an allocation
-    (``rules=``, e.g. QAT on a quantize output, or ``bf16_policy=sensitivity``): each
+    (``precision.kind=rules``, e.g. QAT on a quantize output, or ``sensitivity``): each
     layer's forward weight format in the run's ``precision_rules.json``, the allocation
     ``microscale export`` writes for it. None for a run with the positional rule."""
     from microscale.export.layouts import resolve_layers
@@ -66,8 +66,8 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
     path = Path(run_dir) / "precision_rules.json"
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is missing: the run trained with an "
-                                "allocation (rules= or bf16_policy=sensitivity) and records it "
-                                "there")
+                                "allocation (precision.kind=rules or sensitivity) and "
+                                "records it there")
     layers = resolve_layers(train_cfg.model, PrecisionRules.load(path))
     return {p: lq.weights for p, lq in layers.items()}
 
