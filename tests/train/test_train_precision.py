@@ -26,8 +26,8 @@ from microscale.train.precision import PRECISION_KINDS, PrecisionKind
 OLD_AND_NEW = [
     ("position", ["recipe=nvfp4", "bf16_first=1", "bf16_last=0"],
      ["recipe=nvfp4", "precision.bf16_first=1", "precision.bf16_last=0"]),
-    ("layout", ["recipe=nvfp4", "model.n_layers=10", "bf16_layout=paper_12b"],
-     ["recipe=nvfp4", "model.n_layers=10", "precision.kind=layout",
+    ("layout", ["recipe=nvfp4", "model.n_layers=12", "bf16_layout=paper_12b"],
+     ["recipe=nvfp4", "model.n_layers=12", "precision.kind=layout",
       "precision.layout=paper_12b"]),
     ("rules", ["rules={rules}"], ["precision.kind=rules", "precision.rules={rules}"]),
     ("rules", ["rules={rules}", "rules_mode=full"],
@@ -212,11 +212,7 @@ def test_old_and_new_keys_train_bit_identically(make_cfg, rules_file, tmp_path, 
                                                 new):
     """Each row trains 4 steps twice, once from each spelling: the losses are equal to the
     bit and the written rules are the same."""
-    common = ["steps=4", "eval_every=0", "model.n_layers=2"]
-    old = [o for o in old if not o.startswith("model.n_layers")]  # 2 blocks: fast
-    new = [o for o in new if not o.startswith("model.n_layers")]
-    if kind == "layout":
-        pytest.skip("paper_12b keeps 10 blocks in bf16: the config test covers it")
+    common = ["steps=4", "eval_every=0"]
     a, b, _ = _old_and_new(make_cfg, rules_file, [*old, *common, f"out={tmp_path / 'a'}"],
                            [*new, *common, f"out={tmp_path / 'b'}"])
     train(a, progress=False)

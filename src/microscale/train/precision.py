@@ -166,7 +166,8 @@ class PrecisionConfig:
             if value != default:
                 raise ValueError(f"precision.{f.name}={_show(value)} is not read by "
                                  f"precision.kind={self.kind!r} (it reads: "
-                                 f"{', '.join(spec.fields)}); leave it at {_show(default)}")
+                                 f"{', '.join(spec.fields) or 'no other key'}); leave it at "
+                                 f"{_show(default)}")
         if self.warmup is not None and not 0 <= self.warmup < 1:
             raise ValueError(f"precision.warmup={self.warmup}: expected None or a fraction "
                              "in [0, 1)")
@@ -316,8 +317,9 @@ def upgrade_legacy_keys(old: Mapping[str, Any]) -> dict[str, Any]:
     if old:
         moves = "; ".join(f"{k} -> {_NEW_NAME.get(k, 'precision.' + _MOVED.get(k, k))}"
                           for k in old)
-        warnings.warn(f"deprecated config keys (read for one more release): {moves}",
-                      FutureWarning, stacklevel=3)
+        warnings.warn(f"deprecated config keys (read for one more release): {moves}. "
+                      "`microscale train --config FILE --print-config` prints a config file "
+                      "in the new keys", FutureWarning, stacklevel=3)
     return {f"precision.{k}": v for k, v in new.items()}
 
 
