@@ -78,6 +78,19 @@ def test_old_keys_build_the_new_config(make_cfg, rules_file, kind, old, new):
             assert f"{key} -> precision." in msg, (key, msg)
 
 
+@pytest.mark.parametrize("base, old, kind, warmup", [
+    (["recipe=nvfp4", "precision.kind=sensitivity"], ["bf16_policy=position"], "position", 0),
+    (["precision.kind=rules", "precision.rules=r.json"], ["rules=none"], "position", 0),
+    (["recipe=nvfp4", "model.n_layers=12"], ["bf16_layout=paper_12b",
+                                             "bf16_policy=position_warmup"], "layout", 0.1),
+])
+def test_old_keys_over_a_new_base(make_cfg, base, old, kind, warmup):
+    """Old keys on top of a config of another kind mean what they meant before."""
+    with pytest.warns(FutureWarning, match="deprecated config keys"):
+        cfg = apply_overrides(make_cfg(*base), old)
+    assert (cfg.precision.kind, cfg.precision.warmup_fraction) == (kind, warmup)
+
+
 def test_old_run_folder_config_reads_as_new(tmp_path):
     """A config.yaml written before the precision sub-config (its precision keys as the old
     TrainConfig.tiny() dumped them, plus a few set) loads into the new config."""

@@ -291,8 +291,9 @@ def _is_none(v: Any) -> bool:
 def upgrade_legacy_keys(old: Mapping[str, Any]) -> dict[str, Any]:
     """``{old dotted key: value}`` (keys of :data:`LEGACY_KEYS`) -> ``{"precision.<key>":
     value}``, with one :class:`FutureWarning` naming each old key's new key. Read as one
-    request, so the order of the old keys does not matter; a value left at its old
-    default (``bf16_policy: position``, ``rules: null``) sets no kind."""
+    request, so the order of the old keys does not matter; one that names a policy or
+    rules but no other kind (``bf16_policy: position``, ``rules: null``) means
+    ``position``, and ``bf16_policy: position`` means no warm-up."""
     new: dict[str, Any] = {}
     for key, value in old.items():
         if key in _MOVED:
@@ -300,18 +301,23 @@ def upgrade_legacy_keys(old: Mapping[str, Any]) -> dict[str, Any]:
         elif key in _RENAMED:
             to, names = _RENAMED[key]
             new[to] = names.get(str(value).strip(), value)  # unknown values fail later
-        elif key == "bf16_layout" and not _is_none(value):
-            new.update(kind="layout", layout=value)
-        elif key == "rules" and not _is_none(value):
-            new.update(kind="rules", rules=value)
+        elif key in ("bf16_layout", "rules"):
+            to = "layout" if key == "bf16_layout" else "rules"
+            new[to] = None if _is_none(value) else value
+            if new[to] is not None:
+                new["kind"] = to
     policy = str(old.get("bf16_policy", "position")).strip()
     warmup = old.get("adaptive.warmup_fraction", _OLD_WARMUP)
+    if "kind" not in new and ("bf16_policy" in old or ("rules" in old and _is_none(old["rules"]))):
+        new["kind"] = "position"  # an old request that names no other kind
     if policy == "sensitivity":
         new["kind"] = "sensitivity"
         if _is_none(warmup) or float(warmup) != PRECISION_KINDS["sensitivity"].default_warmup:
             new["warmup"] = warmup  # (the kind's default is the old one: a config as new)
     elif policy == "position_warmup":
         new["warmup"] = warmup
+    elif policy == "position" and "bf16_policy" in old:
+        new["warmup"] = None
     elif policy != "position":
         new["kind"] = f"bf16_policy={policy}"  # fails, listing the kinds
     if old:
