@@ -563,7 +563,8 @@ def _build(node: _Pending, prefix: str) -> Any:
 
 def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) -> T:
     """Return ``cfg`` with ``key=value`` overrides applied, left to right, then validated once
-    (so ``bf16_first=3 bf16_last=0`` and ``bf16_last=0 bf16_first=3`` are the same request).
+    (so ``precision.bf16_first=3 precision.bf16_last=0`` and the reverse order are the same
+    request).
 
     Keys are dotted for nested dataclasses (``model.d_model=256``). Values are strings
     coerced from the field annotation: numbers (``1e-3``, ``10_000``), booleans

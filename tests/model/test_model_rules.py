@@ -123,21 +123,21 @@ def test_quantized_blocks_table(assign, quantized, high):
 
 
 def test_paper_12b_layout_is_named():
-    from microscale.train import TrainConfig
+    from microscale.train import PrecisionConfig, TrainConfig
 
     assert BF16_LAYOUTS["paper_12b"] == (2, 8)
-    cfg = TrainConfig(recipe="nvfp4", model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b")
-    rules = cfg.precision_rules()
+    layout = PrecisionConfig(kind="layout", layout="paper_12b")
+    model = _small_cfg(n_layers=62, max_seq_len=256)
+    rules = TrainConfig(recipe="nvfp4", model=model, precision=layout).precision_rules()
     kept = [i for i in range(62) if rules.resolve(f"layers.{i}.mlp.up_proj") == "bf16"]
     assert kept == [0, 1, *range(54, 62)]
-    with pytest.raises(ValueError, match="bf16_layout='paper_12b' sets bf16_first and "
-                                         "bf16_last; got also bf16_first=0, bf16_last=3"):
-        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b", bf16_last=3)
-    with pytest.raises(ValueError, match=r"bf16_layout='paper': expected None or one of "
-                                         r"\['paper_12b'\]"):
-        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper")
+    with pytest.raises(ValueError, match="precision.bf16_last=3 is not read by "
+                                         "precision.kind='layout'"):
+        PrecisionConfig(kind="layout", layout="paper_12b", bf16_last=3)
+    with pytest.raises(ValueError, match=r"precision.layout='paper'.*\['paper_12b'\]"):
+        PrecisionConfig(kind="layout", layout="paper")
     with pytest.raises(ValueError, match="bf16_first=2 \\+ bf16_last=8 exceeds n_layers=4"):
-        TrainConfig(recipe="nvfp4", model=_small_cfg(max_seq_len=256), bf16_layout="paper_12b")
+        TrainConfig(recipe="nvfp4", model=_small_cfg(max_seq_len=256), precision=layout)
 
 
 def _small_cfg(**kw):

@@ -378,8 +378,9 @@ def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
             + (", the default: last 15%, at least 1)" if default else ")"))
     if kept == n_layers:
         if default:
-            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 to "
-                             "quantize every block, or use more layers")
+            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 "
+                             "(precision.bf16_last=0) to quantize every block, or use more "
+                             "layers")
         warnings.warn(f"{what}: no block is quantized", UserWarning, stacklevel=3)
     elif 2 * kept >= n_layers:
         warnings.warn(f"{what}: only {n_layers - kept} of {n_layers} blocks are quantized",

@@ -1018,7 +1018,7 @@ def _abort(run: _Run, clock: Clock, step: int) -> None:
            + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
               "(resume=true continues from it). " if good is not None else
               "No checkpoint was saved before the failure. ")
-           + "Try a lower optim.lr, more bf16 blocks (bf16_last=...) or another recipe.")
+           + "Try a lower optim.lr, more bf16 blocks (precision.bf16_last=...) or another recipe.")
     logger.log({"kind": "event", "event": "abort", "step": step, "message": msg})
     logger.message(msg)
     logger.close()
