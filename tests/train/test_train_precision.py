@@ -219,8 +219,14 @@ def _losses(out) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+# One row per kind, and the late switch's derived recipe (the others differ from these only in
+# values that test_old_keys_build_the_new_config compares): ~3 minutes of the slow tier.
+TRAINED = [0, 1, 2, 5, 8]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, old, new", OLD_AND_NEW, ids=IDS)
+@pytest.mark.parametrize("kind, old, new", [OLD_AND_NEW[i] for i in TRAINED],
+                         ids=[IDS[i] for i in TRAINED])
 def test_old_and_new_keys_train_bit_identically(make_cfg, rules_file, tmp_path, kind, old,
                                                 new):
     """Each row trains 4 steps twice, once from each spelling: the losses are equal to the
