@@ -419,6 +419,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
     if not isinstance(data, dict):
         raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
                           f"keys to values, got {type(data).__name__} {data!r}")
+    data = _upgrade_legacy(cls, data, _prefix)
     fields = _fields(cls)
     hints = _hints(cls)  # type: ignore[arg-type]  # a dataclass type: hashable
     kwargs = {}
@@ -437,6 +438,45 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
         raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: missing required "
                           f"key(s) {', '.join(repr(_prefix + m) for m in missing)}")
     return _construct(cls, kwargs, _prefix)
+
+
+def _upgrade_legacy(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``data`` with the deprecated keys of ``cls`` (its ``_legacy_keys``, dotted, read by
+    its ``_upgrade(old) -> {new dotted key: value}``) replaced by their new keys; a key
+    set both ways raises."""
+    legacy = getattr(cls, "_legacy_keys", ())
+    if not legacy:
+        return data
+    fields = _fields(cls)
+    old: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for k, v in data.items():
+        k = str(k)
+        if k in fields or (k not in legacy and not isinstance(v, dict)):
+            rest[k] = v  # an unknown key raises in from_dict
+        elif k in legacy:
+            old[k] = v
+        elif any(name.startswith(k + ".") for name in legacy):
+            for sub, sv in v.items():
+                if f"{k}.{sub}" not in legacy:
+                    raise _unknown_key(cls, f"{prefix}{k}.{sub}", k, prefix)
+                old[f"{k}.{sub}"] = sv
+        else:
+            rest[k] = v
+    if not old:
+        return data
+    for dotted, v in cls._upgrade(old).items():  # type: ignore[attr-defined]
+        node = rest
+        *parents, last = dotted.split(".")
+        for p in parents:
+            child = node.get(p)
+            node[p] = dict(child) if isinstance(child, dict) else {}
+            node = node[p]
+        if last in node:
+            raise ConfigError(f"key {prefix + dotted!r} is set twice: by itself and by the "
+                              f"deprecated key(s) {', '.join(map(repr, old))}")
+        node[last] = v
+    return rest
 
 
 def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
@@ -528,20 +568,29 @@ def _build(node: _Pending, prefix: str) -> Any:
 
 def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) -> T:
     """Return ``cfg`` with ``key=value`` overrides applied, left to right, then validated once
-    (so ``bf16_first=3 bf16_last=0`` and ``bf16_last=0 bf16_first=3`` are the same request).
+    (so ``precision.bf16_first=3 precision.bf16_last=0`` and the reverse order are the same
+    request).
 
     Keys are dotted for nested dataclasses (``model.d_model=256``). Values are strings
     coerced from the field annotation: numbers (``1e-3``, ``10_000``), booleans
     (``true``/``false``), ``none``, tuples (``0.9,0.95`` or ``[0.9, 0.95]``), literals,
     or a preset name for a nested config (``model=small``). A dict ``{key: value}`` is
     accepted too (values may then be typed already). A config class may define a
-    ``_aliases`` class attribute ``{shorthand: dotted key}`` (e.g. ``lr -> optim.lr``).
+    ``_aliases`` class attribute ``{shorthand: dotted key}`` (e.g. ``lr -> optim.lr``), and
+    ``_legacy_keys`` (deprecated dotted keys) with ``_upgrade(old) -> {new key: value}``,
+    which reads them as one request (here and in :func:`from_dict`).
     """
     items = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
     aliases: dict[str, str] = getattr(type(cfg), "_aliases", None) or {}
     if not items:
         return cfg
+    items = [(aliases.get(k, k), v) for k, v in items]
+    legacy = getattr(type(cfg), "_legacy_keys", ())
+    old = {k: v for k, v in items if k in legacy}
+    if old:  # read as one request, after the current keys
+        items = [(k, v) for k, v in items if k not in legacy]
+        items += list(type(cfg)._upgrade(old).items())  # type: ignore[attr-defined]
     root = _Pending.of(cfg)
     for k, v in items:
-        _set(root, aliases.get(k, k).split("."), v, "")
+        _set(root, k.split("."), v, "")
     return _build(root, "")

@@ -123,21 +123,21 @@ def test_quantized_blocks_table(assign, quantized, high):
 
 
 def test_paper_12b_layout_is_named():
-    from microscale.train import TrainConfig
+    from microscale.train import PrecisionConfig, TrainConfig
 
     assert BF16_LAYOUTS["paper_12b"] == (2, 8)
-    cfg = TrainConfig(recipe="nvfp4", model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b")
-    rules = cfg.precision_rules()
+    layout = PrecisionConfig(kind="layout", layout="paper_12b")
+    model = _small_cfg(n_layers=62, max_seq_len=256)
+    rules = TrainConfig(recipe="nvfp4", model=model, precision=layout).precision_rules()
     kept = [i for i in range(62) if rules.resolve(f"layers.{i}.mlp.up_proj") == "bf16"]
     assert kept == [0, 1, *range(54, 62)]
-    with pytest.raises(ValueError, match="bf16_layout='paper_12b' sets bf16_first and "
-                                         "bf16_last; got also bf16_first=0, bf16_last=3"):
-        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper_12b", bf16_last=3)
-    with pytest.raises(ValueError, match=r"bf16_layout='paper': expected None or one of "
-                                         r"\['paper_12b'\]"):
-        TrainConfig(model=_small_cfg(n_layers=62, max_seq_len=256), bf16_layout="paper")
+    with pytest.raises(ValueError, match="precision.bf16_last=3 is not read by "
+                                         "precision.kind='layout'"):
+        PrecisionConfig(kind="layout", layout="paper_12b", bf16_last=3)
+    with pytest.raises(ValueError, match=r"precision.layout='paper'.*\['paper_12b'\]"):
+        PrecisionConfig(kind="layout", layout="paper")
     with pytest.raises(ValueError, match="bf16_first=2 \\+ bf16_last=8 exceeds n_layers=4"):
-        TrainConfig(recipe="nvfp4", model=_small_cfg(max_seq_len=256), bf16_layout="paper_12b")
+        TrainConfig(recipe="nvfp4", model=_small_cfg(max_seq_len=256), precision=layout)
 
 
 def _small_cfg(**kw):
@@ -157,7 +157,7 @@ def test_transformer_assignments():
     assert model.layers[0].attn.q_proj.recipe == "nvfp4"
     assert got == model.rules.assignments(model)
     # Late switch re-applies rules in place.
-    model.set_rules(late_switch(model.rules, "bf16"))
+    model.set_rules(late_switch(model.rules, "all"))
     assert set(assignments(model).values()) == {"bf16"}
 
 
@@ -220,12 +220,12 @@ def test_late_switch_forward_only():
     fwd = late_switch(rules, "forward")
     r = get_recipe(fwd.default)
     nv = get_recipe("nvfp4")
-    assert r.name == "nvfp4+bf16_fprop"
+    assert r.name == "nvfp4+bf16_forward"
     assert not r.fprop_x.quantized and not r.fprop_w.quantized
     assert (r.dgrad_dy, r.wgrad_x, r.wgrad_dy) == (nv.dgrad_dy, nv.wgrad_x, nv.wgrad_dy)
     assert fwd.resolve("layers.3.attn.q_proj") == "bf16"  # bf16 layers stay bf16
     assert PrecisionRules.from_json(fwd.to_json()) == fwd
-    with pytest.raises(ValueError, match="late_switch mode='both'"):
+    with pytest.raises(ValueError, match="late_switch bf16='both'"):
         late_switch(rules, "both")  # type: ignore[arg-type]
 
     # On a layer: the forward equals bf16's, the gradients do not (backward still NVFP4).

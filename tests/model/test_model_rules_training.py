@@ -1,4 +1,4 @@
-"""rules_for_training: how a searched allocation trains (QAT forward-only, or full recipes)."""
+"""rules_for_training: how a searched allocation trains (QAT: bf16 backward; or full recipes)."""
 
 import pytest
 
@@ -6,18 +6,19 @@ from microscale.model import PrecisionRules, rules_for_training
 from microscale.ops import get_recipe
 from microscale.ptq import ptq_recipe
 
-# (recipe in the rules, mode, expected recipe: a preset name, or "same")
+# (recipe in the rules, what runs in bf16, expected: "same", a preset name, or (the preset
+# with the same operands, the derived recipe's name))
 TABLE = [
-    (ptq_recipe("nvfp4"), "forward", "same"),          # a PTQ recipe is forward-only already
-    (ptq_recipe("nvfp4"), "full", "nvfp4"),
-    (ptq_recipe("fp8_e4m3"), "full", "fp8_e4m3"),
-    (ptq_recipe("mxfp8", activations=True), "full", "mxfp8"),
-    (ptq_recipe("mxfp4"), "full", "mxfp4"),
-    ("nvfp4", "forward", "nvfp4_fwd_only"),             # the backward pass goes to bf16
-    ("mxfp8", "forward", "mxfp8_fwd_only"),
-    ("nvfp4", "full", "same"),                          # already a training recipe
-    ("bf16", "forward", "same"),
-    ("bf16", "full", "same"),
+    (ptq_recipe("nvfp4"), "backward", "same"),         # a PTQ recipe is forward-only already
+    (ptq_recipe("nvfp4"), "nothing", "nvfp4"),
+    (ptq_recipe("fp8_e4m3"), "nothing", "fp8_e4m3"),
+    (ptq_recipe("mxfp8", activations=True), "nothing", "mxfp8"),
+    (ptq_recipe("mxfp4"), "nothing", "mxfp4"),
+    ("nvfp4", "backward", ("nvfp4_fwd_only", "nvfp4+bf16_backward")),  # backward to bf16
+    ("mxfp8", "backward", ("mxfp8_fwd_only", "mxfp8+bf16_backward")),
+    ("nvfp4", "nothing", "same"),                       # already a training recipe
+    ("bf16", "backward", "same"),
+    ("bf16", "nothing", "same"),
     ("nvfp4", "as_written", "same"),
     (ptq_recipe("nvfp4"), "as_written", "same"),
 ]
@@ -28,20 +29,21 @@ def _ops(recipe):
     return r.operands(), r.hadamard_seed, r.scaling
 
 
-@pytest.mark.parametrize("recipe, mode, expected", TABLE)
-def test_table(recipe, mode, expected):
+@pytest.mark.parametrize("recipe, bf16, expected", TABLE)
+def test_table(recipe, bf16, expected):
     rules = PrecisionRules(rules=((r"layers\.0\..*", recipe),), default="bf16")
-    got = rules_for_training(rules, mode).resolve("layers.0.attn.q_proj")
-    want = recipe if expected == "same" else expected
+    got = rules_for_training(rules, bf16).resolve("layers.0.attn.q_proj")
+    want, name = (recipe, None) if expected == "same" else (
+        expected if isinstance(expected, tuple) else (expected, expected))
     assert _ops(got) == _ops(want)  # the six operand formats, as the preset defines them
-    if expected != "same":
-        assert get_recipe(got).name == expected
-    assert rules_for_training(rules, mode).resolve("layers.1.attn.q_proj") == "bf16"
+    if name is not None:
+        assert get_recipe(got).name == name
+    assert rules_for_training(rules, bf16).resolve("layers.1.attn.q_proj") == "bf16"
 
 
-def test_forward_mode_leaves_no_quantized_backward_operand():
+def test_bf16_backward_leaves_no_quantized_backward_operand():
     rules = PrecisionRules(rules=((r"layers\.0\..*", "fp8"),), default="nvfp4")
-    out = rules_for_training(rules, "forward")
+    out = rules_for_training(rules, "backward")
     for path in ("layers.0.mlp.up_proj", "layers.1.mlp.up_proj"):
         r = get_recipe(out.resolve(path))
         assert r.quantized and r.fprop_w.quantized
@@ -49,5 +51,5 @@ def test_forward_mode_leaves_no_quantized_backward_operand():
 
 
 def test_bad_mode():
-    with pytest.raises(ValueError, match="mode='both'"):
+    with pytest.raises(ValueError, match="bf16='both'"):
         rules_for_training(PrecisionRules(), "both")

@@ -10,7 +10,8 @@ import pytest
 from microscale.cli import main
 from microscale.model import ModelConfig
 
-TINY = ["--config", "tiny", "model.n_layers=1", "model.vocab_size=256", "bf16_last=0"]
+TINY = ["--config", "tiny", "model.n_layers=1", "model.vocab_size=256",
+        "precision.bf16_last=0"]
 
 
 @pytest.mark.slow
@@ -50,7 +51,8 @@ def test_plan_tiny_on_eight_simulated_devices(tmp_path, capsys):
 def test_sr_past_2_32_elements_lowers_at_the_llama8b_microbatch(capsys):
     # llama-8b with 4 microbatches: 128 sequences x 4096 tokens, so up_proj's dY has
     # 128 * 4096 * 14336 = 7.5e9 > 2^32 elements. One block keeps the trace short.
-    over = ["model.n_layers=1", "bf16_last=0", "grad_accum=4", "mesh.data=1", "mesh.fsdp=8"]
+    over = ["model.n_layers=1", "precision.bf16_last=0", "grad_accum=4", "mesh.data=1",
+            "mesh.fsdp=8"]
     assert 512 // 4 * 4096 * ModelConfig.llama_8b().d_ff > 2**32
     rc = main(["plan", "--config", "llama-8b", *over, "--recipe", "nvfp4", "--lower-only",
                "--json"])

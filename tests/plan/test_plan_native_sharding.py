@@ -30,12 +30,12 @@ SCRIPT = textwrap.dedent("""
     from microscale.model import ModelConfig
     from microscale.plan import compile_step
     from microscale.plan.hlo import HloModule
-    from microscale.train import TrainConfig
+    from microscale.train import PrecisionConfig, TrainConfig
 
     model = ModelConfig(vocab_size=256, d_model=192, n_layers=1, n_heads=4, n_kv_heads=4,
                         d_ff=320, max_seq_len=32)
     cfg = TrainConfig(model=model, data=DataConfig(seq_len=32, batch_size=8),
-                      recipe="nvfp4", bf16_last=0)
+                      recipe="nvfp4", precision=PrecisionConfig(bf16_last=0))
     cfg = apply_overrides(cfg, ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"])
     res = {}
     for name, cc in (("emulated", None), ("native", (10, 0))):

@@ -11,7 +11,7 @@ from microscale.model import ModelConfig
 from microscale.ops import get_recipe
 from microscale.plan import ACCELERATORS, get_accelerator, recipe_step_time, roofline
 from microscale.plan.roofline import _quantize_bytes
-from microscale.train import TrainConfig
+from microscale.train import PrecisionConfig, TrainConfig
 
 B200 = get_accelerator("b200")
 
@@ -22,7 +22,7 @@ def _cfg(**model):
     m.update(model)
     return TrainConfig(model=ModelConfig(**m),
                        data=DataConfig(seq_len=4096, batch_size=64, grad_accum=1),
-                       bf16_last=0)
+                       precision=PrecisionConfig(bf16_last=0))
 
 
 def test_table_lookups_and_errors():

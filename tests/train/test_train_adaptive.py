@@ -1,4 +1,4 @@
-"""bf16_policy=sensitivity: the knapsack's choice, the run's phases and records, resume."""
+"""precision.kind=sensitivity: the knapsack's choice, the run's phases and records, resume."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def test_allocation_is_the_best_feasible_set(seed, fraction):
 
 @pytest.mark.slow
 def test_choice_on_a_model_block_granularity_and_positional_default(make_cfg, tokens):
-    cfg = make_cfg("recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.granularity=block",
-                   "adaptive.calib_tokens=512")
+    cfg = make_cfg("recipe=nvfp4", "precision.kind=sensitivity",
+                   "precision.sensitivity.granularity=block",
+                   "precision.sensitivity.calib_tokens=512")
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     rules, rec = choose_bf16_layers(model, cfg, tokens)
     paths = list(rec["scores"])
@@ -103,8 +104,8 @@ def test_bf16_rules_table():
 
 @pytest.mark.slow
 def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
-    common = ("recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.warmup_fraction=0.3",
-              "adaptive.calib_tokens=512", "steps=10", "eval_every=5", "checkpoint_every=4")
+    common = ("recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=0.3",
+              "precision.sensitivity.calib_tokens=512", "steps=10", "eval_every=5", "checkpoint_every=4")
     straight = make_cfg(*common, f"out={tmp_path / 'a'}")
     s = train(straight, progress=False)
     alloc = s["bf16_allocation"]
@@ -145,8 +146,7 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
 def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_path):
     """The control for sensitivity's warm-up: the same all-bf16 steps, then exactly the
     positional rules (no allocation is chosen or recorded)."""
-    cfg = make_cfg("recipe=nvfp4", "bf16_policy=position_warmup",
-                   "adaptive.warmup_fraction=0.3", "steps=6", "eval_every=0",
+    cfg = make_cfg("recipe=nvfp4", "precision.warmup=0.3", "steps=6", "eval_every=0",
                    f"out={tmp_path / 'w'}")
     assert cfg.warmup_steps == 2
     s = train(cfg, progress=False)
@@ -160,22 +160,24 @@ def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_pa
 
 
 @pytest.mark.parametrize("override, expected", [
-    (["bf16_policy=sometimes"], ("bf16_policy", "sometimes")),
-    (["bf16_policy=position_warmup"], ("needs a quantized recipe",)),
-    (["recipe=nvfp4", "bf16_policy=position_warmup", "rules=r.json"], ("cannot be combined",)),
-    (["bf16_policy=sensitivity"], ("needs a quantized recipe",)),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.warmup_fraction=1.5"],
-     ("adaptive.warmup_fraction=1.5",)),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.bf16_flops=1.2"],
-     ("adaptive.bf16_flops=1.2",)),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.method=magic"],
-     ("adaptive.method='magic'",)),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.granularity=head"],
+    (["precision.kind=sometimes"], ("precision.kind", "sometimes")),
+    (["precision.warmup=0.1"], ("needs a quantized recipe",)),
+    (["recipe=nvfp4", "precision.warmup=0.1", "precision.kind=rules", "precision.rules=r.json"],
+     ("precision.warmup=0.1 is not read by precision.kind='rules'",)),
+    (["precision.kind=sensitivity"], ("needs a quantized recipe",)),
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=1.5"],
+     ("precision.warmup=1.5",)),
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.bf16_flops=1.2"],
+     ("precision.sensitivity.bf16_flops=1.2",)),
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.method=magic"],
+     ("precision.sensitivity.method='magic'",)),
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.granularity=head"],
      ("granularity", "head")),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "late_switch.fraction=0.95"],
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.late.fraction=0.95"],
      ("leaves no step",)),
-    (["recipe=nvfp4", "bf16_policy=sensitivity", "rules=r.json"], ("cannot be combined",)),
-    (["rules_mode=sideways"], ("rules_mode", "sideways")),
+    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.rules=r.json"],
+     ("precision.rules='r.json' is not read by precision.kind='sensitivity'",)),
+    (["precision.rules_bf16=sideways"], ("precision.rules_bf16", "sideways")),
 ])
 def test_bad_values_name_the_key(make_cfg, override, expected):
     from microscale.config import ConfigError
@@ -191,9 +193,11 @@ def test_every_new_key_is_listed(capsys):
 
     assert main(["train", "--list-keys"]) == 0
     out = capsys.readouterr().out
-    for key in ("init_from", "init_step", "rules_mode", "bf16_policy",
-                "adaptive.warmup_fraction", "adaptive.bf16_flops", "adaptive.method",
-                "adaptive.calib_tokens", "adaptive.activations", "adaptive.granularity"):
+    for key in ("init_from", "init_step", "precision.kind", "precision.rules_bf16",
+                "precision.warmup", "precision.sensitivity.bf16_flops",
+                "precision.sensitivity.method", "precision.sensitivity.calib_tokens",
+                "precision.sensitivity.activations", "precision.sensitivity.granularity",
+                "precision.late.fraction", "precision.late.bf16"):
         line = next((x for x in out.splitlines() if x.startswith(key + " =")), None)
         assert line is not None and "#" in line, key
 
@@ -201,9 +205,9 @@ def test_every_new_key_is_listed(capsys):
 @pytest.mark.parametrize("overrides, own", [
     ((), False),
     (("recipe=nvfp4",), False),
-    (("recipe=nvfp4", "bf16_policy=position_warmup"), False),
-    (("recipe=nvfp4", "bf16_policy=sensitivity"), True),
-    (("rules={rules}",), True),
+    (("recipe=nvfp4", "precision.warmup=0.1"), False),
+    (("recipe=nvfp4", "precision.kind=sensitivity"), True),
+    (("precision.kind=rules", "precision.rules={rules}"), True),
 ])
 def test_own_allocation(make_cfg, tmp_path, overrides, own):
     """Runs that record an allocation of their own (export writes it, quantize scores it)."""

@@ -47,7 +47,7 @@ def test_exact_resume_across_late_switch(make_cfg):
 
     nvfp4 exercises the per-step stochastic-rounding keys; the late switch (last 25% of
     the steps in bf16) happens after the resume, so the phase is restored too."""
-    common = ("recipe=nvfp4", "late_switch.fraction=0.25", "checkpoint_every=5",
+    common = ("recipe=nvfp4", "precision.late.fraction=0.25", "checkpoint_every=5",
               "eval_every=10")
     straight = make_cfg(*common, "out=" + str(Path(make_cfg().out).parent / "straight"))
     s1 = train(straight, progress=False)

@@ -28,7 +28,7 @@ def test_phases(phases, expected):
 
 
 def test_phases_of_run(make_cfg):
-    cfg = make_cfg("recipe=nvfp4", "late_switch.fraction=0.25", "steps=20")
+    cfg = make_cfg("recipe=nvfp4", "precision.late.fraction=0.25", "steps=20")
     assert Phases.of_run(cfg, {"main": None, "late": None}) == Phases(warmup_end=0,
                                                                        late_start=15)
     assert Phases.of_run(cfg, {"main": None}).late_start is None
@@ -72,7 +72,7 @@ def test_clock_resumed_from_checkpoint_meta():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
 def test_evaluate_is_the_mean_loss_of_the_batches(make_cfg, recipe):
-    cfg = make_cfg(f"recipe={recipe}", "bf16_last=0")
+    cfg = make_cfg(f"recipe={recipe}", "precision.bf16_last=0")
     st = build_state(cfg)
     g = st.graphdefs["main"]
     rng = np.random.default_rng(0)

@@ -28,11 +28,12 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
     assert len(set(formats.values())) > 1  # a mixed allocation
     assert "trained" not in res.points  # a positional bf16 run trained no allocation
 
-    qat = make_cfg(f"init_from={q}", f"rules={q / 'precision_rules.json'}", "steps=2",
+    qat = make_cfg(f"init_from={q}", "precision.kind=rules",
+                   f"precision.rules={q / 'precision_rules.json'}", "steps=2",
                    "eval_every=1", f"out={tmp_path / 'qat'}")
     s = train(qat, progress=False)
     assert s["init_from"]["weights"] == "master"
-    rules = rules_for_training(PrecisionRules.load(q / "precision_rules.json"), "forward")
+    rules = rules_for_training(PrecisionRules.load(q / "precision_rules.json"), "backward")
     assert s["precision"] == {p: rules.resolve_name(p) for p in s["precision"]}
     # the run's first evaluation is the fake-quantized model: near the PTQ loss measured by
     # quantize (RTN tensor scales here, MSE-searched ones there), far from bf16's
@@ -57,7 +58,7 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
 
 @pytest.mark.slow
 def test_rules_with_custom_recipes_train(make_cfg, tmp_path):
-    """A quantize output's rules hold recipes that are not presets (ptq_<fmt>_w)."""
+    """A quantize output's rules hold recipes that are not presets (ptq_<fmt>+bf16_...)."""
     from microscale.ptq import allocation_rules
 
     rules = allocation_rules({"layers.0.attn.q_proj": "fp8_e4m3",
@@ -66,7 +67,8 @@ def test_rules_with_custom_recipes_train(make_cfg, tmp_path):
                               "layers.1.mlp.down_proj": "nvfp4"})
     path = tmp_path / "rules.json"
     rules.save(path)
-    s = train(make_cfg(f"rules={path}", "steps=1", f"out={tmp_path / 'r'}"), progress=False)
+    s = train(make_cfg("precision.kind=rules", f"precision.rules={path}", "steps=1",
+                       f"out={tmp_path / 'r'}"), progress=False)
     assert s["status"] == "completed"
-    assert s["precision"]["layers.0.attn.q_proj"] == "ptq_fp8_e4m3_w"
-    assert s["precision"]["layers.1.mlp.down_proj"] == "ptq_nvfp4_w"
+    assert s["precision"]["layers.0.attn.q_proj"] == "ptq_fp8_e4m3+bf16_backward_inputs"
+    assert s["precision"]["layers.1.mlp.down_proj"] == "ptq_nvfp4+bf16_backward_inputs"

@@ -19,6 +19,8 @@ from microscale.train import (
     LateSwitchConfig,
     MeshConfig,
     OptimConfig,
+    PrecisionConfig,
+    SensitivityConfig,
     TrainConfig,
     build_state,
     list_presets,
@@ -41,17 +43,18 @@ def test_preset_yaml_files_are_the_presets(name):
 
 
 def test_every_config_field_has_a_comment():
-    for cls in (TrainConfig, OptimConfig, LateSwitchConfig, MeshConfig):
+    for cls in (TrainConfig, OptimConfig, LateSwitchConfig, MeshConfig, PrecisionConfig,
+                SensitivityConfig):
         names = {f.name for f in dataclasses.fields(cls)}
         assert set(field_comments(cls)) == names, cls
 
 
 def test_train_config_overrides_and_validation():
     cfg = resolve_config("tiny", ["recipe=nvfp4", "lr=1e-3", "batch_size=8", "model=small",
-                                  "seq_len=64", "late_switch.mode=fwd_only", "mesh.fsdp=2"])
+                                  "seq_len=64", "precision.late.bf16=forward", "mesh.fsdp=2"])
     assert (cfg.recipe, cfg.optim.lr, cfg.data.batch_size, cfg.model.d_model,
-            cfg.data.seq_len, cfg.late_switch.mode, cfg.mesh.fsdp) == (
-        "nvfp4", 1e-3, 8, 512, 64, "fwd_only", 2)
+            cfg.data.seq_len, cfg.precision.late.bf16, cfg.mesh.fsdp) == (
+        "nvfp4", 1e-3, 8, 512, 64, "forward", 2)
     with pytest.raises(ConfigError, match="unknown recipe 'nvfp5'.*nvfp4"):
         resolve_config("tiny", ["recipe=nvfp5"])
     with pytest.raises(ConfigError, match="seq_len=512 exceeds model.max_seq_len=256"):
@@ -59,15 +62,17 @@ def test_train_config_overrides_and_validation():
     with pytest.raises(ConfigError, match="mxfp4.*blocks of 32.*d_ff=48"):
         resolve_config("tiny", ["model.dim_multiple=16", "model.d_ff=48", "recipe=mxfp4"])
     with pytest.raises(ConfigError, match="bf16_first=3 \\+ bf16_last=3 exceeds n_layers=4"):
-        resolve_config("tiny", ["recipe=nvfp4", "bf16_last=3", "bf16_first=3"])
+        resolve_config("tiny", ["recipe=nvfp4", "precision.bf16_last=3",
+                                "precision.bf16_first=3"])
     # Validated once after all overrides: both orders of a valid pair are accepted, even
     # where the first alone would exceed the layer count with the other's old value.
-    for order in (["bf16_first=3", "bf16_last=0"], ["bf16_last=0", "bf16_first=3"]):
+    for order in (["precision.bf16_first=3", "precision.bf16_last=0"],
+                  ["precision.bf16_last=0", "precision.bf16_first=3"]):
         with pytest.warns(UserWarning, match="only 1 of 4 blocks are quantized"):
             cfg = resolve_config("tiny", ["recipe=nvfp4", *order])
-        assert (cfg.bf16_first, cfg.bf16_last) == (3, 0), order
-    with pytest.raises(ConfigError, match="late_switch.fraction"):
-        resolve_config("tiny", ["late_switch.fraction=1.5"])
+        assert (cfg.precision.bf16_first, cfg.precision.bf16_last) == (3, 0), order
+    with pytest.raises(ConfigError, match="precision.late.fraction"):
+        resolve_config("tiny", ["precision.late.fraction=1.5"])
     with pytest.raises(ConfigError, match="did you mean 'optim.warmup_steps'"):
         resolve_config("tiny", ["optim.warmup=3"])
     with pytest.raises(ConfigError, match="unknown train preset 'huge'"):
@@ -76,7 +81,7 @@ def test_train_config_overrides_and_validation():
 
 
 def test_switch_step_and_rules():
-    cfg = apply_overrides(TrainConfig.tiny(), ["steps=100", "late_switch.fraction=0.18",
+    cfg = apply_overrides(TrainConfig.tiny(), ["steps=100", "precision.late.fraction=0.18",
                                                "recipe=nvfp4"])
     assert cfg.switch_step == 82
     rules = cfg.precision_rules()

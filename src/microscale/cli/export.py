@@ -13,8 +13,8 @@ folder (plain or already packed: converted between layouts byte for byte when no
 are given). Layers get NVFP4 unless ``--formats`` (a format name, or a JSON object / file
 ``{layer path: format}``, optionally under a ``"layers"`` key) or ``--rules`` (a
 PrecisionRules JSON: each layer's recipe's forward formats) say otherwise; a run trained
-with an allocation (``rules=``, e.g. QAT on a ``microscale quantize`` output, or
-``bf16_policy=sensitivity``) exports its own ``precision_rules.json`` by default.
+with an allocation (``precision.kind=rules``, e.g. QAT on a ``microscale quantize`` output, or
+``precision.kind=sensitivity``) exports its own ``precision_rules.json`` by default.
 ``--activations`` also quantizes layer inputs (W4A4 / W8A8) with static scales calibrated
 on ``--calib-batches`` batches of held-out data (the run's corpus or ``--data``).
 ``--format gguf`` writes one llama.cpp file (:mod:`microscale.export.gguf`): NVFP4, MXFP4

@@ -2,7 +2,7 @@
 trained once per recipe, and the convergence curves, perplexities and gaps between them.
 
 What makes the comparison fair: every run is the *same* :class:`~microscale.train.TrainConfig`
-except for the precision fields a run changes (``recipe``, ``bf16_last``, ``late_switch``);
+except for the precision fields a run changes (``recipe``, ``precision.*``);
 so the initial weights (``seed``), the batches (``data.seed``), the learning-rate schedule
 and the number of tokens are identical. A run is a call of :func:`microscale.train.train`
 (nothing here re-implements training) into ``OUT/runs/<name>``; a finished run is found by

@@ -63,7 +63,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 def weight_bits_per_param(cfg: TrainConfig, precision: dict | None = None) -> float:
     """Average stored bits per parameter of the model's weights under ``cfg``'s rules
     (or ``precision``, a run summary's {layer: recipe}, when the run chose its own, as
-    ``bf16_policy=sensitivity`` does).
+    ``precision.kind=sensitivity`` does).
 
     Quantized linear kernels count their fprop weight format's ``bits_per_element``;
     embeddings, norms, the LM head and bf16 layers count 16.

@@ -53,7 +53,7 @@ def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
       layout: a layout name of :mod:`microscale.export.registry`.
       formats: per-layer formats (a format name, {layer path: format} or a
         PrecisionRules); None: NVFP4, a packed folder's own formats, or the allocation a
-        run trained with (``rules=``, ``bf16_policy=sensitivity``).
+        run trained with (``precision.kind=rules``, ``precision.kind=sensitivity``).
       activations: quantize layer inputs too (W4A4 / W8A8) with static scales calibrated
         on ``calib_batches`` (default :data:`CALIB_BATCHES`) batches of ``data`` (default:
         the run's corpus).

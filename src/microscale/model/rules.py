@@ -47,10 +47,10 @@ retraces on the next call; code that holds a ``graphdef`` from ``nnx.split`` mus
 again.
 
 Late switch (paper, Appendix D): after training most tokens in low precision, train the
-last ~18% in BF16. `late_switch(rules, mode)` returns the rules for that phase:
-``mode="bf16"`` runs everything in bf16 (forward and backward); ``mode="forward"``
-switches only the forward GEMM (fprop) to bf16 and keeps each layer's low-precision
-dgrad/wgrad (recipe named ``"<name>+bf16_fprop"``).
+last ~18% in BF16. `late_switch(rules, bf16)` returns the rules for that phase, ``bf16``
+naming what runs in bf16: ``"all"`` (forward and backward) or ``"forward"`` (only the
+forward GEMM; each layer keeps its low-precision dgrad/wgrad, recipe named
+``"<name>+bf16_forward"`` by ``Recipe.derive``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ from flax import nnx
 from microscale.files import atomic_write_text, read_json
 from microscale.model.layers import QLinear
 from microscale.ops import (
-    OperandSpec,
     Recipe,
     RecipeLike,
     get_recipe,
@@ -179,6 +178,7 @@ class PrecisionRules:
         default = bf16_last is None
         if default:
             bf16_last = default_bf16_last(n_layers) if quantized else 0
+        assert bf16_last is not None
         for name, v in (("bf16_first", bf16_first), ("bf16_last", bf16_last)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}={v!r}: expected an int >= 0")
@@ -188,7 +188,7 @@ class PrecisionRules:
                              "in high precision")
         keep = sorted(set(range(bf16_first)) | set(range(n_layers - bf16_last, n_layers)))
         if quantized and keep:
-            _check_kept(recipe_name(recipe), n_layers, len(keep), bf16_first, bf16_last,
+            _check_kept(str(recipe_name(recipe)), n_layers, len(keep), bf16_first, bf16_last,
                         default)
         rules: tuple[tuple[str, RecipeLike], ...] = ()
         if keep:
@@ -336,28 +336,26 @@ def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str
             op.microscale_recipe = recipe  # type: ignore[attr-defined]
             node.einsum_op = op
         else:
-            dg.microscale_recipe = recipe  # type: ignore[attr-defined]
+            dg.microscale_recipe = recipe
             node.dot_general = dg
     return out
 
 
-def late_switch(rules: PrecisionRules, mode: Literal["bf16", "forward"] = "bf16"
+def late_switch(rules: PrecisionRules, bf16: Literal["all", "forward"] = "all"
                 ) -> PrecisionRules:
-    """Rules for the late high-precision phase (paper, Appendix D).
+    """Rules for the late high-precision phase (paper, Appendix D); ``bf16`` names what runs
+    in bf16.
 
-    ``"bf16"``: every layer in bf16, forward and backward. ``"forward"``: each layer's
-    recipe with its fprop operands in bf16 (dgrad/wgrad unchanged), named
-    ``"<name>+bf16_fprop"``; layers already in a non-quantizing recipe are unchanged.
-    Re-apply with `apply_rules`.
+    ``"all"``: every layer in bf16, forward and backward. ``"forward"``: each layer's
+    recipe with its forward GEMM in bf16 (dgrad/wgrad unchanged), ``Recipe.derive(bf16=
+    "forward")``, named ``"<name>+bf16_forward"``; layers already in a non-quantizing
+    recipe are unchanged. Re-apply with `apply_rules`.
     """
-    if mode == "bf16":
+    if bf16 == "all":
         return PrecisionRules(default="bf16")
-    if mode != "forward":
-        raise ValueError(f"late_switch mode={mode!r}: expected 'bf16' or 'forward'")
-
-    hp = OperandSpec()  # the default operand spec is the bf16 pass-through
-    return _map_quantized(rules, lambda r, _: r.replace(name=f"{r.name}+bf16_fprop",
-                                                        fprop_x=hp, fprop_w=hp))
+    if bf16 != "forward":
+        raise ValueError(f"late_switch bf16={bf16!r}: expected 'all' or 'forward'")
+    return _map_quantized(rules, lambda r, _: r.derive(bf16="forward"))
 
 
 def _map_quantized(rules: PrecisionRules, fn) -> PrecisionRules:
@@ -369,7 +367,7 @@ def _map_quantized(rules: PrecisionRules, fn) -> PrecisionRules:
         r = get_recipe(recipe)
         return fn(r, recipe) if r.quantized else recipe
 
-    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),
+    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),  # type: ignore[misc]
                           default=convert(rules.default))
 
 
@@ -381,8 +379,9 @@ def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
             + (", the default: last 15%, at least 1)" if default else ")"))
     if kept == n_layers:
         if default:
-            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 to "
-                             "quantize every block, or use more layers")
+            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 "
+                             "(precision.bf16_last=0) to quantize every block, or use more "
+                             "layers")
         warnings.warn(f"{what}: no block is quantized", UserWarning, stacklevel=3)
     elif 2 * kept >= n_layers:
         warnings.warn(f"{what}: only {n_layers - kept} of {n_layers} blocks are quantized",
@@ -413,30 +412,30 @@ def default_bf16_last(n_layers: int) -> int:
 
 
 def rules_for_training(rules: PrecisionRules,
-                       mode: Literal["forward", "full", "as_written"] = "forward"
+                       bf16: Literal["backward", "nothing", "as_written"] = "backward"
                        ) -> PrecisionRules:
-    """How a rule set (e.g. the allocation ``microscale quantize`` searched) trains.
+    """How a rule set (e.g. the allocation ``microscale quantize`` searched) trains;
+    ``bf16`` names what of each quantized recipe runs in bf16.
 
-    ``"forward"`` (quantization-aware fine-tuning): each quantized recipe keeps its forward
-    GEMM and runs dgrad/wgrad in bf16 (``Recipe.forward_only``: the backward pass sees the
-    unquantized weight and output gradient, i.e. straight-through gradients), named
-    ``"<name>_fwd_only"`` when that changes it. ``"full"``: each layer whose recipe leaves
-    the backward pass unquantized gets the full training recipe of its weight format (the
-    preset named like the format: ``nvfp4``, ``mxfp4``, ``mxfp8``, ``fp8_e4m3``); recipes
-    that already quantize the backward pass are kept. ``"as_written"``: unchanged.
+    ``"backward"`` (quantization-aware fine-tuning): each quantized recipe keeps its forward
+    GEMM and runs dgrad/wgrad in bf16 (the backward pass sees the unquantized weight and
+    output gradient, i.e. straight-through gradients): ``Recipe.derive(bf16="backward")``,
+    named ``"<name>+bf16_backward"``, when that changes it. ``"nothing"``: each layer whose
+    recipe leaves the backward pass unquantized gets the full training recipe of its weight
+    format (the preset named like the format: ``nvfp4``, ``mxfp4``, ``mxfp8``,
+    ``fp8_e4m3``); recipes that already quantize the backward pass are kept.
+    ``"as_written"``: unchanged.
     """
-    if mode == "as_written":
+    if bf16 == "as_written":
         return rules
-    if mode not in ("forward", "full"):
-        raise ValueError(f"rules mode={mode!r}: expected 'forward', 'full' or 'as_written'")
+    if bf16 not in ("backward", "nothing"):
+        raise ValueError(f"rules bf16={bf16!r}: expected 'backward', 'nothing' or "
+                         "'as_written'")
 
     def convert(r: Recipe, recipe: RecipeLike) -> RecipeLike:
-        fwd = r.forward_only()
-        backward_quantized = fwd != r
-        if mode == "forward":
-            if not backward_quantized:
-                return recipe
-            return fwd.replace(name=f"{r.name}_fwd_only")
+        backward_quantized = r.forward_only() != r
+        if bf16 == "backward":
+            return r.derive(bf16="backward") if backward_quantized else recipe
         if backward_quantized:
             return recipe
         fmt = r.fprop_w.format if r.fprop_w.quantized else r.fprop_x.format

@@ -16,6 +16,7 @@ from microscale.ops.dot import (
 )
 from microscale.ops.loss import cross_entropy, token_nll
 from microscale.ops.recipe import (
+    BF16_PARTS,
     GEMMS,
     RECIPES,
     SLOTS,
@@ -28,7 +29,7 @@ from microscale.ops.recipe import (
 )
 
 __all__ = [
-    "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "cross_entropy",
+    "BF16_PARTS", "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "cross_entropy",
     "device_capability",
     "get_recipe",
     "init_amax_history",

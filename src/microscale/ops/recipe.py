@@ -159,6 +159,19 @@ class OperandSpec:
 
 BF16 = OperandSpec()
 
+# The parts of a recipe that Recipe.derive can run in bf16, by the operand slots they are
+# (the words of every derived recipe's name and of the precision config's bf16 modes).
+BF16_PARTS: dict[str, tuple[str, ...]] = {
+    # fprop: the forward GEMM's two operands.
+    "forward": SLOT_PAIRS["fprop"],
+    # dgrad and wgrad: the backward GEMMs' four operands (straight-through gradients).
+    "backward": SLOT_PAIRS["dgrad"] + SLOT_PAIRS["wgrad"],
+    # The forward GEMM's activations only (a weight-only inference recipe).
+    "inputs": ("fprop_x",),
+}
+# What separates a derived recipe's base name from its bf16 parts ("nvfp4+bf16_forward").
+DERIVED_MARK = "+bf16_"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
@@ -308,9 +321,10 @@ class Recipe:
         switchable."""
         fmt = "nvfp4"
         block = get_format(fmt).block_size
+        assert block is not None  # NVFP4 is block-scaled
         x = OperandSpec(format=fmt)
         w = OperandSpec(format=fmt, block_shape=(block, block) if weight_2d else None)
-        sr = "stochastic" if stochastic_rounding else "nearest"
+        sr: Rounding = "stochastic" if stochastic_rounding else "nearest"
         h = block if rht else None
         r = cls(name=name, fprop_x=x, fprop_w=w,
                 dgrad_dy=OperandSpec(format=fmt, rounding=sr), dgrad_w=w,
@@ -319,9 +333,29 @@ class Recipe:
         return r.forward_only() if fwd_only else r
 
     def forward_only(self) -> Recipe:
-        """This recipe's fprop; dgrad and wgrad in bf16."""
-        return dataclasses.replace(self, dgrad_dy=BF16, dgrad_w=BF16, wgrad_x=BF16,
-                                   wgrad_dy=BF16)
+        """This recipe's fprop; dgrad and wgrad in bf16 (the name kept: how the presets
+        ``nvfp4_fwd_only`` and ``mxfp8_fwd_only`` are built)."""
+        slots: dict[str, Any] = dict.fromkeys(BF16_PARTS["backward"], BF16)
+        return dataclasses.replace(self, **slots)
+
+    def derive(self, *, bf16: str | tuple[str, ...]) -> Recipe:
+        """This recipe with the operands of the ``bf16`` parts (:data:`BF16_PARTS`:
+        ``"forward"``, ``"backward"``, ``"inputs"``) in bf16: the one way microscale derives
+        a recipe from another, and so the one naming scheme of derived recipes,
+        ``"<base>+bf16_<part>[_<part>...]"`` (parts in :data:`BF16_PARTS` order). Deriving
+        from a derived recipe adds to its parts: ``nvfp4+bf16_backward`` with ``forward``
+        is ``nvfp4+bf16_forward_backward``."""
+        parts = (bf16,) if isinstance(bf16, str) else tuple(bf16)
+        bad = [p for p in parts if p not in BF16_PARTS]
+        if bad or not parts:
+            raise ValueError(f"Recipe.derive(bf16={bf16!r}): expected one or more of "
+                             f"{list(BF16_PARTS)}")
+        base, _, had = self.name.partition(DERIVED_MARK)
+        named = set(parts) | set(had.split("_") if had else ())
+        slots = {slot for p in parts for slot in BF16_PARTS[p]}
+        name = base + DERIVED_MARK + "_".join(p for p in BF16_PARTS if p in named)
+        in_bf16: dict[str, Any] = dict.fromkeys(sorted(slots), BF16)
+        return dataclasses.replace(self, name=name, **in_bf16)
 
 
 def _check_keys(cls, d) -> None:

@@ -45,7 +45,6 @@ import math
 from typing import Any
 
 from microscale.ops import get_recipe
-from microscale.ops.recipe import BF16
 from microscale.plan.hardware import Accelerator
 
 __all__ = ["LinearShape", "linear_shapes", "recipe_step_time", "roofline"]
@@ -138,7 +137,7 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
                      linears: list[LinearShape] | None = None,
                      fused: bool = False) -> dict[str, Any]:
     """Per-device step time terms (seconds) of ``cfg`` (a TrainConfig) trained with
-    ``recipe`` (its precision rules: ``cfg.bf16_first`` / ``bf16_last``) on ``acc``.
+    ``recipe`` (its precision rules: ``cfg.precision``) on ``acc``.
     ``{"terms": {...}, "total": s, "supported": bool, "missing": [...]}``; an
     unsupported recipe (a GEMM width the accelerator has no tensor cores for) has no
     total."""
@@ -171,8 +170,7 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
         qbytes, qflops = _quantize_bytes(r, tokens, lin.k, lin.n, fused=fused)
         # Remat re-quantizes fprop's X (and W) when it recomputes the forward.
         if refwd:
-            fwd_only = r.replace(**dict.fromkeys(("dgrad_dy", "dgrad_w", "wgrad_x",
-                                                  "wgrad_dy"), BF16))
+            fwd_only = r.forward_only()
             b2, f2 = _quantize_bytes(fwd_only, tokens, lin.k, lin.n, fused=fused)
             qbytes, qflops = qbytes + b2, qflops + f2
         terms["quantize"] += qbytes / acc.hbm_bw + qflops / bf16

@@ -58,7 +58,7 @@ import numpy as np
 from microscale.export.gguf import GGUF_FORMATS
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
-from microscale.ops import OperandSpec, Recipe
+from microscale.ops import SLOTS, OperandSpec, Recipe
 from microscale.ptq.engine import ActQuant, Engine, LossFn
 from microscale.ptq.phases import Phases
 from microscale.ptq.search import (
@@ -219,14 +219,14 @@ class QuantizeConfig:
 def ptq_recipe(fmt: str, activations: bool = False) -> Recipe | str:
     """The inference recipe of a layer stored in ``fmt``: forward weights in ``fmt`` (1-D
     blocks along the input dimension), inputs in ``fmt`` too when ``activations``, bf16
-    everywhere else; ``"bf16"`` for an unquantized format."""
+    everywhere else (``Recipe.derive``: ``"ptq_<fmt>+bf16_backward_inputs"``, or
+    ``"ptq_<fmt>+bf16_backward"`` with activations); ``"bf16"`` for an unquantized format."""
     spec = get_format(fmt)
     if not spec.quantized:
         return "bf16"
     op = OperandSpec(format=spec.name)
-    if activations:
-        return Recipe(name=f"ptq_{spec.name}_w_a", fprop_x=op, fprop_w=op)
-    return Recipe(name=f"ptq_{spec.name}_w", fprop_w=op)
+    stored = Recipe(name=f"ptq_{spec.name}", **dict.fromkeys(SLOTS, op))  # type: ignore[arg-type]
+    return stored.derive(bf16=("backward",) if activations else ("backward", "inputs"))
 
 
 def allocation_rules(formats: Mapping[str, str], activations: bool = False) -> PrecisionRules:

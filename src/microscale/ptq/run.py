@@ -24,7 +24,7 @@ __all__ = ["calibration_windows", "trained_allocation"]
 
 def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, str] | None:
     """``{linear path: weight format}`` a run trained with when it trained with an allocation
-    (``rules=``, e.g. QAT on a quantize output, or ``bf16_policy=sensitivity``): each
+    (``precision.kind=rules``, e.g. QAT on a quantize output, or ``sensitivity``): each
     layer's forward weight format in the run's ``precision_rules.json``, the allocation
     ``microscale export`` writes for it. None for a run with the positional rule."""
     if not train_cfg.own_allocation:
@@ -32,8 +32,8 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
     path = Path(run_dir) / "precision_rules.json"
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is missing: the run trained with an "
-                                "allocation (rules= or bf16_policy=sensitivity) and records it "
-                                "there")
+                                "allocation (precision.kind=rules or sensitivity) and "
+                                "records it there")
     layers = resolve_layers(train_cfg.model, PrecisionRules.load(path))
     return {p: lq.weights for p, lq in layers.items()}
 

@@ -26,6 +26,8 @@ from microscale.train.config import (
     LateSwitchConfig,
     MeshConfig,
     OptimConfig,
+    PrecisionConfig,
+    SensitivityConfig,
     TrainConfig,
     list_presets,
     preset_yaml,
@@ -39,7 +41,8 @@ from microscale.train.state import build_state, load_checkpoint
 from microscale.train.step import make_eval_step, make_train_step
 
 __all__ = [
-    "CheckpointCorruptError", "Checkpointer", "CheckpointMismatchError", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig",
+    "CheckpointCorruptError", "Checkpointer", "CheckpointMismatchError", "LateSwitchConfig", "MeshConfig", "OptimConfig",
+    "PrecisionConfig", "SensitivityConfig", "TrainConfig",
     "TrainingAborted", "build_mesh", "build_state", "cross_entropy", "enable_compilation_cache",
     "list_presets", "preset_yaml", "resolve_config",
     "load_checkpoint", "lr_schedule", "make_eval_step", "make_optimizer", "make_train_step",

@@ -1,21 +1,23 @@
-"""``bf16_policy=sensitivity``: measured sensitivity, not position, picks the bf16 layers.
+"""``precision.kind=sensitivity``: measured sensitivity, not position, picks the bf16 layers.
 
 NVIDIA's NVFP4 recipe keeps about 15% of the blocks in BF16, chosen by position (the
 last ones, ``PrecisionRules.for_recipe``). Here the run chooses them from the model:
 
-1. **warm-up**: the first ``adaptive.warmup_fraction`` of the steps train every layer in
+1. **warm-up**: the first ``precision.warmup`` of the steps train every layer in
    bf16 (a fresh model's sensitivities say little);
-2. **sensitivity**: on ``adaptive.calib_tokens`` tokens of the *training* split, the PTQ
-   scores of :mod:`microscale.ptq.sensitivity` (default ``taylor``: the second-order
-   estimate of the loss change when only that layer's forward weights -- and, with
-   ``adaptive.activations``, its inputs -- are rounded to the recipe's format) for every
-   linear layer, with round-to-nearest weights as the training recipe's forward pass uses;
+2. **sensitivity**: on ``precision.sensitivity.calib_tokens`` tokens of the *training*
+   split, the PTQ scores of :mod:`microscale.ptq.sensitivity` (default ``taylor``: the
+   second-order estimate of the loss change when only that layer's forward weights -- and,
+   with ``precision.sensitivity.activations``, its inputs -- are rounded to the recipe's
+   format) for every linear layer, with round-to-nearest weights as the training recipe's
+   forward pass uses;
 3. **budget**: the exact knapsack of :func:`microscale.ptq.search` over the two choices
    {recipe format, bf16} per layer (q/k/v and gate/up together; or whole blocks with
-   ``adaptive.granularity=block``). A layer's linear FLOPs per token are ``2 * in * out``,
-   proportional to its weight elements, so "at most a fraction ``f`` of the linear FLOPs
-   in bf16" is the bits budget ``b + (16 - b) f`` (``b`` the format's bits per element).
-   ``f`` is ``adaptive.bf16_flops`` or, by default, what the positional rule would keep;
+   ``precision.sensitivity.granularity=block``). A layer's linear FLOPs per token are
+   ``2 * in * out``, proportional to its weight elements, so "at most a fraction ``f`` of
+   the linear FLOPs in bf16" is the bits budget ``b + (16 - b) f`` (``b`` the format's bits per element).
+   ``f`` is ``precision.sensitivity.bf16_flops`` or, by default, what the positional rule
+   would keep;
 4. the rest of the run trains with ``recipe`` everywhere except the chosen layers.
 
 The allocation (layers, scores, FLOP fraction, the positional rule's layers for
@@ -56,7 +58,7 @@ from microscale.ptq.sensitivity import SIGNED_METHODS
 
 __all__ = ["allocate_bf16", "bf16_rules", "choose_bf16_layers"]
 
-# Whole blocks as one decision (adaptive.granularity=block).
+# Whole blocks as one decision (precision.sensitivity.granularity=block).
 _BLOCK_GROUPS = ((r"(layers\.\d+)\..*", r"\1"),)
 
 
@@ -90,7 +92,7 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
     """``(rules, record)`` for the rest of the run (see the module doc). ``model``: the
     warmed-up model; ``train_tokens``: the training split (1-D token ids)."""
     t0 = time.perf_counter()
-    a = cfg.adaptive
+    a = cfg.precision.sensitivity
     recipe = get_recipe(cfg.recipe)
     op = recipe.fprop_w if recipe.fprop_w.quantized else recipe.fprop_x
     low = op.format
@@ -98,19 +100,17 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
     engine = Engine(model)
     paths = engine.paths
     numel = dict(engine.numel)
-    positional = PrecisionRules.for_recipe(cfg.recipe, cfg.model.n_layers,
-                                           bf16_first=cfg.bf16_first, bf16_last=cfg.bf16_last)
-    # for_recipe's rules have a default, so resolve() never returns None here.
-    pos_layers = [p for p in paths
-                  if not get_recipe(positional.resolve(p)).quantized]  # type: ignore[arg-type]
+    positional = cfg.precision_rules()  # the positional rules the choice starts from
+    pos_layers = [p for p in paths if not get_recipe(positional.resolve(p)).quantized]
     frac = a.bf16_flops
     if frac is None:
         frac = _fraction(paths, numel, set(pos_layers).__contains__)
     calib = calibration_windows(train_tokens, n_tokens=a.calib_tokens, seq_len=cfg.data.seq_len,
                                 rows=cfg.data.batch_size // cfg.data.grad_accum, seed=cfg.seed)
     if calib is None:
-        raise ValueError(f"adaptive.calib_tokens={a.calib_tokens}: the training split is too "
-                         f"short for that many windows of seq_len={cfg.data.seq_len}")
+        raise ValueError(f"precision.sensitivity.calib_tokens={a.calib_tokens}: the training "
+                         f"split is too short for that many windows of seq_len="
+                         f"{cfg.data.seq_len}")
     rtn = WeightPTQ.rtn()
     cand = {f: {p: quantize_weight(engine.kernels[p], f, rtn) for p in paths} for f in formats}
     raw = score(engine, list(calib), cand, a.method, activations=a.activations)

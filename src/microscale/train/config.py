@@ -4,9 +4,9 @@ A run is fully described by a :class:`TrainConfig` (written to ``OUT/config.yaml
 start): the model shape (:class:`~microscale.model.ModelConfig`), the data and its
 batching (:class:`~microscale.data.DataConfig` -- sequence length, global batch size,
 gradient accumulation and eval batches live there, once), the optimizer
-(:class:`OptimConfig`), the recipe and its per-layer precision rules, the late precision
-switch (:class:`LateSwitchConfig`), the device mesh (:class:`MeshConfig`) and the loop's
-cadence (steps, eval / log / checkpoint intervals).
+(:class:`OptimConfig`), the recipe and where it applies (:class:`PrecisionConfig`: the
+per-layer rules, the warm-up, the late precision switch), the device mesh
+(:class:`MeshConfig`) and the loop's cadence (steps, eval / log / checkpoint intervals).
 
 Presets mirror the model presets (``TrainConfig.preset("tiny")``, ``list_presets()``)
 and ship as YAML in ``microscale/configs/<preset>.yaml`` -- plain serializations of these
@@ -26,18 +26,18 @@ from typing import Literal
 
 from microscale.config import to_yaml
 from microscale.data import DataConfig
-from microscale.model import (
-    BF16_LAYOUTS,
-    ModelConfig,
-    PrecisionRules,
-    list_presets,
-    rules_for_training,
-)
+from microscale.model import ModelConfig, PrecisionRules, list_presets
 from microscale.ops import get_recipe
-from microscale.ptq.sensitivity import METHODS
+from microscale.train.precision import (
+    LEGACY_KEYS,
+    LateSwitchConfig,
+    PrecisionConfig,
+    SensitivityConfig,
+    upgrade_legacy_keys,
+)
 
-__all__ = ["AdaptiveConfig", "LateSwitchConfig", "MeshConfig", "OptimConfig", "TrainConfig", "list_presets",
-           "preset_yaml"]
+__all__ = ["LateSwitchConfig", "MeshConfig", "OptimConfig", "PrecisionConfig",
+           "SensitivityConfig", "TrainConfig", "list_presets", "preset_yaml"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,23 +82,6 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LateSwitchConfig:
-    """Train the last tokens in high precision (NVFP4 paper, Appendix D)."""
-
-    # Fraction of the final training tokens run in bf16 (0 = never switch; paper: ~0.18).
-    fraction: float = 0.0
-    # "full": forward and backward GEMMs in bf16; "fwd_only": only the forward GEMM in
-    # bf16, dgrad/wgrad keep the recipe.
-    mode: Literal["full", "fwd_only"] = "full"
-
-    def __post_init__(self):
-        if not 0 <= self.fraction < 1:
-            raise ValueError(f"late_switch.fraction={self.fraction}: expected in [0, 1)")
-        if self.mode not in ("full", "fwd_only"):
-            raise ValueError(f"late_switch.mode={self.mode!r}: expected 'full' or 'fwd_only'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
     """Device mesh (data, fsdp, tensor) and multi-host start-up (see ``train/mesh.py``)."""
 
@@ -131,41 +114,6 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaptiveConfig:
-    """``bf16_policy=sensitivity``: which layers stay bf16 (see ``train/adaptive.py``)."""
-
-    # Fraction of the steps trained fully in bf16 before the sensitivity is measured.
-    warmup_fraction: float = 0.1
-    # Largest fraction of the linear-layer FLOPs (= weight elements) kept in bf16; None =
-    # the fraction the positional rule keeps (bf16_first + bf16_last blocks).
-    bf16_flops: float | None = None
-    # Sensitivity score (microscale.ptq: "taylor", "gradient", "kl", "loss").
-    method: str = "taylor"
-    # Training-split tokens the scores are measured on (rounded up to whole batches).
-    calib_tokens: int = 16384
-    # Score with each layer's input quantized too (as the recipe's forward pass does).
-    activations: bool = True
-    # "layer": q/k/v and gate/up share a precision, other layers choose alone; "block":
-    # whole transformer blocks stay bf16 or not.
-    granularity: Literal["layer", "block"] = "layer"
-
-    def __post_init__(self):
-        if not 0 < self.warmup_fraction < 1:
-            raise ValueError(f"adaptive.warmup_fraction={self.warmup_fraction}: expected in "
-                             "(0, 1)")
-        if self.bf16_flops is not None and not 0 <= self.bf16_flops < 1:
-            raise ValueError(f"adaptive.bf16_flops={self.bf16_flops}: expected None or a "
-                             "fraction in [0, 1)")
-        if self.method not in METHODS:
-            raise ValueError(f"adaptive.method={self.method!r}: expected one of {METHODS}")
-        if self.calib_tokens < 1:
-            raise ValueError(f"adaptive.calib_tokens={self.calib_tokens}: expected an int >= 1")
-        if self.granularity not in ("layer", "block"):
-            raise ValueError(f"adaptive.granularity={self.granularity!r}: expected 'layer' or "
-                             "'block'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run. Serializes to/from YAML and ``key=value`` overrides."""
 
@@ -179,37 +127,14 @@ class TrainConfig:
     # Recipe of the quantized linear layers (microscale.ops.list_recipes(): bf16, fp8,
     # mxfp8, nvfp4, mxfp4, and the nvfp4 ablations).
     recipe: str = "bf16"
-    # Leading transformer blocks kept in bf16.
-    bf16_first: int = 0
-    # Trailing blocks kept in bf16; None = the recipe default (15% of blocks, >= 1, for a
-    # quantized recipe; 0 for bf16).
-    bf16_last: int | None = None
-    # A named (bf16_first, bf16_last) layout instead of the two fields (which must then be
-    # left at 0 / None): "paper_12b" = first 2 + last 8 blocks in bf16 (arXiv 2509.25149).
-    bf16_layout: str | None = None
-    # Path of a PrecisionRules JSON (e.g. a `microscale quantize` output's
-    # precision_rules.json, for QAT); replaces recipe/bf16_first/bf16_last when set.
-    rules: str | None = None
-    # How the layers of `rules` train: "forward": each quantized recipe's forward pass
-    # only, gradients in bf16 through the quantizer (straight-through; QAT); "full": each
-    # layer in the full low-precision training recipe of its weight format (nvfp4, mxfp4,
-    # mxfp8, fp8_e4m3: dgrad and wgrad quantized too); "as_written": the recipes unchanged.
-    rules_mode: Literal["forward", "full", "as_written"] = "forward"
-    # Which blocks of a quantized recipe stay bf16: "position" (bf16_first/bf16_last),
-    # "sensitivity" (after a bf16 warm-up, per-layer sensitivity picks the bf16 layers
-    # under a linear-FLOP budget; see the adaptive.* keys) or "position_warmup" (the
-    # positional rule after the same bf16 warm-up: the control that separates the warm-up's
-    # effect from the choice's).
-    bf16_policy: Literal["position", "sensitivity", "position_warmup"] = "position"
-    # Settings of bf16_policy=sensitivity (its warm-up also sets position_warmup's).
-    adaptive: AdaptiveConfig = AdaptiveConfig()
+    # Which layers train in the recipe: one kind ("position", "layout", "rules",
+    # "sensitivity") with its settings, the all-bf16 warm-up and the late switch.
+    precision: PrecisionConfig = PrecisionConfig()
     # Start from these weights (weights only: optimizer, schedule and data position start
     # fresh): a microscale run folder, a `microscale quantize` output or an HF Llama folder.
     init_from: str | None = None
     # Checkpoint step of an init_from run folder; None = its latest.
     init_step: int | None = None
-    # Switch to high precision for the final tokens.
-    late_switch: LateSwitchConfig = LateSwitchConfig()
     # Optimizer steps.
     steps: int = 300
     # Evaluate every N steps (and at the end); 0 = only at the end.
@@ -240,24 +165,18 @@ class TrainConfig:
     _aliases = {"batch_size": "data.batch_size", "seq_len": "data.seq_len",
                 "grad_accum": "data.grad_accum", "eval_batches": "data.eval_batches",
                 "corpus": "data.corpus", "lr": "optim.lr"}
+    # Keys before the precision sub-config, read (with a deprecation message) for one
+    # release: deprecated dotted key -> upgraded by _upgrade into precision.* keys.
+    _legacy_keys = LEGACY_KEYS
+    _upgrade = staticmethod(upgrade_legacy_keys)
 
     def __post_init__(self):
         for name in ("steps", "log_every", "keep_checkpoints", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 1")
-        for name in ("eval_every", "checkpoint_every", "bf16_first", "seed"):
+        for name in ("eval_every", "checkpoint_every", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 0")
-        if self.bf16_last is not None and self.bf16_last < 0:
-            raise ValueError(f"bf16_last={self.bf16_last}: expected None or an int >= 0")
-        if self.bf16_layout is not None:
-            if self.bf16_layout not in BF16_LAYOUTS:
-                raise ValueError(f"bf16_layout={self.bf16_layout!r}: expected None or one of "
-                                 f"{sorted(BF16_LAYOUTS)}")
-            if self.bf16_first != 0 or self.bf16_last is not None:
-                raise ValueError(f"bf16_layout={self.bf16_layout!r} sets bf16_first and "
-                                 f"bf16_last; got also bf16_first={self.bf16_first}, "
-                                 f"bf16_last={self.bf16_last} (set one or the other)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}: lower seq_len or raise max_seq_len")
@@ -274,47 +193,38 @@ class TrainConfig:
                     raise ValueError(
                         f"recipe {self.recipe!r} quantizes in blocks of {b}, but model "
                         f"{name}={dim} is not a multiple of {b}")
-        if self.rules is None:
-            self.precision_rules()  # validates bf16_first/bf16_last against n_layers
-        if self.rules_mode not in ("forward", "full", "as_written"):
-            raise ValueError(f"rules_mode={self.rules_mode!r}: expected 'forward', 'full' or "
-                             "'as_written'")
-        if self.bf16_policy not in ("position", "sensitivity", "position_warmup"):
-            raise ValueError(f"bf16_policy={self.bf16_policy!r}: expected 'position', "
-                             "'sensitivity' or 'position_warmup'")
-        if self.bf16_policy != "position":
-            if self.rules is not None:
-                raise ValueError(f"bf16_policy={self.bf16_policy} sets the bf16 layers from "
-                                 "the recipe; it cannot be combined with rules=")
-            if self.bf16_policy == "sensitivity" and self.bf16_layout is not None:
-                raise ValueError("bf16_policy=sensitivity chooses the bf16 layers itself; it "
-                                 f"cannot be combined with bf16_layout={self.bf16_layout!r}")
-            if not recipe.quantized:
-                raise ValueError(f"bf16_policy={self.bf16_policy} needs a quantized recipe, "
-                                 f"got recipe={self.recipe!r}")
-            warm = self.warmup_steps
-            if warm >= self.switch_step:
-                raise ValueError(f"adaptive.warmup_fraction={self.adaptive.warmup_fraction} "
-                                 f"leaves no step between the bf16 warm-up ({warm} steps) and "
-                                 f"the late switch at step {self.switch_step}")
+        self._check_precision(recipe.quantized)
         if self.init_step is not None and self.init_from is None:
             raise ValueError(f"init_step={self.init_step} needs init_from=PATH")
         if self.init_step is not None and self.init_step < 0:
             raise ValueError(f"init_step={self.init_step}: expected None or an int >= 0")
 
+    def _check_precision(self, quantized: bool) -> None:
+        """The checks of ``precision`` that need the rest of the run (recipe, model, steps);
+        its own are in :class:`PrecisionConfig`."""
+        p = self.precision
+        if p.spec.needs_quantized and not quantized:
+            raise ValueError(f"precision.kind={p.kind!r} needs a quantized recipe, got "
+                             f"recipe={self.recipe!r}")
+        if p.warmup_fraction > 0 and not quantized:
+            raise ValueError(f"precision.warmup={p.warmup_fraction} (an all-bf16 warm-up) "
+                             f"needs a quantized recipe, got recipe={self.recipe!r}")
+        if not p.spec.reads_file:
+            try:
+                self.precision_rules()  # bf16_first/bf16_last against n_layers
+            except ValueError as e:
+                raise ValueError(f"precision: {e}") from None
+        warm = self.warmup_steps
+        if warm and warm >= self.switch_step:
+            raise ValueError(f"precision.warmup={p.warmup_fraction} leaves no step between "
+                             f"the bf16 warm-up ({warm} steps) and the late switch at step "
+                             f"{self.switch_step}")
+
     # ------------------------------------------------------------------ derived
     def precision_rules(self) -> PrecisionRules:
-        """The per-layer rules of the main phase (from ``rules`` or the recipe)."""
-        if self.rules is not None:
-            try:
-                rules = PrecisionRules.load(self.rules)
-            except (OSError, ValueError, TypeError) as e:
-                raise ValueError(f"rules={self.rules!r}: {e}") from None
-            return rules_for_training(rules, self.rules_mode)
-        first, last = (BF16_LAYOUTS[self.bf16_layout] if self.bf16_layout is not None
-                       else (self.bf16_first, self.bf16_last))
-        return PrecisionRules.for_recipe(self.recipe, self.model.n_layers,
-                                         bf16_first=first, bf16_last=last)
+        """The per-layer rules of the main phase (``precision``'s kind; for a kind chosen
+        during the run, the positional rules it starts from)."""
+        return self.precision.main_rules(self.recipe, self.model.n_layers)
 
     @property
     def tokens_per_step(self) -> int:
@@ -322,24 +232,26 @@ class TrainConfig:
 
     @property
     def warmup_steps(self) -> int:
-        """Steps trained all-bf16 first (bf16_policy sensitivity or position_warmup; else 0)."""
-        if self.bf16_policy == "position":
+        """Steps trained all-bf16 first (``precision.warmup``, the kind's default; else 0)."""
+        frac = self.precision.warmup_fraction
+        if frac <= 0:
             return 0
-        return max(1, int(round(self.adaptive.warmup_fraction * self.steps)))
+        return max(1, int(round(frac * self.steps)))
 
     @property
     def own_allocation(self) -> bool:
-        """Whether the run trains with an allocation of its own (``rules=``, e.g. QAT, or
-        ``bf16_policy=sensitivity``), recorded in ``OUT/precision_rules.json``: what
+        """Whether the run trains with an allocation of its own (``precision.kind`` rules,
+        e.g. QAT, or sensitivity), recorded in ``OUT/precision_rules.json``: what
         ``microscale export`` writes and ``microscale quantize`` scores as ``trained``."""
-        return self.rules is not None or self.bf16_policy == "sensitivity"
+        return self.precision.spec.own_allocation
 
     @property
     def switch_step(self) -> int:
         """First step of the late high-precision phase (``steps`` when there is none)."""
-        if self.late_switch.fraction <= 0:
+        late = self.precision.late
+        if late.fraction <= 0:
             return self.steps
-        return self.steps - int(round(self.late_switch.fraction * self.steps))
+        return self.steps - int(round(late.fraction * self.steps))
 
     # ------------------------------------------------------------------ presets
     @classmethod

@@ -84,9 +84,8 @@ from microscale.train.step import make_eval_step, make_train_step
 __all__ = ["TrainingAborted", "default_out", "enable_compilation_cache", "train"]
 
 # Config fields that must not change when resuming (they define the run).
-_RUN_DEFINING = ("model", "data", "optim", "recipe", "bf16_first", "bf16_last", "bf16_layout",
-                 "rules", "rules_mode", "bf16_policy", "adaptive", "init_from", "init_step",
-                 "late_switch", "seed", "steps")
+_RUN_DEFINING = ("model", "data", "optim", "recipe", "precision", "init_from", "init_step",
+                 "seed", "steps")
 
 
 class TrainingAborted(RuntimeError):
@@ -257,7 +256,7 @@ def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Phases:
     """Which phase (compiled program) trains each step: an all-bf16 ``"warmup"`` first
-    (bf16_policy sensitivity / position_warmup), then ``"main"``, then ``"late"`` (the late
+    (``precision.warmup``), then ``"main"``, then ``"late"`` (the late
     precision switch)."""
 
     # First step after the all-bf16 warm-up (0: no warm-up).
@@ -530,7 +529,7 @@ class _Run:
     start: int
     # The init_from record (weights of another run or model), or None.
     init_source: dict | None
-    # The bf16_allocation record (bf16_policy=sensitivity), None until chosen.
+    # The bf16_allocation record (precision.kind=sensitivity), None until chosen.
     allocation: dict | None
     # metrics.jsonl / TensorBoard / progress display (set by _run_start before any part
     # logs).
@@ -596,7 +595,7 @@ def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int |
     mesh = build_mesh(cfg.mesh)
     _check_divisible(cfg, mesh)
     st = build_state(cfg, mesh)
-    if cfg.bf16_policy != "sensitivity":
+    if not cfg.precision.spec.chosen_in_run:
         _save_rules(st, out, main)  # a sensitivity-chosen allocation is saved once chosen
     run = _Run(cfg=cfg, out=out, main=main, data=data, batcher=batcher, st=st, ckpt=ckpt,
                programs=compile_programs(st), phases=Phases.of_run(cfg, st.graphdefs),
@@ -662,7 +661,7 @@ def _announce(run: _Run) -> None:
         p: start_rules.resolve(p) for p, _ in iter_linears(run.model("main"))})
     logger.log({"kind": "event", "event": "precision", "step": start,
                 "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
-    what = cfg.recipe if cfg.rules is None else f"rules {cfg.rules}"
+    what = cfg.recipe if cfg.precision.rules is None else f"rules {cfg.precision.rules}"
     if start < warm_step:
         what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
     logger.message(f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
@@ -691,7 +690,7 @@ def _load_eval_sets(run: _Run) -> None:
 
 
 def _choose_allocation(run: _Run, step: int) -> None:
-    """bf16_policy=sensitivity at the end of the warm-up: measure, choose the bf16 layers,
+    """precision.kind=sensitivity at the end of the warm-up: measure, choose the bf16 layers,
     recompile the phases with them, save and log the choice."""
     model = run.model("warmup")
     rules, allocation = choose_bf16_layers(model, run.cfg, run.data.corpus.train)
@@ -715,7 +714,7 @@ def _train_steps(run: _Run, clock: Clock) -> None:
     the device), and at once before a phase change, an evaluation or a checkpoint."""
     cfg = run.cfg
     clock.win_t0 = time.perf_counter()
-    if (cfg.bf16_policy == "sensitivity" and run.allocation is None
+    if (cfg.precision.spec.chosen_in_run and run.allocation is None
             and run.start >= run.phases.warmup_end):
         _choose_allocation(run, run.start)  # resumed from the checkpoint taken just before
     if run.start == 0 and cfg.eval_every:
@@ -763,11 +762,11 @@ def _change_phase(run: _Run, clock: Clock, phase: str, idx: int) -> None:
     """Leave ``run.phase`` for ``phase`` at batch ``idx``: the end of the warm-up (the
     sensitivity choice, or the positional rules) or the late switch."""
     cfg, logger = run.cfg, run.logger
-    if run.phase == "warmup" and cfg.bf16_policy == "sensitivity":
+    if run.phase == "warmup" and cfg.precision.spec.chosen_in_run:
         t0 = time.perf_counter()
         _choose_allocation(run, idx)
         clock.pause(time.perf_counter() - t0)
-    elif run.phase == "warmup":  # position_warmup: the positional rules from here
+    elif run.phase == "warmup":  # a warm-up before fixed rules: those rules from here
         logger.log({"kind": "event", "event": "warmup_end", "step": idx,
                     "tokens": idx * run.tps})
         logger.message(f"step {idx}: bf16 warm-up over; {cfg.recipe} with "
@@ -775,9 +774,9 @@ def _change_phase(run: _Run, clock: Clock, phase: str, idx: int) -> None:
     run.phase = phase
     if phase == "late":
         logger.log({"kind": "event", "event": "late_switch", "step": idx,
-                    "tokens": idx * run.tps, "mode": cfg.late_switch.mode})
+                    "tokens": idx * run.tps, "bf16": cfg.precision.late.bf16})
         logger.message(f"step {idx}: late switch to high precision "
-                       f"({cfg.late_switch.mode}) for the last "
+                       f"(bf16: {cfg.precision.late.bf16}) for the last "
                        f"{cfg.steps - idx} steps")
 
 
@@ -856,7 +855,7 @@ def _abort(run: _Run, clock: Clock, step: int) -> None:
            + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
               "(resume=true continues from it). " if good is not None else
               "No checkpoint was saved before the failure. ")
-           + "Try a lower optim.lr, more bf16 blocks (bf16_last=...) or another recipe.")
+           + "Try a lower optim.lr, more bf16 blocks (precision.bf16_last=...) or another recipe.")
     logger.log({"kind": "event", "event": "abort", "step": step, "message": msg})
     logger.message(msg)
     logger.close()

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import optax
@@ -67,10 +67,8 @@ def _phase_rules(cfg: TrainConfig, main: PrecisionRules) -> dict[str, PrecisionR
     """{phase: rules}: "main"; "late" with a late switch; "warmup" (all bf16) before a
     sensitivity-chosen allocation."""
     rules = {"main": main}
-    if cfg.late_switch.fraction > 0:
-        mode: Literal["bf16", "forward"] = (
-            "bf16" if cfg.late_switch.mode == "full" else "forward")
-        rules["late"] = late_switch(main, mode)
+    if cfg.precision.late.fraction > 0:
+        rules["late"] = late_switch(main, cfg.precision.late.bf16)
     if cfg.warmup_steps:
         rules["warmup"] = PrecisionRules(default="bf16")
     return rules

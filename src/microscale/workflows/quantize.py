@@ -30,8 +30,8 @@ The held-out tokens are split so:
   *after* the evaluation windows (disjoint), falling back to the train split when the val
   split is too short.
 
-A run trained with an allocation (QAT: ``rules=``; ``bf16_policy=sensitivity``) also has
-that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
+A run trained with an allocation (QAT: ``precision.kind=rules``; ``precision.kind=
+sensitivity``) also has that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
 
 Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
 quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
