@@ -34,7 +34,7 @@ from microscale.inference.model import InferenceModel, collect_input_amax
 from microscale.model import PrecisionRules
 from microscale.train import load_checkpoint
 
-__all__ = ["CALIB_BATCHES", "export_run"]
+__all__ = ["CALIB_BATCHES", "ExportConfig", "export_run"]
 
 CALIB_BATCHES = 8  # calibration batches of activations=True by default
 

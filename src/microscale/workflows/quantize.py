@@ -64,7 +64,7 @@ from microscale.train.init import (
 )
 
 __all__ = ["MODEL_DEFAULT_CORPUS", "MODEL_EVAL_BATCHES", "MODEL_ROWS", "MODEL_SEQ_LEN",
-           "quantize_run"]
+           "QuantizeRunConfig", "quantize_run"]
 
 
 # A model folder (HF, or a quantize output without its run): the text without --corpus,
