@@ -138,10 +138,11 @@ def _shown(v: Any) -> str:
 
 
 def old_flag_values(args: argparse.Namespace, table: tuple[OldFlag, ...],
-                    command: str) -> dict[str, Any]:
-    """``{key: value}`` of the old flags given, with one notice per flag on stderr
-    (``--w4a4 is now activations=true``). Two flags setting one key differently raise a
-    ``ValueError`` naming both."""
+                    command: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """``{key: value}`` of the old flags given and ``{key: the flag as given}`` (for error
+    messages in the user's words), with one notice per flag on stdout (``--w4a4 is now
+    activations=true``; stderr keeps an error to its one line). Two flags setting one key
+    differently raise a ``ValueError`` naming both."""
     out: dict[str, Any] = {}
     said: dict[str, str] = {}
     for i, f in enumerate(table):
@@ -154,8 +155,13 @@ def old_flag_values(args: argparse.Namespace, table: tuple[OldFlag, ...],
         if f.key in out and out[f.key] != v:
             raise ValueError(f"{said[f.key]} and {given} both set {f.key}; give one")
         out[f.key], said[f.key] = v, given
-        print(f"microscale {command}: {given} is now {f.key}={_shown(v)}", file=sys.stderr)
-    return out
+        print(f"microscale {command}: {given} is now {f.key}={_shown(v)}", flush=True)
+    return out, said
+
+
+def spelled(said: dict[str, str], key: str, value: Any) -> str:
+    """How the user gave ``key``: the old flag (``--data x``) or ``key=value``."""
+    return said.get(key, f"{key}={_shown(value)}")
 
 
 def split_keys(overrides: list[str], old: dict[str, Any],

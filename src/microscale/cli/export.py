@@ -45,6 +45,7 @@ from microscale.cli.args import (
     positive_int,
     refuse_unused,
     require,
+    spelled,
     split_keys,
 )
 
@@ -78,14 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_config(args: argparse.Namespace):
-    """The :class:`ExportConfig` of the command line: the old flags, then the
-    ``key=value`` overrides (which win)."""
+    """The :class:`ExportConfig` of the command line (the old flags, then the
+    ``key=value`` overrides, which win) and ``{key: old flag as given}``."""
     from microscale.config import apply_overrides
     from microscale.inference.export_run import ExportConfig
 
-    old = old_flag_values(args, OLD_FLAGS, "export")
+    old, said = old_flag_values(args, OLD_FLAGS, "export")
     (keys,) = split_keys(args.overrides, old, ExportConfig)
-    return apply_overrides(ExportConfig(), keys)
+    return apply_overrides(ExportConfig(), keys), said
 
 
 def parse_formats(text: str | None):
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from microscale.model import PrecisionRules
 
     try:
-        cfg = export_config(args)
+        cfg, said = export_config(args)
     except ValueError as e:  # a ConfigError, or two old flags setting one key
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
@@ -163,12 +164,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"activations=true: the {layout.name} layout stores weights "
                              "only; drop it")
         refuse_unused(
-            (layout.single_file and cfg.shard_size is not None, f"shard_size={cfg.shard_size}",
+            (layout.single_file and cfg.shard_size is not None,
+             spelled(said, "shard_size", cfg.shard_size),
              f"with layout={layout.name} (it writes one file)"),
             (not cfg.activations and cfg.calib_batches is not None,
-             f"calib_batches={cfg.calib_batches}",
+             spelled(said, "calib_batches", cfg.calib_batches),
              "without activations=true (only layer inputs are calibrated)"),
-            (not cfg.activations and cfg.corpus is not None, f"corpus={cfg.corpus}",
+            (not cfg.activations and cfg.corpus is not None,
+             spelled(said, "corpus", cfg.corpus),
              "without activations=true (only layer inputs are calibrated)"))
         res = export_run(args.checkpoint, args.out, layout=layout.name, formats=formats,
                          activations=cfg.activations, calib_batches=cfg.calib_batches,

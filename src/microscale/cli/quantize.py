@@ -39,6 +39,7 @@ from microscale.cli.args import (
     positive_int,
     refuse_unused,
     require,
+    spelled,
     split_keys,
 )
 
@@ -102,14 +103,15 @@ def configs(args: argparse.Namespace):
     from microscale.ptq import QuantizeConfig
     from microscale.workflows.quantize import QuantizeRunConfig
 
-    old = old_flag_values(args, OLD_FLAGS, "quantize")
+    old, said = old_flag_values(args, OLD_FLAGS, "quantize")
     qkeys, rkeys = split_keys(args.overrides, old, QuantizeConfig, QuantizeRunConfig)
     if isinstance(qkeys.get("formats"), str):
         qkeys["formats"] = _formats(qkeys["formats"])
     runc = apply_overrides(QuantizeRunConfig(), rkeys)
     gguf = runc.layout == "gguf"
     cfg = apply_overrides(QuantizeConfig.for_gguf() if gguf else QuantizeConfig(), qkeys)
-    refuse_unused((not cfg.static_act_scales and not cfg.activations, "static_act_scales=false",
+    refuse_unused((not cfg.static_act_scales and not cfg.activations,
+                   spelled(said, "static_act_scales", False),
                    "without activations=true (only quantized layer inputs have scales)"))
     if gguf:
         from microscale.export.gguf import gguf_format
