@@ -4,7 +4,11 @@ naming it and what was expected (argparse adds the option name)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import math
+import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,3 +89,114 @@ def refuse_unused(*cases: tuple[bool, str, str]) -> None:
     for given, option, why in cases:
         if given:
             raise ValueError(f"{option} has no effect {why}; drop it")
+
+
+# ----------------------------------------------------------------------------- key=value
+
+
+@dataclasses.dataclass(frozen=True)
+class OldFlag:
+    """An option kept as an alias of a config key: ``--w4a4`` is ``activations=true``."""
+
+    # The option strings (the first one is named in the notice).
+    flags: tuple[str, ...]
+    # The dotted config key it sets.
+    key: str
+    # A switch's value (the flag takes no argument); None: the flag takes a value.
+    const: Any = None
+    # argparse type of the flag's value (the old validation, the old error messages).
+    type: Callable[[str], Any] | None = None
+    # The accepted values, or {accepted value: the key's value} to translate them.
+    choices: tuple[str, ...] | dict[str, Any] | None = None
+
+
+def add_old_flags(parser: argparse.ArgumentParser, table: tuple[OldFlag, ...]) -> None:
+    """Register every ``table`` flag (under ``old flags``, each saying its key)."""
+    g = parser.add_argument_group("old flags (each an alias of a key; prints a notice)")
+    for i, f in enumerate(table):
+        kw: dict[str, Any] = {"dest": f"_old_{i}", "default": None}
+        if f.const is not None:
+            kw.update(action="store_const", const=f.const,
+                      help=f"{f.key}={_shown(f.const)}")
+        else:
+            kw.update(type=f.type, metavar=f.key.upper().replace(".", "_"),
+                      help=f"{f.key}=VALUE")
+            if f.choices is not None:
+                kw["choices"] = list(f.choices)
+        g.add_argument(*f.flags, **kw)
+
+
+def _shown(v: Any) -> str:
+    """A value as a ``key=value`` command line writes it."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if v is None:
+        return "none"
+    if isinstance(v, tuple):
+        return ",".join(_shown(x) for x in v)
+    return str(v)
+
+
+def old_flag_values(args: argparse.Namespace, table: tuple[OldFlag, ...],
+                    command: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """``{key: value}`` of the old flags given and ``{key: the flag as given}`` (for error
+    messages in the user's words), with one notice per flag on stdout (``--w4a4 is now
+    activations=true``; stderr keeps an error to its one line). Two flags setting one key
+    differently raise a ``ValueError`` naming both."""
+    out: dict[str, Any] = {}
+    said: dict[str, str] = {}
+    for i, f in enumerate(table):
+        v = getattr(args, f"_old_{i}")
+        if v is None:
+            continue
+        if isinstance(f.choices, dict):
+            v = f.choices[v]
+        given = f.flags[0] if f.const is not None else f"{f.flags[0]} {_shown(v)}"
+        if f.key in out and out[f.key] != v:
+            raise ValueError(f"{said[f.key]} and {given} both set {f.key}; give one")
+        out[f.key], said[f.key] = v, given
+        print(f"microscale {command}: {given} is now {f.key}={_shown(v)}", flush=True)
+    return out, said
+
+
+def spelled(said: dict[str, str], key: str, value: Any) -> str:
+    """How the user gave ``key``: the old flag (``--data x``) or ``key=value``."""
+    return said.get(key, f"{key}={_shown(value)}")
+
+
+def split_keys(overrides: list[str], old: dict[str, Any],
+               *classes: type) -> list[dict[str, Any]]:
+    """The old flags' values, then the ``key=value`` overrides (which win), split by the
+    config class whose field the key's first part names; an unknown key raises a
+    ``ConfigError`` naming it and every valid key."""
+    from microscale.config import ConfigError, config_keys, parse_overrides
+
+    items = {**old, **dict(parse_overrides(overrides))}
+    owner = {f.name: i for i, c in enumerate(classes) for f in dataclasses.fields(c)}
+    parts: list[dict[str, Any]] = [{} for _ in classes]
+    for k, v in items.items():
+        i = owner.get(k.split(".")[0])
+        if i is None:
+            keys = [key for c in classes for key in config_keys(c)]
+            guess = difflib.get_close_matches(k, keys, n=1, cutoff=0.6)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            raise ConfigError(f"unknown key {k!r}{hint} (--list-keys lists every key)")
+        parts[i][k] = v
+    return parts
+
+
+def describe_keys(*configs: Any) -> str:
+    """``--list-keys``: every key of ``configs`` with its value and comment."""
+    from microscale.config import describe
+
+    return "\n".join(describe(c) for c in configs)
+
+
+def require(args: argparse.Namespace, command: str, *names: str) -> bool:
+    """Whether the options ``names`` were given (they are optional only for
+    ``--list-keys``); prints the usage error naming the missing ones otherwise."""
+    missing = [f"--{n}" for n in names if getattr(args, n) is None]
+    if missing:
+        print(f"microscale {command}: error: the following arguments are required: "
+              f"{', '.join(missing)}", file=sys.stderr)
+    return not missing

@@ -1,26 +1,30 @@
 """``microscale export``: write a packed checkpoint vLLM / TensorRT-LLM load.
 
-    microscale export --checkpoint runs/x --format compressed-tensors --out out/x-nvfp4
-    microscale export --checkpoint runs/x --format modelopt --out out/x --rules runs/x/precision_rules.json
-    microscale export --checkpoint runs/x --out out/x --formats ptq/layers.json     # {path: format}
-    microscale export --checkpoint runs/x --out out/x --activations --calib-batches 8   # W4A4
-    microscale export --checkpoint hf-llama/ --out out/llama-nvfp4   # any HF Llama folder
-    microscale export --checkpoint runs/x --format gguf --out x.gguf  # llama.cpp (one file)
-    microscale export --checkpoint out/q --format gguf --out q.gguf   # a quantize output
+    microscale export -c runs/x -o out/x-nvfp4 layout=compressed-tensors
+    microscale export -c runs/x -o out/x layout=modelopt rules=runs/x/precision_rules.json
+    microscale export -c runs/x -o out/x formats=ptq/layers.json       # {path: format}
+    microscale export -c runs/x -o out/x activations=true calib_batches=8   # W4A4
+    microscale export -c hf-llama/ -o out/llama-nvfp4   # any HF Llama folder
+    microscale export -c runs/x -o x.gguf layout=gguf   # llama.cpp (one file)
+    microscale export -c out/q -o q.gguf layout=gguf    # a quantize output
+    microscale export --list-keys                       # every key with its value and meaning
 
-``--checkpoint`` is a training run folder (latest checkpoint, or ``--step``) or an HF-style
+``--checkpoint`` is a training run folder (latest checkpoint, or ``step=``) or an HF-style
 folder (plain or already packed: converted between layouts byte for byte when no formats
-are given). Layers get NVFP4 unless ``--formats`` (a format name, or a JSON object / file
-``{layer path: format}``, optionally under a ``"layers"`` key) or ``--rules`` (a
-PrecisionRules JSON: each layer's recipe's forward formats) say otherwise; a run trained
-with an allocation (``precision.kind=rules``, e.g. QAT on a ``microscale quantize`` output, or
-``precision.kind=sensitivity``) exports its own ``precision_rules.json`` by default.
-``--activations`` also quantizes layer inputs (W4A4 / W8A8) with static scales calibrated
-on ``--calib-batches`` batches of held-out data (the run's corpus or ``--data``).
-``--format gguf`` writes one llama.cpp file (:mod:`microscale.export.gguf`): NVFP4, MXFP4
-and Q8_0 layers natively, FP8 / MXFP8 layers as Q8_0, bf16 layers as ``--dtype``. From a
-packed folder or a ``microscale quantize`` output (its ``checkpoint/``) each layer keeps
-its format, and NVFP4 / MXFP4 layers their bytes.
+are given). The keys are those of :class:`~microscale.inference.export_run.ExportConfig`.
+Layers get NVFP4 unless ``formats=`` (a format name, or a JSON object / file ``{layer
+path: format}``, optionally under a ``"layers"`` key) or ``rules=`` (a PrecisionRules JSON:
+each layer's recipe's forward formats) say otherwise; a run trained with an allocation
+(``precision.kind=rules``, e.g. QAT on a ``microscale quantize`` output, or
+``precision.kind=sensitivity``)
+exports its own ``precision_rules.json`` by default. ``activations=true`` also quantizes
+layer inputs (W4A4 / W8A8) with static scales calibrated on ``calib_batches`` batches of
+held-out data (the run's corpus or ``corpus=``). ``layout=gguf`` writes one llama.cpp file
+(:mod:`microscale.export.gguf`): NVFP4, MXFP4 and Q8_0 layers natively, FP8 / MXFP8 layers
+as Q8_0, bf16 layers as ``dtype``. From a packed folder or a ``microscale quantize``
+output (its ``checkpoint/``) each layer keeps its format, and NVFP4 / MXFP4 layers their
+bytes. The old flags (``--format gguf``, ``--data``, ``--activations``, ...) still work,
+each printing the key it now is.
 Exit codes: 0 done, 2 bad arguments or inconsistent inputs.
 """
 
@@ -32,50 +36,65 @@ import math
 import sys
 from pathlib import Path
 
-from microscale.cli.args import nonnegative_int, positive_float, positive_int, refuse_unused
+from microscale.cli.args import (
+    OldFlag,
+    add_old_flags,
+    describe_keys,
+    nonnegative_int,
+    old_flag_values,
+    positive_float,
+    positive_int,
+    refuse_unused,
+    require,
+    spelled,
+    split_keys,
+)
+
+# The flags before key=value: each sets the key it names.
+OLD_FLAGS = (
+    OldFlag(("--format",), "layout", choices=("compressed-tensors", "modelopt", "hf", "gguf")),
+    OldFlag(("--formats",), "formats"),
+    OldFlag(("--rules",), "rules"),
+    OldFlag(("--activations",), "activations", const=True),
+    OldFlag(("--calib-batches",), "calib_batches", type=positive_int),
+    OldFlag(("--data",), "corpus"),
+    OldFlag(("--step",), "step", type=nonnegative_int),
+    OldFlag(("--dtype",), "dtype", choices=("bfloat16", "float16", "float32")),
+    OldFlag(("--embed-format",), "embed_format"),
+    OldFlag(("--shard-size",), "shard_size", type=positive_float),
+    OldFlag(("--overwrite",), "overwrite", const=True),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from microscale.export.registry import layout_names
-    from microscale.export.writer import DEFAULT_SHARD_BYTES
-    from microscale.inference.export_run import CALIB_BATCHES
+    parser.add_argument("--checkpoint", "-c",
+                        help="training run folder or HF-style model folder (required)")
+    parser.add_argument("--out", "-o",
+                        help="output folder (layout=gguf: output file) (required)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="ExportConfig keys: layout=gguf formats=nvfp4 activations=true "
+                             "corpus=texts/ (--list-keys)")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="list every key with its value and meaning, and exit")
+    add_old_flags(parser, OLD_FLAGS)
 
-    parser.add_argument("--checkpoint", "-c", required=True,
-                        help="training run folder or HF-style model folder")
-    parser.add_argument("--out", "-o", required=True,
-                        help="output folder (--format gguf: output file)")
-    parser.add_argument("--format", dest="layout", default="compressed-tensors",
-                        choices=layout_names(writes_model=True),
-                        help="deployment layout (default: compressed-tensors; hf: float "
-                             "weights; gguf: llama.cpp)")
-    g = parser.add_mutually_exclusive_group()
-    g.add_argument("--formats", help="format name for every layer (nvfp4, fp8_e4m3, mxfp4, "
-                   "mxfp8, q8_0, bf16) or JSON {layer path: format} (text or file)")
-    g.add_argument("--rules", help="PrecisionRules JSON file (e.g. RUN/precision_rules.json)")
-    parser.add_argument("--activations", action="store_true",
-                        help="quantize layer inputs too (W4A4 / W8A8, calibrated static scales)")
-    parser.add_argument("--calib-batches", type=positive_int, default=None,
-                        help=f"calibration batches for --activations (default: {CALIB_BATCHES})")
-    parser.add_argument("--data", help="calibration corpus for --activations (default: the run's "
-                        "corpus)")
-    parser.add_argument("--step", type=nonnegative_int,
-                        help="run checkpoint step (default: latest)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="dtype of unquantized tensors (default: bfloat16)")
-    parser.add_argument("--embed-format", default=None,
-                        help="GGUF only: the token embedding / tied LM head's format (bf16, "
-                             "q8_0, mxfp4; default: unquantized, as --dtype)")
-    parser.add_argument("--shard-size", type=positive_float, default=None,
-                        help=f"shard the weights above this many GB (default: "
-                             f"{DEFAULT_SHARD_BYTES / 1e9:g}; not with --format gguf)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+def export_config(args: argparse.Namespace):
+    """The :class:`ExportConfig` of the command line (the old flags, then the
+    ``key=value`` overrides, which win) and ``{key: old flag as given}``."""
+    from microscale.config import apply_overrides
+    from microscale.inference.export_run import ExportConfig
+
+    old, said = old_flag_values(args, OLD_FLAGS, "export")
+    (keys,) = split_keys(args.overrides, old, ExportConfig)
+    return apply_overrides(ExportConfig(), keys), said
 
 
 def parse_formats(text: str | None):
     """A format name, or a {path: format} mapping from JSON text or a JSON file."""
     if text is None:
         return None
-    where = f"--formats {text!r}"
+    where = f"formats={text!r}"
     if not text.lstrip().startswith("{"):
         p = Path(text)
         if p.suffix != ".json" and not p.is_file():
@@ -84,7 +103,7 @@ def parse_formats(text: str | None):
             return get_format(text.strip()).name  # a format name (validated early)
         from microscale.files import read_json
 
-        obj = read_json(p, what="--formats file")
+        obj = read_json(p, what="formats= file")
     else:
         try:
             obj = json.loads(text)
@@ -121,35 +140,48 @@ def _print_written(res, dtype: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Parse the flags, then :func:`~microscale.inference.export_run.export_run`."""
+    """Parse the command line, then :func:`~microscale.inference.export_run.export_run`."""
     from microscale.export import CheckpointError
     from microscale.export.registry import get_layout
     from microscale.inference.export_run import export_run
     from microscale.model import PrecisionRules
 
     try:
-        formats = parse_formats(args.formats)
-        if args.rules:
-            formats = PrecisionRules.load(args.rules)
-        layout = get_layout(args.layout)
-        if args.activations and not layout.input_scales:
-            raise ValueError(f"--activations: the {layout.name} layout stores weights only; "
-                             "drop --activations")
+        cfg, said = export_config(args)
+    except ValueError as e:  # a ConfigError, or two old flags setting one key
+        print(f"microscale export: error: {e}", file=sys.stderr)
+        return 2
+    if args.list_keys:
+        print(describe_keys(cfg))
+        return 0
+    if not require(args, "export", "checkpoint", "out"):
+        return 2
+    try:
+        formats = parse_formats(cfg.formats)
+        if cfg.rules:
+            formats = PrecisionRules.load(cfg.rules)
+        layout = get_layout(cfg.layout)
+        if cfg.activations and not layout.input_scales:
+            raise ValueError(f"activations=true: the {layout.name} layout stores weights "
+                             "only; drop it")
         refuse_unused(
-            (layout.single_file and args.shard_size is not None, "--shard-size",
-             f"with --format {layout.name} (it writes one file)"),
-            (not args.activations and args.calib_batches is not None, "--calib-batches",
-             "without --activations (only layer inputs are calibrated)"),
-            (not args.activations and args.data is not None, "--data",
-             "without --activations (only layer inputs are calibrated)"))
+            (layout.single_file and cfg.shard_size is not None,
+             spelled(said, "shard_size", cfg.shard_size),
+             f"with layout={layout.name} (it writes one file)"),
+            (not cfg.activations and cfg.calib_batches is not None,
+             spelled(said, "calib_batches", cfg.calib_batches),
+             "without activations=true (only layer inputs are calibrated)"),
+            (not cfg.activations and cfg.corpus is not None,
+             spelled(said, "corpus", cfg.corpus),
+             "without activations=true (only layer inputs are calibrated)"))
         res = export_run(args.checkpoint, args.out, layout=layout.name, formats=formats,
-                         activations=args.activations, calib_batches=args.calib_batches,
-                         data=args.data, step=args.step, dtype=args.dtype,
-                         shard_bytes=None if args.shard_size is None
-                         else int(args.shard_size * 1e9),
-                         embed_format=args.embed_format, overwrite=args.overwrite)
+                         activations=cfg.activations, calib_batches=cfg.calib_batches,
+                         data=cfg.corpus, step=cfg.step, dtype=cfg.dtype,
+                         shard_bytes=None if cfg.shard_size is None
+                         else int(cfg.shard_size * 1e9),
+                         embed_format=cfg.embed_format, overwrite=cfg.overwrite)
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    _print_written(res, args.dtype)
+    _print_written(res, cfg.dtype)
     return 0

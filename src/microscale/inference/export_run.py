@@ -9,9 +9,11 @@ inference engine.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from microscale.data import load_tokenizer
 from microscale.export import Checkpoint, read_checkpoint
@@ -22,6 +24,7 @@ from microscale.export.registry import (
     Layout,
     detect,
     get_layout,
+    layout_names,
     quantize_output_model,
 )
 from microscale.export.writer import check_export_out
@@ -31,9 +34,57 @@ from microscale.inference.model import InferenceModel, collect_input_amax
 from microscale.model import PrecisionRules
 from microscale.train import load_checkpoint
 
-__all__ = ["CALIB_BATCHES", "export_run"]
+__all__ = ["CALIB_BATCHES", "ExportConfig", "export_run"]
 
 CALIB_BATCHES = 8  # calibration batches of activations=True by default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """What ``microscale export`` takes as ``key=value``: the options of
+    :func:`export_run` as the command line writes them (``formats`` and ``rules`` as
+    text or a file, ``shard_size`` in GB)."""
+
+    # Output layout: compressed-tensors, modelopt, hf (float weights) or gguf (llama.cpp,
+    # one file).
+    layout: str = "compressed-tensors"
+    # Number formats: one format name for every layer (nvfp4, fp8_e4m3, mxfp4, mxfp8, q8_0,
+    # bf16) or JSON {layer path: format} (text or a file); None: NVFP4, a packed folder's
+    # own formats, or the allocation a run trained with.
+    formats: str | None = None
+    # A PrecisionRules JSON file (e.g. RUN/precision_rules.json); not with formats.
+    rules: str | None = None
+    # Quantize layer inputs too (W4A4 / W8A8) with calibrated static scales.
+    activations: bool = False
+    # With activations: calibration batches; None: CALIB_BATCHES.
+    calib_batches: int | None = None
+    # With activations: the calibration corpus; None: the run's own corpus.
+    corpus: str | None = None
+    # Checkpoint step of a training run folder; None: the latest.
+    step: int | None = None
+    # dtype of the unquantized tensors.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # GGUF only: the token embedding / tied LM head's format (bf16, q8_0, mxfp4); None:
+    # unquantized, as dtype.
+    embed_format: str | None = None
+    # Shard a folder's weights above this many GB; None: the writer's default (5 GB).
+    shard_size: float | None = None
+    # Replace an existing output (an earlier export).
+    overwrite: bool = False
+
+    def __post_init__(self):
+        valid = layout_names(writes_model=True)
+        if self.layout not in valid:
+            raise ValueError(f"layout={self.layout!r}: expected one of {', '.join(valid)}")
+        if self.formats is not None and self.rules is not None:
+            raise ValueError("formats= and rules= both give the layers' formats; give one")
+        for name in ("calib_batches", "step"):
+            v, lo = getattr(self, name), int(name == "calib_batches")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise ValueError(f"{name}={v!r}: expected an integer >= {lo} or none")
+        s = self.shard_size
+        if s is not None and not (isinstance(s, int | float) and math.isfinite(s) and s > 0):
+            raise ValueError(f"shard_size={s!r}: expected a number of GB > 0 or none")
 
 
 def export_run(source: str | os.PathLike, out: str | os.PathLike, *,

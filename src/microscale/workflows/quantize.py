@@ -48,7 +48,7 @@ from typing import Any
 
 from microscale.data import DataConfig, check_vocab_fits, load_data
 from microscale.export.reader import build_model
-from microscale.export.registry import get_layout
+from microscale.export.registry import get_layout, layout_names
 from microscale.files import check_input_dir, lock_folder
 from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
 from microscale.ptq.report import check_quantize_out, write_outputs
@@ -64,7 +64,7 @@ from microscale.train.init import (
 )
 
 __all__ = ["MODEL_DEFAULT_CORPUS", "MODEL_EVAL_BATCHES", "MODEL_ROWS", "MODEL_SEQ_LEN",
-           "quantize_run"]
+           "QuantizeRunConfig", "quantize_run"]
 
 
 # A model folder (HF, or a quantize output without its run): the text without --corpus,
@@ -73,6 +73,33 @@ MODEL_DEFAULT_CORPUS = "stdlib"
 MODEL_SEQ_LEN = 512
 MODEL_ROWS = 2
 MODEL_EVAL_BATCHES = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizeRunConfig:
+    """The options of :func:`quantize_run` beside its :class:`QuantizeConfig` (what
+    ``microscale quantize`` takes as ``key=value`` next to the QuantizeConfig keys)."""
+
+    # Output layout: compressed-tensors, modelopt, microscale (own safetensors + manifest)
+    # or gguf (searches only what llama.cpp runs natively; writes OUT/model.gguf).
+    layout: str = "compressed-tensors"
+    # Calibration/evaluation corpus (a text file or folder, a .jsonl, stdlib, ...) tokenized
+    # with the model's own tokenizer; None: a run's own corpus, stdlib for an HF folder.
+    corpus: str | None = None
+    # Checkpoint step of a training run folder; None: the latest.
+    step: int | None = None
+    # Validation batches for perplexity; None: the run's (8 batches of 2 x 512 tokens for
+    # a model folder).
+    eval_batches: int | None = None
+
+    def __post_init__(self):
+        valid = (*layout_names(single_file=False, quantized=True), "gguf")
+        if self.layout not in valid:
+            raise ValueError(f"layout={self.layout!r}: expected one of {', '.join(valid)}")
+        for name, lo in (("step", 0), ("eval_batches", 1)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise ValueError(f"{name}={v!r}: expected an integer >= {lo} or none")
 
 
 def quantize_run(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
