@@ -30,20 +30,39 @@ import json
 import sys
 from pathlib import Path
 
-MODEL = ["model.d_model=128", "model.d_ff=256", "eval_every=0", "eval_batches=128",
-         "data.eval_batch_size=16", "tensorboard=false"]
+MODEL = [
+    "model.d_model=128",
+    "model.d_ff=256",
+    "eval_every=0",
+    "eval_batches=128",
+    "data.eval_batch_size=16",
+    "tensorboard=false",
+]
 # name -> (what it changes, overrides of the tiny preset on top of MODEL)
 SETTINGS: dict[str, tuple[str, list[str]]] = {
-    "s1_lr3e-3_min0.1": ("the old default regime: peak lr 3e-3, cosine to 0.1 x peak",
-                         ["steps=150", "optim.warmup_steps=15"]),
-    "s2_lr1e-3_decay0": ("peak lr 1e-3, cosine to 0",
-                         ["steps=150", "optim.warmup_steps=15", "lr=1e-3",
-                          "optim.min_lr_ratio=0"]),
-    "s3_lr3e-3_decay0": ("peak lr 3e-3, cosine to 0",
-                         ["steps=150", "optim.warmup_steps=15", "optim.min_lr_ratio=0"]),
-    "s4_lr1e-3_decay0_d64": ("s2's schedule on a smaller model: d_model 64, d_ff 128",
-                             ["steps=150", "optim.warmup_steps=15", "lr=1e-3",
-                              "optim.min_lr_ratio=0", "model.d_model=64", "model.d_ff=128"]),
+    "s1_lr3e-3_min0.1": (
+        "the old default regime: peak lr 3e-3, cosine to 0.1 x peak",
+        ["steps=150", "optim.warmup_steps=15"],
+    ),
+    "s2_lr1e-3_decay0": (
+        "peak lr 1e-3, cosine to 0",
+        ["steps=150", "optim.warmup_steps=15", "lr=1e-3", "optim.min_lr_ratio=0"],
+    ),
+    "s3_lr3e-3_decay0": (
+        "peak lr 3e-3, cosine to 0",
+        ["steps=150", "optim.warmup_steps=15", "optim.min_lr_ratio=0"],
+    ),
+    "s4_lr1e-3_decay0_d64": (
+        "s2's schedule on a smaller model: d_model 64, d_ff 128",
+        [
+            "steps=150",
+            "optim.warmup_steps=15",
+            "lr=1e-3",
+            "optim.min_lr_ratio=0",
+            "model.d_model=64",
+            "model.d_ff=128",
+        ],
+    ),
 }
 SHORT_EVAL = 8  # batches of the old default eval (8 x 16 x 128 = 16,384 tokens)
 TARGET = 0.5
@@ -73,39 +92,59 @@ def analyse(name: str, desc: str, cfg, n_batches: int | None = None) -> dict:
         if p.exists():
             s = json.loads(p.read_text())
             b = s["final_val_batch_losses"]["val"][:n_batches]
-            per.setdefault(run, {})[seed] = {"loss": sum(b) / len(b), "batches": b,
-                                             "cpu_s": _cpu_seconds(d), "params": s["params"],
-                                             "tokens": s["tokens"]}
+            per.setdefault(run, {})[seed] = {
+                "loss": sum(b) / len(b),
+                "batches": b,
+                "cpu_s": _cpu_seconds(d),
+                "params": s["params"],
+                "tokens": s["tokens"],
+            }
     bf, nv = per.get("bf16", {}), per.get("nvfp4", {})
-    gaps = stats.paired_gaps({k: v["loss"] for k, v in nv.items()},
-                             {k: v["loss"] for k, v in bf.items()})
+    gaps = stats.paired_gaps(
+        {k: v["loss"] for k, v in nv.items()}, {k: v["loss"] for k, v in bf.items()}
+    )
     ci = stats.mean_ci(list(gaps.values()))
     se = [stats.eval_se(nv[s]["batches"], bf[s]["batches"]) for s in gaps]
     b = stats.mean_ci([v["loss"] for v in bf.values()])
-    cpu = {r: stats.mean_ci([v["cpu_s"] for v in per.get(r, {}).values()])["mean"]
-           for r in ("bf16", "nvfp4")}
+    cpu = {
+        r: stats.mean_ci([v["cpu_s"] for v in per.get(r, {}).values()])["mean"]
+        for r in ("bf16", "nvfp4")
+    }
     first = next(iter(bf.values()), {})
-    return {"setting": name, "what": desc, "params": first.get("params"),
-            "tokens": first.get("tokens"), "eval_tokens": len(first.get("batches", [])) * 2048,
-            "seeds": sorted(gaps), "bf16_loss_mean": b["mean"], "bf16_loss_sd": b["sd"],
-            "bf16_loss_sd_pct": 100 * b["sd"] / b["mean"] if b["sd"] else None,
-            "gap_per_seed": {str(k): v for k, v in gaps.items()},
-            "gap_mean": ci["mean"], "gap_sd": ci["sd"], "gap_ci95": ci["ci95"],
-            "gap_half_width": ci["half_width"],
-            "eval_se": stats.combined_eval_se(se),
-            "eval_se_per_seed": se,
-            "seeds_for_0.5": stats.seeds_needed(ci["sd"], TARGET),
-            "cpu_s_per_run": cpu}
+    return {
+        "setting": name,
+        "what": desc,
+        "params": first.get("params"),
+        "tokens": first.get("tokens"),
+        "eval_tokens": len(first.get("batches", [])) * 2048,
+        "seeds": sorted(gaps),
+        "bf16_loss_mean": b["mean"],
+        "bf16_loss_sd": b["sd"],
+        "bf16_loss_sd_pct": 100 * b["sd"] / b["mean"] if b["sd"] else None,
+        "gap_per_seed": {str(k): v for k, v in gaps.items()},
+        "gap_mean": ci["mean"],
+        "gap_sd": ci["sd"],
+        "gap_ci95": ci["ci95"],
+        "gap_half_width": ci["half_width"],
+        "eval_se": stats.combined_eval_se(se),
+        "eval_se_per_seed": se,
+        "seeds_for_0.5": stats.seeds_needed(ci["sd"], TARGET),
+        "cpu_s_per_run": cpu,
+    }
 
 
 def render(rows: list[dict]) -> str:
     def f(v, spec=".3f"):
         return "—" if v is None else format(v, spec)
 
-    lines = ["# Noise study: can `microscale compare` resolve a 0.5-point gap?", "",
-             "| setting | params | train tokens | eval tokens | n | bf16 loss (sd, % sd) | "
-             "nvfp4-bf16 gap per seed (%) | gap mean ± 95% CI | gap sd | eval SE | "
-             "seeds for ±0.5 | CPU s/run bf16, nvfp4 |", "|" + "---|" * 12]
+    lines = [
+        "# Noise study: can `microscale compare` resolve a 0.5-point gap?",
+        "",
+        "| setting | params | train tokens | eval tokens | n | bf16 loss (sd, % sd) | "
+        "nvfp4-bf16 gap per seed (%) | gap mean ± 95% CI | gap sd | eval SE | "
+        "seeds for ±0.5 | CPU s/run bf16, nvfp4 |",
+        "|" + "---|" * 12,
+    ]
     for r in rows:
         seeds = ", ".join(f"{v:+.2f}" for v in r["gap_per_seed"].values())
         hw = r["gap_half_width"]
@@ -115,7 +154,8 @@ def render(rows: list[dict]) -> str:
             f"({f(r['bf16_loss_sd'], '.4f')}, {f(r['bf16_loss_sd_pct'], '.2f')}%) | {seeds} | "
             f"{f(r['gap_mean'], '+.2f')} ± {f(hw, '.2f')} | {f(r['gap_sd'], '.2f')} | "
             f"{f(r['eval_se'], '.3f')} | {r['seeds_for_0.5'] or '—'} | "
-            f"{f(r['cpu_s_per_run']['bf16'], '.0f')}, {f(r['cpu_s_per_run']['nvfp4'], '.0f')} |")
+            f"{f(r['cpu_s_per_run']['bf16'], '.0f')}, {f(r['cpu_s_per_run']['nvfp4'], '.0f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -144,14 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in names:
         desc, ov = SETTINGS[n]
-        cfg = CompareConfig(base=resolve_config("tiny", MODEL + ov), runs=("bf16", "nvfp4"),
-                            seeds=seeds, out=f"{args.root}/{n}", parallel=args.parallel)
+        cfg = CompareConfig(
+            base=resolve_config("tiny", MODEL + ov),
+            runs=("bf16", "nvfp4"),
+            seeds=seeds,
+            out=f"{args.root}/{n}",
+            parallel=args.parallel,
+        )
         if not args.report_only:
             print(f"[noise] setting {n}: {desc}", flush=True)
             run_compare(cfg)
         rows.append(analyse(n, desc + ", eval 262k tokens", cfg))
-        rows.append(analyse(n + "_eval16k", desc + ", eval 16k tokens (first 8 batches)",
-                            cfg, SHORT_EVAL))
+        rows.append(
+            analyse(n + "_eval16k", desc + ", eval 16k tokens (first 8 batches)", cfg, SHORT_EVAL)
+        )
     rows = [r for r in rows if r["gap_mean"] is not None]  # settings with a finished pair
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)

@@ -56,8 +56,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gguf-only", action="store_true",
-                    help="only the llama.cpp GGUF rows (needs a llama.cpp binding)")
+    ap.add_argument(
+        "--gguf-only",
+        action="store_true",
+        help="only the llama.cpp GGUF rows (needs a llama.cpp binding)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
     args = ap.parse_args()
 
@@ -72,16 +75,17 @@ def main() -> None:
         "nvfp4-a4": dict(formats="nvfp4", activations=True, compute_dtype="bfloat16"),
         "f32": dict(compute_dtype="float32"),
     }
-    print(f"# decode, {args.preset} ({cfg.num_params() / 1e6:.1f}M params), batch "
-          f"{args.batch}, prompt {args.prompt_len}, {args.tokens} new tokens, "
-          f"{jax.devices()[0].platform}")
+    print(
+        f"# decode, {args.preset} ({cfg.num_params() / 1e6:.1f}M params), batch "
+        f"{args.batch}, prompt {args.prompt_len}, {args.tokens} new tokens, "
+        f"{jax.devices()[0].platform}"
+    )
     print("| weights | decode tokens/s | x bf16 | linear weight MiB | x bf16 |")
     print("|---|---:|---:|---:|---:|")
     rows = []
     for name, kw in ({} if args.gguf_only else variants).items():
         f32 = kw["compute_dtype"] == "float32"
-        im = InferenceModel.from_params(model, cfg.replace(compute_dtype=kw["compute_dtype"]),
-                                        **kw)
+        im = InferenceModel.from_params(model, cfg.replace(compute_dtype=kw["compute_dtype"]), **kw)
         t_full = _time(im, prompts, args.tokens, args.repeats)
         t_one = _time(im, prompts, 1, args.repeats)
         tps = args.batch * (args.tokens - 1) / max(t_full - t_one, 1e-9)
@@ -89,8 +93,10 @@ def main() -> None:
         mib = (st.quantized_bytes + st.dense_linear_bytes) / 2**20
         rows.append((name, tps, mib))
         base_tps, base_mib = rows[0][1], rows[0][2]
-        print(f"| {name}{' (float32 compute)' if f32 else ''} | {tps:.1f} | "
-              f"{tps / base_tps:.2f} | {mib:.2f} | {mib / base_mib:.3f} |")
+        print(
+            f"| {name}{' (float32 compute)' if f32 else ''} | {tps:.1f} | "
+            f"{tps / base_tps:.2f} | {mib:.2f} | {mib / base_mib:.3f} |"
+        )
     _llama_cpp_rows(model, cfg, prompts[0], args)
 
 
@@ -106,8 +112,10 @@ def _llama_cpp_rows(model, cfg: ModelConfig, prompt: list[int], args) -> None:
     if llama_cpp_available() is None:
         print("\n(llama.cpp rows skipped: pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")
         return
-    print(f"\n# llama.cpp ({llama_cpp_available()}) on GGUF exports of the same weights, "
-          f"batch 1, {args.tokens} new tokens, best of {args.repeats}")
+    print(
+        f"\n# llama.cpp ({llama_cpp_available()}) on GGUF exports of the same weights, "
+        f"batch 1, {args.tokens} new tokens, best of {args.repeats}"
+    )
     print("| GGUF linear layers | decode tokens/s | x BF16 GGUF | file MiB | x BF16 GGUF |")
     print("|---|---:|---:|---:|---:|")
     base = None
@@ -120,8 +128,7 @@ def _llama_cpp_rows(model, cfg: ModelConfig, prompt: list[int], args) -> None:
             llm.close()
             mib = path.stat().st_size / 2**20
             base = base or (tps, mib)
-            print(f"| {fmt} | {tps:.1f} | {tps / base[0]:.2f} | {mib:.1f} | "
-                  f"{mib / base[1]:.3f} |")
+            print(f"| {fmt} | {tps:.1f} | {tps / base[0]:.2f} | {mib:.1f} | {mib / base[1]:.3f} |")
             path.unlink()
 
 

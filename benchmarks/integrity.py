@@ -46,10 +46,14 @@ def main() -> None:
     n_layers, n = 8, int(a.params)
     per = n // n_layers
     key = jax.random.key(0)
-    params = {f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (per,)) for i in
-              range(n_layers)}
-    state = {"params": params, "mu": jax.tree.map(jnp.zeros_like, params),
-             "nu": jax.tree.map(jnp.ones_like, params)}
+    params = {
+        f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (per,)) for i in range(n_layers)
+    }
+    state = {
+        "params": params,
+        "mu": jax.tree.map(jnp.zeros_like, params),
+        "nu": jax.tree.map(jnp.ones_like, params),
+    }
     jax.block_until_ready(state)
     root = Path(tempfile.mkdtemp(prefix="integrity-bench-"))
     rows = []
@@ -58,21 +62,32 @@ def main() -> None:
 
         def save_only():
             ck = Checkpointer(root / "ck", keep=1, async_save=False)
-            ck._mgr.save(next(step), args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({})), force=True)
+            ck._mgr.save(
+                next(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({})
+                ),
+                force=True,
+            )
             ck.close()
 
         rows.append(("orbax save (3 x params)", _median(save_only, a.repeats)))
-        rows.append(("  + checksums at save", _median(lambda: crc32_many(host_leaves(state)),
-                                                      a.repeats)))
+        rows.append(
+            ("  + checksums at save", _median(lambda: crc32_many(host_leaves(state)), a.repeats))
+        )
         ck = Checkpointer(root / "ck2", keep=1, async_save=False)
         ck.save(1, state, {"step": 1})
         ck.wait()
         sums = crc32_many(host_leaves(state))
+
         def restore_only():
-            return ck._mgr.restore(1, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_like(state)),
-                meta=ocp.args.JsonRestore()))
+            return ck._mgr.restore(
+                1,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_like(state)),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
 
         rows.append(("orbax restore", _median(restore_only, a.repeats)))
         restored = restore_only()["state"]
@@ -87,8 +102,12 @@ def main() -> None:
 
         host = {k: np.asarray(v) for k, v in params.items()}
         st = root / "m.safetensors"
-        rows.append(("safetensors write (params, with CRC)",
-                     _median(lambda: write_safetensors(st, host), a.repeats)))
+        rows.append(
+            (
+                "safetensors write (params, with CRC)",
+                _median(lambda: write_safetensors(st, host), a.repeats),
+            )
+        )
         rows.append(("  of which checksums", _median(lambda: crc32_many(host), a.repeats)))
 
         def read_all():
@@ -113,10 +132,12 @@ def main() -> None:
     for name, ms in rows:
         print(f"| {name} | {ms:.1f} |")
     r = dict(rows)
-    print(f"save overhead {r['  + checksums at save'] / r['orbax save (3 x params)']:.2f}x of "
-          f"the save; restore overhead "
-          f"{r['  + verification at restore'] / r['orbax restore']:.2f}x of the restore; "
-          f"safetensors read {r['safetensors read + use, verified'] / r['safetensors read + use, unverified']:.2f}x")
+    print(
+        f"save overhead {r['  + checksums at save'] / r['orbax save (3 x params)']:.2f}x of "
+        f"the save; restore overhead "
+        f"{r['  + verification at restore'] / r['orbax restore']:.2f}x of the restore; "
+        f"safetensors read {r['safetensors read + use, verified'] / r['safetensors read + use, unverified']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

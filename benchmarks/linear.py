@@ -37,9 +37,15 @@ def _qwix_nvfp4():
         from qwix._src.core import dot_general_qt as dq
     except ImportError:  # pragma: no cover - optional dependency
         return None
-    cfg = dq.DotGeneralQtConfig(lhs_qtype="nvfp4", rhs_qtype="nvfp4", tile_size=16,
-                                dlhs_grad_qtype="nvfp4", drhs_grad_qtype="nvfp4",
-                                dlhs_tile_size=16, drhs_tile_size=16)
+    cfg = dq.DotGeneralQtConfig(
+        lhs_qtype="nvfp4",
+        rhs_qtype="nvfp4",
+        tile_size=16,
+        dlhs_grad_qtype="nvfp4",
+        drhs_grad_qtype="nvfp4",
+        dlhs_tile_size=16,
+        drhs_tile_size=16,
+    )
     return lambda x, w: dq.dot_general_qt(x, w, DNUMS, cfg)
 
 
@@ -57,6 +63,7 @@ def candidates(recipes: list[str], key):
 
 def time_fwd_bwd(f, x, w, ct, reps: int) -> tuple[float, float]:
     """(median wall seconds, median process CPU seconds) of one jitted fwd+bwd."""
+
     @jax.jit
     def step(x, w, ct):
         y, pullback = jax.vjp(f, x, w)
@@ -68,14 +75,16 @@ def time_fwd_bwd(f, x, w, ct, reps: int) -> tuple[float, float]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="2048x4096x4096,2048x192x512,2048x512x192",
-                   help="comma-separated MxKxN (tokens x in x out); default: the large shape and the tiny preset's MLP (16x128 tokens, d_model 192, d_ff 512)")
+    p.add_argument(
+        "--shapes",
+        default="2048x4096x4096,2048x192x512,2048x512x192",
+        help="comma-separated MxKxN (tokens x in x out); default: the large shape and the tiny preset's MLP (16x128 tokens, d_model 192, d_ff 512)",
+    )
     p.add_argument("--recipes", default="bf16,fp8,mxfp8,nvfp4")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
     key = jax.random.key(0)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"{jax.device_count()} device(s)")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
         kx, kw, kc = jax.random.split(jax.random.key(1), 3)
@@ -83,14 +92,19 @@ def main(argv=None):
         w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
         ct = jax.random.normal(kc, (m, n), jnp.bfloat16)
         print(f"\nM x K x N = {m} x {k} x {n}   (fwd+bwd, median of {args.reps})")
-        print(f"{'':16s} {'wall s':>8s} {'cpu s':>8s} {'x jnp.dot':>10s} {'x bf16':>8s}"
-              f" {'cpu x jnp.dot':>14s} {'cpu x bf16':>11s}")
+        print(
+            f"{'':16s} {'wall s':>8s} {'cpu s':>8s} {'x jnp.dot':>10s} {'x bf16':>8s}"
+            f" {'cpu x jnp.dot':>14s} {'cpu x bf16':>11s}"
+        )
         rows = {}
         for label, f in candidates(args.recipes.split(","), key).items():
             rows[label] = t, c = time_fwd_bwd(f, x, w, ct, args.reps)
             b0, b1 = rows["jnp.dot bf16"], rows.get("bf16", (t, c))
-            print(f"{label:16s} {t:8.3f} {c:8.3f} {t / b0[0]:10.2f} {t / b1[0]:8.2f}"
-                  f" {c / b0[1]:14.2f} {c / b1[1]:11.2f}", flush=True)
+            print(
+                f"{label:16s} {t:8.3f} {c:8.3f} {t / b0[0]:10.2f} {t / b1[0]:8.2f}"
+                f" {c / b0[1]:14.2f} {c / b1[1]:11.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
     out: dict[str, tuple[str, dict]] = {
         "bf16": ("export", {"source": args.hf, "formats": "bf16"}),
         "nvfp4": ("export", {"source": args.hf, "formats": "nvfp4"}),
-        "nvfp4+q8e": ("export", {"source": args.hf, "formats": "nvfp4",
-                                 "embed_format": "q8_0"})}
+        "nvfp4+q8e": ("export", {"source": args.hf, "formats": "nvfp4", "embed_format": "q8_0"}),
+    }
     for tag, src in (("rtn", args.rtn), ("gptq", args.gptq)):
         if src:
             out[f"searched-{tag}"] = ("export", {"source": src})
@@ -87,14 +87,14 @@ def eval_windows(llm, n_chunks: int, ctx: int) -> list[list[int]]:
     if len(toks) < n_chunks * ctx:
         raise ValueError(f"stdlib-docs has {len(toks)} tokens, fewer than {n_chunks} x {ctx}")
     starts = np.linspace(0, len(toks) - ctx, n_chunks).astype(int)
-    return [toks[s:s + ctx] for s in starts]
+    return [toks[s : s + ctx] for s in starts]
 
 
 def window_nll(llm, window: list[int]) -> float:
     """Mean next-token NLL (nats) over a window's ``ctx - 1`` predictions."""
     logits = llm.logits(window)[:-1].astype(np.float64)
     m = logits.max(-1, keepdims=True)
-    lse = (m[:, 0] + np.log(np.exp(logits - m).sum(-1)))
+    lse = m[:, 0] + np.log(np.exp(logits - m).sum(-1))
     return float(np.mean(lse - logits[np.arange(len(window) - 1), window[1:]]))
 
 
@@ -106,8 +106,9 @@ def measure(path: Path, windows, args) -> dict:
 
     r = GGUFReader(path)
     n_params = sum(int(t.n_elements) for t in r.tensors if not t.name.endswith(".scale"))
-    types = Counter(t.tensor_type.name for t in r.tensors if t.name.endswith(".weight")
-                    and len(t.shape) == 2)
+    types = Counter(
+        t.tensor_type.name for t in r.tensors if t.name.endswith(".weight") and len(t.shape) == 2
+    )
     embd = next(t.tensor_type.name for t in r.tensors if t.name == "token_embd.weight")
     del r
     llm = LlamaCpp(path, n_ctx=args.ctx + 8, n_threads=args.threads, verify=False)
@@ -119,9 +120,18 @@ def measure(path: Path, windows, args) -> dict:
     decode = max(llm.greedy(prompt, args.decode_tokens)[1] for _ in range(args.repeats))
     llm.close()
     size = path.stat().st_size
-    return {"file_bytes": size, "params": n_params, "bpw": 8 * size / n_params,
-            "types": dict(types), "token_embd": embd, "nll": nll, "eval_s": t_eval,
-            "prefill_tps": prefill, "decode_tps": decode, "load": os.getloadavg()}
+    return {
+        "file_bytes": size,
+        "params": n_params,
+        "bpw": 8 * size / n_params,
+        "types": dict(types),
+        "token_embd": embd,
+        "nll": nll,
+        "eval_s": t_eval,
+        "prefill_tps": prefill,
+        "decode_tps": decode,
+        "load": os.getloadavg(),
+    }
 
 
 def _ratio(x: np.ndarray, ref: np.ndarray) -> str:
@@ -129,8 +139,10 @@ def _ratio(x: np.ndarray, ref: np.ndarray) -> str:
 
     ci = mean_ci((x - ref).tolist())
     lo, hi = ci["ci95"]
-    return (f"{100 * math.expm1(ci['mean']):+.2f}% [{100 * math.expm1(lo):+.2f}, "
-            f"{100 * math.expm1(hi):+.2f}]")
+    return (
+        f"{100 * math.expm1(ci['mean']):+.2f}% [{100 * math.expm1(lo):+.2f}, "
+        f"{100 * math.expm1(hi):+.2f}]"
+    )
 
 
 def table(res: dict[str, dict], ctx: int) -> str:
@@ -138,22 +150,28 @@ def table(res: dict[str, dict], ctx: int) -> str:
     ref, q4km = np.asarray(res["bf16"]["nll"]), np.asarray(res["llama-q4_k_m"]["nll"])
     base_dec = res["bf16"]["decode_tps"]
     n = len(ref)
-    lines = [f"{n} windows x {ctx} tokens of stdlib-docs ({n * (ctx - 1)} predictions); "
-             f"load average during the runs {min(r['load'][0] for r in res.values()):.2f}-"
-             f"{max(r['load'][0] for r in res.values()):.2f}", "",
-             "| GGUF | file MiB | bits/weight | token_embd | ppl | vs Q4_K_M (95% CI) "
-             "| vs bf16 (95% CI) | prefill tok/s | decode tok/s | decode x bf16 |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{n} windows x {ctx} tokens of stdlib-docs ({n * (ctx - 1)} predictions); "
+        f"load average during the runs {min(r['load'][0] for r in res.values()):.2f}-"
+        f"{max(r['load'][0] for r in res.values()):.2f}",
+        "",
+        "| GGUF | file MiB | bits/weight | token_embd | ppl | vs Q4_K_M (95% CI) "
+        "| vs bf16 (95% CI) | prefill tok/s | decode tok/s | decode x bf16 |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in sorted(res.items(), key=lambda kv: kv[1]["file_bytes"]):
         x = np.asarray(r["nll"])
         lines.append(
             f"| {name} | {r['file_bytes'] / 2**20:.1f} | {r['bpw']:.2f} | {r['token_embd']} | "
             f"{math.exp(x.mean()):.3f} | {_ratio(x, q4km) if name != 'llama-q4_k_m' else ''} "
             f"| {_ratio(x, ref) if name != 'bf16' else ''} | {r['prefill_tps']:.0f} | "
-            f"{r['decode_tps']:.1f} | {r['decode_tps'] / base_dec:.2f} |")
+            f"{r['decode_tps']:.1f} | {r['decode_tps'] / base_dec:.2f} |"
+        )
     lines += ["", "Tensor types (2-D weights):", ""]
-    lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["types"].items()))
-              for name, r in res.items()]
+    lines += [
+        f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["types"].items()))
+        for name, r in res.items()
+    ]
     return "\n".join(lines)
 
 
@@ -175,8 +193,9 @@ def main() -> int:
     work = Path(args.work)
     (work / "results").mkdir(parents=True, exist_ok=True)
     variants = _variants(args)
-    paths = {name: build(name, kind, kw, work, args.threads)
-             for name, (kind, kw) in variants.items()}
+    paths = {
+        name: build(name, kind, kw, work, args.threads) for name, (kind, kw) in variants.items()
+    }
     llm = LlamaCpp(paths["bf16"], n_ctx=16, n_threads=args.threads)
     windows = eval_windows(llm, args.chunks, args.ctx)
     llm.close()
@@ -186,9 +205,12 @@ def main() -> int:
         if not out.is_file():
             rec = measure(path, windows, args)
             out.write_text(json.dumps(rec))
-            print(f"{name}: ppl {math.exp(np.mean(rec['nll'])):.3f}, "
-                  f"{rec['file_bytes'] / 2**20:.1f} MiB, decode {rec['decode_tps']:.1f} "
-                  f"tok/s, eval {rec['eval_s']:.0f}s, load {rec['load'][0]:.2f}", flush=True)
+            print(
+                f"{name}: ppl {math.exp(np.mean(rec['nll'])):.3f}, "
+                f"{rec['file_bytes'] / 2**20:.1f} MiB, decode {rec['decode_tps']:.1f} "
+                f"tok/s, eval {rec['eval_s']:.0f}s, load {rec['load'][0]:.2f}",
+                flush=True,
+            )
         res[name] = json.loads(out.read_text())
     text = table(res, args.ctx)
     (work / "table.md").write_text(text + "\n")

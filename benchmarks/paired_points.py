@@ -39,8 +39,9 @@ def load(spec: str) -> tuple[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("points", nargs="+", help="REPORT_DIR:POINT; the first is the reference")
-    ap.add_argument("--to", default=None, help="REPORT_DIR:POINT the gap is measured to "
-                                               "(e.g. bf16)")
+    ap.add_argument(
+        "--to", default=None, help="REPORT_DIR:POINT the gap is measured to (e.g. bf16)"
+    )
     a = ap.parse_args()
     ref_name, ref = load(a.points[0])
     to = load(a.to)[1] if a.to else None
@@ -56,10 +57,15 @@ def main() -> None:
         c = mean_ci(list(x - r))
         lo, hi = c["ci95"] or (math.nan, math.nan)
         pct = [100 * (math.exp(v) - 1) for v in (c["mean"], lo, hi)]
-        closed = "" if to is None else \
-            f"{(ref['val_ppl'] - p['val_ppl']) / (ref['val_ppl'] - to['val_ppl']):.0%}"
-        print(f"| {spec} | {p['effective_bits']:.2f} | {p['val_ppl']:.4f} | "
-              f"{pct[0]:+.2f}% [{pct[1]:+.2f}, {pct[2]:+.2f}] | {closed} |")
+        closed = (
+            ""
+            if to is None
+            else f"{(ref['val_ppl'] - p['val_ppl']) / (ref['val_ppl'] - to['val_ppl']):.0%}"
+        )
+        print(
+            f"| {spec} | {p['effective_bits']:.2f} | {p['val_ppl']:.4f} | "
+            f"{pct[0]:+.2f}% [{pct[1]:+.2f}, {pct[2]:+.2f}] | {closed} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,11 +35,13 @@ def main(argv=None) -> int:
     p.add_argument("--accelerators", default=",".join(ACCELERATORS))
     a = p.parse_args(argv)
     accs = [ACCELERATORS[n] for n in a.accelerators.split(",")]
-    lines = ["| preset | mesh (data x fsdp x tensor) | accelerator | state GB (params + Adam "
-             "+ grads) | activations GB (estimate) | peak GB | fits | largest microbatch per "
-             "device (sequences x tokens) | NVFP4 / FP8 step | "
-             "NVFP4 / BF16 step | NVFP4 / FP8 GEMMs only | quantize share of NVFP4 step |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| preset | mesh (data x fsdp x tensor) | accelerator | state GB (params + Adam "
+        "+ grads) | activations GB (estimate) | peak GB | fits | largest microbatch per "
+        "device (sequences x tokens) | NVFP4 / FP8 step | "
+        "NVFP4 / BF16 step | NVFP4 / FP8 GEMMs only | quantize share of NVFP4 step |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     models = {}
     for preset, over in CASES:
         cfg = apply_overrides(TrainConfig.preset(preset), over + ["recipe=nvfp4"])
@@ -53,17 +55,16 @@ def main(argv=None) -> int:
             state = mem["params"] + mem["opt_state"] + mem["grads"]
             fits = "yes" if mem["total"] <= acc.hbm_bytes else "**no**"
             big = largest_microbatch(cfg, mesh, acc.hbm_bytes, model)
-            most = ("none" if big is None else
-                    f"{big['sequences_per_device']} x {cfg.data.seq_len}")
+            most = "none" if big is None else f"{big['sequences_per_device']} x {cfg.data.seq_len}"
             fmt = lambda r, k: "n/a (no FP4)" if r is None else f"{r[k]:.2f}x"
-            share = ("n/a" if nv["total"] is None
-                     else f"{nv['terms']['quantize'] / nv['total']:.0%}")
+            share = "n/a" if nv["total"] is None else f"{nv['terms']['quantize'] / nv['total']:.0%}"
             lines.append(
                 f"| {preset} | {mesh['data']} x {mesh['fsdp']} x {mesh['tensor']} ({n}) | "
                 f"{acc.name} | {state / 1e9:.1f} | {mem['activations'] / 1e9:.1f} | "
                 f"{mem['total'] / 1e9:.1f} | {fits} ({acc.hbm_bytes / 1e9:.0f}) | {most} | "
                 f"{fmt(s['fp8'], 'step')} | {fmt(s['bf16'], 'step')} | "
-                f"{fmt(s['fp8'], 'gemm_only')} | {share} |")
+                f"{fmt(s['fp8'], 'gemm_only')} | {share} |"
+            )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if a.out:

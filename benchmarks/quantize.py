@@ -43,26 +43,41 @@ def main() -> None:
 
     def jax_ref(x):
         gs = jnp.max(jnp.abs(x)) / jnp.float32(2688.0)
-        cfg = ref.BlockScaleConfig(mode="nvfp4", block_size=16, data_type=jnp.float4_e2m1fn,
-                                   scale_type=jnp.float8_e4m3fn, global_scale=gs,
-                                   infer_only=False)
+        cfg = ref.BlockScaleConfig(
+            mode="nvfp4",
+            block_size=16,
+            data_type=jnp.float4_e2m1fn,
+            scale_type=jnp.float8_e4m3fn,
+            global_scale=gs,
+            infer_only=False,
+        )
         return ref.quantize(x, cfg)
 
-    rows.append(("jax reference nvfp4 (unpacked)", time_fn(jax.jit(jax_ref), x,
-                                                         repeats=args.repeats)))
+    rows.append(
+        ("jax reference nvfp4 (unpacked)", time_fn(jax.jit(jax_ref), x, repeats=args.repeats))
+    )
     try:
         from qwix._src.core import qarray as qwix_qarray
 
         how = qwix_qarray.HowToQuantize(qtype="nvfp4", tiled_axes={1: 16})
-        rows.append(("qwix nvfp4 (unpacked)",
-                     time_fn(jax.jit(lambda x: qwix_qarray.quantize(x, how)), x,
-                             repeats=args.repeats)))
+        rows.append(
+            (
+                "qwix nvfp4 (unpacked)",
+                time_fn(jax.jit(lambda x: qwix_qarray.quantize(x, how)), x, repeats=args.repeats),
+            )
+        )
     except ImportError:
         print("qwix not installed (pip install qwix): skipping that peer")
-    rows.append(("elementwise x*2 (memory floor)",
-                 time_fn(jax.jit(lambda x: x * 2), x, repeats=args.repeats)))
-    print(f"# {args.n}x{args.n} float32, jax {jax.__version__}, {jax.devices()[0].platform}, "
-          f"{os.cpu_count()} cores")
+    rows.append(
+        (
+            "elementwise x*2 (memory floor)",
+            time_fn(jax.jit(lambda x: x * 2), x, repeats=args.repeats),
+        )
+    )
+    print(
+        f"# {args.n}x{args.n} float32, jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"{os.cpu_count()} cores"
+    )
     print_table(rows, baseline=rows[0][0])
     peers = [ms_ for name, ms_ in rows[1:] if "floor" not in name]
     if peers:

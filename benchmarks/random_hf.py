@@ -33,10 +33,17 @@ def main() -> int:
     cfg = getattr(ModelConfig, args.preset)().replace(scan_layers=False, remat="none")
     t = time.perf_counter()
     model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
-    export_checkpoint(model, args.out, layer_formats="bf16", dtype="bfloat16",
-                      tokenizer=load_tokenizer(args.tokenizer))
-    print(f"{args.preset}: {cfg.num_params():,} parameters -> {args.out} in "
-          f"{time.perf_counter() - t:.0f}s")
+    export_checkpoint(
+        model,
+        args.out,
+        layer_formats="bf16",
+        dtype="bfloat16",
+        tokenizer=load_tokenizer(args.tokenizer),
+    )
+    print(
+        f"{args.preset}: {cfg.num_params():,} parameters -> {args.out} in "
+        f"{time.perf_counter() - t:.0f}s"
+    )
     return 0
 
 

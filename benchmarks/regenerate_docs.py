@@ -58,7 +58,7 @@ def regenerate(row: dict) -> float:
         if cmd.startswith("microscale "):
             cmd = f"{shlex.quote(sys.executable)} -m {cmd}"
         elif cmd.startswith("python "):
-            cmd = f"{shlex.quote(sys.executable)} {cmd[len('python '):]}"
+            cmd = f"{shlex.quote(sys.executable)} {cmd[len('python ') :]}"
         print(f"$ {cmd}", flush=True)
         subprocess.run(cmd, shell=True, check=True, cwd=ROOT, env=os.environ.copy())
         dest = ROOT / row["dest"]
@@ -71,20 +71,30 @@ def regenerate(row: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stale", action="store_true", help="rerun stale reports not marked kept")
-    ap.add_argument("--only", action="append", default=[], metavar="PATH",
-                    help="rerun this report (a path from docs/reports.toml), kept or not")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="rerun this report (a path from docs/reports.toml), kept or not",
+    )
     a = ap.parse_args()
     rows = load()
     known = {r["path"] for r in rows}
     for p in a.only:
         if p not in known:
-            raise SystemExit(f"--only {p!r} is not a report in docs/reports.toml; "
-                             f"known: {sorted(known)}")
+            raise SystemExit(
+                f"--only {p!r} is not a report in docs/reports.toml; known: {sorted(known)}"
+            )
     for row in rows:
         st = state(row)
         run = row["path"] in a.only or (a.stale and st != "current" and "kept" not in row)
-        print(f"{row['path']}: {st}" + (" (kept)" if "kept" in row else "")
-              + (" -> regenerating" if run else ""), flush=True)
+        print(
+            f"{row['path']}: {st}"
+            + (" (kept)" if "kept" in row else "")
+            + (" -> regenerating" if run else ""),
+            flush=True,
+        )
         if run:
             print(f"  done in {regenerate(row):.0f} s, now {state(row)}", flush=True)
 

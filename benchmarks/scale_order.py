@@ -36,10 +36,14 @@ def _jax_reference(x):
     from jax._src.cudnn import scaled_matmul_stablehlo as ref
 
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2))
-    cfg = ref.BlockScaleConfig(mode="nvfp4", block_size=16, data_type=jnp.float4_e2m1fn,
-                               scale_type=jnp.float8_e4m3fn,
-                               global_scale=(amax / 2688.0)[:, None, None, None],
-                               infer_only=False)
+    cfg = ref.BlockScaleConfig(
+        mode="nvfp4",
+        block_size=16,
+        data_type=jnp.float4_e2m1fn,
+        scale_type=jnp.float8_e4m3fn,
+        global_scale=(amax / 2688.0)[:, None, None, None],
+        infer_only=False,
+    )
     rq, rs = ref.quantize(x, cfg)
     return jax.lax.bitcast_convert_type(rq, jnp.uint4).astype(jnp.uint8), rs.view(jnp.uint8)
 
@@ -51,12 +55,14 @@ def datasets(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     normal = rng.standard_normal(shape, dtype=np.float32)
     heavy = (rng.standard_t(3, shape) * spread).astype(np.float32)
     # Values on a coarse grid (as after an earlier rounding): many exact products.
-    grid = (np.round(normal * 8) / 8 * 2.0 ** rng.integers(-8, 8, (n, 1, 1))).astype(
-        np.float32)
-    return {"normal f32": normal, "t(3), 8-decade spread, f32": heavy,
-            "t(3), 8-decade spread, bf16": heavy.astype(ml_dtypes.bfloat16),
-            "normal bf16": normal.astype(ml_dtypes.bfloat16),
-            "1/8 grid x 2^k, f32": grid}
+    grid = (np.round(normal * 8) / 8 * 2.0 ** rng.integers(-8, 8, (n, 1, 1))).astype(np.float32)
+    return {
+        "normal f32": normal,
+        "t(3), 8-decade spread, f32": heavy,
+        "t(3), 8-decade spread, bf16": heavy.astype(ml_dtypes.bfloat16),
+        "normal bf16": normal.astype(ml_dtypes.bfloat16),
+        "1/8 grid x 2^k, f32": grid,
+    }
 
 
 def main() -> None:
@@ -64,13 +70,15 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=256)
     args = ap.parse_args()
     te, jax_order = _quantizer(), _quantizer(scale_order="jax")
-    print("| data | blocks | scale_order='jax': blocks / scales / codes differing | "
-          "JAX reference (gs = amax/2688): blocks / scales / codes |")
+    print(
+        "| data | blocks | scale_order='jax': blocks / scales / codes differing | "
+        "JAX reference (gs = amax/2688): blocks / scales / codes |"
+    )
     print("|---|---:|---|---|")
     for name, x in datasets(args.tensors).items():
         xj = jnp.asarray(x)
         c0, s0 = (np.asarray(a) for a in te(xj))
-        live = (np.repeat(s0 != 0, 16, -1) | (x.astype(np.float32) != 0))
+        live = np.repeat(s0 != 0, 16, -1) | (x.astype(np.float32) != 0)
         cells = []
         for c, s in ((np.asarray(a) for a in f(xj)) for f in (jax_order, _jax_reference)):
             dc = (c != c0) & live

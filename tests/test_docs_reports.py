@@ -29,13 +29,14 @@ REPORT_NAMES = ("summary.json", "report.json", "plan.json", "results.json")
 
 
 def test_every_report_under_docs_is_a_row():
-    found = {str(p.relative_to(ROOT)) for name in REPORT_NAMES
-             for p in (ROOT / "docs").rglob(name)}
+    found = {str(p.relative_to(ROOT)) for name in REPORT_NAMES for p in (ROOT / "docs").rglob(name)}
     rows = [r["path"] for r in ROWS]
     assert len(rows) == len(set(rows)), "a report is listed twice in docs/reports.toml"
-    assert found == set(rows), ("docs/reports.toml and the reports under docs/ differ: "
-                                f"unlisted {sorted(found - set(rows))}, "
-                                f"missing {sorted(set(rows) - found)}")
+    assert found == set(rows), (
+        "docs/reports.toml and the reports under docs/ differ: "
+        f"unlisted {sorted(found - set(rows))}, "
+        f"missing {sorted(set(rows) - found)}"
+    )
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["path"] for r in ROWS])
@@ -51,7 +52,8 @@ def test_report_is_current_or_says_why_it_is_kept(row):
     assert have == want, (
         f"{row['path']} was produced by other code (fingerprint {have}, current {want}): "
         "regenerate it (python benchmarks/regenerate_docs.py --stale) or give a `kept` "
-        "reason in docs/reports.toml")
+        "reason in docs/reports.toml"
+    )
 
 
 def _module(tmp_path: Path, source: str) -> str:
@@ -60,11 +62,15 @@ def _module(tmp_path: Path, source: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("edit, same", [
-    ("# a comment\n", True),
-    ('"""A module docstring."""\n', True),
-    ("", True),
-], ids=["comment", "docstring", "nothing"])
+@pytest.mark.parametrize(
+    "edit, same",
+    [
+        ("# a comment\n", True),
+        ('"""A module docstring."""\n', True),
+        ("", True),
+    ],
+    ids=["comment", "docstring", "nothing"],
+)
 def test_digest_ignores_what_cannot_change_a_number(tmp_path, monkeypatch, edit, same):
     base = "def f(x: int) -> int:\n    '''doc'''\n    return x + 1\n"
     variants = {}
@@ -75,16 +81,29 @@ def test_digest_ignores_what_cannot_change_a_number(tmp_path, monkeypatch, edit,
     assert (variants["base"] == variants["edit"]) is same
 
 
-@pytest.mark.parametrize("a, b, same", [
-    ("def f(x):\n    return x + 1\n", "def f(x):\n    return x + 2\n", False),
-    ("def f(x):\n    return x + 1\n", "def f(x: float) -> float:\n    return x + 1\n", True),
-    ("def f(x):\n    return x + 1\n", "def f(x):\n    '''Adds one.'''\n    return (x +\n  1)\n",
-     True),
-    ("class C:\n    a: int = 1\n", "class C:\n    a: float = 1\n", False),  # a dataclass field
-    ("x = 1.0\n", "x = 1.0  # one\n", True),
-    ("x = 1.0\n", "x = 1.00000001\n", False),
-], ids=["constant", "arg-annotations", "docstring-format", "field-annotation", "comment",
-        "literal"])
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        ("def f(x):\n    return x + 1\n", "def f(x):\n    return x + 2\n", False),
+        ("def f(x):\n    return x + 1\n", "def f(x: float) -> float:\n    return x + 1\n", True),
+        (
+            "def f(x):\n    return x + 1\n",
+            "def f(x):\n    '''Adds one.'''\n    return (x +\n  1)\n",
+            True,
+        ),
+        ("class C:\n    a: int = 1\n", "class C:\n    a: float = 1\n", False),  # a dataclass field
+        ("x = 1.0\n", "x = 1.0  # one\n", True),
+        ("x = 1.0\n", "x = 1.00000001\n", False),
+    ],
+    ids=[
+        "constant",
+        "arg-annotations",
+        "docstring-format",
+        "field-annotation",
+        "comment",
+        "literal",
+    ],
+)
 def test_digest_table(tmp_path, monkeypatch, a, b, same):
     digests = []
     for src in (a, b):
@@ -109,9 +128,11 @@ def test_fingerprint_names_the_bad_command():
 
 
 def test_recorded_fingerprint_reads_every_report_shape(tmp_path):
-    for name, data in (("summary.json", {"setup": {"numerics": {"sha256": "ab"}}}),
-                       ("plan.json", {"numerics": {"sha256": "ab"}}),
-                       ("old.json", {"setup": {}})):
+    for name, data in (
+        ("summary.json", {"setup": {"numerics": {"sha256": "ab"}}}),
+        ("plan.json", {"numerics": {"sha256": "ab"}}),
+        ("old.json", {"setup": {}}),
+    ):
         (tmp_path / name).write_text(json.dumps(data))
     assert recorded_fingerprint(tmp_path / "summary.json") == "ab"
     assert recorded_fingerprint(tmp_path / "plan.json") == "ab"

@@ -14,8 +14,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
 @pytest.mark.slow
 def test_gpu_check_runs_to_the_end(tmp_path, hang_guard_s):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=hang_guard_s)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=hang_guard_s
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     lines = dict(line.split(": ", 1) for line in summary.splitlines())

@@ -47,6 +47,7 @@ LAYERS: list[set[str]] = [
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
+
 @functools.cache
 def _modules() -> dict[str, Path]:
     out = {}
@@ -82,21 +83,31 @@ def _import_edges(items: tuple[tuple[str, Path], ...]) -> dict[str, dict[str, tu
     for mod, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         skip = _type_checking_nodes(tree)
-        in_function = {id(n) for fn in ast.walk(tree)
-                       if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                       for n in ast.walk(fn)}
+        in_function = {
+            id(n)
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for n in ast.walk(fn)
+        }
         for node in ast.walk(tree):
             if id(node) in skip:
                 continue
             targets: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
-                    node.module == "microscale" or node.module.startswith("microscale.")):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and (node.module == "microscale" or node.module.startswith("microscale."))
+            ):
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
                     targets.append(sub if sub in modules else node.module)
             elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names
-                           if a.name == "microscale" or a.name.startswith("microscale.")]
+                targets = [
+                    a.name
+                    for a in node.names
+                    if a.name == "microscale" or a.name.startswith("microscale.")
+                ]
             for target in targets:
                 if target != mod and target in modules:
                     edges[mod].setdefault(target, (node.lineno, id(node) in in_function))
@@ -155,8 +166,10 @@ def test_imports_go_down_the_layers():
         for dst, (line, _) in targets.items():
             a, b = unit(src), unit(dst)
             if a in RANK and b in RANK and RANK[a] < RANK[b]:
-                found.append(f"{src}:{line} imports {dst} ({a}, layer {RANK[a]}, may not "
-                             f"import {b}, layer {RANK[b]})")
+                found.append(
+                    f"{src}:{line} imports {dst} ({a}, layer {RANK[a]}, may not "
+                    f"import {b}, layer {RANK[b]})"
+                )
     assert found == [], "\n".join(found)
 
 
@@ -169,8 +182,10 @@ def test_no_cycle_between_subpackages():
             if a != b:
                 graph[a].add(b)
                 where.setdefault((a, b), f"{src}:{line} -> {dst}{' (in a function)' if fn else ''}")
-    found = [(comp, [where[(a, b)] for a in comp for b in comp if (a, b) in where])
-             for comp in cycles(graph)]
+    found = [
+        (comp, [where[(a, b)] for a in comp for b in comp if (a, b) in where])
+        for comp in cycles(graph)
+    ]
     assert found == [], found
 
 
@@ -181,9 +196,18 @@ def test_no_cycle_between_the_modules_of_a_subpackage():
         for dst in targets:
             if unit(src) == unit(dst):
                 graph[src].add(dst)
-    found = [(comp, [f"{a}:{edges[a][b][0]} -> {b}{' (in a function)' if edges[a][b][1] else ''}"
-                     for a in comp for b in comp if b in edges.get(a, {})])
-             for comp in cycles(graph)]
+    found = [
+        (
+            comp,
+            [
+                f"{a}:{edges[a][b][0]} -> {b}{' (in a function)' if edges[a][b][1] else ''}"
+                for a in comp
+                for b in comp
+                if b in edges.get(a, {})
+            ],
+        )
+        for comp in cycles(graph)
+    ]
     assert found == [], found
 
 
@@ -199,11 +223,13 @@ def test_no_function_level_imports_within_the_package(package):
     """Stricter where it already holds: these packages import their own modules only at the
     top (model/layers.py <-> model/rules.py and experiments/compare.py <-> report.py were
     cycles hidden that way)."""
-    found = [f"{src}:{line} -> {dst}"
-             for src, targets in import_edges(_modules()).items()
-             if src.startswith(f"microscale.{package}.")
-             for dst, (line, fn) in targets.items()
-             if fn and dst.startswith(f"microscale.{package}")]
+    found = [
+        f"{src}:{line} -> {dst}"
+        for src, targets in import_edges(_modules()).items()
+        if src.startswith(f"microscale.{package}.")
+        for dst, (line, fn) in targets.items()
+        if fn and dst.startswith(f"microscale.{package}")
+    ]
     assert found == [], found
 
 
@@ -250,8 +276,10 @@ def test_no_function_level_import_dodges_a_cycle():
     for src, targets in edges.items():
         for dst, (line, fn) in targets.items():
             if fn and (back := _reaches(graph, dst, src)) is not None:
-                found.append(f"{src}:{line} imports {dst} inside a function; "
-                             f"{' -> '.join(back)} closes the cycle")
+                found.append(
+                    f"{src}:{line} imports {dst} inside a function; "
+                    f"{' -> '.join(back)} closes the cycle"
+                )
     assert found == [], "\n".join(found)
 
 
@@ -261,7 +289,11 @@ def test_the_dodge_check_can_fail():
     graph = {"m.a.x": {"m.b"}, "m.b": {"m.a"}, "m.a": {"m.a.x"}}
     assert _reaches(graph, "m.b", "m.a.x") == ["m.b", "m.a", "m.a.x"]
     assert _reaches(graph, "m.a.x", "m.c") is None
-    edges = _module_graph({"microscale.ptq.run": {"microscale.train.init": (1, True)},
-                           "microscale.train.loop": {"microscale.train.init": (1, False)}})
+    edges = _module_graph(
+        {
+            "microscale.ptq.run": {"microscale.train.init": (1, True)},
+            "microscale.train.loop": {"microscale.train.init": (1, False)},
+        }
+    )
     assert edges["microscale.ptq.run"] == {"microscale.train.init", "microscale.train"}
     assert edges["microscale.train.loop"] == {"microscale.train.init"}

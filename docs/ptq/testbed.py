@@ -33,26 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "qat"))
 from measure import ci, ptq_flags, sh, train_source  # noqa: E402  (the test bed's one definition)
 
 # run prefix: (label, extra quantize flags)
-RUNS = {"r": ("RTN", ["--no-mse-scale", "--no-four-over-six"]),
-        "q": ("RTN + MSE scale + four over six", []),
-        "g": ("GPTQ + MSE scale + four over six", ["--weight-method", "gptq"])}
+RUNS = {
+    "r": ("RTN", ["--no-mse-scale", "--no-four-over-six"]),
+    "q": ("RTN + MSE scale + four over six", []),
+    "g": ("GPTQ + MSE scale + four over six", ["--weight-method", "gptq"]),
+}
 # table rows: (row label, run prefix, point)
-ROWS = (("bf16", "r", "bf16"),
-        ("uniform NVFP4, RTN", "r", "uniform_nvfp4"),
-        ("uniform NVFP4, RTN + MSE scale + four over six", "q", "uniform_nvfp4"),
-        ("uniform NVFP4, GPTQ + MSE scale + four over six", "g", "uniform_nvfp4"),
-        ("uniform MXFP4, RTN", "r", "uniform_mxfp4"),
-        ("uniform MXFP4, GPTQ + MSE scale + four over six", "g", "uniform_mxfp4"),
-        ("searched at 5.0 bits, RTN", "r", "searched"),
-        ("searched at 5.0 bits, RTN + MSE scale + four over six", "q", "searched"),
-        ("searched at 5.0 bits, GPTQ + MSE scale + four over six", "g", "searched"))
+ROWS = (
+    ("bf16", "r", "bf16"),
+    ("uniform NVFP4, RTN", "r", "uniform_nvfp4"),
+    ("uniform NVFP4, RTN + MSE scale + four over six", "q", "uniform_nvfp4"),
+    ("uniform NVFP4, GPTQ + MSE scale + four over six", "g", "uniform_nvfp4"),
+    ("uniform MXFP4, RTN", "r", "uniform_mxfp4"),
+    ("uniform MXFP4, GPTQ + MSE scale + four over six", "g", "uniform_mxfp4"),
+    ("searched at 5.0 bits, RTN", "r", "searched"),
+    ("searched at 5.0 bits, RTN + MSE scale + four over six", "q", "searched"),
+    ("searched at 5.0 bits, GPTQ + MSE scale + four over six", "g", "searched"),
+)
 # paired comparisons (a, b): loss(a) - loss(b) on the same batches
-PAIRS = ((("g", "uniform_nvfp4"), ("r", "uniform_nvfp4")),
-         (("g", "uniform_nvfp4"), ("q", "uniform_nvfp4")),
-         (("g", "searched"), ("g", "uniform_nvfp4")),
-         (("g", "searched"), ("q", "searched")),
-         (("g", "searched"), ("r", "uniform_nvfp4")),
-         (("g", "searched"), ("r", "bf16")))
+PAIRS = (
+    (("g", "uniform_nvfp4"), ("r", "uniform_nvfp4")),
+    (("g", "uniform_nvfp4"), ("q", "uniform_nvfp4")),
+    (("g", "searched"), ("g", "uniform_nvfp4")),
+    (("g", "searched"), ("q", "searched")),
+    (("g", "searched"), ("r", "uniform_nvfp4")),
+    (("g", "searched"), ("r", "bf16")),
+)
 
 
 def run_seed(root: Path, seed: int, modes: list[str], eval_batches: str) -> None:
@@ -68,8 +74,10 @@ def run_seed(root: Path, seed: int, modes: list[str], eval_batches: str) -> None
 def _loss(rep: dict, point: str) -> list[float]:
     p = rep["points"][point]
     if "batch_losses" not in p:
-        raise SystemExit(f"{rep['_dir']}: no per-batch losses (made by an older microscale); "
-                         "delete the folder and rerun")
+        raise SystemExit(
+            f"{rep['_dir']}: no per-batch losses (made by an older microscale); "
+            "delete the folder and rerun"
+        )
     return p["batch_losses"]
 
 
@@ -82,16 +90,23 @@ def seed_row(root: Path, seed: int, mode: str) -> dict:
         reps[k] = dict(json.loads((d / "report.json").read_text()), _dir=str(d))
     ppl = {label: reps[k]["points"][pt]["val_ppl"] for label, k, pt in ROWS}
     bf16, rtn = ppl["bf16"], ppl["uniform NVFP4, RTN"]
-    row = {label: {"gap": 100 * (ppl[label] / bf16 - 1), "ppl": ppl[label],
-                   "closed": (rtn - ppl[label]) / (rtn - bf16),
-                   "bits": reps[k]["points"][pt]["effective_bits"]}
-           for label, k, pt in ROWS}
+    row = {
+        label: {
+            "gap": 100 * (ppl[label] / bf16 - 1),
+            "ppl": ppl[label],
+            "closed": (rtn - ppl[label]) / (rtn - bf16),
+            "bits": reps[k]["points"][pt]["effective_bits"],
+        }
+        for label, k, pt in ROWS
+    }
     pairs, batch_ci = {}, {}
     for (ka, pa), (kb, pb) in PAIRS:
         a, b = _loss(reps[ka], pa), _loss(reps[kb], pb)
         if len(a) != len(b):
-            raise SystemExit(f"seed {seed} {mode}: {ka}/{pa} and {kb}/{pb} were evaluated on "
-                             f"{len(a)} and {len(b)} batches; rerun with one --eval-batches")
+            raise SystemExit(
+                f"seed {seed} {mode}: {ka}/{pa} and {kb}/{pb} were evaluated on "
+                f"{len(a)} and {len(b)} batches; rerun with one --eval-batches"
+            )
         name = f"{RUNS[ka][0]} {pa} - {RUNS[kb][0]} {pb}"
         pairs[name] = sum(a) / len(a) - sum(b) / len(b)
         # the same difference with its interval over this seed's evaluation batches
@@ -107,24 +122,35 @@ def _band(c: dict, fmt) -> str:
 
 def table(root: Path, seeds: list[int], mode: str) -> dict:
     rows = [seed_row(root, s, mode) for s in seeds]
-    points = {label: {k: ci([r["points"][label][k] for r in rows])
-                      for k in ("gap", "closed", "bits", "ppl")} for label, _, _ in ROWS}
+    points = {
+        label: {
+            k: ci([r["points"][label][k] for r in rows]) for k in ("gap", "closed", "bits", "ppl")
+        }
+        for label, _, _ in ROWS
+    }
     pairs = {k: ci([r["pairs"][k] for r in rows]) for k in rows[0]["pairs"]}
     print(f"\n{mode} ({len(seeds)} seeds; mean [95% CI over seeds]):\n")
     print("| allocation | effective bits | val ppl | vs bf16 | RTN NVFP4 gap closed |")
     print("|---|---:|---:|---:|---:|")
     for label, v in points.items():
-        closed = "" if label in ("bf16", "uniform NVFP4, RTN") else \
-            _band(v["closed"], lambda x: f"{x:.0%}")
-        print(f"| {label} | {v['bits']['mean']:.2f} | {v['ppl']['mean']:.4f} | "
-              f"{_band(v['gap'], lambda x: f'{x:+.2f}%')} | {closed} |")
+        closed = (
+            ""
+            if label in ("bf16", "uniform NVFP4, RTN")
+            else _band(v["closed"], lambda x: f"{x:.0%}")
+        )
+        print(
+            f"| {label} | {v['bits']['mean']:.2f} | {v['ppl']['mean']:.4f} | "
+            f"{_band(v['gap'], lambda x: f'{x:+.2f}%')} | {closed} |"
+        )
     print()
     for k, c in pairs.items():
         print(f"{mode}: {k}: {_band(c, lambda x: f'{x:+.4f}')} nats")
     for s, r in zip(seeds, rows, strict=True):  # each seed over its evaluation batches
         for k, c in r["pairs_over_batches"].items():
-            print(f"{mode}, seed {s} (95% CI over batches): {k}: "
-                  f"{_band(c, lambda x: f'{x:+.4f}')} nats")
+            print(
+                f"{mode}, seed {s} (95% CI over batches): {k}: "
+                f"{_band(c, lambda x: f'{x:+.4f}')} nats"
+            )
     return {"points": points, "pairs": pairs, "per_seed": rows}
 
 
@@ -133,16 +159,20 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--root", default="runs/qat")
     ap.add_argument("--modes", default="w,w4a4")
-    ap.add_argument("--eval-batches", default="32",
-                    help="validation batches of 16 x 128 tokens for every evaluation")
+    ap.add_argument(
+        "--eval-batches",
+        default="32",
+        help="validation batches of 16 x 128 tokens for every evaluation",
+    )
     a = ap.parse_args()
     root = Path(a.root)
     seeds, modes = [int(s) for s in a.seeds.split(",")], a.modes.split(",")
     for seed in seeds:
         run_seed(root, seed, modes, a.eval_batches)
     out = {mode: table(root, seeds, mode) for mode in modes}
-    (root / "ptq_table.json").write_text(json.dumps(
-        {"seeds": seeds, "eval_batches": int(a.eval_batches), "tables": out}, indent=2))
+    (root / "ptq_table.json").write_text(
+        json.dumps({"seeds": seeds, "eval_batches": int(a.eval_batches), "tables": out}, indent=2)
+    )
 
 
 if __name__ == "__main__":

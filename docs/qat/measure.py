@@ -40,8 +40,15 @@ from pathlib import Path
 
 # The test bed: a narrow model (d_model 64, ~0.2M linear weights) trained on ~4M tokens,
 # 20x its parameters, so that 4-bit rounding costs measurable perplexity.
-TESTBED = ("model.d_model=64", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=192",
-           "steps=2000", "eval_every=500", "tensorboard=false")
+TESTBED = (
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=192",
+    "steps=2000",
+    "eval_every=500",
+    "tensorboard=false",
+)
 BUDGET = "5.0"
 
 
@@ -54,15 +61,22 @@ def train_source(root: Path, seed: int) -> Path:
     """The test bed of ``seed``: ``root/src-S``, trained unless it exists."""
     src = root / f"src-{seed}"
     if not (src / "summary.json").is_file():
-        sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}",
-           "resume=true")
+        sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}", f"out={src}", "resume=true")
     return src
 
 
 def ptq_flags(mode: str, eval_batches: str) -> list[str]:
     """``microscale quantize`` flags of the PTQ-alone runs (``mode``: w or w4a4)."""
-    return ["--budget", BUDGET, "--no-ptq-effects", "--pareto-budgets", BUDGET, "-q",
-            "--eval-batches", eval_batches] + (["--w4a4"] if mode == "w4a4" else [])
+    return [
+        "--budget",
+        BUDGET,
+        "--no-ptq-effects",
+        "--pareto-budgets",
+        BUDGET,
+        "-q",
+        "--eval-batches",
+        eval_batches,
+    ] + (["--w4a4"] if mode == "w4a4" else [])
 
 
 def ci(xs: list[float]) -> dict:
@@ -81,8 +95,11 @@ def main() -> None:
     ap.add_argument("--qat-fraction", type=float, default=0.1)
     ap.add_argument("--qat-lr", default="3e-4")
     ap.add_argument("--modes", default="w,w4a4")
-    ap.add_argument("--eval-batches", default="32",
-                    help="validation batches of 16 x 128 tokens for every PTQ evaluation")
+    ap.add_argument(
+        "--eval-batches",
+        default="32",
+        help="validation batches of 16 x 128 tokens for every PTQ evaluation",
+    )
     a = ap.parse_args()
     root = Path(a.root)
     steps = int(next(o for o in TESTBED if o.startswith("steps=")).split("=")[1])
@@ -97,18 +114,42 @@ def main() -> None:
             if not (q / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(src), "--out", str(q), *flags)
             if not (qat / "summary.json").is_file():
-                sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}",
-                   f"steps={qat_steps}", f"eval_every={qat_steps}", "optim.warmup_steps=10",
-                   f"optim.lr={a.qat_lr}", f"init_from={q}",
-                   f"rules={q / 'precision_rules.json'}", f"out={qat}", "resume=true")
+                sh(
+                    "train",
+                    "--config",
+                    "tiny",
+                    "-q",
+                    *TESTBED,
+                    f"seed={seed}",
+                    f"steps={qat_steps}",
+                    f"eval_every={qat_steps}",
+                    "optim.warmup_steps=10",
+                    f"optim.lr={a.qat_lr}",
+                    f"init_from={q}",
+                    f"rules={q / 'precision_rules.json'}",
+                    f"out={qat}",
+                    "resume=true",
+                )
             if not (qq / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(qat), "--out", str(qq), *flags)
             # control: the same fine-tune in bf16 (more tokens, no quantization awareness)
             ft, qf = root / f"ft-{seed}", root / f"qf-{seed}-{mode}"
             if not (ft / "summary.json").is_file():
-                sh("train", "--config", "tiny", "-q", *TESTBED, f"seed={seed}",
-                   f"steps={qat_steps}", f"eval_every={qat_steps}", "optim.warmup_steps=10",
-                   f"optim.lr={a.qat_lr}", f"init_from={src}", f"out={ft}", "resume=true")
+                sh(
+                    "train",
+                    "--config",
+                    "tiny",
+                    "-q",
+                    *TESTBED,
+                    f"seed={seed}",
+                    f"steps={qat_steps}",
+                    f"eval_every={qat_steps}",
+                    "optim.warmup_steps=10",
+                    f"optim.lr={a.qat_lr}",
+                    f"init_from={src}",
+                    f"out={ft}",
+                    "resume=true",
+                )
             if not (qf / "report.json").is_file():
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
             # the control rounded to nearest too; under W4A4 also the QAT model with the
@@ -125,27 +166,36 @@ def main() -> None:
     summary = {}
     for mode in modes:
         rs = [r for r in rows if r["mode"] == mode]
-        summary[mode] = {k: ci([r[k] for r in rs]) for k in rs[0]
-                         if k not in ("seed", "mode")}
-    (root / "results.json").write_text(json.dumps({"rows": rows, "summary": summary,
-                                                   "qat_steps": qat_steps,
-                                                   "eval_batches": int(a.eval_batches),
-                                                   "qat_lr": a.qat_lr,
-                                                   "ptq": ptq_table(root, seeds, modes)},
-                                                  indent=2))
+        summary[mode] = {k: ci([r[k] for r in rs]) for k in rs[0] if k not in ("seed", "mode")}
+    (root / "results.json").write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "summary": summary,
+                "qat_steps": qat_steps,
+                "eval_batches": int(a.eval_batches),
+                "qat_lr": a.qat_lr,
+                "ptq": ptq_table(root, seeds, modes),
+            },
+            indent=2,
+        )
+    )
     _print(rows, summary)
 
 
 def _row(seed: int, mode: str, root: Path) -> dict:
     """One seed's numbers (val ppl on the same evaluation batches throughout)."""
+
     def rep(kind: str) -> dict | None:
         f = root / f"{kind}-{seed}-{mode}" / "report.json"
         return json.loads(f.read_text()) if f.is_file() else None
 
     src, after, ctrl, ctrl_rtn, dynamic = (rep(k) for k in ("q", "qq", "qf", "qfm", "qqm"))
     if "trained_ptq" not in after["val_ppl"]:
-        raise SystemExit(f"qq-{seed}-{mode}: no 'trained_ptq' point (made by an older "
-                         "microscale); delete the folder and rerun")
+        raise SystemExit(
+            f"qq-{seed}-{mode}: no 'trained_ptq' point (made by an older "
+            "microscale); delete the folder and rerun"
+        )
     p, bf16 = src["val_ppl"], src["val_ppl"]["bf16"]
     # the QAT model with the allocation it trained with, rounded to nearest as it trained
     # and as export writes it (W4A4: static input amax, as export) / with quantize's PTQ
@@ -156,22 +206,33 @@ def _row(seed: int, mode: str, root: Path) -> dict:
         return 100 * (x - ref) / ref
 
     row = {
-        "seed": seed, "mode": mode, "bf16": bf16,
-        "ptq_uniform_nvfp4": p["uniform_nvfp4"], "ptq_searched": p["searched"],
+        "seed": seed,
+        "mode": mode,
+        "bf16": bf16,
+        "ptq_uniform_nvfp4": p["uniform_nvfp4"],
+        "ptq_searched": p["searched"],
         "searched_bits": src["effective_bits"],
-        "qat_bf16": after["val_ppl"]["bf16"], "qat": qat, "qat_ptq": qat_ptq,
+        "qat_bf16": after["val_ppl"]["bf16"],
+        "qat": qat,
+        "qat_ptq": qat_ptq,
         # layers whose format a new search on the QAT weights would change
         "realloc_layers": sum(src["layers"][k] != after["layers"][k] for k in src["layers"]),
         # control: bf16 fine-tune of the same length, then the PTQ search (default / RTN)
-        "ctrl_bf16": ctrl["val_ppl"]["bf16"], "ctrl": c, "ctrl_rtn": c_rtn,
+        "ctrl_bf16": ctrl["val_ppl"]["bf16"],
+        "ctrl": c,
+        "ctrl_rtn": c_rtn,
         "ptq_gap_uniform_nvfp4": gap(p["uniform_nvfp4"]),
         "ptq_gap_searched": gap(p["searched"]),
-        "qat_gap": gap(qat), "qat_ptq_gap": gap(qat_ptq),
-        "ctrl_gap": gap(c), "ctrl_rtn_gap": gap(c_rtn),
-        "qat_vs_ctrl": gap(qat, c), "qat_ptq_vs_ctrl": gap(qat_ptq, c),
+        "qat_gap": gap(qat),
+        "qat_ptq_gap": gap(qat_ptq),
+        "ctrl_gap": gap(c),
+        "ctrl_rtn_gap": gap(c_rtn),
+        "qat_vs_ctrl": gap(qat, c),
+        "qat_ptq_vs_ctrl": gap(qat_ptq, c),
         "qat_vs_ctrl_rtn": gap(qat, c_rtn),
         # own rounding minus quantize's PTQ choices, on the QAT model and on the control
-        "qat_rounding": gap(qat, qat_ptq), "ctrl_rounding": gap(c_rtn, c),
+        "qat_rounding": gap(qat, qat_ptq),
+        "ctrl_rounding": gap(c_rtn, c),
         # the fraction of the searched PTQ gap to the source's bf16 that QAT closes
         "recovered": (p["searched"] - qat) / (p["searched"] - bf16),
         # ... and the part due to quantization awareness: against the control's own PTQ
@@ -180,7 +241,9 @@ def _row(seed: int, mode: str, root: Path) -> dict:
         # the fraction the control recovers by training alone
         "ctrl_recovered": (p["searched"] - c) / (p["searched"] - bf16),
     }
-    if mode == "w4a4" and dynamic is not None:  # W4A4 QAT with the per-batch input amax it trained with
+    if (
+        mode == "w4a4" and dynamic is not None
+    ):  # W4A4 QAT with the per-batch input amax it trained with
         row["qat_dynamic_gap"] = gap(dynamic["val_ppl"]["trained"])
         row["qat_dynamic_vs_static"] = gap(dynamic["val_ppl"]["trained"], qat)
     return row
@@ -192,19 +255,26 @@ def ptq_table(root: Path, seeds: list[int], modes: list[str]) -> dict:
     difference in nats; each the mean and 95% interval over seeds. Prints markdown."""
     out = {}
     for mode in modes:
-        reps = [json.loads((root / f"q-{s}-{mode}" / "report.json").read_text())
-                for s in seeds]
+        reps = [json.loads((root / f"q-{s}-{mode}" / "report.json").read_text()) for s in seeds]
         labels = [k for k in reps[0]["points"] if not k.startswith("pareto_")]
-        table = {k: {"gap": ci([100 * (r["val_ppl"][k] / r["val_ppl"]["bf16"] - 1)
-                                for r in reps]),
-                     "bits": ci([r["points"][k]["effective_bits"] for r in reps])}
-                 for k in labels}
-        paired = {k: ci([r["comparisons"][k]["dloss"] for r in reps])
-                  for k in reps[0]["comparisons"]}
+        table = {
+            k: {
+                "gap": ci([100 * (r["val_ppl"][k] / r["val_ppl"]["bf16"] - 1) for r in reps]),
+                "bits": ci([r["points"][k]["effective_bits"] for r in reps]),
+            }
+            for k in labels
+        }
+        paired = {
+            k: ci([r["comparisons"][k]["dloss"] for r in reps]) for k in reps[0]["comparisons"]
+        }
         if "searched_at_heuristic_bits" in reps[0]["points"]:  # the search at equal bits
-            paired["searched_at_heuristic_bits - heuristic"] = ci([
-                r["points"]["searched_at_heuristic_bits"]["val_loss"]
-                - r["points"]["heuristic"]["val_loss"] for r in reps])
+            paired["searched_at_heuristic_bits - heuristic"] = ci(
+                [
+                    r["points"]["searched_at_heuristic_bits"]["val_loss"]
+                    - r["points"]["heuristic"]["val_loss"]
+                    for r in reps
+                ]
+            )
         out[mode] = {"points": table, "paired": paired}
         print(f"\nPTQ alone, {mode} ({len(seeds)} source models):\n")
         print("| allocation | effective bits | val ppl vs bf16 (95% CI over seeds) |")
@@ -226,34 +296,42 @@ def _band(c: dict, pct: bool) -> str:
 
 
 def _print(rows: list[dict], summary: dict) -> None:
-    print("| seed | mode | bf16 | PTQ nvfp4 | PTQ searched (bits) | QAT | QAT via PTQ | "
-          "QAT bf16 | control bf16 | control PTQ | control RTN | re-searched layers |")
+    print(
+        "| seed | mode | bf16 | PTQ nvfp4 | PTQ searched (bits) | QAT | QAT via PTQ | "
+        "QAT bf16 | control bf16 | control PTQ | control RTN | re-searched layers |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['seed']} | {r['mode']} | {r['bf16']:.4f} | {r['ptq_uniform_nvfp4']:.4f} | "
-              f"{r['ptq_searched']:.4f} ({r['searched_bits']:.2f}) | {r['qat']:.4f} | "
-              f"{r['qat_ptq']:.4f} | {r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | "
-              f"{r['ctrl']:.4f} | {r['ctrl_rtn']:.4f} | {r['realloc_layers']} |")
+        print(
+            f"| {r['seed']} | {r['mode']} | {r['bf16']:.4f} | {r['ptq_uniform_nvfp4']:.4f} | "
+            f"{r['ptq_searched']:.4f} ({r['searched_bits']:.2f}) | {r['qat']:.4f} | "
+            f"{r['qat_ptq']:.4f} | {r['qat_bf16']:.4f} | {r['ctrl_bf16']:.4f} | "
+            f"{r['ctrl']:.4f} | {r['ctrl_rtn']:.4f} | {r['realloc_layers']} |"
+        )
     print()
     for mode, s in summary.items():
-        for k, label in (("ptq_gap_uniform_nvfp4", "PTQ uniform NVFP4 vs bf16"),
-                         ("ptq_gap_searched", "PTQ searched vs bf16"),
-                         ("qat_gap", "QAT (rounded as trained / exported) vs source bf16"),
-                         ("qat_ptq_gap", "QAT through quantize's PTQ vs source bf16"),
-                         ("qat_dynamic_gap", "QAT, per-batch input amax vs source bf16"),
-                         ("qat_dynamic_vs_static", "QAT, per-batch vs static input amax"),
-                         ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
-                         ("ctrl_rtn_gap", "control + RTN PTQ vs source bf16"),
-                         ("qat_vs_ctrl", "QAT vs control"),
-                         ("qat_ptq_vs_ctrl", "QAT through PTQ vs control"),
-                         ("qat_vs_ctrl_rtn", "QAT vs control, both RTN"),
-                         ("qat_rounding", "QAT model: RTN vs PTQ choices"),
-                         ("ctrl_rounding", "control: RTN vs PTQ choices")):
+        for k, label in (
+            ("ptq_gap_uniform_nvfp4", "PTQ uniform NVFP4 vs bf16"),
+            ("ptq_gap_searched", "PTQ searched vs bf16"),
+            ("qat_gap", "QAT (rounded as trained / exported) vs source bf16"),
+            ("qat_ptq_gap", "QAT through quantize's PTQ vs source bf16"),
+            ("qat_dynamic_gap", "QAT, per-batch input amax vs source bf16"),
+            ("qat_dynamic_vs_static", "QAT, per-batch vs static input amax"),
+            ("ctrl_gap", "control (bf16 fine-tune + PTQ) vs source bf16"),
+            ("ctrl_rtn_gap", "control + RTN PTQ vs source bf16"),
+            ("qat_vs_ctrl", "QAT vs control"),
+            ("qat_ptq_vs_ctrl", "QAT through PTQ vs control"),
+            ("qat_vs_ctrl_rtn", "QAT vs control, both RTN"),
+            ("qat_rounding", "QAT model: RTN vs PTQ choices"),
+            ("ctrl_rounding", "control: RTN vs PTQ choices"),
+        ):
             if k in s:
                 print(f"{mode}: {label}: {_band(s[k], pct=False)}")
-        for k, label in (("recovered", "recovered fraction of the PTQ gap"),
-                         ("ctrl_recovered", "the control's recovered fraction of the PTQ gap"),
-                         ("recovered_vs_ctrl", "recovered fraction vs the control")):
+        for k, label in (
+            ("recovered", "recovered fraction of the PTQ gap"),
+            ("ctrl_recovered", "the control's recovered fraction of the PTQ gap"),
+            ("recovered_vs_ctrl", "recovered fraction vs the control"),
+        ):
             print(f"{mode}: {label}: {_band(s[k], pct=True)}")
 
 

@@ -46,8 +46,17 @@ from microscale.files import atomic_write_text, read_text
 T = TypeVar("T")
 
 __all__ = [
-    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "field_comments",
-    "from_dict", "load_yaml", "parse_overrides", "to_dict", "to_yaml",
+    "ConfigError",
+    "apply_overrides",
+    "config_keys",
+    "describe",
+    "dump_yaml",
+    "field_comments",
+    "from_dict",
+    "load_yaml",
+    "parse_overrides",
+    "to_dict",
+    "to_yaml",
 ]
 
 
@@ -234,8 +243,10 @@ def _exact_int(f: float, key: str, text: str | None = None) -> int:
     if not f.is_integer():
         raise _Mismatch
     if abs(f) > 2**53:
-        raise ConfigError(f"{key}={text or f!r}: a whole number past 2^53 written as a float "
-                          "is not exact; write its digits")
+        raise ConfigError(
+            f"{key}={text or f!r}: a whole number past 2^53 written as a float "
+            "is not exact; write its digits"
+        )
     return int(f)
 
 
@@ -259,8 +270,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         # None first ("none", "null", "~" or "" mean None, also for `str | None`), then the
         # members in order,
         # preferring an exact-type member over a coercion (1 stays int in `int | float`).
-        if type(None) in args and (value is None or (
-                isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)):
+        if type(None) in args and (
+            value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)
+        ):
             return None
         members = [a for a in args if a is not type(None)]
         for a in members:
@@ -297,7 +309,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
                 raise _Mismatch
-            items = [_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))]
+            items = [
+                _coerce(v, a, f"{key}[{i}]")
+                for i, (v, a) in enumerate(zip(value, args, strict=True))
+            ]
         else:
             elem = args[0] if args else Any
             items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -386,15 +401,17 @@ def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
 def _unknown_key(cls: type, key: str, local: str, prefix: str) -> ConfigError:
     valid = list(_fields(cls))
     all_keys = config_keys(cls, prefix)
-    guess = (difflib.get_close_matches(local, valid, n=1, cutoff=0.6)
-             or difflib.get_close_matches(key, all_keys, n=1, cutoff=0.6))
+    guess = difflib.get_close_matches(local, valid, n=1, cutoff=0.6) or difflib.get_close_matches(
+        key, all_keys, n=1, cutoff=0.6
+    )
     hint = ""
     if guess:
         full = prefix + guess[0] if guess[0] in valid else guess[0]
         hint = f"; did you mean {full!r}?"
     where = f" in {prefix.rstrip('.')!r}" if prefix else ""
-    return ConfigError(f"unknown key {key!r}{where} ({cls.__name__}){hint} "
-                       f"valid keys: {', '.join(valid)}")
+    return ConfigError(
+        f"unknown key {key!r}{where} ({cls.__name__}){hint} valid keys: {', '.join(valid)}"
+    )
 
 
 def _construct(cls: type[T], kwargs: dict[str, Any], prefix: str) -> T:
@@ -417,8 +434,10 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
         raise TypeError(f"from_dict expects a dataclass type, got {cls!r}")
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
-                          f"keys to values, got {type(data).__name__} {data!r}")
+        raise ConfigError(
+            f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
+            f"keys to values, got {type(data).__name__} {data!r}"
+        )
     data = _upgrade_legacy(cls, data, _prefix)
     fields = _fields(cls)
     hints = _hints(cls)  # type: ignore[arg-type]  # a dataclass type: hashable
@@ -432,11 +451,18 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
             kwargs[k] = _coerce(v, tp, key)
         except _Mismatch:
             raise _type_error(key, v, tp) from None
-    missing = [n for n, f in fields.items() if n not in kwargs
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
-        raise ConfigError(f"{_prefix.rstrip('.') or cls.__name__}: missing required "
-                          f"key(s) {', '.join(repr(_prefix + m) for m in missing)}")
+        raise ConfigError(
+            f"{_prefix.rstrip('.') or cls.__name__}: missing required "
+            f"key(s) {', '.join(repr(_prefix + m) for m in missing)}"
+        )
     return _construct(cls, kwargs, _prefix)
 
 
@@ -473,8 +499,10 @@ def _upgrade_legacy(cls: type, data: dict[str, Any], prefix: str) -> dict[str, A
             node[p] = dict(child) if isinstance(child, dict) else {}
             node = node[p]
         if last in node:
-            raise ConfigError(f"key {prefix + dotted!r} is set twice: by itself and by the "
-                              f"deprecated key(s) {', '.join(map(repr, old))}")
+            raise ConfigError(
+                f"key {prefix + dotted!r} is set twice: by itself and by the "
+                f"deprecated key(s) {', '.join(map(repr, old))}"
+            )
         node[last] = v
     return rest
 
@@ -492,11 +520,14 @@ def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or type(e).__name__
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: "
-                          f"{problem}") from None
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML{where}: {problem}"
+        ) from None
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} holds a YAML {type(data).__name__}; "
-                          "expected a mapping of config keys (key: value)")
+        raise ConfigError(
+            f"config file {str(path)!r} holds a YAML {type(data).__name__}; "
+            "expected a mapping of config keys (key: value)"
+        )
     try:
         return from_dict(cls, data or {})
     except ConfigError as e:
@@ -511,8 +542,10 @@ def parse_overrides(overrides: typing.Iterable[str]) -> list[tuple[str, str]]:
     out = []
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value "
-                              f"(dotted keys for nested fields, e.g. optim.lr=1e-3)")
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value "
+                f"(dotted keys for nested fields, e.g. optim.lr=1e-3)"
+            )
         k, v = item.split("=", 1)
         k = k.strip()
         if not k:
@@ -553,16 +586,19 @@ def _set(node: _Pending, parts: list[str], raw: Any, prefix: str) -> None:
     sub = node.values[name]
     sub_tp = _strip_optional(tp)
     if not _is_dataclass_type(sub_tp):
-        raise ConfigError(f"key {prefix + '.'.join(parts)!r}: {key!r} is a "
-                          f"{_type_name(tp)}, not a nested config")
+        raise ConfigError(
+            f"key {prefix + '.'.join(parts)!r}: {key!r} is a {_type_name(tp)}, not a nested config"
+        )
     if not isinstance(sub, _Pending):
         sub = node.values[name] = _Pending.of(sub_tp() if sub is None else sub)
     _set(sub, parts[1:], raw, key + ".")
 
 
 def _build(node: _Pending, prefix: str) -> Any:
-    kwargs = {n: _build(v, prefix + n + ".") if isinstance(v, _Pending) else v
-              for n, v in node.values.items()}
+    kwargs = {
+        n: _build(v, prefix + n + ".") if isinstance(v, _Pending) else v
+        for n, v in node.values.items()
+    }
     return _construct(node.cls, kwargs, prefix)
 
 

@@ -41,10 +41,20 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
-    "FolderLock", "FolderLockedError", "atomic_folder", "atomic_write_bytes", "atomic_write_json",
-    "atomic_write_text", "atomic_write_yaml", "atomic_writer", "check_output_dir",
-    "check_output_file", "lock_folder",
-    "read_json", "read_text", "replace_folder",
+    "FolderLock",
+    "FolderLockedError",
+    "atomic_folder",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "atomic_write_yaml",
+    "atomic_writer",
+    "check_output_dir",
+    "check_output_file",
+    "lock_folder",
+    "read_json",
+    "read_text",
+    "replace_folder",
 ]
 
 _counter = itertools.count()
@@ -58,8 +68,9 @@ def _tmp_sibling(path: Path, tag: str = "tmp") -> Path:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike, mode: str = "wb", *,
-                  encoding: str | None = None) -> Iterator[IO]:
+def atomic_writer(
+    path: str | os.PathLike, mode: str = "wb", *, encoding: str | None = None
+) -> Iterator[IO]:
     """``with atomic_writer(p, "wb") as f: ...``: ``f`` is a temporary sibling of ``p``; at
     the end of the block it is synced and renamed to ``p``. The parent folder is created if
     missing. On an exception nothing is renamed and the temporary file is removed."""
@@ -95,8 +106,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2,
-                      sort_keys: bool = False, allow_nan: bool = True) -> None:
+def atomic_write_json(
+    path: str | os.PathLike,
+    obj: Any,
+    *,
+    indent: int | None = 2,
+    sort_keys: bool = False,
+    allow_nan: bool = True,
+) -> None:
     """``obj`` as JSON (plus a final newline) written atomically. ``allow_nan=False``
     raises on NaN/infinity (which strict JSON readers reject) instead of writing them."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
@@ -107,15 +124,17 @@ def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> None:
     """Plain data (dicts, lists, scalars) as YAML, keys in insertion order, atomically."""
     import yaml
 
-    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False, default_flow_style=False,
-                                           width=100))
+    atomic_write_text(
+        path, yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=100)
+    )
 
 
 # ----------------------------------------------------------------------------- folders
 
 
-def save_figure(fig: Any, path: str | os.PathLike, *, legend_ax: Any = None,
-                dpi: int = 120) -> None:
+def save_figure(
+    fig: Any, path: str | os.PathLike, *, legend_ax: Any = None, dpi: int = 120
+) -> None:
     """Finish a matplotlib figure and write it as PNG atomically, then close it: a legend on
     ``legend_ax`` when it has labelled artists, ``tight_layout``, save, ``plt.close``."""
     import matplotlib.pyplot as plt
@@ -145,7 +164,7 @@ def _leftovers(path: Path, tag: str) -> list[Path]:
     with contextlib.suppress(OSError):
         for p in path.parent.iterdir():
             if p.name.startswith(prefix):
-                pid = p.name[len(prefix):].split("-")[0]
+                pid = p.name[len(prefix) :].split("-")[0]
                 if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
                     out.append(p)
     return out
@@ -276,8 +295,10 @@ class FolderLock:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
                 except OSError as e:
-                    raise OSError(e.errno, f"cannot lock output folder {self.folder}: "
-                                  f"{e.strerror} ({e.filename})") from None
+                    raise OSError(
+                        e.errno,
+                        f"cannot lock output folder {self.folder}: {e.strerror} ({e.filename})",
+                    ) from None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -286,7 +307,8 @@ class FolderLock:
                     raise FolderLockedError(
                         f"{self.folder} is being written by another process (PID {holder}, "
                         f"lock {self.path}); wait for it to finish or choose another "
-                        "output folder") from None
+                        "output folder"
+                    ) from None
                 # The holder before us may have unlinked the file after we opened it:
                 # then we hold a lock on a deleted file; start again on the current one.
                 try:
@@ -345,8 +367,9 @@ def read_text(path: str | os.PathLike, *, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}: "
-                         f"{data[e.start:e.start + 1]!r})") from None
+        raise ValueError(
+            f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r})"
+        ) from None
 
 
 def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
@@ -358,8 +381,9 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e.msg} at line "
-                         f"{e.lineno} column {e.colno}") from None
+        raise ValueError(
+            f"{what} {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -392,16 +416,18 @@ def check_input_dir(path: str | os.PathLike, *, what: str, expected: str) -> Pat
     raise NotADirectoryError(f"{shown} is {kind}; expected {expected}")
 
 
-def check_output_file(path: str | os.PathLike, *, what: str = "output file",
-                      overwrite: bool = False) -> Path:
+def check_output_file(
+    path: str | os.PathLike, *, what: str = "output file", overwrite: bool = False
+) -> Path:
     """As :func:`check_output_dir` for an output *file*: not a folder, not existing unless
     ``overwrite``, and its folder writable."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise IsADirectoryError(f"{what} {str(path)!r} is a folder; expected a file path")
     if p.exists() and not overwrite:
-        raise FileExistsError(f"{what} {str(path)!r} exists; pass --overwrite (overwrite=True) "
-                              "to replace it")
+        raise FileExistsError(
+            f"{what} {str(path)!r} exists; pass --overwrite (overwrite=True) to replace it"
+        )
     _check_parent(p, what, path)
     return p
 
@@ -413,7 +439,8 @@ def _check_parent(p: Path, what: str, given) -> None:
         if anc.exists():
             if not anc.is_dir():
                 raise NotADirectoryError(
-                    f"{what} {shown}: {anc} is a file, so nothing can be created under it")
+                    f"{what} {shown}: {anc} is a file, so nothing can be created under it"
+                )
             break
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -422,5 +449,6 @@ def _check_parent(p: Path, what: str, given) -> None:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             os.unlink(probe)
     except OSError as e:
-        raise PermissionError(f"{what} {shown} is not writable: "
-                              f"{e.strerror or e} ({e.filename or parent})") from None
+        raise PermissionError(
+            f"{what} {shown} is not writable: {e.strerror or e} ({e.filename or parent})"
+        ) from None

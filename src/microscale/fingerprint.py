@@ -75,8 +75,9 @@ def imports_of(name: str) -> set[str]:
         for full in names:
             parts = full.split(".")
             # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
-            found.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                         if _exists(p))
+            found.update(
+                p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if _exists(p)
+            )
     return found
 
 
@@ -99,8 +100,12 @@ def _strip(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                    and isinstance(body[0].value.value, str)):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 node.body = body[1:] or [ast.Pass()]
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             node.returns = None
@@ -150,14 +155,19 @@ def numerics_fingerprint(command: str) -> dict:
     """The fingerprint ``command``'s reports record: ``sha256`` over the normalized source
     of its entry module's import closure, the number of modules, and library versions."""
     if command not in ENTRY_MODULES:
-        raise ValueError(f"no numerics fingerprint for command {command!r}; "
-                         f"known: {sorted(ENTRY_MODULES)}")
+        raise ValueError(
+            f"no numerics fingerprint for command {command!r}; known: {sorted(ENTRY_MODULES)}"
+        )
     modules = closure(ENTRY_MODULES[command])
     h = hashlib.sha256()
     for name in modules:
         h.update(f"{name}\n{module_digest(name)}\n".encode())
-    return {"command": command, "sha256": h.hexdigest()[:16], "modules": len(modules),
-            "versions": {d: _version(d) for d in ("jax", "jaxlib", "numpy")}}
+    return {
+        "command": command,
+        "sha256": h.hexdigest()[:16],
+        "modules": len(modules),
+        "versions": {d: _version(d) for d in ("jax", "jaxlib", "numpy")},
+    }
 
 
 def fingerprint_line(fp: dict | None) -> str:
@@ -165,8 +175,10 @@ def fingerprint_line(fp: dict | None) -> str:
     if not fp:
         return "- numerics fingerprint: none recorded (written before fingerprints existed)"
     versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items() if v)
-    return (f"- numerics fingerprint: `{fp['sha256']}` (`{fp['command']}`'s code, "
-            f"{fp['modules']} modules; {versions})")
+    return (
+        f"- numerics fingerprint: `{fp['sha256']}` (`{fp['command']}`'s code, "
+        f"{fp['modules']} modules; {versions})"
+    )
 
 
 def recorded_fingerprint(path) -> str | None:

@@ -25,8 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["CorruptDataError", "check_finite", "crc32", "crc32_many", "root_cause",
-           "silence_checkpoint_reader_noise", "tree_path_parts", "verify_crc32"]
+__all__ = [
+    "CorruptDataError",
+    "check_finite",
+    "crc32",
+    "crc32_many",
+    "root_cause",
+    "silence_checkpoint_reader_noise",
+    "tree_path_parts",
+    "verify_crc32",
+]
 
 _CHUNK = 1 << 26  # hash in 64 MiB pieces: zlib takes at most 4 GiB at once
 
@@ -43,7 +51,7 @@ def crc32(array) -> str:
     flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
     c = 0
     for i in range(0, flat.size, _CHUNK):
-        c = zlib.crc32(flat[i:i + _CHUNK].data, c)
+        c = zlib.crc32(flat[i : i + _CHUNK].data, c)
     return f"{c:08x}"
 
 
@@ -51,8 +59,9 @@ def _pool_size() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def crc32_many(arrays: Mapping[str, object], *,
-               on_done: Callable[[str], None] | None = None) -> dict[str, str]:
+def crc32_many(
+    arrays: Mapping[str, object], *, on_done: Callable[[str], None] | None = None
+) -> dict[str, str]:
     """``{name: crc32}`` of many arrays, hashed in parallel threads; ``on_done(name)`` is
     called (from a worker thread) after each array, e.g. to advance a progress bar."""
     names = list(arrays)
@@ -69,8 +78,7 @@ def crc32_many(arrays: Mapping[str, object], *,
         return dict(zip(names, pool.map(one, names), strict=True))
 
 
-def verify_crc32(arrays: Mapping[str, object], expected: Mapping[str, str], *,
-                 where: str) -> None:
+def verify_crc32(arrays: Mapping[str, object], expected: Mapping[str, str], *, where: str) -> None:
     """Raise :class:`CorruptDataError` naming ``where`` and the first tensor whose CRC-32
     differs from ``expected`` (tensors without an expected value are not checked)."""
     names = [n for n in arrays if n in expected]
@@ -79,8 +87,10 @@ def verify_crc32(arrays: Mapping[str, object], expected: Mapping[str, str], *,
     if bad:
         n = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CorruptDataError(f"{where}: tensor {n!r} fails its checksum (crc32 {got[n]}, "
-                               f"stored {expected[n]}){more}: the file is damaged")
+        raise CorruptDataError(
+            f"{where}: tensor {n!r} fails its checksum (crc32 {got[n]}, "
+            f"stored {expected[n]}){more}: the file is damaged"
+        )
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -97,8 +107,10 @@ def check_finite(items: Iterable[tuple[str, object]], *, where: str) -> None:
         ok = np.isfinite(a.astype(np.float32) if a.dtype.itemsize < 4 else a)
         if not ok.all():
             n_bad = int(a.size - np.count_nonzero(ok))
-            raise CorruptDataError(f"{where}: tensor {name!r} holds {n_bad} non-finite "
-                                   f"value(s) (NaN or infinity) of {a.size}")
+            raise CorruptDataError(
+                f"{where}: tensor {name!r} holds {n_bad} non-finite "
+                f"value(s) (NaN or infinity) of {a.size}"
+            )
 
 
 # ------------------------------------------------------------------ checkpoint reading
@@ -130,8 +142,11 @@ def root_cause(e: BaseException) -> str:
 def _is_checkpoint_reader_noise(u) -> bool:
     """An unraisable exception from orbax's readers after a failed read (see
     :func:`silence_checkpoint_reader_noise`)."""
-    if (u.object is None and isinstance(u.exc_value, RuntimeError)
-            and str(u.exc_value) == "Event loop is closed"):
+    if (
+        u.object is None
+        and isinstance(u.exc_value, RuntimeError)
+        and str(u.exc_value) == "Event loop is closed"
+    ):
         return True
     code = getattr(u.object, "cr_code", None)
     if code is not None and "orbax" in code.co_filename:

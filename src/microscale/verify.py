@@ -64,8 +64,15 @@ from microscale.integrity import (
     tree_path_parts,
 )
 
-__all__ = ["FileReport", "NotAnOutputError", "Problem", "VerifyResult", "output_kind",
-           "silence_orbax_noise", "verify_path"]
+__all__ = [
+    "FileReport",
+    "NotAnOutputError",
+    "Problem",
+    "VerifyResult",
+    "output_kind",
+    "silence_orbax_noise",
+    "verify_path",
+]
 
 # train/checkpoint.py's layout: <step>/state (orbax StandardSave), <step>/meta (orbax
 # JsonSave, file "metadata") with the state's CRC-32s under "checksums".
@@ -112,20 +119,25 @@ class FileReport:
         head = f"{self.path} ({self.kind})"
         if self.problems:
             bad = sorted({p.tensor for p in self.problems if p.tensor is not None})
-            what = (f"{len(bad)} of {self.tensors} tensors damaged" if bad
-                    else "damaged (see below)")
+            what = f"{len(bad)} of {self.tensors} tensors damaged" if bad else "damaged (see below)"
             return f"{head}: {what}"
         if not self.checksums:
-            return (f"{head}: no checksums stored (written before microscale stored them); "
-                    f"{self.tensors} tensors parsed, contents not verified")
+            return (
+                f"{head}: no checksums stored (written before microscale stored them); "
+                f"{self.tensors} tensors parsed, contents not verified"
+            )
         return f"{head}: {self.checked} tensors match their CRC-32s"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "kind": self.kind, "status": self.status,
-                "tensors": self.tensors, "checked": self.checked,
-                "checksums": self.checksums,
-                "problems": [{"tensor": p.tensor, "message": p.message}
-                             for p in self.problems]}
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "status": self.status,
+            "tensors": self.tensors,
+            "checked": self.checked,
+            "checksums": self.checksums,
+            "problems": [{"tensor": p.tensor, "message": p.message} for p in self.problems],
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +166,13 @@ class VerifyResult:
         return 1 if self.damaged else 3 if self.unverified else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "what": self.what, "exit_code": self.exit_code,
-                "files": [f.to_dict() for f in self.files], "notes": list(self.notes)}
+        return {
+            "path": str(self.path),
+            "what": self.what,
+            "exit_code": self.exit_code,
+            "files": [f.to_dict() for f in self.files],
+            "notes": list(self.notes),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +184,17 @@ class _Item:
 
 # ---------------------------------------------------------------------- discovery
 
+
 def _folder_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 def _steps(ckpt_dir: Path) -> list[Path]:
     """Finished orbax steps (folders named by an integer) in step order."""
-    return sorted((d for d in ckpt_dir.iterdir() if d.is_dir() and d.name.isdigit()),
-                  key=lambda d: int(d.name))
+    return sorted(
+        (d for d in ckpt_dir.iterdir() if d.is_dir() and d.name.isdigit()),
+        key=lambda d: int(d.name),
+    )
 
 
 def _is_step(p: Path) -> bool:
@@ -209,7 +229,8 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
             return "safetensors file", [_Item("safetensors", path, path.stat().st_size)], []
         raise NotAnOutputError(
             f"{str(path)!r} is not a microscale output: expected a .gguf or .safetensors "
-            "file, or a folder (training run, export, quantize output, checkpoint step)")
+            "file, or a folder (training run, export, quantize output, checkpoint step)"
+        )
     if not path.is_dir():
         raise NotAnOutputError(f"{str(path)!r} is neither a file nor a folder")
     notes: list[str] = []
@@ -219,8 +240,10 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         aside = path / "damaged-checkpoints"
         if aside.is_dir() and any(aside.iterdir()):
             names = sorted(d.name for d in aside.iterdir())
-            notes.append(f"{aside}: {len(names)} step(s) set aside as damaged by an earlier "
-                         f"resume ({', '.join(names)}); not checked")
+            notes.append(
+                f"{aside}: {len(names)} step(s) set aside as damaged by an earlier "
+                f"resume ({', '.join(names)}); not checked"
+            )
     elif _is_step(path):
         return "checkpoint step", [_Item("orbax checkpoint", path, _folder_bytes(path))], []
     elif any(_is_step(d) for d in _steps(path)):
@@ -229,8 +252,9 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         steps = _steps(ckpts)
         assert what is not None  # set with ckpts
         if not steps:
-            raise NotAnOutputError(f"{what} {str(path)!r} has no finished checkpoint under "
-                                   f"{ckpts} to verify")
+            raise NotAnOutputError(
+                f"{what} {str(path)!r} has no finished checkpoint under {ckpts} to verify"
+            )
         return what, [_Item("orbax checkpoint", d, _folder_bytes(d)) for d in steps], notes
     if kind is QUANTIZE_OUTPUT:
         ck = quantize_output_model(path)
@@ -248,7 +272,8 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         f"{str(path)!r} is not a microscale output: expected a training run (config.yaml + "
         "checkpoints/), a checkpoint step (state/ + meta/), an export folder (config.json + "
         "*.safetensors), a quantize output (report.json + checkpoint/ or model.gguf), or a "
-        ".gguf / .safetensors file")
+        ".gguf / .safetensors file"
+    )
 
 
 def output_kind(path) -> str:
@@ -269,6 +294,7 @@ def _folder_kind(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------- checks
+
 
 class _Progress:
     """Counts one item's bytes into ``on_bytes`` (thread-safe), never past its size."""
@@ -293,7 +319,7 @@ def _strip(msg: str, path: Path) -> str:
     """A message without a leading ``<path>: `` (the report line names the file)."""
     for p in (str(path), str(path.parent)):
         if msg.startswith(p + ": "):
-            return msg[len(p) + 2:]
+            return msg[len(p) + 2 :]
     return msg
 
 
@@ -301,8 +327,14 @@ def _check_gguf(item: _Item, step: _Progress) -> FileReport:
     from microscale.export.gguffile import check_gguf
 
     res = check_gguf(item.path, progress=step)
-    return FileReport(item.path, "gguf", res.tensors, res.checked, res.checksums,
-                      tuple(Problem(t, _strip(m, item.path)) for t, m in res.problems))
+    return FileReport(
+        item.path,
+        "gguf",
+        res.tensors,
+        res.checked,
+        res.checksums,
+        tuple(Problem(t, _strip(m, item.path)) for t, m in res.problems),
+    )
 
 
 def _check_safetensors(item: _Item, step: _Progress) -> FileReport:
@@ -311,22 +343,34 @@ def _check_safetensors(item: _Item, step: _Progress) -> FileReport:
     try:
         store = TensorStore(item.path)
     except (CorruptDataError, SafetensorsError, OSError, ValueError) as e:
-        return FileReport(item.path, "safetensors", 0, 0, True,
-                          (Problem(None, _strip(str(e), item.path)),))
+        return FileReport(
+            item.path, "safetensors", 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
+        )
     sums = store.checksums
     problems = []
     for name in store.names():
         if sums and name not in sums:
-            problems.append(Problem(name, f"tensor {name!r} has no stored checksum although "
-                                          "the file stores them; the header is damaged"))
+            problems.append(
+                Problem(
+                    name,
+                    f"tensor {name!r} has no stored checksum although "
+                    "the file stores them; the header is damaged",
+                )
+            )
         try:
             store.get(name)
         except (SafetensorsError, CorruptDataError) as e:
             problems.append(Problem(name, _strip(str(e), item.path)))
         info = store.infos[name]
         step(info.end - info.begin)
-    return FileReport(item.path, "safetensors", len(store), len(set(sums) & set(store.infos)),
-                      bool(sums), tuple(problems))
+    return FileReport(
+        item.path,
+        "safetensors",
+        len(store),
+        len(set(sums) & set(store.infos)),
+        bool(sums),
+        tuple(problems),
+    )
 
 
 def _check_index(item: _Item, step: _Progress) -> FileReport:
@@ -335,8 +379,9 @@ def _check_index(item: _Item, step: _Progress) -> FileReport:
     try:
         store = TensorStore(item.path.parent)
     except (CorruptDataError, SafetensorsError, OSError, ValueError) as e:
-        return FileReport(item.path, "safetensors index", 0, 0, True,
-                          (Problem(None, _strip(str(e), item.path)),))
+        return FileReport(
+            item.path, "safetensors index", 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
+        )
     # The index has no checksum of its own; consistent with every shard = as good as it gets.
     return FileReport(item.path, "safetensors index", len(store), 0, True)
 
@@ -360,8 +405,10 @@ def silence_orbax_noise() -> Callable[[], None]:
     restores the two loggers' levels. The failure itself is reported, with the tensor,
     through the exception orbax raises."""
     silence_checkpoint_reader_noise()
-    loggers = [(logging.getLogger(n), lvl) for n, lvl in (("absl", logging.ERROR),
-                                                           ("asyncio", logging.CRITICAL))]
+    loggers = [
+        (logging.getLogger(n), lvl)
+        for n, lvl in (("absl", logging.ERROR), ("asyncio", logging.CRITICAL))
+    ]
     old_levels = [lg.level for lg, _ in loggers]
     for lg, lvl in loggers:
         lg.setLevel(lvl)
@@ -391,14 +438,19 @@ def _read_meta_checksums(step_dir: Path, problems: list[Problem]) -> dict[str, s
         problems.append(Problem(None, f"{meta_file} is missing"))
         return None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(Problem(None, f"{meta_file} is not JSON ({e}); the metadata is "
-                                      "damaged"))
+        problems.append(Problem(None, f"{meta_file} is not JSON ({e}); the metadata is damaged"))
         return None
     sums = meta.get(_META_CRC) if isinstance(meta, dict) else None
-    if sums is not None and not (isinstance(sums, dict) and all(
-            isinstance(v, str) for v in sums.values())):
-        problems.append(Problem(None, f"{meta_file}: {_META_CRC!r} is not an object of "
-                                      "checksums; the metadata is damaged"))
+    if sums is not None and not (
+        isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())
+    ):
+        problems.append(
+            Problem(
+                None,
+                f"{meta_file}: {_META_CRC!r} is not an object of "
+                "checksums; the metadata is damaged",
+            )
+        )
         return None
     return sums
 
@@ -422,20 +474,27 @@ def _batches(leaves: list) -> list[list]:
     return batches
 
 
-def _check_arrays(named: dict[str, np.ndarray], sums: dict[str, str] | None, where: Path,
-                  problems: list[Problem]) -> int:
+def _check_arrays(
+    named: dict[str, np.ndarray], sums: dict[str, str] | None, where: Path, problems: list[Problem]
+) -> int:
     """Check restored arrays against the stored checksums (``sums``; None: none stored)
     and for non-finite values, appending to ``problems``; returns how many were hashed."""
     stored: dict[str, str] = sums or {}
     got = crc32_many({n: a for n, a in named.items() if sums and n in sums})
     for n, a in named.items():
         if n in got and got[n] != str(stored[n]).lower():
-            problems.append(Problem(n, f"tensor {n!r} fails its checksum (crc32 "
-                                       f"{got[n]}, stored {stored[n]})"))
+            problems.append(
+                Problem(n, f"tensor {n!r} fails its checksum (crc32 {got[n]}, stored {stored[n]})")
+            )
             continue
         if sums and n not in sums:
-            problems.append(Problem(n, f"tensor {n!r} has no stored checksum although "
-                                       "the step stores them; the metadata is damaged"))
+            problems.append(
+                Problem(
+                    n,
+                    f"tensor {n!r} has no stored checksum although "
+                    "the step stores them; the metadata is damaged",
+                )
+            )
         try:
             check_finite([(n, a)], where=str(where))
         except CorruptDataError as e:
@@ -459,16 +518,24 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
     ckptr = ocp.PyTreeCheckpointer()
     try:
         tree = getattr(ckptr.metadata(state).item_metadata, "tree", None)
-        why = "orbax reads no array metadata from it (state/_METADATA or its OCDBT index is " \
-              "damaged, truncated or missing)"
+        why = (
+            "orbax reads no array metadata from it (state/_METADATA or its OCDBT index is "
+            "damaged, truncated or missing)"
+        )
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-        tree, why = None, f"its array metadata cannot be read (a damaged, truncated or " \
-                          f"missing file): {root_cause(e)}"
+        tree, why = (
+            None,
+            f"its array metadata cannot be read (a damaged, truncated or "
+            f"missing file): {root_cause(e)}",
+        )
     if tree is None:
         problems.append(Problem(None, f"{state}: {why}"))
         return FileReport(item.path, kind, 0, 0, sums is not None, tuple(problems))
-    leaves = [(p, m) for p, m in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=is_arr)[0] if is_arr(m)]
+    leaves = [
+        (p, m)
+        for p, m in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_arr)[0]
+        if is_arr(m)
+    ]
 
     def name_of(path) -> str:
         return by_parts.get(tree_path_parts(path), jax.tree_util.keystr(path))
@@ -477,16 +544,20 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
         chosen = {p for p, _ in selected}
 
         def pick(make):
-            return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if is_arr(m) \
-                else m
+            return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if is_arr(m) else m
 
-        out = ckptr.restore(state, args=ocp.args.PyTreeRestore(
-            item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=is_arr),
-            restore_args=jax.tree_util.tree_map_with_path(
-                pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree,
-                is_leaf=is_arr)))
-        return {p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
-                if p in chosen}
+        out = ckptr.restore(
+            state,
+            args=ocp.args.PyTreeRestore(
+                item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=is_arr),
+                restore_args=jax.tree_util.tree_map_with_path(
+                    pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree, is_leaf=is_arr
+                ),
+            ),
+        )
+        return {
+            p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0] if p in chosen
+        }
 
     batches = _batches(leaves)
     seen: set[tuple[str, ...]] = set()
@@ -503,9 +574,14 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
                     arrays.update(restore([(p, m)]))
                 except Exception as e:  # noqa: BLE001
                     seen.add(tree_path_parts(p))
-                    problems.append(Problem(name_of(p), f"tensor {name_of(p)!r} cannot be "
-                                                        "restored (a damaged, truncated or "
-                                                        f"missing file): {root_cause(e)}"))
+                    problems.append(
+                        Problem(
+                            name_of(p),
+                            f"tensor {name_of(p)!r} cannot be "
+                            "restored (a damaged, truncated or "
+                            f"missing file): {root_cause(e)}",
+                        )
+                    )
         named = {name_of(p): a for p, a in arrays.items()}
         seen.update(tree_path_parts(p) for p in arrays)
         del arrays
@@ -514,24 +590,43 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
         del named
     for parts, n in sorted(by_parts.items(), key=lambda kv: kv[1]):
         if parts not in seen:
-            problems.append(Problem(n, f"tensor {n!r} has a stored checksum but is not in "
-                                       f"{state}; the checkpoint is damaged"))
+            problems.append(
+                Problem(
+                    n,
+                    f"tensor {n!r} has a stored checksum but is not in "
+                    f"{state}; the checkpoint is damaged",
+                )
+            )
     return FileReport(item.path, kind, len(leaves), checked, sums is not None, tuple(problems))
 
 
 def _check_missing(item: _Item, step: _Progress) -> FileReport:
-    return FileReport(item.path, "missing", 0, 0, True,
-                      (Problem(None, f"{item.path} is missing (the output's model files)"),))
+    return FileReport(
+        item.path,
+        "missing",
+        0,
+        0,
+        True,
+        (Problem(None, f"{item.path} is missing (the output's model files)"),),
+    )
 
 
-_CHECKS = {"gguf": _check_gguf, "safetensors": _check_safetensors,
-           "safetensors index": _check_index, "orbax checkpoint": _check_step,
-           "missing": _check_missing}
+_CHECKS = {
+    "gguf": _check_gguf,
+    "safetensors": _check_safetensors,
+    "safetensors index": _check_index,
+    "orbax checkpoint": _check_step,
+    "missing": _check_missing,
+}
 
 
-def verify_path(path, *, on_start: Callable[[int], None] | None = None,
-                on_bytes: Callable[[int], None] | None = None,
-                on_file: Callable[[FileReport], None] | None = None) -> VerifyResult:
+def verify_path(
+    path,
+    *,
+    on_start: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_file: Callable[[FileReport], None] | None = None,
+) -> VerifyResult:
     """Check every file of the output at ``path`` against its stored checksums (module
     doc) and return what was found; a damaged file is reported, never raised.
 

@@ -13,7 +13,9 @@ TOKENS = np.arange(5000, dtype=np.uint32)  # a window's content reveals where it
 def _assert_windows(batch, seq_len):
     assert batch.dtype == np.int32 and batch.shape[-1] == seq_len + 1
     rows = batch.reshape(-1, seq_len + 1)
-    np.testing.assert_array_equal(rows - rows[:, :1], np.arange(seq_len + 1)[None].repeat(len(rows), 0))
+    np.testing.assert_array_equal(
+        rows - rows[:, :1], np.arange(seq_len + 1)[None].repeat(len(rows), 0)
+    )
 
 
 @pytest.mark.parametrize("mode", ["epoch", "random"])
@@ -88,7 +90,9 @@ def test_microbatches_and_hosts_partition_the_global_batch(mode):
     micro = accum.microbatches_at(3)
     assert micro.shape == (2, 4, 17)
     np.testing.assert_array_equal(micro.reshape(8, 17), whole)
-    hosts = [Batcher(TOKENS, grad_accum=2, process_index=p, process_count=2, **kw) for p in range(2)]
+    hosts = [
+        Batcher(TOKENS, grad_accum=2, process_index=p, process_count=2, **kw) for p in range(2)
+    ]
     assert hosts[0].local_batch_size == 4 and hosts[0].micro_batch_size == 2
     per_host = [h.microbatches_at(3) for h in hosts]
     for m in range(2):  # microbatch m over all hosts == microbatch m of one host

@@ -24,7 +24,9 @@ def test_config_roundtrip_and_validation():
         DataConfig(seq_len="256")
     with pytest.raises(ValueError, match=r"data.cache: expected bool"):
         DataConfig(cache=1)
-    with pytest.raises(ValueError, match=r"data.batch_size=10 must be divisible by data.grad_accum=4"):
+    with pytest.raises(
+        ValueError, match=r"data.batch_size=10 must be divisible by data.grad_accum=4"
+    ):
         DataConfig(batch_size=10, grad_accum=4)
     with pytest.raises(ValueError, match="data.sampling"):
         DataConfig(sampling="shuffle")
@@ -62,8 +64,15 @@ def test_load_data_bpe_folder_with_heldout_and_saved_tokenizer(tmp_path):
         (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
     prose = tmp_path / "prose.txt"
     prose.write_text("This function returns the value of x times a constant.\n" * 200)
-    cfg = DataConfig(corpus=str(src), heldout=str(prose), tokenizer="bpe", vocab_size=320,
-                     seq_len=16, batch_size=4, eval_batches=2)
+    cfg = DataConfig(
+        corpus=str(src),
+        heldout=str(prose),
+        tokenizer="bpe",
+        vocab_size=320,
+        seq_len=16,
+        batch_size=4,
+        eval_batches=2,
+    )
     data = load_data(cfg)
     assert set(data.eval_sets()) == {"val", str(prose)}
     assert data.val_batches(str(prose)).shape == (2, 4, 17)
@@ -72,4 +81,6 @@ def test_load_data_bpe_folder_with_heldout_and_saved_tokenizer(tmp_path):
     again = load_data(dataclasses.replace(cfg, tokenizer=str(path)))
     assert again.tokenizer.id == data.tokenizer.id
     np.testing.assert_array_equal(again.corpus.train, data.corpus.train)
-    np.testing.assert_array_equal(again.train_batcher().batch_at(7), data.train_batcher().batch_at(7))
+    np.testing.assert_array_equal(
+        again.train_batcher().batch_at(7), data.train_batcher().batch_at(7)
+    )

@@ -14,7 +14,7 @@ from microscale.data.tokenizers import (
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
-    "class Point:\n    \"\"\"A point in the plane.\"\"\"\n\n    def __init__(self, x, y):\n"
+    'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
     "        self.x = x\n        self.y = y\n",
     "Ünïcödé — 日本語 😀 and <|eos|> as plain text\n",
 ] * 20

@@ -7,18 +7,37 @@ import pytest
 
 from microscale.cli import main
 
-TINY = ["steps=6", "eval_every=3", "model.d_model=64", "model.n_layers=2", "model.n_heads=2",
-        "model.n_kv_heads=2", "model.d_ff=128", "seq_len=32", "batch_size=4",
-        "eval_batches=2", "tensorboard=false"]
+TINY = [
+    "steps=6",
+    "eval_every=3",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "seq_len=32",
+    "batch_size=4",
+    "eval_batches=2",
+    "tensorboard=false",
+]
 
 
 @pytest.mark.slow
 def test_compare_cli_report_matches_run_folders(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MICROSCALE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "cmp"
-    argv = ["compare", "--runs", "bf16,nvfp4", "--ablations", "nvfp4_no_sr", "--seeds", "0",
-            "--quiet",
-            *TINY, f"out={out}"]
+    argv = [
+        "compare",
+        "--runs",
+        "bf16,nvfp4",
+        "--ablations",
+        "nvfp4_no_sr",
+        "--seeds",
+        "0",
+        "--quiet",
+        *TINY,
+        f"out={out}",
+    ]
     assert main(argv) == 0
     for f in ("report.md", "convergence.png", "gap.png", "summary.json"):
         assert (out / f).stat().st_size > 0, f
@@ -35,7 +54,8 @@ def test_compare_cli_report_matches_run_folders(tmp_path, monkeypatch, capsys):
     assert summary["runs"]["bf16"]["rel_gap_vs_bf16"] == 0.0
     nv = summary["runs"]["nvfp4"]
     assert nv["rel_gap_vs_bf16"] == pytest.approx(
-        100 * (nv["final_val_loss"] / summary["runs"]["bf16"]["final_val_loss"] - 1))
+        100 * (nv["final_val_loss"] / summary["runs"]["bf16"]["final_val_loss"] - 1)
+    )
     assert nv["weight_bits_per_param"] < summary["runs"]["bf16"]["weight_bits_per_param"] == 16
     assert "stdlib-docs" in nv["heldout_losses"]  # the second held-out corpus
     assert summary["setup"]["corpus_hash"] and summary["setup"]["machine"]["platform"]

@@ -6,17 +6,36 @@ import pytest
 
 from microscale.cli import main
 
-FAST = ["seq_len=32", "batch_size=4", "eval_batches=2", "data.eval_batch_size=4",
-        "eval_every=0", "tensorboard=false"]
+FAST = [
+    "seq_len=32",
+    "batch_size=4",
+    "eval_batches=2",
+    "data.eval_batch_size=4",
+    "eval_every=0",
+    "tensorboard=false",
+]
 
 
 @pytest.mark.slow
 def test_compare_sizes_writes_scaling_plot_and_trend(tmp_path, monkeypatch):
     monkeypatch.setenv("MICROSCALE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "sizes"
-    argv = ["compare", "--sizes", "0.16M,0.6M", "--runs", "bf16,nvfp4", "--seeds", "0,1",
-            "--tokens-per-param", "0.0001", "--min-steps", "2", "--quiet", *FAST,
-            f"out={out}"]
+    argv = [
+        "compare",
+        "--sizes",
+        "0.16M,0.6M",
+        "--runs",
+        "bf16,nvfp4",
+        "--seeds",
+        "0,1",
+        "--tokens-per-param",
+        "0.0001",
+        "--min-steps",
+        "2",
+        "--quiet",
+        *FAST,
+        f"out={out}",
+    ]
     assert main(argv) == 0
     s = json.loads((out / "summary.json").read_text())
     assert list(s["sizes"]) == ["0.16M", "0.6M"]

@@ -13,8 +13,15 @@ import pytest
 from microscale.experiments import CompareConfig, write_report
 from microscale.train import resolve_config
 
-SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=2", "model.n_kv_heads=2",
-         "model.d_ff=128", "seq_len=32", "batch_size=4"]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=4",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "seq_len=32",
+    "batch_size=4",
+]
 # bf16 losses move a lot between seeds; the paired gaps do not.
 BF16 = {0: 2.00, 1: 2.20, 2: 1.80}
 GAPS = {  # % per seed vs bf16
@@ -37,17 +44,32 @@ def _batches(mean, seed, run):
 @pytest.fixture()
 def cmp_dir(tmp_path):
     base = resolve_config("tiny", SMALL)
-    cfg = CompareConfig(base=base, runs=("bf16", "fp8", "nvfp4", "nvfp4_no_sr"),
-                        seeds=(0, 1, 2), out=str(tmp_path / "cmp"))
+    cfg = CompareConfig(
+        base=base,
+        runs=("bf16", "fp8", "nvfp4", "nvfp4_no_sr"),
+        seeds=(0, 1, 2),
+        out=str(tmp_path / "cmp"),
+    )
     for (name, seed), d in cfg.run_dirs().items():
         d.mkdir(parents=True)
         v = _loss(name, seed)
-        (d / "summary.json").write_text(json.dumps({
-            "status": "completed", "recipe": cfg.run_config(name, seed).recipe,
-            "final_val_loss": v, "final_val_losses": {"val": v, "docs": v + 0.5},
-            "final_val_batch_losses": {"val": _batches(v, seed, name)},
-            "final_train_loss": v, "tokens": 768, "tokens_per_s": 100.0, "params": 1000,
-            "corpus_hash": "abc", "unigram_entropy": 3.0}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": "completed",
+                    "recipe": cfg.run_config(name, seed).recipe,
+                    "final_val_loss": v,
+                    "final_val_losses": {"val": v, "docs": v + 0.5},
+                    "final_val_batch_losses": {"val": _batches(v, seed, name)},
+                    "final_train_loss": v,
+                    "tokens": 768,
+                    "tokens_per_s": 100.0,
+                    "params": 1000,
+                    "corpus_hash": "abc",
+                    "unigram_entropy": 3.0,
+                }
+            )
+        )
     return cfg
 
 
@@ -73,16 +95,33 @@ def test_paired_gap_mean_ci_and_schema(cmp_dir):
     for key in ("gap_mean", "gap_ci95", "n_seeds", "eval_se", "per_seed"):
         assert key in s["comparisons"]["fp8_vs_bf16"]
     # the pairs: every run vs bf16 and fp8, the ablation vs nvfp4
-    assert set(s["comparisons"]) == {"fp8_vs_bf16", "nvfp4_vs_bf16", "nvfp4_no_sr_vs_bf16",
-                                     "nvfp4_vs_fp8", "nvfp4_no_sr_vs_fp8",
-                                     "nvfp4_no_sr_vs_nvfp4"}
+    assert set(s["comparisons"]) == {
+        "fp8_vs_bf16",
+        "nvfp4_vs_bf16",
+        "nvfp4_no_sr_vs_bf16",
+        "nvfp4_vs_fp8",
+        "nvfp4_no_sr_vs_fp8",
+        "nvfp4_no_sr_vs_nvfp4",
+    }
     # fp8: gaps .1, -.1, .3 -> mean .1, sd .2, CI contains 0
     assert "no difference detected" in s["comparisons"]["fp8_vs_bf16"]["verdict"]
     # runs keep their keys; rel_gap_vs_bf16 is the paired mean
     r = s["runs"]["nvfp4"]
-    for k in ("recipe", "final_val_loss", "final_val_loss_std", "val_ppl", "rel_gap_vs_bf16",
-              "rel_gap_vs_fp8", "heldout_losses", "heldout_gap_vs_bf16", "tokens",
-              "tokens_per_s", "status", "seeds", "weight_bits_per_param"):
+    for k in (
+        "recipe",
+        "final_val_loss",
+        "final_val_loss_std",
+        "val_ppl",
+        "rel_gap_vs_bf16",
+        "rel_gap_vs_fp8",
+        "heldout_losses",
+        "heldout_gap_vs_bf16",
+        "tokens",
+        "tokens_per_s",
+        "status",
+        "seeds",
+        "weight_bits_per_param",
+    ):
         assert k in r, k
     assert r["rel_gap_vs_bf16"] == pytest.approx(2.0)
     assert s["runs"]["bf16"]["rel_gap_vs_bf16"] == 0.0
@@ -111,9 +150,18 @@ def test_one_seed_is_not_a_verdict(tmp_path):
     cfg = CompareConfig(base=base, runs=("bf16", "nvfp4"), seeds=(0,), out=str(tmp_path))
     for (name, seed), d in cfg.run_dirs().items():
         d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({
-            "status": "completed", "recipe": name, "final_val_loss": _loss(name, seed),
-            "final_val_losses": {"val": _loss(name, seed)}, "tokens": 1, "params": 1}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": "completed",
+                    "recipe": name,
+                    "final_val_loss": _loss(name, seed),
+                    "final_val_losses": {"val": _loss(name, seed)},
+                    "tokens": 1,
+                    "params": 1,
+                }
+            )
+        )
     s = write_report(cfg)
     c = s["comparisons"]["nvfp4_vs_bf16"]
     assert c["gap_ci95"] is None and c["n_seeds"] == 1 and c["eval_se"] is None
@@ -125,9 +173,12 @@ def test_scaling_report_fits_the_trend_across_sizes(tmp_path):
     from microscale.experiments.scaling import ScalingConfig, write_scaling_report
 
     base = resolve_config("tiny", SMALL[4:])  # seq_len / batch only; sizes set the model
-    sc = ScalingConfig(compare=CC(base=base, runs=("bf16", "nvfp4"), seeds=(0, 1),
-                                  out=str(tmp_path)),
-                       sizes=("0.16M", "0.6M", "1.7M"), tokens_per_param=0.01, min_steps=5)
+    sc = ScalingConfig(
+        compare=CC(base=base, runs=("bf16", "nvfp4"), seeds=(0, 1), out=str(tmp_path)),
+        sizes=("0.16M", "0.6M", "1.7M"),
+        tokens_per_param=0.01,
+        min_steps=5,
+    )
     # the gap falls by exactly 1 point per decade of parameters, +-0.1 between seeds
     for size in sc.sizes:
         c = sc.size_config(size)
@@ -137,9 +188,18 @@ def test_scaling_report_fits_the_trend_across_sizes(tmp_path):
             d.mkdir(parents=True)
             gap = 5 - math.log10(n) + (0.1 if seed else -0.1)
             v = 2.0 * (1 + gap / 100) if name == "nvfp4" else 2.0
-            (d / "summary.json").write_text(json.dumps({
-                "status": "completed", "recipe": name, "final_val_loss": v,
-                "final_val_losses": {"val": v}, "tokens": c.base.steps * 128, "params": n}))
+            (d / "summary.json").write_text(
+                json.dumps(
+                    {
+                        "status": "completed",
+                        "recipe": name,
+                        "final_val_loss": v,
+                        "final_val_losses": {"val": v},
+                        "tokens": c.base.steps * 128,
+                        "params": n,
+                    }
+                )
+            )
     s = write_scaling_report(sc)
     t = s["trends"]["nvfp4_vs_bf16"]
     assert t["fit"]["slope"] == pytest.approx(-1.0)
@@ -161,17 +221,33 @@ def test_scaling_config_rejects_bad_sizes():
         ScalingConfig(sizes=("1.7M",))
 
 
-@pytest.mark.parametrize("runs, expected", [
-    (("bf16", "nvfp4"), [("nvfp4", "bf16")]),
-    (("bf16", "fp8", "nvfp4", "mxfp4"),
-     [("fp8", "bf16"), ("nvfp4", "bf16"), ("mxfp4", "bf16"), ("nvfp4", "fp8"),
-      ("mxfp4", "fp8"), ("mxfp4", "nvfp4")]),
-    # an ablation is read against nvfp4; the adaptive choice also against its warm-up control
-    (("nvfp4", "nvfp4_adaptive", "nvfp4_warmup"),
-     [("nvfp4_adaptive", "nvfp4"), ("nvfp4_warmup", "nvfp4"),
-      ("nvfp4_adaptive", "nvfp4_warmup")]),
-    (("nvfp4", "nvfp4_adaptive"), [("nvfp4_adaptive", "nvfp4")]),  # no control in the set
-])
+@pytest.mark.parametrize(
+    "runs, expected",
+    [
+        (("bf16", "nvfp4"), [("nvfp4", "bf16")]),
+        (
+            ("bf16", "fp8", "nvfp4", "mxfp4"),
+            [
+                ("fp8", "bf16"),
+                ("nvfp4", "bf16"),
+                ("mxfp4", "bf16"),
+                ("nvfp4", "fp8"),
+                ("mxfp4", "fp8"),
+                ("mxfp4", "nvfp4"),
+            ],
+        ),
+        # an ablation is read against nvfp4; the adaptive choice also against its warm-up control
+        (
+            ("nvfp4", "nvfp4_adaptive", "nvfp4_warmup"),
+            [
+                ("nvfp4_adaptive", "nvfp4"),
+                ("nvfp4_warmup", "nvfp4"),
+                ("nvfp4_adaptive", "nvfp4_warmup"),
+            ],
+        ),
+        (("nvfp4", "nvfp4_adaptive"), [("nvfp4_adaptive", "nvfp4")]),  # no control in the set
+    ],
+)
 def test_comparison_pairs(runs, expected):
     from microscale.experiments.report import comparison_pairs
 

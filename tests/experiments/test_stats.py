@@ -18,12 +18,15 @@ def test_t_quantile_matches_the_printed_table(df, t):
     assert stats.t_quantile(df) == pytest.approx(t, abs=1e-3)
 
 
-@pytest.mark.parametrize("values,mean,sd", [
-    ([1.0, 2.0, 3.0], 2.0, 1.0),
-    ([2.1, 1.9, 2.3, 1.7, 2.0], 2.0, math.sqrt(0.2 / 4)),
-    ([0.5, -0.5], 0.0, math.sqrt(0.5)),
-    ([3.0] * 10, 3.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "values,mean,sd",
+    [
+        ([1.0, 2.0, 3.0], 2.0, 1.0),
+        ([2.1, 1.9, 2.3, 1.7, 2.0], 2.0, math.sqrt(0.2 / 4)),
+        ([0.5, -0.5], 0.0, math.sqrt(0.5)),
+        ([3.0] * 10, 3.0, 0.0),
+    ],
+)
 def test_mean_ci_known_values(values, mean, sd):
     n = len(values)
     ci = stats.mean_ci(values)
@@ -65,24 +68,32 @@ def test_combined_eval_se_of_a_mean_over_seeds():
     assert stats.combined_eval_se([0.2, None]) is None
 
 
-@pytest.mark.parametrize("sd,h,n", [
-    (0.5, 0.5, 7),    # t5 .5/sqrt6 = .525 > .5; t6 .5/sqrt7 = .462
-    (0.1, 0.5, 3),    # n = 2: 12.706 * .1 / 1.414 = .898; n = 3: 4.303 * .1 / 1.732 = .248
-    (1.0, 0.5, 18),   # t16 2.120/sqrt17 = .514; t17 2.110/sqrt18 = .497
-])
+@pytest.mark.parametrize(
+    "sd,h,n",
+    [
+        (0.5, 0.5, 7),  # t5 .5/sqrt6 = .525 > .5; t6 .5/sqrt7 = .462
+        (0.1, 0.5, 3),  # n = 2: 12.706 * .1 / 1.414 = .898; n = 3: 4.303 * .1 / 1.732 = .248
+        (1.0, 0.5, 18),  # t16 2.120/sqrt17 = .514; t17 2.110/sqrt18 = .497
+    ],
+)
 def test_seeds_needed(sd, h, n):
     assert stats.seeds_needed(sd, h) == n
     assert stats.seeds_needed(None) is None
 
 
-@pytest.mark.parametrize("ci,words", [
-    ({"mean": 2.1, "n": 4, "ci95": [1.6, 2.6]}, "is worse than `bf16` by 2.10%"),
-    ({"mean": -1.5, "n": 3, "ci95": [-2.0, -1.0]}, "is better than `bf16` by 1.50%"),
-    ({"mean": 0.05, "n": 5, "ci95": [-0.3, 0.4]},
-     "no difference detected; a gap larger than 0.40% (worse) or 0.30% (better) is excluded"),
-    ({"mean": 0.7, "n": 1, "ci95": None}, "not a verdict"),
-    ({"mean": None, "n": 0, "ci95": None}, "no gap"),
-])
+@pytest.mark.parametrize(
+    "ci,words",
+    [
+        ({"mean": 2.1, "n": 4, "ci95": [1.6, 2.6]}, "is worse than `bf16` by 2.10%"),
+        ({"mean": -1.5, "n": 3, "ci95": [-2.0, -1.0]}, "is better than `bf16` by 1.50%"),
+        (
+            {"mean": 0.05, "n": 5, "ci95": [-0.3, 0.4]},
+            "no difference detected; a gap larger than 0.40% (worse) or 0.30% (better) is excluded",
+        ),
+        ({"mean": 0.7, "n": 1, "ci95": None}, "not a verdict"),
+        ({"mean": None, "n": 0, "ci95": None}, "no gap"),
+    ],
+)
 def test_verdict_words_follow_the_interval(ci, words):
     v = stats.verdict("nvfp4", "bf16", ci)
     assert words in v

@@ -10,8 +10,9 @@ from flax import nnx
 
 from microscale.model import ModelConfig, Transformer
 
-TINY = ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                   max_seq_len=64)
+TINY = ModelConfig(
+    vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+)
 
 
 def make_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
@@ -40,7 +41,16 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture
 def mixed() -> dict[str, str]:
     """A mixed allocation: NVFP4 q/k/v, FP8 o/down, NVFP4 MLP in block 0, BF16 in block 1."""
-    return {f"layers.{i}.{k}": f for i in range(2) for k, f in (
-        ("attn.q_proj", "nvfp4"), ("attn.k_proj", "nvfp4"), ("attn.v_proj", "nvfp4"),
-        ("attn.o_proj", "fp8_e4m3"), ("mlp.gate_proj", "nvfp4" if i == 0 else "bf16"),
-        ("mlp.up_proj", "nvfp4" if i == 0 else "bf16"), ("mlp.down_proj", "fp8_e4m3"))}
+    return {
+        f"layers.{i}.{k}": f
+        for i in range(2)
+        for k, f in (
+            ("attn.q_proj", "nvfp4"),
+            ("attn.k_proj", "nvfp4"),
+            ("attn.v_proj", "nvfp4"),
+            ("attn.o_proj", "fp8_e4m3"),
+            ("mlp.gate_proj", "nvfp4" if i == 0 else "bf16"),
+            ("mlp.up_proj", "nvfp4" if i == 0 else "bf16"),
+            ("mlp.down_proj", "fp8_e4m3"),
+        )
+    }

@@ -28,17 +28,31 @@ from gguf import GGUFReader, quants  # noqa: E402
 # e2m1 value of each 4-bit code 0..15 (sign bit 3)
 CODE_VALUES = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 
-ALLOC = {f"layers.{i}.{k}": f for i in range(2) for k, f in (
-    ("attn.q_proj", "nvfp4"), ("attn.k_proj", "nvfp4"), ("attn.v_proj", "nvfp4"),
-    ("attn.o_proj", "mxfp4"), ("mlp.gate_proj", "q8_0" if i == 0 else "bf16"),
-    ("mlp.up_proj", "q8_0" if i == 0 else "bf16"),
-    ("mlp.down_proj", "fp8_e4m3" if i == 0 else "mxfp8"))}
+ALLOC = {
+    f"layers.{i}.{k}": f
+    for i in range(2)
+    for k, f in (
+        ("attn.q_proj", "nvfp4"),
+        ("attn.k_proj", "nvfp4"),
+        ("attn.v_proj", "nvfp4"),
+        ("attn.o_proj", "mxfp4"),
+        ("mlp.gate_proj", "q8_0" if i == 0 else "bf16"),
+        ("mlp.up_proj", "q8_0" if i == 0 else "bf16"),
+        ("mlp.down_proj", "fp8_e4m3" if i == 0 else "mxfp8"),
+    )
+}
 
 
 # llama.cpp's Llama tensor names (src/llama-arch.cpp) of microscale's linear layers
-GGUF_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
-              "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "attn.q_proj": "attn_q",
+    "attn.k_proj": "attn_k",
+    "attn.v_proj": "attn_v",
+    "attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def gname(path: str) -> str:
@@ -74,10 +88,18 @@ def test_golden_block_bytes():
     assert list(mx[0, :17]) == [127] + [(j % 16) | (j % 16) << 4 for j in range(16)]
 
 
-@pytest.mark.parametrize("fmt, expect", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),
-                                         ("q8_0", "q8_0"), ("fp8_e4m3", "q8_0"),
-                                         ("fp8_e5m2", "q8_0"), ("mxfp8", "q8_0"),
-                                         ("bf16", "bf16")])
+@pytest.mark.parametrize(
+    "fmt, expect",
+    [
+        ("nvfp4", "nvfp4"),
+        ("mxfp4", "mxfp4"),
+        ("q8_0", "q8_0"),
+        ("fp8_e4m3", "q8_0"),
+        ("fp8_e5m2", "q8_0"),
+        ("mxfp8", "q8_0"),
+        ("bf16", "bf16"),
+    ],
+)
 def test_format_mapping(fmt, expect):
     assert gguf_format(fmt) == expect
 
@@ -87,8 +109,8 @@ def test_format_mapping(fmt, expect):
 def test_tensor_decodes_bit_exact_with_gguf_reference(fmt, seed):
     rng = np.random.default_rng(seed)
     w = (rng.standard_t(3, (48, 192)) * 0.02).astype(np.float32)
-    w[3, :64] = 0                                   # a zero block
-    w[5, 7] = 0.9                                   # an outlier
+    w[3, :64] = 0  # a zero block
+    w[5, 7] = 0.9  # an outlier
     q = quantize(w, fmt, axis=-1)
     blocks, qtype = gguf_tensor(q, "w")
     got = quants.dequantize(blocks, qtype)
@@ -126,8 +148,9 @@ def test_every_linear_tensor_decodes_to_microscale_weights(exported):
         stored = gguf_format(fmt)
         if stored == "bf16":
             assert t.tensor_type == gguf.GGMLQuantizationType.BF16
-            np.testing.assert_array_equal(got, np.asarray(jnp.asarray(master, jnp.bfloat16),
-                                                          np.float32))
+            np.testing.assert_array_equal(
+                got, np.asarray(jnp.asarray(master, jnp.bfloat16), np.float32)
+            )
             continue
         assert t.tensor_type == gguf.GGMLQuantizationType[GGUF_FORMATS[stored]]
         np.testing.assert_array_equal(got, np.asarray(dequantize(qs[p])).T)  # bit-exact
@@ -146,10 +169,16 @@ def test_metadata_and_other_tensors(exported):
         return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]]
 
     assert field("general.architecture") == "llama"
-    for key, want in (("llama.block_count", 2), ("llama.embedding_length", 64),
-                      ("llama.feed_forward_length", 128), ("llama.attention.head_count", 4),
-                      ("llama.attention.head_count_kv", 2), ("llama.rope.dimension_count", 16),
-                      ("llama.context_length", 64), ("llama.vocab_size", 257)):
+    for key, want in (
+        ("llama.block_count", 2),
+        ("llama.embedding_length", 64),
+        ("llama.feed_forward_length", 128),
+        ("llama.attention.head_count", 4),
+        ("llama.attention.head_count_kv", 2),
+        ("llama.rope.dimension_count", 16),
+        ("llama.context_length", 64),
+        ("llama.vocab_size", 257),
+    ):
         assert int(field(key)) == want, key
     assert np.isclose(field("llama.rope.freq_base"), TINY.rope_theta)
     assert np.isclose(field("llama.attention.layer_norm_rms_epsilon"), TINY.norm_eps)
@@ -158,8 +187,10 @@ def test_metadata_and_other_tensors(exported):
     assert len(tokens) == 257 and tokens[256] == "<|eos|>" and tokens[ord("a")] == "a"
     assert tokens[ord(" ")] == "\u0120"  # GPT-2's byte-to-unicode character for a space
     assert int(field("tokenizer.ggml.eos_token_id")) == 256
-    assert field("tokenizer.ggml.add_bos_token") is False or \
-        int(field("tokenizer.ggml.add_bos_token")) == 0
+    assert (
+        field("tokenizer.ggml.add_bos_token") is False
+        or int(field("tokenizer.ggml.add_bos_token")) == 0
+    )
     names = {t.name: t for t in r.tensors}
     assert "output.weight" not in names  # tied embeddings: llama.cpp reuses token_embd
     emb = names["token_embd.weight"]
@@ -167,7 +198,8 @@ def test_metadata_and_other_tensors(exported):
     params = flat_params(model)
     np.testing.assert_array_equal(
         quants.dequantize(emb.data, emb.tensor_type),
-        np.asarray(jnp.asarray(params["embed.embedding"], jnp.bfloat16), np.float32))
+        np.asarray(jnp.asarray(params["embed.embedding"], jnp.bfloat16), np.float32),
+    )
     norm = names["blk.1.ffn_norm.weight"]
     assert norm.tensor_type == gguf.GGMLQuantizationType.F32
     np.testing.assert_array_equal(norm.data, np.asarray(params["layers.1.mlp_norm.scale"]))
@@ -184,14 +216,19 @@ def test_untied_lm_head_is_written(tmp_path):
     assert tuple(out.shape) == (64, 257)  # ggml order: ne0 = n_embd, ne1 = n_vocab
     np.testing.assert_array_equal(
         quants.dequantize(out.data, out.tensor_type),
-        np.asarray(jnp.asarray(flat_params(model)["lm_head.kernel"], jnp.bfloat16),
-                   np.float32).T)
+        np.asarray(jnp.asarray(flat_params(model)["lm_head.kernel"], jnp.bfloat16), np.float32).T,
+    )
 
 
-@pytest.mark.parametrize("fmt, stored, ggml", [("bf16", "bf16", "BF16"),
-                                               ("q8_0", "q8_0", "Q8_0"),
-                                               ("mxfp4", "mxfp4", "MXFP4"),
-                                               ("fp8_e4m3", "q8_0", "Q8_0")])
+@pytest.mark.parametrize(
+    "fmt, stored, ggml",
+    [
+        ("bf16", "bf16", "BF16"),
+        ("q8_0", "q8_0", "Q8_0"),
+        ("mxfp4", "mxfp4", "MXFP4"),
+        ("fp8_e4m3", "q8_0", "Q8_0"),
+    ],
+)
 @pytest.mark.parametrize("tied", [True, False])
 def test_quantized_embedding_and_lm_head(tmp_path, fmt, stored, ggml, tied):
     """embed_format: token_embd (and an untied output.weight) stored in ggml's type, decoded
@@ -200,8 +237,9 @@ def test_quantized_embedding_and_lm_head(tmp_path, fmt, stored, ggml, tied):
     params = flat_params(make_model(TINY.replace(tie_embeddings=tied)))
     cfg = TINY.replace(tie_embeddings=tied)
     path, base = tmp_path / "m.gguf", tmp_path / "base.gguf"
-    res = write_gguf(params, path, config=cfg, layer_formats="q8_0",
-                     tokenizer=ByteTokenizer(), embed_format=fmt)
+    res = write_gguf(
+        params, path, config=cfg, layer_formats="q8_0", tokenizer=ByteTokenizer(), embed_format=fmt
+    )
     assert res.embedding == stored and res.describe()["embedding"] == stored
     names = {t.name: t for t in GGUFReader(path).tensors}
     heads = {"token_embd.weight": params["embed.embedding"]}
@@ -210,8 +248,11 @@ def test_quantized_embedding_and_lm_head(tmp_path, fmt, stored, ggml, tied):
     for name, w in heads.items():
         t = names[name]
         assert t.tensor_type == gguf.GGMLQuantizationType[ggml], name
-        want = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32) if stored == "bf16" \
+        want = (
+            np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+            if stored == "bf16"
             else np.asarray(dequantize(quantize(jnp.asarray(w, jnp.float32), stored, axis=1)))
+        )
         got = quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
         np.testing.assert_array_equal(got, want)
         assert name.replace(".weight", ".scale") not in names
@@ -220,8 +261,9 @@ def test_quantized_embedding_and_lm_head(tmp_path, fmt, stored, ggml, tied):
         assert path.stat().st_size < base.stat().st_size
 
 
-@pytest.mark.parametrize("fmt, match", [("nvfp4", r"embed_format='nvfp4'.*tensor scale"),
-                                        ("int3", "int3")])
+@pytest.mark.parametrize(
+    "fmt, match", [("nvfp4", r"embed_format='nvfp4'.*tensor scale"), ("int3", "int3")]
+)
 def test_refuses_embedding_formats_llama_cpp_cannot_look_up(tmp_path, tiny_model, fmt, match):
     path = tmp_path / "m.gguf"
     with pytest.raises(ValueError, match=match):
@@ -237,8 +279,11 @@ def test_refuses_rows_ggml_cannot_hold(tmp_path, fmt, ok):
     if ok:
         write_gguf(make_model(cfg), path, layer_formats=fmt, tokenizer=ByteTokenizer())
         return
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q: input dimension 96 is not a "
-                                         r"multiple of 64"):
+    with pytest.raises(
+        ValueError,
+        match=r"blk\.0\.attn_q: input dimension 96 is not a "
+        r"multiple of 64",
+    ):
         write_gguf(make_model(cfg), path, layer_formats=fmt, tokenizer=ByteTokenizer())
     assert not path.exists()
 
@@ -247,8 +292,9 @@ def test_refuses_rows_ggml_cannot_hold(tmp_path, fmt, ok):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q8_0", "bf16"])
 def test_refuses_non_finite_weights(tmp_path, fmt):
     params = flat_params(make_model())
-    params["layers.1.mlp.up_proj.kernel"] = params["layers.1.mlp.up_proj.kernel"].at[3, 5].set(
-        jnp.nan)
+    params["layers.1.mlp.up_proj.kernel"] = (
+        params["layers.1.mlp.up_proj.kernel"].at[3, 5].set(jnp.nan)
+    )
     path = tmp_path / "m.gguf"
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_up.*non-finite"):
         write_gguf(params, path, config=TINY, layer_formats=fmt, tokenizer=ByteTokenizer())
@@ -296,8 +342,9 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
     folder = tmp_path / "ct"
     export_checkpoint(tiny_model, folder, layer_formats=mixed, tokenizer=ByteTokenizer())
     out = tmp_path / "m.gguf"
-    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
-                 str(out)]) == 0, capsys.readouterr().err
+    assert (
+        main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out", str(out)]) == 0
+    ), capsys.readouterr().err
     assert "q8_0" in capsys.readouterr().out
     ck = read_checkpoint(folder)
     tensors = {t.name: t for t in GGUFReader(out).tensors}
@@ -307,20 +354,61 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
         if f == "nvfp4" and p.endswith("v_proj"):  # not RoPE-permuted: same bytes as the folder
             blocks, _ = gguf_tensor(ck.params[f"{p}.kernel"], p)
             np.testing.assert_array_equal(np.asarray(t.data).reshape(blocks.shape), blocks)
-    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
-                 str(tmp_path / "m2.gguf"), "--activations"]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(folder),
+                "--format",
+                "gguf",
+                "--out",
+                str(tmp_path / "m2.gguf"),
+                "--activations",
+            ]
+        )
+        == 2
+    )
     assert "weights only" in capsys.readouterr().err
     # --embed-format: the same layers, token_embd in Q8_0; refused for other layouts
-    assert main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out",
-                 str(tmp_path / "m3.gguf"), "--embed-format", "q8_0"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(folder),
+                "--format",
+                "gguf",
+                "--out",
+                str(tmp_path / "m3.gguf"),
+                "--embed-format",
+                "q8_0",
+            ]
+        )
+        == 0
+    )
     t3 = {t.name: t for t in GGUFReader(tmp_path / "m3.gguf").tensors}
     assert t3["token_embd.weight"].tensor_type.name == "Q8_0"
     assert t3["blk.0.attn_v.weight"].tensor_type.name == "NVFP4"
     capsys.readouterr()
-    assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "ct2"),
-                 "--embed-format", "q8_0"]) == 2
-    assert "embed_format='q8_0' has no effect with layout='compressed-tensors'" in \
-        capsys.readouterr().err
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(folder),
+                "--out",
+                str(tmp_path / "ct2"),
+                "--embed-format",
+                "q8_0",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "embed_format='q8_0' has no effect with layout='compressed-tensors'"
+        in capsys.readouterr().err
+    )
 
 
 def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.ndarray:
@@ -341,7 +429,10 @@ def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.
 
     ts = {t.name: t for t in r.tensors}
     n_layer, n_head = int(f("llama.block_count")), int(f("llama.attention.head_count"))
-    n_kv, eps = int(f("llama.attention.head_count_kv")), float(f("llama.attention.layer_norm_rms_epsilon"))
+    n_kv, eps = (
+        int(f("llama.attention.head_count_kv")),
+        float(f("llama.attention.layer_norm_rms_epsilon")),
+    )
     base = float(f("llama.rope.freq_base"))
     T = len(tokens)
     x = w("token_embd.weight")[tokens]
@@ -353,8 +444,11 @@ def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.
         return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps) * g
 
     def rope(v):  # [T, heads, hd]; llama.cpp's LLAMA graph: adjacent pairs (NORM mode)
-        ia, ib = (np.arange(0, hd, 2), np.arange(1, hd, 2)) if pairs == "adjacent" else (
-            np.arange(hd // 2), np.arange(hd // 2, hd))  # "halves": NEOX mode, for a control
+        ia, ib = (
+            (np.arange(0, hd, 2), np.arange(1, hd, 2))
+            if pairs == "adjacent"
+            else (np.arange(hd // 2), np.arange(hd // 2, hd))
+        )  # "halves": NEOX mode, for a control
         a, b = v[..., ia], v[..., ib]
         out = np.empty_like(v)
         out[..., ia], out[..., ib] = a * cos - b * sin, a * sin + b * cos
@@ -374,8 +468,11 @@ def _gguf_llama_logits(path, tokens: np.ndarray, pairs: str = "adjacent") -> np.
         x = x + o @ w(f"blk.{i}.attn_output.weight").T
         h = rms(x, w(f"blk.{i}.ffn_norm.weight"))
         g = h @ w(f"blk.{i}.ffn_gate.weight").T
-        x = x + (g / (1 + np.exp(-g)) * (h @ w(f"blk.{i}.ffn_up.weight").T)) \
+        x = (
+            x
+            + (g / (1 + np.exp(-g)) * (h @ w(f"blk.{i}.ffn_up.weight").T))
             @ w(f"blk.{i}.ffn_down.weight").T
+        )
     x = rms(x, w("output_norm.weight"))
     out = w("output.weight") if "output.weight" in ts else w("token_embd.weight")
     return x @ out.T
@@ -388,8 +485,9 @@ def test_gguf_read_as_llama_cpp_does_reproduces_microscale_logits(tmp_path, tiny
 
     path = tmp_path / "m.gguf"
     params = flat_params(tiny_model)
-    write_gguf(params, path, config=TINY, layer_formats=ALLOC, tokenizer=ByteTokenizer(),
-               dtype="float32")
+    write_gguf(
+        params, path, config=TINY, layer_formats=ALLOC, tokenizer=ByteTokenizer(), dtype="float32"
+    )
     tokens = np.array(ByteTokenizer().encode("def fib(n):\n    return n"), np.int64)
     got = _gguf_llama_logits(path, tokens)
     stored = {p: gguf_format(f) for p, f in ALLOC.items()}

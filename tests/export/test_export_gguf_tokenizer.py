@@ -30,24 +30,44 @@ from microscale.export.gguf import _LLAMA3_SPLIT, gguf_vocab, write_gguf  # noqa
 from microscale.export.llamacpp import LlamaCpp, llama_cpp_available  # noqa: E402
 from microscale.model import ModelConfig, Transformer  # noqa: E402
 
-CFG = ModelConfig(vocab_size=448, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
-                  max_seq_len=64)
+CFG = ModelConfig(
+    vocab_size=448, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (SmolLM2's order)
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-            "{{ message['content'] }}<|im_end|>\n{% endfor %}")
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+)
 # SmolLM2-Instruct's tokenizer_config.json, in what matters here
-INSTRUCT = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-            "chat_template": TEMPLATE, "tokenizer_class": "GPT2Tokenizer"}
-STRINGS = ["Hello world", "12345 + 678 = 13023", "numbers 1234567890 and 2024",
-           "  two  spaces\tand\ttabs\n\nnew lines", "émigré naïve 東京 🙂 Ωmega",
-           "it's they're I'll we'd", "x=3.14159; y=[1,22,333]",
-           "<|im_start|>user\nhi<|im_end|>", "trailing space ", "a1b22c333d4444"]
+INSTRUCT = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "chat_template": TEMPLATE,
+    "tokenizer_class": "GPT2Tokenizer",
+}
+STRINGS = [
+    "Hello world",
+    "12345 + 678 = 13023",
+    "numbers 1234567890 and 2024",
+    "  two  spaces\tand\ttabs\n\nnew lines",
+    "émigré naïve 東京 🙂 Ωmega",
+    "it's they're I'll we'd",
+    "x=3.14159; y=[1,22,333]",
+    "<|im_start|>user\nhi<|im_end|>",
+    "trailing space ",
+    "a1b22c333d4444",
+]
 
 
 def _corpus() -> list[str]:
-    base = ["the quick brown fox jumps over the lazy dog", "numbers 1234567890 and 2024",
-            "def f(x):\n    return x * 2  # double", "émigré naïve café 東京 🙂",
-            "they're it's I'll we'd you've"]
+    base = [
+        "the quick brown fox jumps over the lazy dog",
+        "numbers 1234567890 and 2024",
+        "def f(x):\n    return x * 2  # double",
+        "émigré naïve café 東京 🙂",
+        "they're it's I'll we'd you've",
+    ]
     return [f"{s} {i}" for i in range(40) for s in base]
 
 
@@ -58,27 +78,42 @@ def _tokenizer(kind: str) -> Tokenizer:
     bytelevel = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = bytelevel
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=420, special_tokens=SPECIAL, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _corpus(),
+        trainers.BpeTrainer(
+            vocab_size=420,
+            special_tokens=SPECIAL,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.pre_tokenizer = {
         "gpt2": bytelevel,
-        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                           bytelevel]),
-        "llama3": pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
-        "digits-grouped": pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=False), bytelevel]),
+        "smollm": pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), bytelevel]
+        ),
+        "llama3": pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+        "digits-grouped": pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=False), bytelevel]
+        ),
         "whitespace": pre_tokenizers.Whitespace(),
     }[kind]
     if kind == "llama3":  # Llama 3 adds <|begin_of_text|> through its post-processor
         tok.add_special_tokens(["<|begin_of_text|>"])
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                          special_tokens=[("<|begin_of_text|>",
-                                                           tok.token_to_id("<|begin_of_text|>"))])])
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single="<|begin_of_text|> $A",
+                    special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))],
+                ),
+            ]
+        )
     return tok
 
 
@@ -108,12 +143,18 @@ def _fields(path) -> dict:
     return {k: value(f) for k, f in r.fields.items()}
 
 
-@pytest.mark.parametrize("kind, pre", [("gpt2", "gpt-2"), ("smollm", "smollm"),
-                                       ("llama3", "llama-bpe")])
+@pytest.mark.parametrize(
+    "kind, pre", [("gpt2", "gpt-2"), ("smollm", "smollm"), ("llama3", "llama-bpe")]
+)
 def test_pre_tokenizer_is_chosen_from_tokenizer_json(tmp_path, params, kind, pre):
     d = _folder(tmp_path, kind)
-    res = write_gguf(params, tmp_path / "m.gguf", config=CFG, layer_formats="bf16",
-                     tokenizer=d / "tokenizer.json")
+    res = write_gguf(
+        params,
+        tmp_path / "m.gguf",
+        config=CFG,
+        layer_formats="bf16",
+        tokenizer=d / "tokenizer.json",
+    )
     f = _fields(tmp_path / "m.gguf")
     assert f["tokenizer.ggml.pre"] == pre == res.tokenizer["pre"]
     hf = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -126,8 +167,9 @@ def test_pre_tokenizer_is_chosen_from_tokenizer_json(tmp_path, params, kind, pre
     assert len(merges) == len(json.loads(hf.to_str())["model"]["merges"]) > 50
     if kind == "llama3":  # its post-processor prepends <|begin_of_text|>: so does llama.cpp
         bot = hf.token_to_id("<|begin_of_text|>")
-        assert f["tokenizer.ggml.add_bos_token"] is True or \
-            int(f["tokenizer.ggml.add_bos_token"]) == 1
+        assert (
+            f["tokenizer.ggml.add_bos_token"] is True or int(f["tokenizer.ggml.add_bos_token"]) == 1
+        )
         assert int(f["tokenizer.ggml.bos_token_id"]) == bot == hf.encode("a").ids[0]
     else:
         assert not bool(f["tokenizer.ggml.add_bos_token"])
@@ -135,8 +177,13 @@ def test_pre_tokenizer_is_chosen_from_tokenizer_json(tmp_path, params, kind, pre
 
 def test_special_tokens_and_chat_template_come_from_tokenizer_config(tmp_path, params):
     d = _folder(tmp_path, "smollm", INSTRUCT)
-    write_gguf(params, tmp_path / "m.gguf", config=CFG, layer_formats="bf16",
-               tokenizer=d / "tokenizer.json")
+    write_gguf(
+        params,
+        tmp_path / "m.gguf",
+        config=CFG,
+        layer_formats="bf16",
+        tokenizer=d / "tokenizer.json",
+    )
     f = _fields(tmp_path / "m.gguf")
     # the model's own end of turn (<|im_end|> = 2), not the end-of-document token (0)
     assert int(f["tokenizer.ggml.eos_token_id"]) == 2
@@ -145,11 +192,26 @@ def test_special_tokens_and_chat_template_come_from_tokenizer_config(tmp_path, p
     assert not bool(f["tokenizer.ggml.add_bos_token"])
     assert f["tokenizer.chat_template"] == TEMPLATE
     # named templates (a list) and chat_template.jinja beside the config work alike
-    d2 = _folder(tmp_path, "gpt2", {**INSTRUCT, "chat_template": [
-        {"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}],
-        "add_bos_token": True, "eos_token": {"content": "<|endoftext|>", "special": True}})
-    write_gguf(params, tmp_path / "m2.gguf", config=CFG, layer_formats="bf16",
-               tokenizer=d2 / "tokenizer.json")
+    d2 = _folder(
+        tmp_path,
+        "gpt2",
+        {
+            **INSTRUCT,
+            "chat_template": [
+                {"name": "tool_use", "template": "x"},
+                {"name": "default", "template": TEMPLATE},
+            ],
+            "add_bos_token": True,
+            "eos_token": {"content": "<|endoftext|>", "special": True},
+        },
+    )
+    write_gguf(
+        params,
+        tmp_path / "m2.gguf",
+        config=CFG,
+        layer_formats="bf16",
+        tokenizer=d2 / "tokenizer.json",
+    )
     f = _fields(tmp_path / "m2.gguf")
     assert f["tokenizer.chat_template"] == TEMPLATE
     assert int(f["tokenizer.ggml.eos_token_id"]) == 0
@@ -170,8 +232,9 @@ def test_a_special_token_the_vocab_lacks_is_refused(tmp_path):
         gguf_vocab(d / "tokenizer.json")
 
 
-@pytest.mark.parametrize("kind, named", [("digits-grouped", '"individual_digits": false'),
-                                         ("whitespace", "Whitespace")])
+@pytest.mark.parametrize(
+    "kind, named", [("digits-grouped", '"individual_digits": false'), ("whitespace", "Whitespace")]
+)
 def test_unknown_pre_tokenizer_is_refused_before_any_work(tmp_path, kind, named):
     d = _folder(tmp_path, kind)
     # no model at all: the tokenizer is judged first
@@ -192,13 +255,20 @@ def test_cli_refuses_the_tokenizer_before_reading_the_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(llama_cpp_available() is None,
-                    reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")
+@pytest.mark.skipif(
+    llama_cpp_available() is None,
+    reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)",
+)
 @pytest.mark.parametrize("kind", ["gpt2", "smollm", "llama3"])
 def test_llama_cpp_tokenizes_like_tokenizers(tmp_path, params, kind):
     d = _folder(tmp_path, kind, {k: v for k, v in INSTRUCT.items() if k != "bos_token"})
-    write_gguf(params, tmp_path / "m.gguf", config=CFG, layer_formats="bf16",
-               tokenizer=d / "tokenizer.json")
+    write_gguf(
+        params,
+        tmp_path / "m.gguf",
+        config=CFG,
+        layer_formats="bf16",
+        tokenizer=d / "tokenizer.json",
+    )
     hf = Tokenizer.from_file(str(d / "tokenizer.json"))
     llm = LlamaCpp(tmp_path / "m.gguf", n_ctx=64)
     try:
@@ -215,15 +285,22 @@ def test_llama_cpp_tokenizes_like_tokenizers(tmp_path, params, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(llama_cpp_available() is None,
-                    reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")
+@pytest.mark.skipif(
+    llama_cpp_available() is None,
+    reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)",
+)
 def test_llama_cpp_ends_generation_at_the_models_own_end_of_turn(tmp_path, params):
     """llama.cpp reads the exported file's end-of-turn token as end-of-generation (not the
     end-of-document token 0), its chat template is tokenizer_config.json's, and
     ``greedy(stop_at_eog=True)`` stops after such a token."""
     d = _folder(tmp_path, "smollm", INSTRUCT)
-    write_gguf(params, tmp_path / "m.gguf", config=CFG, layer_formats="bf16",
-               tokenizer=d / "tokenizer.json")
+    write_gguf(
+        params,
+        tmp_path / "m.gguf",
+        config=CFG,
+        layer_formats="bf16",
+        tokenizer=d / "tokenizer.json",
+    )
     llm = LlamaCpp(tmp_path / "m.gguf", n_ctx=64)
     try:
         assert llm.is_eog(2) and not llm.is_eog(5)

@@ -39,9 +39,17 @@ def _hf_logits(model) -> np.ndarray:
 def hf_folder(tmp_path_factory):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms so a misplaced norm weight would show
         for name, p in model.named_parameters():
@@ -64,8 +72,9 @@ def test_hf_llama_imports_with_the_same_logits(hf_folder):
 
 
 def test_exported_model_loads_in_transformers(tiny_model, tiny_cfg, tmp_path):
-    export_checkpoint(tiny_model, tmp_path, layer_formats="bf16", dtype="float32",
-                      tokenizer=ByteTokenizer())
+    export_checkpoint(
+        tiny_model, tmp_path, layer_formats="bf16", dtype="float32", tokenizer=ByteTokenizer()
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ref = _hf_logits(hf.eval())
     cfg32 = tiny_cfg.replace(compute_dtype="float32")
@@ -88,8 +97,9 @@ def test_packed_nvfp4_through_compressed_tensors_and_transformers(tiny_model, tm
         qc = transformers.CompressedTensorsConfig(dequantize=True)
     except TypeError:
         qc = transformers.CompressedTensorsConfig(run_compressed=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                           quantization_config=qc)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=qc
+    )
     ref = _hf_logits(hf.eval())
     engine = InferenceModel.from_checkpoint(tmp_path, compute_dtype="float32")
     assert engine.memory_stats().packed_layers == 14

@@ -66,11 +66,13 @@ def np_dequant_ct(store, mod, fmt) -> np.ndarray:
     if fmt == "mxfp4":
         e = raw(store, f"{mod}.weight_scale").astype(np.int64)
         return np_unpack_fp4(raw(store, f"{mod}.weight_packed")) * np_block(
-            np.exp2(e - 127).astype(np.float32), 32)
+            np.exp2(e - 127).astype(np.float32), 32
+        )
     if fmt == "mxfp8":
         e = raw(store, f"{mod}.weight_scale").astype(np.int64)
         return np_e4m3(raw(store, f"{mod}.weight")) * np_block(
-            np.exp2(e - 127).astype(np.float32), 32)
+            np.exp2(e - 127).astype(np.float32), 32
+        )
     raise AssertionError(fmt)
 
 
@@ -91,11 +93,13 @@ def expected_weights(model, layer_formats, activations=False):
     cfg = model.config
     lay = resolve_layers(cfg, layer_formats, activations=activations)
     q = quantize_linear_weights(flat_params(model), cfg, lay)
-    return lay, {p: (np.asarray(dequantize(v)).T if lay[p].quantized else None)
-                 for p, v in q.items()}
+    return lay, {
+        p: (np.asarray(dequantize(v)).T if lay[p].quantized else None) for p, v in q.items()
+    }
 
 
 # ---------------------------------------------------------------- golden vector
+
 
 def test_golden_nibble_vector_in_both_layouts():
     w = np.zeros((2, 16), np.float32)  # HF orientation [N, K]
@@ -112,8 +116,11 @@ def test_golden_nibble_vector_in_both_layouts():
     # decode scale = 1 / weight_global_scale, exactly microscale's s_dec
     s_dec = np.float32(1) / ct["m.weight_global_scale"][0]
     assert s_dec == np.float32(np.asarray(q.global_scale))
-    got = np_unpack_fp4(ct["m.weight_packed"]) * np_block(
-        np_e4m3(ct["m.weight_scale"].view(np.uint8)), 16) * s_dec
+    got = (
+        np_unpack_fp4(ct["m.weight_packed"])
+        * np_block(np_e4m3(ct["m.weight_scale"].view(np.uint8)), 16)
+        * s_dec
+    )
     np.testing.assert_array_equal(got, np.asarray(dequantize(q)).T)
     np.testing.assert_allclose(got, w, rtol=2e-7)  # s_dec = fl(6/2688): an ulp off 1/448
     mo = layer_tensors("modelopt", "m", q, LayerQuant(weights="nvfp4"), None)
@@ -124,13 +131,19 @@ def test_golden_nibble_vector_in_both_layouts():
 
 # ---------------------------------------------------------------- whole model, numpy
 
+
 @pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
 def test_numpy_decode_matches_microscale(tiny_model, tiny_cfg, mixed, tmp_path, layout):
     TINY = tiny_cfg
     fmts = dict(mixed)
     if layout == "compressed-tensors":  # MX formats have no ModelOpt name
-        fmts.update({"layers.1.mlp.gate_proj": "mxfp4", "layers.1.mlp.up_proj": "mxfp4",
-                     "layers.0.attn.o_proj": "mxfp8"})
+        fmts.update(
+            {
+                "layers.1.mlp.gate_proj": "mxfp4",
+                "layers.1.mlp.up_proj": "mxfp4",
+                "layers.0.attn.o_proj": "mxfp8",
+            }
+        )
     # ModelOpt's FP8 is W8A8 only: give it calibrated input scales
     amax = None if layout == "compressed-tensors" else dict.fromkeys(linear_paths(TINY), 2.0)
     export_checkpoint(tiny_model, tmp_path, layout=layout, layer_formats=fmts, input_amax=amax)
@@ -144,7 +157,8 @@ def test_numpy_decode_matches_microscale(tiny_model, tiny_cfg, mixed, tmp_path, 
             got = store.get(f"{mod}.weight")
             assert got.dtype == ml_dtypes.bfloat16
             np.testing.assert_array_equal(
-                got, np.asarray(params[f"{p}.kernel"]).T.astype(ml_dtypes.bfloat16))
+                got, np.asarray(params[f"{p}.kernel"]).T.astype(ml_dtypes.bfloat16)
+            )
             continue
         got = decode(store, mod, lay[p].weights)
         np.testing.assert_array_equal(got, want[p], err_msg=p)  # bit exact
@@ -162,12 +176,12 @@ def test_fused_groups_share_the_global_scale(tiny_model, tiny_cfg, tmp_path):
     for group in fused_groups(TINY):
         gs = {float(store.get(f"{hf_module(p)}.weight_global_scale")[0]) for p in group}
         assert len(gs) == 1, group
-        amax = max(float(np.abs(np.asarray(flat_params(tiny_model)[f"{p}.kernel"])).max())
-                   for p in group)
+        amax = max(
+            float(np.abs(np.asarray(flat_params(tiny_model)[f"{p}.kernel"])).max()) for p in group
+        )
         assert list(gs)[0] == pytest.approx(448 * 6 / amax, rel=1e-6)
     # different groups get different scales (the weights have outliers in places)
-    q = {float(store.get(f"{hf_module(p)}.weight_global_scale")[0])
-         for p in linear_paths(TINY)}
+    q = {float(store.get(f"{hf_module(p)}.weight_global_scale")[0]) for p in linear_paths(TINY)}
     assert len(q) > 2
 
 
@@ -196,8 +210,13 @@ def test_compressed_tensors_config(tiny_model, mixed, tmp_path):
 
 
 def test_modelopt_config(tiny_model, tiny_cfg, mixed, tmp_path):
-    export_checkpoint(tiny_model, tmp_path, layout="modelopt", layer_formats=mixed,
-                      input_amax={p: 3.0 for p in linear_paths(tiny_cfg)})
+    export_checkpoint(
+        tiny_model,
+        tmp_path,
+        layout="modelopt",
+        layer_formats=mixed,
+        input_amax={p: 3.0 for p in linear_paths(tiny_cfg)},
+    )
     hq = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "MIXED_PRECISION"
     ql = hq["quantized_layers"]
@@ -237,14 +256,21 @@ def test_w4a4_without_calibration_is_refused(tiny_model, tiny_cfg, tmp_path):
 
 def test_fused_group_format_mismatch_is_refused(tiny_model, tmp_path):
     with pytest.raises(ValueError, match=r"k_proj.*fused"):
-        export_checkpoint(tiny_model, tmp_path, layer_formats={
-            "layers.0.attn.q_proj": "nvfp4", "layers.0.attn.k_proj": "fp8_e4m3",
-            "layers.0.attn.v_proj": "nvfp4"})
+        export_checkpoint(
+            tiny_model,
+            tmp_path,
+            layer_formats={
+                "layers.0.attn.q_proj": "nvfp4",
+                "layers.0.attn.k_proj": "fp8_e4m3",
+                "layers.0.attn.v_proj": "nvfp4",
+            },
+        )
     with pytest.raises(ValueError, match="ModelOpt layout has no quant_algo"):
         export_checkpoint(tiny_model, tmp_path, layout="modelopt", layer_formats="mxfp4")
 
 
 # ---------------------------------------------------------------- compressed-tensors itself
+
 
 def test_compressed_tensors_decompressor_agrees(tiny_model, tiny_cfg, mixed, tmp_path):
     TINY = tiny_cfg
@@ -255,8 +281,9 @@ def test_compressed_tensors_decompressor_agrees(tiny_model, tiny_cfg, mixed, tmp
     from safetensors.torch import load_file
 
     fmts = dict(mixed, **{"layers.1.mlp.gate_proj": "mxfp4", "layers.1.mlp.up_proj": "mxfp4"})
-    export_checkpoint(tiny_model, tmp_path, layer_formats=fmts,
-                      input_amax={p: 4.0 for p in linear_paths(TINY)})
+    export_checkpoint(
+        tiny_model, tmp_path, layer_formats=fmts, input_amax={p: 4.0 for p in linear_paths(TINY)}
+    )
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qc)  # the package accepts our config
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -266,8 +293,7 @@ def test_compressed_tensors_decompressor_agrees(tiny_model, tiny_cfg, mixed, tmp
         scheme = QuantizationScheme.model_validate(g)
         comp = BaseCompressor.get_value_from_registry(g["format"])
         for mod in g["targets"]:
-            local = {k[len(mod) + 1:]: v for k, v in tensors.items()
-                     if k.startswith(mod + ".")}
+            local = {k[len(mod) + 1 :]: v for k, v in tensors.items() if k.startswith(mod + ".")}
             names = set(comp.compression_param_names(scheme)) - {"weight"}
             assert names <= set(local), (mod, names - set(local))  # nothing missing
             got = comp.decompress(local, scheme)["weight"].float().numpy()
@@ -281,6 +307,7 @@ def test_compressed_tensors_decompressor_agrees(tiny_model, tiny_cfg, mixed, tmp
 
 # ---------------------------------------------------------------- per-layer formats
 
+
 def test_resolve_layers_from_rules_and_mappings(tiny_cfg):
     from microscale.model import PrecisionRules
 
@@ -293,9 +320,13 @@ def test_resolve_layers_from_rules_and_mappings(tiny_cfg):
     fp8 = resolve_layers(tiny_cfg, PrecisionRules.uniform("fp8"), activations=True)
     assert set(fp8.values()) == {LayerQuant(weights="fp8_e4m3", inputs="fp8_e4m3")}
     # HF module names work as keys; omitted layers stay bf16; W4A8 by explicit LayerQuant
-    m = resolve_layers(tiny_cfg, {"model.layers.0.mlp.down_proj": "fp8_e4m3",
-                                  "layers.1.mlp.down_proj": {"weights": "nvfp4",
-                                                             "inputs": "fp8_e4m3"}})
+    m = resolve_layers(
+        tiny_cfg,
+        {
+            "model.layers.0.mlp.down_proj": "fp8_e4m3",
+            "layers.1.mlp.down_proj": {"weights": "nvfp4", "inputs": "fp8_e4m3"},
+        },
+    )
     assert m["layers.0.mlp.down_proj"].weights == "fp8_e4m3"
     assert m["layers.1.mlp.down_proj"] == LayerQuant(weights="nvfp4", inputs="fp8_e4m3")
     assert m["layers.0.attn.q_proj"] == LayerQuant()

@@ -29,14 +29,21 @@ from microscale.formats import dequantize, quantize
 from microscale.inference import InferenceModel
 from microscale.model import ModelConfig
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(llama_cpp_available() is None,
-                                 reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        llama_cpp_available() is None,
+        reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)",
+    ),
+]
 
-CFG = ModelConfig(vocab_size=257, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
-                  max_seq_len=128)
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n",
-           "import os\nimport sys\n\n\nclass Path:\n    def __init__(self, "]
+CFG = ModelConfig(
+    vocab_size=257, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=128
+)
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\nimport sys\n\n\nclass Path:\n    def __init__(self, ",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,43 +51,78 @@ def trained(tmp_path_factory, corpus_dir):
     from microscale.train import OptimConfig, TrainConfig, load_checkpoint, train
 
     out = tmp_path_factory.mktemp("llama-run") / "run"
-    train(TrainConfig(model=CFG, data=DataConfig(corpus=corpus_dir, heldout="none", seq_len=64,
-                                                batch_size=8, eval_batches=2,
-                                                val_fraction=0.2, prefetch=1,
-                                                cache_dir=str(tmp_path_factory.mktemp("c"))),
-                      optim=OptimConfig(lr=3e-3, warmup_steps=10), steps=120, eval_every=120,
-                      log_every=40, tensorboard=False, out=str(out)), progress=False)
+    train(
+        TrainConfig(
+            model=CFG,
+            data=DataConfig(
+                corpus=corpus_dir,
+                heldout="none",
+                seq_len=64,
+                batch_size=8,
+                eval_batches=2,
+                val_fraction=0.2,
+                prefetch=1,
+                cache_dir=str(tmp_path_factory.mktemp("c")),
+            ),
+            optim=OptimConfig(lr=3e-3, warmup_steps=10),
+            steps=120,
+            eval_every=120,
+            log_every=40,
+            tensorboard=False,
+            out=str(out),
+        ),
+        progress=False,
+    )
     model, _, _ = load_checkpoint(out)
     return flat_params(model)
 
 
 def _compare(params, formats, path, dtype="bfloat16", embed_format="bf16"):
     tok = ByteTokenizer()
-    write_gguf(params, path, config=CFG, layer_formats=formats, tokenizer=tok, dtype=dtype,
-               embed_format=embed_format)
-    stored = None if formats == "bf16" else (
-        {p: gguf_format(f) for p, f in formats.items()} if isinstance(formats, dict)
-        else gguf_format(formats))
+    write_gguf(
+        params,
+        path,
+        config=CFG,
+        layer_formats=formats,
+        tokenizer=tok,
+        dtype=dtype,
+        embed_format=embed_format,
+    )
+    stored = (
+        None
+        if formats == "bf16"
+        else (
+            {p: gguf_format(f) for p, f in formats.items()}
+            if isinstance(formats, dict)
+            else gguf_format(formats)
+        )
+    )
     ref_params = dict(params)
     if dtype == "bfloat16":  # the file's embedding and bf16 layers are stored in bf16
-        layers = stored if isinstance(stored, dict) else dict.fromkeys(
-            linear_paths(CFG), stored or "bf16")
-        for k in ["embed.embedding"] + [f"{p}.kernel" for p, f in layers.items()
-                                        if f == "bf16"]:
+        layers = (
+            stored
+            if isinstance(stored, dict)
+            else dict.fromkeys(linear_paths(CFG), stored or "bf16")
+        )
+        for k in ["embed.embedding"] + [f"{p}.kernel" for p, f in layers.items() if f == "bf16"]:
             ref_params[k] = jnp.asarray(params[k], jnp.bfloat16).astype(jnp.float32)
     if embed_format != "bf16":  # the file's embedding / tied LM head, as stored
-        ref_params["embed.embedding"] = dequantize(quantize(
-            jnp.asarray(params["embed.embedding"], jnp.float32), gguf_format(embed_format),
-            axis=1))
-    ref = InferenceModel.from_params(ref_params, CFG, formats=stored,
-                                     compute_dtype=jnp.float32)
+        ref_params["embed.embedding"] = dequantize(
+            quantize(
+                jnp.asarray(params["embed.embedding"], jnp.float32),
+                gguf_format(embed_format),
+                axis=1,
+            )
+        )
+    ref = InferenceModel.from_params(ref_params, CFG, formats=stored, compute_dtype=jnp.float32)
     llm = LlamaCpp(path, n_ctx=CFG.max_seq_len)
     rels, agree, n = [], 0, 0
     for text in PROMPTS:
         ids = tok.encode(text)
         assert llm.tokenize(text) == ids  # llama.cpp's tokenizer = microscale's
-        rel, top1 = logits_agreement(llm.logits(ids),
-                                     np.asarray(ref.logits(np.asarray([ids], np.int32)))[0])
+        rel, top1 = logits_agreement(
+            llm.logits(ids), np.asarray(ref.logits(np.asarray([ids], np.int32)))[0]
+        )
         rels.append(rel)
         agree += top1
         n += len(ids)
@@ -109,8 +151,9 @@ def test_quantized_embedding_and_tied_head_agree(trained, tmp_path, embed):
     """A quantized token_embd serves llama.cpp's embedding lookup (get_rows) and its tied LM
     head: the logits agree with microscale's on the same quantized embedding."""
     rel, top1 = _compare(trained, "nvfp4", tmp_path / f"e-{embed}.gguf", embed_format=embed)
-    print(f"\nllama.cpp vs microscale, nvfp4 + {embed} embedding: rel L2 {rel:.2e}, "
-          f"top-1 {top1:.3f}")
+    print(
+        f"\nllama.cpp vs microscale, nvfp4 + {embed} embedding: rel L2 {rel:.2e}, top-1 {top1:.3f}"
+    )
     assert rel <= 5e-2 and top1 >= 0.95
 
 
@@ -147,10 +190,13 @@ def test_searched_mixed_allocation_agrees(trained, tmp_path):
     rng = np.random.default_rng(0)
     toks = np.asarray(ByteTokenizer().encode(" ".join(PROMPTS) * 20), np.int32)
     starts = rng.integers(0, len(toks) - 65, 16)
-    batches = np.stack([toks[s:s + 65] for s in starts]).reshape(4, 4, 65)
-    res = quantize_model(build_model(CFG, trained), batches[:2], batches[2:],
-                         QuantizeConfig.for_gguf(budget=5.0, calib_tokens=512,
-                                                 ptq_effects=False, pareto_budgets=()))
+    batches = np.stack([toks[s : s + 65] for s in starts]).reshape(4, 4, 65)
+    res = quantize_model(
+        build_model(CFG, trained),
+        batches[:2],
+        batches[2:],
+        QuantizeConfig.for_gguf(budget=5.0, calib_tokens=512, ptq_effects=False, pareto_budgets=()),
+    )
     formats = dict(res.allocation.formats)
     assert len(set(formats.values())) >= 2, formats  # a mixed allocation
     params = dict(trained)
@@ -158,6 +204,8 @@ def test_searched_mixed_allocation_agrees(trained, tmp_path):
         if w.format != "bf16":
             params[f"{p}.kernel"] = w.qarray
     rel, top1 = _compare(params, formats, tmp_path / "mixed.gguf")
-    print(f"\nllama.cpp vs microscale, searched {res.allocation.counts()} at "
-          f"{res.allocation.effective_bits:.2f} bits: rel L2 {rel:.2e}, top-1 {top1:.3f}")
+    print(
+        f"\nllama.cpp vs microscale, searched {res.allocation.counts()} at "
+        f"{res.allocation.effective_bits:.2f} bits: rel L2 {rel:.2e}, top-1 {top1:.3f}"
+    )
     assert rel <= 5e-2 and top1 >= 0.95

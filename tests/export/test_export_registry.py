@@ -36,8 +36,9 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
     mo = json.dumps({"quantization_config": {"quant_method": "modelopt"}})
     cases = {
         "run": _folder(tmp_path, "run", [("config.yaml", "")], ["checkpoints"]),
-        "quantize output": _folder(tmp_path, "q", [("report.json", "{}"),
-                                                  ("precision_rules.json", "{}")]),
+        "quantize output": _folder(
+            tmp_path, "q", [("report.json", "{}"), ("precision_rules.json", "{}")]
+        ),
         "compressed-tensors": _folder(tmp_path, "ct", [("config.json", ct)]),
         "modelopt": _folder(tmp_path, "mo", [("config.json", mo)]),
         "hf": _folder(tmp_path, "hf", [("config.json", "{}")]),
@@ -45,7 +46,8 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
     }
     # ModelOpt's own file marks the layout even without a quantization_config
     cases["modelopt (hf_quant_config.json)"] = _folder(
-        tmp_path, "mo2", [("config.json", "{}"), ("hf_quant_config.json", "{}")])
+        tmp_path, "mo2", [("config.json", "{}"), ("hf_quant_config.json", "{}")]
+    )
     gguf = tmp_path / "m.bin"
     gguf.write_bytes(b"GGUF" + bytes(8))
     cases["gguf"] = gguf
@@ -53,8 +55,16 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
         assert detect(path).name == name.split(" (")[0], name
     assert detect(cases["run"]) is RUN and detect(cases["quantize output"]) is QUANTIZE_OUTPUT
     # unknown or unreadable configs are left to the reader, which names the problem
-    assert detect(_folder(tmp_path, "gptq", [("config.json", json.dumps(
-        {"quantization_config": {"quant_method": "gptq"}}))])).name == "hf"
+    assert (
+        detect(
+            _folder(
+                tmp_path,
+                "gptq",
+                [("config.json", json.dumps({"quantization_config": {"quant_method": "gptq"}}))],
+            )
+        ).name
+        == "hf"
+    )
     assert detect(_folder(tmp_path, "bad", [("config.json", "{not json")])).name == "hf"
     assert detect(_folder(tmp_path, "empty")) is None
     assert detect(tmp_path / "missing") is None
@@ -64,12 +74,13 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
 
 def test_first_matching_row_wins(tmp_path):
     # a run folder that also holds an HF config.json is a run (the kinds come first)
-    both = _folder(tmp_path, "both", [("config.yaml", ""), ("config.json", "{}")],
-                   ["checkpoints"])
+    both = _folder(tmp_path, "both", [("config.yaml", ""), ("config.json", "{}")], ["checkpoints"])
     assert detect(both) is RUN
     # an HF folder beside a manifest is read as the HF folder
-    assert detect(_folder(tmp_path, "x", [("config.json", "{}"),
-                                          ("manifest.json", "{}")])).name == "hf"
+    assert (
+        detect(_folder(tmp_path, "x", [("config.json", "{}"), ("manifest.json", "{}")])).name
+        == "hf"
+    )
 
 
 def test_layout_rows_and_names():
@@ -123,12 +134,16 @@ def test_gguf_row_writes_and_reads_a_file(tiny_model, tiny_cfg, tmp_path):
     from microscale.data import ByteTokenizer
 
     row = get_layout("gguf")
-    res = row.write(tiny_model, tmp_path / "m.gguf", layer_formats="bf16",
-                    tokenizer=ByteTokenizer(), dtype="float32")
+    res = row.write(
+        tiny_model,
+        tmp_path / "m.gguf",
+        layer_formats="bf16",
+        tokenizer=ByteTokenizer(),
+        dtype="float32",
+    )
     assert res.describe()["layout"] == "gguf" and detect(res.path) is row
     params, cfg = row.read(res.path)
-    assert (cfg.n_layers, cfg.d_model, cfg.vocab_size) == (tiny_cfg.n_layers,
-                                                          tiny_cfg.d_model, 257)
+    assert (cfg.n_layers, cfg.d_model, cfg.vocab_size) == (tiny_cfg.n_layers, tiny_cfg.d_model, 257)
     for k, v in flat_params(tiny_model).items():  # float32: exact, RoPE rows put back
         np.testing.assert_array_equal(params[k], np.asarray(v, np.float32), err_msg=k)
     with pytest.raises(ValueError, match="GGUF stores weights only"):
@@ -147,14 +162,21 @@ def test_microscale_row_stores_ptq_weights(tiny_model, tmp_path):
         qarray = quantize(np.asarray(params[f"{path}.kernel"]).T, "nvfp4", axis=-1)
         format, amax, scale_multiplier = "nvfp4", 1.5, 1.0
 
-    desc = row.write(tmp_path / "ck", params=params, weights={path: Weight},
-                     activations=True, input_amax={path: 2.5}, rules={"default": "bf16"})
+    desc = row.write(
+        tmp_path / "ck",
+        params=params,
+        weights={path: Weight},
+        activations=True,
+        input_amax={path: 2.5},
+        rules={"default": "bf16"},
+    )
     assert desc["files"] == ["model.safetensors", "manifest.json"]
     assert detect(tmp_path / "ck") is row
     flat, cfg = row.read(tmp_path / "ck")
     assert cfg is None and set(flat) == set(params)
     np.testing.assert_array_equal(
-        flat[f"{path}.kernel"], np.asarray(dequantize(Weight.qarray, np.float32)).T)
+        flat[f"{path}.kernel"], np.asarray(dequantize(Weight.qarray, np.float32)).T
+    )
     np.testing.assert_array_equal(flat["embed.embedding"], np.asarray(params["embed.embedding"]))
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert manifest["layers"][path]["input_amax"] == 2.5
@@ -174,8 +196,9 @@ def test_hf_quant_rows_are_the_registry_rows_of_hf_style_layouts(tiny_cfg, tmp_p
         hf_quant("awq")
     cfg = {**hf_config(tiny_cfg, dtype="float32"), "quantization_config": {"quant_method": "gptq"}}
     folder = _folder(tmp_path, "gptq", [("config.json", json.dumps(cfg))])
-    with pytest.raises(CheckpointError, match="quant_method='gptq': expected "
-                                              "'compressed-tensors' or 'modelopt'"):
+    with pytest.raises(
+        CheckpointError, match="quant_method='gptq': expected 'compressed-tensors' or 'modelopt'"
+    ):
         read_checkpoint(folder)
 
 

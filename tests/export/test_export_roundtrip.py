@@ -40,11 +40,22 @@ def leaves_equal(a: QArray, b: QArray) -> None:
 def test_round_trip_is_exact(tiny_model, tiny_cfg, mixed, tmp_path, layout):
     fmts = dict(mixed)
     if layout == "compressed-tensors":
-        fmts.update({"layers.1.mlp.gate_proj": "mxfp4", "layers.1.mlp.up_proj": "mxfp4",
-                     "layers.1.attn.o_proj": "mxfp8"})
+        fmts.update(
+            {
+                "layers.1.mlp.gate_proj": "mxfp4",
+                "layers.1.mlp.up_proj": "mxfp4",
+                "layers.1.attn.o_proj": "mxfp8",
+            }
+        )
     amax = {p: 1.5 + 0.25 * i for i, p in enumerate(linear_paths(tiny_cfg))}
-    export_checkpoint(tiny_model, tmp_path / "a", layout=layout, layer_formats=fmts,
-                      input_amax=amax, dtype="float32")
+    export_checkpoint(
+        tiny_model,
+        tmp_path / "a",
+        layout=layout,
+        layer_formats=fmts,
+        input_amax=amax,
+        dtype="float32",
+    )
     ck = read_checkpoint(tmp_path / "a")
     assert ck.layout == layout and ck.config == tiny_cfg
     lay = resolve_layers(tiny_cfg, fmts, activations=True)
@@ -65,10 +76,12 @@ def test_round_trip_is_exact(tiny_model, tiny_cfg, mixed, tmp_path, layout):
         np.testing.assert_array_equal(ck.params[name], np.asarray(src[name]))
     # re-export of what was read: the same bytes
     export_checkpoint(ck, tmp_path / "b", layout=layout, dtype="float32")
-    assert filecmp.cmp(tmp_path / "a" / "model.safetensors",
-                       tmp_path / "b" / "model.safetensors", shallow=False)
-    assert json.loads((tmp_path / "a" / "config.json").read_text()) == \
-        json.loads((tmp_path / "b" / "config.json").read_text())
+    assert filecmp.cmp(
+        tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors", shallow=False
+    )
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == json.loads(
+        (tmp_path / "b" / "config.json").read_text()
+    )
 
 
 def test_layout_conversion_keeps_the_packed_bytes(tiny_model, tiny_cfg, tmp_path):
@@ -89,32 +102,51 @@ def test_prequantized_weights_in_either_orientation(tiny_model, tiny_cfg, tmp_pa
     params = flat_params(tiny_model)
     lay = resolve_layers(tiny_cfg, "nvfp4")
     q = quantize_linear_weights(params, tiny_cfg, lay)
-    group_amax = {p: max(float(jnp.max(jnp.abs(params[f"{m}.kernel"]))) for m in g)
-                  for g in fused_groups(tiny_cfg) for p in g}
+    group_amax = {
+        p: max(float(jnp.max(jnp.abs(params[f"{m}.kernel"]))) for m in g)
+        for g in fused_groups(tiny_cfg)
+        for p in g
+    }
     for p in linear_paths(tiny_cfg):  # quantizing W^T along its last axis: same bytes
         w = jnp.asarray(params[f"{p}.kernel"])
         hf = quantize(w.T, "nvfp4", axis=-1, amax=group_amax[p])
         a = to_hf_orientation(q[p])
         assert np.asarray(a.data).tobytes() == np.asarray(hf.data).tobytes()
         assert np.asarray(a.scales).tobytes() == np.asarray(hf.scales).tobytes()
-    export_checkpoint({**params, **{f"{p}.kernel": v for p, v in q.items()}},
-                      tmp_path / "k", config=tiny_cfg)
-    export_checkpoint({**params, **{f"{p}.kernel": to_hf_orientation(v) for p, v in q.items()}},
-                      tmp_path / "h", config=tiny_cfg)
+    export_checkpoint(
+        {**params, **{f"{p}.kernel": v for p, v in q.items()}}, tmp_path / "k", config=tiny_cfg
+    )
+    export_checkpoint(
+        {**params, **{f"{p}.kernel": to_hf_orientation(v) for p, v in q.items()}},
+        tmp_path / "h",
+        config=tiny_cfg,
+    )
     export_checkpoint(tiny_model, tmp_path / "m")
     for other in ("h", "m"):
-        assert filecmp.cmp(tmp_path / "k" / "model.safetensors",
-                           tmp_path / other / "model.safetensors", shallow=False)
+        assert filecmp.cmp(
+            tmp_path / "k" / "model.safetensors",
+            tmp_path / other / "model.safetensors",
+            shallow=False,
+        )
 
 
 def test_prequantized_group_needs_one_global_scale(tiny_model, tiny_cfg, tmp_path):
     params = flat_params(tiny_model)
-    bad = {**params, **{k: quantize(jnp.asarray(v), "nvfp4", axis=0)  # own amax each
-                        for k, v in params.items() if ".attn." in k}}
+    bad = {
+        **params,
+        **{
+            k: quantize(jnp.asarray(v), "nvfp4", axis=0)  # own amax each
+            for k, v in params.items()
+            if ".attn." in k
+        },
+    }
     with pytest.raises(ValueError, match="different global scales"):
-        export_checkpoint(bad, tmp_path, config=tiny_cfg,
-                          layer_formats={p: "nvfp4" for p in linear_paths(tiny_cfg)
-                                         if ".attn." in p})
+        export_checkpoint(
+            bad,
+            tmp_path,
+            config=tiny_cfg,
+            layer_formats={p: "nvfp4" for p in linear_paths(tiny_cfg) if ".attn." in p},
+        )
 
 
 def test_16x16_tiles_export_as_repeated_row_scales(tiny_model, tiny_cfg, tmp_path):
@@ -125,13 +157,16 @@ def test_16x16_tiles_export_as_repeated_row_scales(tiny_model, tiny_cfg, tmp_pat
     for g in fused_groups(tiny_cfg):
         amax = max(float(jnp.max(jnp.abs(params[f"{p}.kernel"]))) for p in g)
         for p in g:
-            tiles[f"{p}.kernel"] = quantize(jnp.asarray(params[f"{p}.kernel"]), "nvfp4",
-                                            axis=0, block_shape=(16, 16), amax=amax)
+            tiles[f"{p}.kernel"] = quantize(
+                jnp.asarray(params[f"{p}.kernel"]), "nvfp4", axis=0, block_shape=(16, 16), amax=amax
+            )
     export_checkpoint({**params, **tiles}, tmp_path, config=tiny_cfg)
     ck = read_checkpoint(tmp_path)
     for p in linear_paths(tiny_cfg):
-        np.testing.assert_array_equal(np.asarray(dequantize(ck.params[f"{p}.kernel"])),
-                                      np.asarray(dequantize(tiles[f"{p}.kernel"])))
+        np.testing.assert_array_equal(
+            np.asarray(dequantize(ck.params[f"{p}.kernel"])),
+            np.asarray(dequantize(tiles[f"{p}.kernel"])),
+        )
 
 
 def test_sharded_export_reads_back(tiny_model, tiny_cfg, tmp_path):
@@ -139,15 +174,18 @@ def test_sharded_export_reads_back(tiny_model, tiny_cfg, tmp_path):
     shards = [f for f in res.files if f.endswith(".safetensors")]
     assert len(shards) > 2 and "model.safetensors.index.json" in res.files
     ck = read_checkpoint(tmp_path)
-    want = quantize_linear_weights(flat_params(tiny_model), tiny_cfg,
-                                   resolve_layers(tiny_cfg, None))
+    want = quantize_linear_weights(
+        flat_params(tiny_model), tiny_cfg, resolve_layers(tiny_cfg, None)
+    )
     for p in linear_paths(tiny_cfg):
         leaves_equal(ck.params[f"{p}.kernel"], want[p])
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     wm = index["weight_map"]  # one layer's tensors share a shard
     mod = "model.layers.1.self_attn.q_proj"
-    assert len({wm[f"{mod}.{s}"] for s in ("weight_packed", "weight_scale",
-                                           "weight_global_scale")}) == 1
+    assert (
+        len({wm[f"{mod}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale")})
+        == 1
+    )
 
 
 def test_bf16_export_and_tokenizer(tiny_model, tiny_cfg, tmp_path):
@@ -159,7 +197,8 @@ def test_bf16_export_and_tokenizer(tiny_model, tiny_cfg, tmp_path):
     src = flat_params(tiny_model)
     for name, v in src.items():
         np.testing.assert_array_equal(
-            ck.params[name], np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32))
+            ck.params[name], np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     text = "héllo wörld\n\tdef f(x): return x  # ✓"
     assert tok.encode(text) == ByteTokenizer().encode(text) and tok.eos_id == 256

@@ -63,8 +63,9 @@ def test_readable_by_the_safetensors_library(tmp_path):
 
 def test_sharding_with_index_keeps_groups_together(tmp_path):
     t = {f"l{i}.{s}": np.full((64,), i, np.float32) for i in range(6) for s in ("a", "b")}
-    files = write_sharded(tmp_path, t, shard_bytes=600, groups=[[f"l{i}.a", f"l{i}.b"]
-                                                                for i in range(6)])
+    files = write_sharded(
+        tmp_path, t, shard_bytes=600, groups=[[f"l{i}.a", f"l{i}.b"] for i in range(6)]
+    )
     assert INDEX_NAME in files and len(files) > 2
     index = json.loads((tmp_path / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in t.values())
@@ -84,8 +85,10 @@ def _raw_file(path, header: dict, data: bytes):
 
 
 def test_truncated_file_names_the_tensor(tmp_path):
-    write_safetensors(tmp_path / "a.safetensors", {"first": np.zeros(4, np.float32),
-                                                   "second": np.ones(1000, np.float32)})
+    write_safetensors(
+        tmp_path / "a.safetensors",
+        {"first": np.zeros(4, np.float32), "second": np.ones(1000, np.float32)},
+    )
     raw = (tmp_path / "a.safetensors").read_bytes()
     (tmp_path / "a.safetensors").write_bytes(raw[:-100])
     with pytest.raises(SafetensorsError, match=r"'second'.*truncated"):
@@ -98,13 +101,16 @@ def test_truncated_file_names_the_tensor(tmp_path):
         TensorStore(tmp_path / "a.safetensors")
 
 
-@pytest.mark.parametrize("entry, match", [
-    ({"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype 'F99'"),
-    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "expected 12"),
-    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "shape"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "data_offsets"),
-    ({"dtype": "F32", "shape": [2]}, "keys"),
-])
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ({"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype 'F99'"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "expected 12"),
+        ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [2]}, "keys"),
+    ],
+)
 def test_malformed_header_names_the_tensor(tmp_path, entry, match):
     _raw_file(tmp_path / "a.safetensors", {"bad.weight": entry}, bytes(8))
     with pytest.raises(SafetensorsError, match=match) as e:
@@ -113,8 +119,10 @@ def test_malformed_header_names_the_tensor(tmp_path, entry, match):
 
 
 def test_overlapping_tensors_and_non_json_rejected(tmp_path):
-    h = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    h = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
     _raw_file(tmp_path / "a.safetensors", h, bytes(12))
     with pytest.raises(SafetensorsError, match="overlap"):
         read_safetensors_header(tmp_path / "a.safetensors")
@@ -142,5 +150,9 @@ def test_float8_bytes_are_the_ml_dtypes_encoding(tmp_path):
     write_safetensors(tmp_path / "a.safetensors", {"s": x})
     info, _ = read_safetensors_header(tmp_path / "a.safetensors")
     assert info["s"].dtype == "F8_E4M3"
-    assert TensorStore(tmp_path / "a.safetensors").get("s").view(np.uint8).tolist() == \
-        [0x00, 0x38, 0xFE, 0x08]
+    assert TensorStore(tmp_path / "a.safetensors").get("s").view(np.uint8).tolist() == [
+        0x00,
+        0x38,
+        0xFE,
+        0x08,
+    ]

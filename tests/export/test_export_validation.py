@@ -52,24 +52,33 @@ def test_missing_tensor_named(exported, tmp_path):
 def test_wrong_shape_named(exported, tmp_path):
     def change(t):
         t[f"{Q}.weight_packed"] = t[f"{Q}.weight_packed"][:, :-1].copy()
+
     d = _copy_with(exported, tmp_path / "x", change)
-    with pytest.raises(CheckpointError, match=rf"'{Q}\.weight_packed' has shape \[64, 31\]; "
-                                              r"expected \[64, 32\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'{Q}\.weight_packed' has shape \[64, 31\]; "
+        r"expected \[64, 32\]",
+    ):
         read_checkpoint(d)
 
 
 def test_wrong_dtype_named(exported, tmp_path):
     def change(t):
         t[f"{Q}.weight_scale"] = t[f"{Q}.weight_scale"].astype(np.float32)
+
     d = _copy_with(exported, tmp_path / "x", change)
-    with pytest.raises(CheckpointError, match=rf"'{Q}\.weight_scale' has dtype F32; "
-                                              "expected F8_E4M3"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'{Q}\.weight_scale' has dtype F32; "
+        "expected F8_E4M3",
+    ):
         read_checkpoint(d)
 
 
 def test_unexpected_tensor_named(exported, tmp_path):
     def change(t):
         t[f"{Q}.input_global_scale"] = np.ones((1,), np.float32)  # W4A16 config
+
     d = _copy_with(exported, tmp_path / "x", change)
     with pytest.raises(CheckpointError, match=rf"'{Q}\.input_global_scale' is not expected"):
         read_checkpoint(d)
@@ -79,6 +88,7 @@ def test_unexpected_tensor_named(exported, tmp_path):
 def test_bad_global_scale_named(exported, tmp_path, value):
     def change(t):
         t[f"{Q}.weight_global_scale"] = np.array([value], np.float32)
+
     d = _copy_with(exported, tmp_path / "x", change)
     with pytest.raises(CheckpointError, match=rf"'{Q}\.weight_global_scale'.*finite"):
         read_checkpoint(d)
@@ -96,8 +106,10 @@ def test_truncated_file_named(exported, tmp_path):
 
 def test_config_and_tensors_disagree(exported, tmp_path):
     """Config says 2 layers; tensors of a third layer are refused."""
+
     def change(t):
         t["model.layers.2.input_layernorm.weight"] = np.ones(64, np.float32)
+
     d = _copy_with(exported, tmp_path / "x", change)
     with pytest.raises(CheckpointError, match=r"layers\.2\.input_layernorm.*not expected"):
         read_checkpoint(d)
@@ -125,11 +137,16 @@ def test_unknown_quant_method_and_no_pickle(exported, tmp_path):
         read_checkpoint(d)
 
 
-@pytest.mark.parametrize("inputs, match", [
-    ({"num_bits": 4, "type": "int", "group_size": 128, "strategy": "group"},
-     "input_activations: input activations .* match no format"),
-    ("nvfp4", "input_activations: expected QuantizationArgs"),
-])
+@pytest.mark.parametrize(
+    "inputs, match",
+    [
+        (
+            {"num_bits": 4, "type": "int", "group_size": 128, "strategy": "group"},
+            "input_activations: input activations .* match no format",
+        ),
+        ("nvfp4", "input_activations: expected QuantizationArgs"),
+    ],
+)
 def test_unreadable_input_activations_named(exported, tmp_path, inputs, match):
     d = tmp_path / "x"
     d.mkdir()
@@ -141,35 +158,57 @@ def test_unreadable_input_activations_named(exported, tmp_path, inputs, match):
         read_checkpoint(d)
 
 
-BASE = dict(model_type="llama", vocab_size=257, hidden_size=64, intermediate_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+BASE = dict(
+    model_type="llama",
+    vocab_size=257,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "RoPE scaling"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "RoPE scaling"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(mlp_bias=True), "mlp_bias"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(head_dim=32), "head_dim=32"),
-    (dict(model_type="gpt2"), "model_type='gpt2'"),
-    (dict(hidden_size="64"), "hidden_size='64'"),
-    (dict(hidden_size=None), "missing required field 'hidden_size'"),
-    (dict(num_attention_heads=3), "num_attention_heads=3"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "RoPE scaling"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "RoPE scaling"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(head_dim=32), "head_dim=32"),
+        (dict(model_type="gpt2"), "model_type='gpt2'"),
+        (dict(hidden_size="64"), "hidden_size='64'"),
+        (dict(hidden_size=None), "missing required field 'hidden_size'"),
+        (dict(num_attention_heads=3), "num_attention_heads=3"),
+    ],
+)
 def test_unsupported_configs_rejected(change, match):
     with pytest.raises(ValueError, match=match):
         model_config_from_hf({**BASE, **change})
 
 
 def test_config_mapping():
-    cfg = model_config_from_hf({**BASE, "rope_parameters": {"rope_type": "default",
-                                                            "rope_theta": 5e5},
-                                "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-                                "max_position_embeddings": 4096})
+    cfg = model_config_from_hf(
+        {
+            **BASE,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+        }
+    )
     assert (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (64, 128, 2, 4, 2)
     assert cfg.rope_theta == 5e5 and cfg.norm_eps == 1e-6 and cfg.tie_embeddings
     assert cfg.max_seq_len == 4096
-    odd = model_config_from_hf({**BASE, "hidden_size": 48, "num_attention_heads": 3,
-                                "num_key_value_heads": 1, "intermediate_size": 80})
+    odd = model_config_from_hf(
+        {
+            **BASE,
+            "hidden_size": 48,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "intermediate_size": 80,
+        }
+    )
     assert odd.dim_multiple == 16

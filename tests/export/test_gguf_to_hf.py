@@ -19,25 +19,40 @@ from microscale.cli import main  # noqa: E402
 from microscale.export.gguf_hf import gguf_to_hf  # noqa: E402
 
 D, LAYERS, HEADS, KV, FF = 64, 2, 4, 2, 64
-TEXT = ["The year 2024 had 366 days; 1999 had 365.", "def add(a, b):\n    return a + b\n",
-        "Quantized weights, calibrated scales, and 4-bit blocks."] * 20
+TEXT = [
+    "The year 2024 had 366 days; 1999 had 365.",
+    "def add(a, b):\n    return a + b\n",
+    "Quantized weights, calibrated scales, and 4-bit blocks.",
+] * 20
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute (q: n_head, k: n_head_kv), verbatim."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        TEXT,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -51,14 +66,28 @@ def synthetic(tmp_path_factory):
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     n_vocab = len(tokens)
     hd = D // HEADS
-    hf = {"model.embed_tokens.weight": rng.standard_normal((n_vocab, D)).astype(np.float32),
-          "model.norm.weight": rng.uniform(0.5, 1.5, D).astype(np.float32)}
-    shapes = {"self_attn.q_proj": (HEADS * hd, D), "self_attn.k_proj": (KV * hd, D),
-              "self_attn.v_proj": (KV * hd, D), "self_attn.o_proj": (D, HEADS * hd),
-              "mlp.gate_proj": (FF, D), "mlp.up_proj": (FF, D), "mlp.down_proj": (D, FF)}
-    gnames = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    hf = {
+        "model.embed_tokens.weight": rng.standard_normal((n_vocab, D)).astype(np.float32),
+        "model.norm.weight": rng.uniform(0.5, 1.5, D).astype(np.float32),
+    }
+    shapes = {
+        "self_attn.q_proj": (HEADS * hd, D),
+        "self_attn.k_proj": (KV * hd, D),
+        "self_attn.v_proj": (KV * hd, D),
+        "self_attn.o_proj": (D, HEADS * hd),
+        "mlp.gate_proj": (FF, D),
+        "mlp.up_proj": (FF, D),
+        "mlp.down_proj": (D, FF),
+    }
+    gnames = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
@@ -79,12 +108,13 @@ def synthetic(tmp_path_factory):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{{ messages }}")
-    emb_q8 = gguf.quants.quantize(hf["model.embed_tokens.weight"],
-                                  gguf.GGMLQuantizationType.Q8_0)
+    emb_q8 = gguf.quants.quantize(hf["model.embed_tokens.weight"], gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("token_embd.weight", emb_q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     for i in range(LAYERS):
-        for norm, gname in (("input_layernorm", "attn_norm"),
-                            ("post_attention_layernorm", "ffn_norm")):
+        for norm, gname in (
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "ffn_norm"),
+        ):
             v = rng.uniform(0.5, 1.5, D).astype(np.float32)
             hf[f"model.layers.{i}.{norm}.weight"] = v
             w.add_tensor(f"blk.{i}.{gname}.weight", v)
@@ -120,27 +150,36 @@ def test_config_and_tokenizer(synthetic):
     _, _, tok, out = synthetic
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["intermediate_size"]) == (D, LAYERS, HEADS, KV, FF)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    ) == (D, LAYERS, HEADS, KV, FF)
     assert cfg["rope_theta"] == 100000.0 and cfg["eos_token_id"] == 2
     conf = json.loads((out / "tokenizer_config.json").read_text())
     assert conf["eos_token"] == "<|im_end|>" and conf["bos_token"] == "<|im_start|>"
     assert conf["chat_template"] == "{{ messages }}"
     rebuilt = Tokenizer.from_file(str(out / "tokenizer.json"))
-    for text in ["In 2025, 12345 tokens cost $6.78.", "def f(x):\n\treturn x ** 2  # ok",
-                 "<|im_start|>user\nhi<|im_end|>", "naïve café, 東京"]:
+    for text in [
+        "In 2025, 12345 tokens cost $6.78.",
+        "def f(x):\n\treturn x ** 2  # ok",
+        "<|im_start|>user\nhi<|im_end|>",
+        "naïve café, 東京",
+    ]:
         want = tok.encode(text).ids
         assert rebuilt.encode(text).ids == want, text
         assert rebuilt.decode(want, skip_special_tokens=False) == tok.decode(
-            want, skip_special_tokens=False)
+            want, skip_special_tokens=False
+        )
     digits = rebuilt.encode("2025").tokens
     assert len(digits) == 4  # smollm: every digit on its own
 
 
 def test_microscale_import_reads_it(synthetic, tmp_path, capsys):
     *_, out = synthetic
-    assert main(["import", str(out), "--out", str(tmp_path / "run")]) == 0, \
-        capsys.readouterr().err
+    assert main(["import", str(out), "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "tokenizer.json").is_file()
 
 

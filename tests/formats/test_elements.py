@@ -35,14 +35,28 @@ def test_e2m1_encode_every_value_roundtrips():
     "x, expected",
     [
         # Ties go to the even code (mantissa bit 0), as in IEEE round-half-even.
-        (0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),
-        (-0.25, -0.0), (-0.75, -1.0), (-5.0, -4.0),
+        (0.25, 0.0),
+        (0.75, 1.0),
+        (1.25, 1.0),
+        (1.75, 2.0),
+        (2.5, 2.0),
+        (3.5, 4.0),
+        (5.0, 4.0),
+        (-0.25, -0.0),
+        (-0.75, -1.0),
+        (-5.0, -4.0),
         # Just off the ties.
-        (0.2500001, 0.5), (0.7499999, 0.5), (4.9999995, 4.0), (5.0000005, 6.0),
+        (0.2500001, 0.5),
+        (0.7499999, 0.5),
+        (4.9999995, 4.0),
+        (5.0000005, 6.0),
         # Saturation at +-6 (no inf/NaN in E2M1).
-        (6.5, 6.0), (1e30, 6.0), (-7.0, -6.0),
+        (6.5, 6.0),
+        (1e30, 6.0),
+        (-7.0, -6.0),
         # Tiny values round to signed zero.
-        (1e-30, 0.0), (-0.1, -0.0),
+        (1e-30, 0.0),
+        (-0.1, -0.0),
     ],
 )
 def test_e2m1_rne_ties_and_saturation(x, expected):
@@ -92,8 +106,9 @@ def test_pack_rejects_odd_length():
         elements.pack_nibbles(jnp.zeros((3,), jnp.uint8))
 
 
-@pytest.mark.parametrize("dtype, emax", [(ml_dtypes.float8_e4m3fn, 448.0),
-                                         (ml_dtypes.float8_e5m2, 57344.0)])
+@pytest.mark.parametrize(
+    "dtype, emax", [(ml_dtypes.float8_e4m3fn, 448.0), (ml_dtypes.float8_e5m2, 57344.0)]
+)
 def test_float8_encode_all_256_codes(dtype, emax):
     vals = ALL256.view(dtype).astype(np.float32)
     finite = np.isfinite(vals)
@@ -107,8 +122,11 @@ def test_float8_encode_all_256_codes(dtype, emax):
 def test_float8_rne_ties_e4m3():
     # Between 1.0 (0x38) and 1.125 (0x39) the tie 1.0625 goes to the even code 0x38;
     # between 1.125 and 1.25 (0x3A) the tie 1.1875 goes to 0x3A.
-    got = np.asarray(elements.float8_encode(jnp.asarray([1.0625, 1.1875], jnp.float32),
-                                            ml_dtypes.float8_e4m3fn, 448.0))
+    got = np.asarray(
+        elements.float8_encode(
+            jnp.asarray([1.0625, 1.1875], jnp.float32), ml_dtypes.float8_e4m3fn, 448.0
+        )
+    )
     np.testing.assert_array_equal(got.view(np.uint8), [0x38, 0x3A])
 
 
@@ -131,11 +149,13 @@ def test_e8m0_divide_exact_for_all_finite_bytes():
 @pytest.mark.parametrize("elem_max, emax", [(6.0, 2), (448.0, 8)])
 def test_e8m0_scale_rules(elem_max, emax):
     rng = np.random.default_rng(0)
-    amax = np.concatenate([
-        2.0 ** rng.uniform(-100, 100, 2000),
-        2.0 ** rng.integers(-100, 100, 200).astype(np.float64),  # exact powers of two
-        elem_max * 2.0 ** rng.integers(-50, 50, 200).astype(np.float64),
-    ]).astype(np.float32)
+    amax = np.concatenate(
+        [
+            2.0 ** rng.uniform(-100, 100, 2000),
+            2.0 ** rng.integers(-100, 100, 200).astype(np.float64),  # exact powers of two
+            elem_max * 2.0 ** rng.integers(-50, 50, 200).astype(np.float64),
+        ]
+    ).astype(np.float32)
     floor = np.asarray(elements.e8m0_from_amax(jnp.asarray(amax), elem_max, emax, "floor"))
     ceil = np.asarray(elements.e8m0_from_amax(jnp.asarray(amax), elem_max, emax, "ceil"))
     a64 = amax.astype(np.float64)
@@ -172,8 +192,9 @@ def test_stochastic_float8_changes_rounding_and_is_unbiased():
     assert set(np.unique(vals)) == {-1.0, -1.125}
     assert abs(vals.mean() + 1.03) < 5 * 0.125 * np.sqrt(0.24 * 0.76 / n)
     # Representable values are left alone.
-    exact = elements.float8_encode(jnp.full((100,), 1.125, jnp.float32),
-                                   ml_dtypes.float8_e4m3fn, 448.0, "stochastic", u[:100])
+    exact = elements.float8_encode(
+        jnp.full((100,), 1.125, jnp.float32), ml_dtypes.float8_e4m3fn, 448.0, "stochastic", u[:100]
+    )
     assert np.all(np.asarray(exact).astype(np.float32) == 1.125)
 
 
@@ -188,8 +209,9 @@ def test_uniform_for_rounding_determinism_and_range():
     assert abs(a.mean() - 0.5) < 0.03 and abs(a.std() - np.sqrt(1 / 12)) < 0.02
 
 
-@pytest.mark.parametrize("dtype", [ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn,
-                                   ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype", [ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+)
 def test_float_round_matches_ml_dtypes_on_all_midpoints(dtype):
     # Every representable value, every midpoint between neighbours (ties: half to even),
     # one float32 ulp either side of each midpoint, and log-uniform random magnitudes.
@@ -200,8 +222,9 @@ def test_float_round_matches_ml_dtypes_on_all_midpoints(dtype):
     vals = np.unique(np.abs(vals[np.isfinite(vals)]))
     mids = (vals[1:] + vals[:-1]) / 2
     rng = np.random.default_rng(0)
-    rand = (2.0 ** rng.uniform(np.log2(float(fi.smallest_subnormal)) - 2,
-                               np.log2(float(fi.max)), 20000)).astype(np.float32)
+    rand = (
+        2.0 ** rng.uniform(np.log2(float(fi.smallest_subnormal)) - 2, np.log2(float(fi.max)), 20000)
+    ).astype(np.float32)
     x = np.concatenate([vals, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), rand])
     x = np.concatenate([x, -x]).astype(np.float32)
     got = np.asarray(elements.float_round(jnp.asarray(x), dtype, float(fi.max)))

@@ -131,11 +131,16 @@ PROBE = textwrap.dedent("""
 
 def _probe(flags: str, timeout: int) -> dict:
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 @pytest.mark.slow
@@ -152,4 +157,5 @@ def test_exact_identities_are_the_same_bits_on_every_cpu_variant(hang_guard_s):
         assert not moved, f"{variant}: results whose bits differ from the default: {moved}"
     # Power: the variants really compile dots differently (a float32 dot's sum moves).
     assert len({res["dot_sum"] for res in runs.values()}) >= 2, {
-        v: r["dot_sum"] for v, r in runs.items()}
+        v: r["dot_sum"] for v, r in runs.items()
+    }

@@ -34,8 +34,9 @@ def test_signs_from_seed_and_key():
 def test_inverse_and_norm_preserving(size):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 8)), jnp.float32)
     y = random_hadamard(x, axis=0, size=size, seed_or_key=3)
-    np.testing.assert_allclose(np.linalg.norm(np.asarray(y), axis=0),
-                               np.linalg.norm(np.asarray(x), axis=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(np.asarray(y), axis=0), np.linalg.norm(np.asarray(x), axis=0), rtol=1e-5
+    )
     back = random_hadamard(y, axis=0, size=size, seed_or_key=3, inverse=True)
     np.testing.assert_allclose(np.asarray(back), np.asarray(x), atol=1e-5)
     assert not np.allclose(np.asarray(y), np.asarray(x))

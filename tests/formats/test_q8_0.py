@@ -39,9 +39,21 @@ def test_registry_row():
     assert spec.integer and not spec.packed and not spec.has_tensor_scale
 
 
-@pytest.mark.parametrize("y, want", [(0.5, 1), (-0.5, -1), (1.5, 2), (2.5, 3), (-2.5, -3),
-                                     (0.49999997, 0), (126.5, 127), (200.0, 127),
-                                     (-0.2, -0.0), (float("nan"), 0)])
+@pytest.mark.parametrize(
+    "y, want",
+    [
+        (0.5, 1),
+        (-0.5, -1),
+        (1.5, 2),
+        (2.5, 3),
+        (-2.5, -3),
+        (0.49999997, 0),
+        (126.5, 127),
+        (200.0, 127),
+        (-0.2, -0.0),
+        (float("nan"), 0),
+    ],
+)
 def test_int_round_is_c_roundf_with_saturation(y, want):
     got = float(elements.int_round(np.float32(y), 127.0))
     assert got == want and math.copysign(1, got) == math.copysign(1, want)
@@ -51,10 +63,10 @@ def test_int_round_is_c_roundf_with_saturation(y, want):
 def test_matches_ggml_reference(scale):
     rng = np.random.default_rng(int(scale * 1e6) % 2**31)
     x = (rng.standard_normal((6, 96)) * scale).astype(np.float32)
-    x[0, :32] = 0                                     # zero block
-    p2 = np.float32(2.0 ** round(math.log2(scale)))   # d = p2 exactly: x * id = k + 0.5 ties
+    x[0, :32] = 0  # zero block
+    p2 = np.float32(2.0 ** round(math.log2(scale)))  # d = p2 exactly: x * id = k + 0.5 ties
     x[1, 32:64] = p2 * np.append(np.arange(31) + 0.5, 127)
-    x[2, :32] = rng.standard_t(2, 32) * scale         # heavy tail
+    x[2, :32] = rng.standard_t(2, 32) * scale  # heavy tail
     q = ms.quantize(x, "q8_0")
     for r in range(x.shape[0]):
         d, qs = _ref_q8_0(x[r])
@@ -70,7 +82,12 @@ def test_matches_gguf_package_quantizer():
 
     x = (np.random.default_rng(1).standard_normal((16, 128)) * 0.05).astype(np.float32)
     q = ms.quantize(x, "q8_0")
-    ours = np.concatenate([np.asarray(q.scales).reshape(16, 4, 1).view(np.uint8),
-                           np.asarray(q.data).reshape(16, 4, 32).view(np.uint8)], axis=-1)
+    ours = np.concatenate(
+        [
+            np.asarray(q.scales).reshape(16, 4, 1).view(np.uint8),
+            np.asarray(q.data).reshape(16, 4, 32).view(np.uint8),
+        ],
+        axis=-1,
+    )
     ref = quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
     np.testing.assert_array_equal(ours.reshape(16, -1), ref)

@@ -38,8 +38,7 @@ def te_nvfp4_reference(x: np.ndarray):
     s_dec = f32(1.0) / s_enc
     xb = x.reshape(x.shape[:-1] + (-1, 16))
     bamax = np.abs(xb).max(-1, keepdims=True)
-    sb = np.minimum(bamax * (s_enc * (f32(1.0) / f32(6.0))), 448).astype(
-        ml_dtypes.float8_e4m3fn)
+    sb = np.minimum(bamax * (s_enc * (f32(1.0) / f32(6.0))), 448).astype(ml_dtypes.float8_e4m3fn)
     with np.errstate(divide="ignore"):
         enc = np.minimum(f32(1.0) / (sb.astype(f32) * s_dec), np.finfo(f32).max)
     y = np.clip(xb * enc, -6, 6)
@@ -52,7 +51,8 @@ def _datasets():
     normal = rng.standard_normal((64, 256)).astype(np.float32)
     heavy = rng.standard_t(2, (64, 256)).astype(np.float32)
     mixed = (rng.standard_normal((64, 256)) * np.exp(rng.uniform(-12, 12, (64, 1)))).astype(
-        np.float32)
+        np.float32
+    )
     for d in (normal, heavy, mixed):
         d[5, 16:48] = 0.0  # two all-zero blocks
     return {"normal": normal, "heavy": heavy, "mixed": mixed}
@@ -80,24 +80,37 @@ def test_nvfp4_and_mxfp8_bit_identical_to_jax_reference_quantizer(name):
     nonzero = np.ones(x.shape, bool)
     nonzero[5, 16:48] = False  # JAX's reference divides a zero block by its zero scale (NaN)
     q = ms.quantize(jnp.asarray(x), "nvfp4")
-    cfg = ref.BlockScaleConfig(mode="nvfp4", block_size=16, data_type=jnp.float4_e2m1fn,
-                               scale_type=jnp.float8_e4m3fn, global_scale=q.global_scale,
-                               infer_only=False)
+    cfg = ref.BlockScaleConfig(
+        mode="nvfp4",
+        block_size=16,
+        data_type=jnp.float4_e2m1fn,
+        scale_type=jnp.float8_e4m3fn,
+        global_scale=q.global_scale,
+        infer_only=False,
+    )
     rq, rs = ref.quantize(jnp.asarray(x), cfg)
-    np.testing.assert_array_equal(np.asarray(rs).view(np.uint8),
-                                  np.asarray(q.scales).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(rs).view(np.uint8), np.asarray(q.scales).view(np.uint8)
+    )
     rcodes = np.asarray(rq).view(np.uint8) & 0xF
     np.testing.assert_array_equal(rcodes[nonzero], np.asarray(q.codes())[nonzero])
 
     q8 = ms.quantize(jnp.asarray(x), "mxfp8")
-    cfg8 = ref.BlockScaleConfig(mode="mxfp8", block_size=32, data_type=jnp.float8_e4m3fn,
-                                scale_type=jnp.float8_e8m0fnu, global_scale=None,
-                                infer_only=False)
+    cfg8 = ref.BlockScaleConfig(
+        mode="mxfp8",
+        block_size=32,
+        data_type=jnp.float8_e4m3fn,
+        scale_type=jnp.float8_e8m0fnu,
+        global_scale=None,
+        infer_only=False,
+    )
     rq8, rs8 = ref.quantize(jnp.asarray(x), cfg8)
-    np.testing.assert_array_equal(np.asarray(rs8).view(np.uint8),
-                                  np.asarray(q8.scales).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(rq8).view(np.uint8)[nonzero],
-                                  np.asarray(q8.data).view(np.uint8)[nonzero])
+    np.testing.assert_array_equal(
+        np.asarray(rs8).view(np.uint8), np.asarray(q8.scales).view(np.uint8)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(rq8).view(np.uint8)[nonzero], np.asarray(q8.data).view(np.uint8)[nonzero]
+    )
 
 
 def test_nvfp4_block_scale_covers_all_e4m3_values():
@@ -148,8 +161,9 @@ def test_nonfinite_input_propagates_as_nan(fmt, bad):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, block_shape", [((64, 128), None), ((8192,), None),
-                                                 ((128, 96), (16, 16))])
+@pytest.mark.parametrize(
+    "shape, block_shape", [((64, 128), None), ((8192,), None), ((128, 96), (16, 16))]
+)
 @pytest.mark.parametrize("bad, where", [(np.nan, 4133), (np.nan, -1), (-np.inf, 0)])
 def test_nonfinite_propagates_at_any_size(fmt, dtype, shape, block_shape, bad, where):
     spec = get_format(fmt)
@@ -174,8 +188,9 @@ def test_nonfinite_propagates_at_any_size(fmt, dtype, shape, block_shape, bad, w
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("shape, axis", [((3, 5, 40), -1), ((40, 7), 0), ((2, 33, 3), 1),
-                                         ((17,), 0)])
+@pytest.mark.parametrize(
+    "shape, axis", [((3, 5, 40), -1), ((40, 7), 0), ((2, 33, 3), 1), ((17,), 0)]
+)
 def test_padding_any_axis_and_batch_dims(fmt, shape, axis):
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     q = ms.quantize(jnp.asarray(x), fmt, axis=axis)
@@ -187,7 +202,8 @@ def test_padding_any_axis_and_batch_dims(fmt, shape, axis):
     spec = get_format(fmt)
     if spec.packed:
         assert q.data.shape[axis % len(shape)] == -(-shape[axis] // spec.block_size) * 8 * (
-            spec.block_size // 16)
+            spec.block_size // 16
+        )
 
 
 @pytest.mark.slow
@@ -241,16 +257,19 @@ def test_quantize_dequantize_matches_two_step(fmt):
         q = ms.quantize(x, fmt, **kw)
         np.testing.assert_array_equal(
             np.asarray(vals.astype(jnp.float32)),
-            np.asarray(ms.dequantize(q, dt, with_global_scale=False).astype(jnp.float32)))
-        np.testing.assert_allclose(np.asarray(vals.astype(jnp.float32) * scale),
-                                   np.asarray(ms.dequantize(q)), rtol=1e-6)
+            np.asarray(ms.dequantize(q, dt, with_global_scale=False).astype(jnp.float32)),
+        )
+        np.testing.assert_allclose(
+            np.asarray(vals.astype(jnp.float32) * scale), np.asarray(ms.dequantize(q)), rtol=1e-6
+        )
 
 
 def test_bf16_passthrough():
     x = jnp.asarray([1.0, 1.00390625, 3.14159], jnp.float32)
     q = ms.quantize(x, "bf16")
-    np.testing.assert_array_equal(np.asarray(ms.dequantize(q)),
-                                  np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(ms.dequantize(q)), np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
+    )
 
 
 def test_jit_vmap_and_pytree():
@@ -263,8 +282,9 @@ def test_jit_vmap_and_pytree():
     qv = jax.vmap(lambda x: ms.quantize(x, "nvfp4"))(x)
     dv = jax.vmap(ms.dequantize)(qv)
     for i in range(3):  # vmapped: each example has its own tensor scale
-        np.testing.assert_array_equal(np.asarray(dv[i]),
-                                      np.asarray(ms.dequantize(ms.quantize(x[i], "nvfp4"))))
+        np.testing.assert_array_equal(
+            np.asarray(dv[i]), np.asarray(ms.dequantize(ms.quantize(x[i], "nvfp4")))
+        )
 
 
 def test_stochastic_rounding_is_deterministic_per_key_and_really_stochastic():
@@ -290,8 +310,11 @@ def test_stochastic_rounding_unbiased(fmt):
     x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 64)), jnp.float32)
     k = 400
     keys = jax.random.split(jax.random.key(0), k)
-    deq = np.asarray(jax.jit(jax.vmap(lambda key: ms.dequantize(
-        ms.quantize(x, fmt, rounding="stochastic", key=key))))(keys))
+    deq = np.asarray(
+        jax.jit(
+            jax.vmap(lambda key: ms.dequantize(ms.quantize(x, fmt, rounding="stochastic", key=key)))
+        )(keys)
+    )
     mean = deq.mean(0)
     rne = np.asarray(ms.dequantize(ms.quantize(x, fmt)))
     step = deq.max(0) - deq.min(0)
@@ -306,9 +329,12 @@ def test_stochastic_rounding_unbiased(fmt):
 finite_arrays = st.sampled_from([1, 3]).flatmap(
     lambda rows: st.sampled_from([1, 4]).flatmap(
         lambda blocks: st.lists(
-            st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=rows * blocks * 16,
-            max_size=rows * blocks * 16).map(
-                lambda v, r=rows, b=blocks: np.asarray(v, np.float32).reshape(r, b * 16))))
+            st.floats(-1e4, 1e4, allow_nan=False, width=32),
+            min_size=rows * blocks * 16,
+            max_size=rows * blocks * 16,
+        ).map(lambda v, r=rows, b=blocks: np.asarray(v, np.float32).reshape(r, b * 16))
+    )
+)
 
 
 @settings(max_examples=50, deadline=None)
@@ -332,8 +358,9 @@ def test_property_nvfp4_error_bound_and_idempotence(x):
     live = np.repeat(np.asarray(q.scales, np.float32) != 0, 16, axis=-1)
     np.testing.assert_array_equal(np.asarray(q2.codes())[live], np.asarray(q.codes())[live])
     np.testing.assert_allclose(np.asarray(ms.dequantize(q2)), out, rtol=3e-7, atol=0)
-    np.testing.assert_array_equal(np.asarray(q2.scales).view(np.uint8),
-                                  np.asarray(q.scales).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(q2.scales).view(np.uint8), np.asarray(q.scales).view(np.uint8)
+    )
     np.testing.assert_allclose(float(q2.global_scale), float(q.global_scale), rtol=3e-7)
 
 
@@ -344,10 +371,12 @@ def test_property_other_formats_idempotent(x, fmt):
     q2 = ms.quantize(ms.dequantize(q), fmt)
     # Same element codes; MX scales are powers of two and come back exactly; a
     # per-tensor FP8 scale is recomputed from amax' and may move by float32 rounding.
-    np.testing.assert_array_equal(np.asarray(q2.data).view(np.uint8),
-                                  np.asarray(q.data).view(np.uint8))
-    np.testing.assert_allclose(np.asarray(q2.scales, np.float32),
-                               np.asarray(q.scales, np.float32), rtol=3e-7)
+    np.testing.assert_array_equal(
+        np.asarray(q2.data).view(np.uint8), np.asarray(q.data).view(np.uint8)
+    )
+    np.testing.assert_allclose(
+        np.asarray(q2.scales, np.float32), np.asarray(q.scales, np.float32), rtol=3e-7
+    )
 
 
 def test_bad_arguments_name_the_value():

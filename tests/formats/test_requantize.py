@@ -22,23 +22,34 @@ def _x(shape, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,kw", [("nvfp4", {}), ("nvfp4", {"four_over_six": True}),
-                                    ("nvfp4", {"amax": 2.5}), ("mxfp4", {}), ("mxfp8", {}),
-                                    ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {})])
+@pytest.mark.parametrize(
+    "fmt,kw",
+    [
+        ("nvfp4", {}),
+        ("nvfp4", {"four_over_six": True}),
+        ("nvfp4", {"amax": 2.5}),
+        ("mxfp4", {}),
+        ("mxfp8", {}),
+        ("fp8_e4m3", {}),
+        ("fp8_e5m2", {}),
+        ("bf16", {}),
+    ],
+)
 @pytest.mark.parametrize("shape", [(16, 96), (5, 70)])  # 70: padded last block
 def test_own_scales_reproduce_quantize_exactly(fmt, kw, shape):
     x = _x(shape)
     q = quantize(x, fmt, axis=-1, **kw)
     r = requantize(x, q)
     assert r.shape == q.shape and r.block_shape == q.block_shape
-    np.testing.assert_array_equal(np.asarray(r.data).view(np.uint8) if r.spec.packed
-                                  else np.asarray(r.data, np.float32),
-                                  np.asarray(q.data).view(np.uint8) if q.spec.packed
-                                  else np.asarray(q.data, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(r.data).view(np.uint8) if r.spec.packed else np.asarray(r.data, np.float32),
+        np.asarray(q.data).view(np.uint8) if q.spec.packed else np.asarray(q.data, np.float32),
+    )
     np.testing.assert_array_equal(np.asarray(dequantize(r)), np.asarray(dequantize(q)))
     y = x * np.float32(0.83)  # other values: the unpacked path decodes the same
-    np.testing.assert_array_equal(np.asarray(requantize_values(y, q)),
-                                  np.asarray(dequantize(requantize(y, q))))
+    np.testing.assert_array_equal(
+        np.asarray(requantize_values(y, q)), np.asarray(dequantize(requantize(y, q)))
+    )
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -47,8 +58,9 @@ def test_other_values_round_to_nearest_with_the_given_scales(fmt):
     q = quantize(x, fmt, axis=-1)
     y = x * np.float32(0.7) + np.float32(0.05)  # other values, same scales
     r = requantize(y, q)
-    np.testing.assert_array_equal(np.asarray(r.scales.astype(jnp.float32)),
-                                  np.asarray(q.scales.astype(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(r.scales.astype(jnp.float32)), np.asarray(q.scales.astype(jnp.float32))
+    )
     bs = q.spec.block_size
     scale = np.repeat(np.asarray(block_scales_f32(q)), bs, axis=-1)
     if q.global_scale is not None:

@@ -140,6 +140,7 @@ def _quantizer(**kw):
     def one(x):
         q = ms.quantize(x, "nvfp4", **kw)
         return q.codes(), q.scales.view(jnp.uint8), q.global_scale
+
     return jax.jit(jax.vmap(one))  # one tensor scale per x[t]
 
 
@@ -151,8 +152,9 @@ def _ours(x, f=_te):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [random_f32_tensors, random_bf16_tensors],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "make", [random_f32_tensors, random_bf16_tensors], ids=["float32", "bfloat16"]
+)
 def test_nvfp4_equals_te_order_on_a_million_blocks(make):
     x = make()
     assert x.size // 16 >= 1_000_000
@@ -179,16 +181,22 @@ def _jax_reference(x, s_dec):
     """JAX's reference quantizer, jitted, one global scale per tensor ``x[t]``."""
     from jax._src.cudnn import scaled_matmul_stablehlo as ref
 
-    cfg = ref.BlockScaleConfig(mode="nvfp4", block_size=16, data_type=jnp.float4_e2m1fn,
-                               scale_type=jnp.float8_e4m3fn,
-                               global_scale=s_dec[:, None, None, None], infer_only=False)
+    cfg = ref.BlockScaleConfig(
+        mode="nvfp4",
+        block_size=16,
+        data_type=jnp.float4_e2m1fn,
+        scale_type=jnp.float8_e4m3fn,
+        global_scale=s_dec[:, None, None, None],
+        infer_only=False,
+    )
     rq, rs = ref.quantize(x, cfg)
     return jax.lax.bitcast_convert_type(rq, jnp.uint4).astype(jnp.uint8), rs.view(jnp.uint8)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [random_f32_tensors, random_bf16_tensors],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "make", [random_f32_tensors, random_bf16_tensors], ids=["float32", "bfloat16"]
+)
 def test_scale_order_jax_bit_identical_to_jax_reference(make):
     x = make(60, 64, 256, seed=11)  # 61,440 blocks, near ties included
     x[:, 5, 16:48] = 0  # all-zero blocks: JAX divides 0 by a 0 scale there
@@ -207,10 +215,12 @@ def test_scale_order_jax_bit_identical_to_jax_reference(make):
     assert np.count_nonzero(te_scales != scales) > 0
     assert np.count_nonzero(te_codes != codes) > 0
     # quantize_dequantize follows the same order.
-    vals, gs = jax.vmap(lambda t: quantize_dequantize(t, "nvfp4", scale_order="jax",
-                                                         dtype=jnp.float32))(jnp.asarray(x))
+    vals, gs = jax.vmap(
+        lambda t: quantize_dequantize(t, "nvfp4", scale_order="jax", dtype=jnp.float32)
+    )(jnp.asarray(x))
     deq = jax.vmap(lambda t: ms.dequantize(ms.quantize(t, "nvfp4", scale_order="jax")))(
-        jnp.asarray(x))
+        jnp.asarray(x)
+    )
     np.testing.assert_array_equal(np.asarray(vals * gs[:, None, None]), np.asarray(deq))
 
 

@@ -22,16 +22,19 @@ def small_limit(monkeypatch):
     return 256
 
 
-@pytest.mark.parametrize("shape, limit, groups", [
-    ((64, 32, 16), 2**32, [(0, 3)]),
-    ((64, 32, 16), 512, [(1, 3), (0, 1)]),
-    ((64, 32, 16), 256, [(2, 3), (1, 2), (0, 1)]),
-    ((2**21, 2**13), 2**32, [(1, 2), (0, 1)]),  # a Llama-8B up_proj dY at 2M tokens
-    ((2**16, 2**16), 2**32, [(0, 2)]),  # exactly 2^32 elements: one counter
-    ((2**16, 2**16 + 1), 2**32, [(1, 2), (0, 1)]),
-    ((3, 2**31, 2, 2), 2**32, [(2, 4), (1, 2), (0, 1)]),
-    ((5, 1, 7), 7, [(1, 3), (0, 1)]),
-])
+@pytest.mark.parametrize(
+    "shape, limit, groups",
+    [
+        ((64, 32, 16), 2**32, [(0, 3)]),
+        ((64, 32, 16), 512, [(1, 3), (0, 1)]),
+        ((64, 32, 16), 256, [(2, 3), (1, 2), (0, 1)]),
+        ((2**21, 2**13), 2**32, [(1, 2), (0, 1)]),  # a Llama-8B up_proj dY at 2M tokens
+        ((2**16, 2**16), 2**32, [(0, 2)]),  # exactly 2^32 elements: one counter
+        ((2**16, 2**16 + 1), 2**32, [(1, 2), (0, 1)]),
+        ((3, 2**31, 2, 2), 2**32, [(2, 4), (1, 2), (0, 1)]),
+        ((5, 1, 7), 7, [(1, 3), (0, 1)]),
+    ],
+)
 def test_index_groups_table(shape, limit, groups):
     got = elements._index_groups(shape, limit)
     assert got == groups
@@ -95,8 +98,9 @@ def test_sr_unbiased_with_grouped_indices(small_limit, fmt):
     @jax.jit
     @jax.vmap
     def sr(key):
-        v, s = _quantize_dequantize(x, fmt, rounding="stochastic", key=key,
-                                    dtype=jnp.float32, with_global_scale=True)
+        v, s = _quantize_dequantize(
+            x, fmt, rounding="stochastic", key=key, dtype=jnp.float32, with_global_scale=True
+        )
         return v * s
 
     deq = np.asarray(sr(keys))

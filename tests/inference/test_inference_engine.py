@@ -21,8 +21,9 @@ from microscale.inference import (
 )
 from microscale.model import ModelConfig, Transformer
 
-CFG = ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                  max_seq_len=64)
+CFG = ModelConfig(
+    vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+)
 CFG32 = CFG.replace(compute_dtype="float32")
 
 
@@ -57,8 +58,9 @@ def test_packed_engine_equals_dequantized_weights(model, packed32):
         deq[f"{p}.kernel"] = np.asarray(dequantize(q)).T
     dense = InferenceModel.from_params(deq, CFG32)
     tokens = _tokens()
-    np.testing.assert_allclose(np.asarray(packed32.logits(tokens)),
-                               np.asarray(dense.logits(tokens)), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(packed32.logits(tokens)), np.asarray(dense.logits(tokens)), atol=2e-5, rtol=0
+    )
 
 
 @pytest.mark.slow
@@ -69,15 +71,15 @@ def test_kv_cache_decode_equals_full_forward(model, cdt="float32", atol=2e-5):
     tokens = jnp.asarray(_tokens(t=16))
     full = im.logits(tokens)  # jitted forward(), no cache
     cache = init_cache(im.config, 2, 16, jnp.dtype(cdt))
-    step = jax.jit(lambda w, t, c, i: forward(w, t, cfg=im.config, cdt=cdt, cache=c,
-                                              index=i))
+    step = jax.jit(lambda w, t, c, i: forward(w, t, cfg=im.config, cdt=cdt, cache=c, index=i))
     logits, cache = step(im.weights, tokens[:, :6], cache, 0)  # prefill 6
     outs = [logits]
     for i in range(6, 16):  # decode the rest one token at a time
-        logits, cache = step(im.weights, tokens[:, i:i + 1], cache, i)
+        logits, cache = step(im.weights, tokens[:, i : i + 1], cache, i)
         outs.append(logits)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(full),
-                               atol=atol, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(full), atol=atol, rtol=0
+    )
 
 
 def _greedy_reference(im, prompt, n):
@@ -87,9 +89,9 @@ def _greedy_reference(im, prompt, n):
     seq = list(prompt)
     for _ in range(n):
         padded = np.zeros((1, 32), np.int64)
-        padded[0, :len(seq)] = seq
+        padded[0, : len(seq)] = seq
         seq.append(int(np.argmax(np.asarray(im.logits(padded))[0, len(seq) - 1])))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.slow
@@ -111,7 +113,7 @@ def test_stop_tokens(packed32):
     k = free.index(stop)
     res = packed32.generate(prompt, GenerationConfig(max_new_tokens=8, stop_tokens=(stop,)))
     assert res.rows()[0] == free[: k + 1] and bool(res.stopped[0])
-    assert (res.tokens[0, k + 1:] == -1).all()
+    assert (res.tokens[0, k + 1 :] == -1).all()
 
 
 def test_sampling_is_reproducible_and_filters(packed32):
@@ -176,8 +178,9 @@ def test_w4a4_emulation_and_calibration(model):
     assert set(amax) == set(linear_paths(CFG)) and min(amax.values()) > 0
     # layers sharing an input see the same amax
     assert amax["layers.0.attn.q_proj"] == amax["layers.0.attn.k_proj"]
-    static = InferenceModel.from_params(model, CFG32, formats="nvfp4", activations=True,
-                                        input_amax=amax)
+    static = InferenceModel.from_params(
+        model, CFG32, formats="nvfp4", activations=True, input_amax=amax
+    )
     dynamic = InferenceModel.from_params(model, CFG32, formats="nvfp4", activations=True)
     a, s, d = (np.asarray(m.logits(tokens)) for m in (w4a16, static, dynamic))
     assert 0 < np.abs(s - a).max() < 0.5 and 0 < np.abs(d - a).max() < 0.5

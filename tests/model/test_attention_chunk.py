@@ -25,13 +25,16 @@ def _fwd_bwd(chunk):
     def f(q, k, v, w):
         out = causal_attention(q, k, v, chunk=chunk)
         return jnp.sum(out.astype(jnp.float32) * w)
+
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("t,s,chunk", [(4096, 4096, 512), (1000, 1000, 256),
-                                       (37, 37, 8), (16, 48, 5)],
-                         ids=["T4096", "T1000-partial", "T37", "decode-S48"])
+@pytest.mark.parametrize(
+    "t,s,chunk",
+    [(4096, 4096, 512), (1000, 1000, 256), (37, 37, 8), (16, 48, 5)],
+    ids=["T4096", "T1000-partial", "T37", "decode-S48"],
+)
 def test_chunked_attention_equals_all_queries_at_once(t, s, chunk):
     """Forward and gradients (q, k, v) at bf16 tolerance: each query row is the same
     computation up to the order of its float32 sums; the gradients of k and v also sum
@@ -58,6 +61,7 @@ def _temp_bytes(t, chunk):
 
     def f(q, k, v):
         return jnp.sum(causal_attention(q, k, v, chunk=chunk).astype(jnp.float32) * w)
+
     c = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile()
     return c.memory_analysis().temp_size_in_bytes
 
@@ -76,8 +80,9 @@ def test_chunked_attention_memory_grows_linearly():
 
 @pytest.mark.slow
 def test_model_with_attention_chunks_matches():
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 64)
     a = Transformer(cfg, rngs=nnx.Rngs(0))
     b = Transformer(cfg.replace(attention_chunk=16), rngs=nnx.Rngs(0))

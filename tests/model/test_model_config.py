@@ -15,14 +15,17 @@ def _abstract_param_count(cfg: ModelConfig) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,lo,hi", [
-    ("tiny", 1.0e6, 3.0e6),
-    ("small", 20e6, 30e6),
-    ("gpt2-124m", 120e6, 128e6),
-    ("llama-1b", 1.20e9, 1.27e9),
-    ("llama-8b", 7.9e9, 8.1e9),
-    ("llama-70b", 70.0e9, 71.0e9),
-])
+@pytest.mark.parametrize(
+    "name,lo,hi",
+    [
+        ("tiny", 1.0e6, 3.0e6),
+        ("small", 20e6, 30e6),
+        ("gpt2-124m", 120e6, 128e6),
+        ("llama-1b", 1.20e9, 1.27e9),
+        ("llama-8b", 7.9e9, 8.1e9),
+        ("llama-70b", 70.0e9, 71.0e9),
+    ],
+)
 def test_preset_param_counts(name, lo, hi):
     cfg = ModelConfig.preset(name)
     n = cfg.num_params()
@@ -38,8 +41,7 @@ def test_known_sizes_exact():
 
 
 def test_preset_names():
-    assert list_presets() == ["tiny", "small", "gpt2-124m", "llama-1b", "llama-8b",
-                              "llama-70b"]
+    assert list_presets() == ["tiny", "small", "gpt2-124m", "llama-1b", "llama-8b", "llama-70b"]
     assert ModelConfig.preset("gpt2_124m") == ModelConfig.gpt2_124m()
     assert ModelConfig.preset("LLAMA-1B") == ModelConfig.llama_1b()
     with pytest.raises(ValueError, match="unknown model preset 'huge'.*tiny"):
@@ -65,18 +67,24 @@ def test_round_trip_and_frozen():
     assert ModelConfig.from_dict({"rope_theta": 500000}).rope_theta == 500000.0
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"d_model": 100}, r"d_model=100 is not divisible by n_heads=8"),
-    ({"d_model": 192, "n_heads": 5}, r"d_model=192 is not divisible by n_heads=5"),
-    ({"n_heads": 4, "n_kv_heads": 3}, r"n_heads=4 is not divisible by n_kv_heads=3"),
-    ({"d_ff": 500}, r"d_ff=500 is not a multiple of dim_multiple=32.*e\.g\. 512"),
-    ({"d_model": 144, "n_heads": 6, "n_kv_heads": 6}, r"d_model=144 is not a multiple of "
-                                                       r"dim_multiple=32"),
-    ({"n_layers": 0}, r"n_layers=0: expected a positive int"),
-    ({"compute_dtype": "fp4"}, r"compute_dtype='fp4': expected one of"),
-    ({"norm_eps": -1.0}, r"norm_eps=-1.0: expected a positive float"),
-    ({"d_model": 192, "n_heads": 64, "n_kv_heads": 64}, r"head_dim .* = 3 is odd"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"d_model": 100}, r"d_model=100 is not divisible by n_heads=8"),
+        ({"d_model": 192, "n_heads": 5}, r"d_model=192 is not divisible by n_heads=5"),
+        ({"n_heads": 4, "n_kv_heads": 3}, r"n_heads=4 is not divisible by n_kv_heads=3"),
+        ({"d_ff": 500}, r"d_ff=500 is not a multiple of dim_multiple=32.*e\.g\. 512"),
+        (
+            {"d_model": 144, "n_heads": 6, "n_kv_heads": 6},
+            r"d_model=144 is not a multiple of "
+            r"dim_multiple=32",
+        ),
+        ({"n_layers": 0}, r"n_layers=0: expected a positive int"),
+        ({"compute_dtype": "fp4"}, r"compute_dtype='fp4': expected one of"),
+        ({"norm_eps": -1.0}, r"norm_eps=-1.0: expected a positive float"),
+        ({"d_model": 192, "n_heads": 64, "n_kv_heads": 64}, r"head_dim .* = 3 is odd"),
+    ],
+)
 def test_validation_errors(changes, match):
     base = {"d_model": 192, "n_heads": 8, "n_kv_heads": 2, "d_ff": 512}
     with pytest.raises(ValueError, match=match):

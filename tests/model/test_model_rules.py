@@ -22,11 +22,14 @@ from microscale.ops import Recipe, get_recipe
 
 
 def test_first_match_wins_and_fullmatch():
-    rules = PrecisionRules(rules=(
-        (r"layers\.1\..*", "bf16"),
-        (r"layers\.\d+\.mlp\..*", "mxfp8"),
-        (r".*q_proj", "fp8"),
-    ), default="nvfp4")
+    rules = PrecisionRules(
+        rules=(
+            (r"layers\.1\..*", "bf16"),
+            (r"layers\.\d+\.mlp\..*", "mxfp8"),
+            (r".*q_proj", "fp8"),
+        ),
+        default="nvfp4",
+    )
     assert rules.resolve("layers.1.mlp.up_proj") == "bf16"  # first rule beats the second
     assert rules.resolve("layers.2.mlp.up_proj") == "mxfp8"
     assert rules.resolve("layers.2.attn.q_proj") == "fp8"
@@ -50,8 +53,9 @@ def test_rule_validation():
 
 def test_json_round_trip(tmp_path):
     custom = get_recipe("nvfp4").replace(name="nvfp4_custom", hadamard_seed=7)
-    rules = PrecisionRules(rules=((r"layers\.3\..*", "bf16"), (r".*down_proj", custom)),
-                           default="nvfp4")
+    rules = PrecisionRules(
+        rules=((r"layers\.3\..*", "bf16"), (r".*down_proj", custom)), default="nvfp4"
+    )
     again = PrecisionRules.from_json(rules.to_json())
     assert again == rules
     assert isinstance(again.rules[1][1], Recipe) and again.rules[1][1].hadamard_seed == 7
@@ -61,8 +65,7 @@ def test_json_round_trip(tmp_path):
     assert PrecisionRules.from_json('{"rules": [["a", "fp8"]]}').default == "bf16"
 
 
-@pytest.mark.parametrize("n,last", [(1, 1), (4, 1), (8, 1), (12, 2), (16, 2), (32, 5),
-                                    (62, 9)])
+@pytest.mark.parametrize("n,last", [(1, 1), (4, 1), (8, 1), (12, 2), (16, 2), (32, 5), (62, 9)])
 def test_default_last_15_percent(n, last):
     assert default_bf16_last(n) == last
     if n == 1:
@@ -88,8 +91,11 @@ def test_for_recipe_options():
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8", "fp8"])
 def test_defaults_that_quantize_little_warn_or_refuse(recipe):
     # 1 block: the default (last 15%, at least 1) would quantize nothing -> refused.
-    with pytest.raises(ValueError, match=rf"recipe '{recipe}' on 1 block\(s\) keeps 1 in bf16"
-                                         r".*no block would be quantized: set bf16_last=0"):
+    with pytest.raises(
+        ValueError,
+        match=rf"recipe '{recipe}' on 1 block\(s\) keeps 1 in bf16"
+        r".*no block would be quantized: set bf16_last=0",
+    ):
         PrecisionRules.for_recipe(recipe, 1)
     # Asked for explicitly: allowed, with a warning.
     with pytest.warns(UserWarning, match="no block is quantized"):
@@ -111,13 +117,24 @@ def test_defaults_that_quantize_little_warn_or_refuse(recipe):
         PrecisionRules.for_recipe(recipe, 62, bf16_first=2, bf16_last=8)
 
 
-@pytest.mark.parametrize("assign, quantized, high", [
-    ({"layers.0.attn.q_proj": "nvfp4", "layers.0.mlp.up_proj": "bf16",
-      "layers.1.attn.q_proj": "bf16", "layers.10.mlp.down_proj": "fp8"}, [0, 10], [1]),
-    ({"layers.0.attn.q_proj": "bf16", "head": "nvfp4"}, [], [0]),
-    ({"blocks.2.fc1": None, "layers.3.x": "mxfp4"}, [3], []),
-    ({}, [], []),
-])
+@pytest.mark.parametrize(
+    "assign, quantized, high",
+    [
+        (
+            {
+                "layers.0.attn.q_proj": "nvfp4",
+                "layers.0.mlp.up_proj": "bf16",
+                "layers.1.attn.q_proj": "bf16",
+                "layers.10.mlp.down_proj": "fp8",
+            },
+            [0, 10],
+            [1],
+        ),
+        ({"layers.0.attn.q_proj": "bf16", "head": "nvfp4"}, [], [0]),
+        ({"blocks.2.fc1": None, "layers.3.x": "mxfp4"}, [3], []),
+        ({}, [], []),
+    ],
+)
 def test_quantized_blocks_table(assign, quantized, high):
     assert quantized_blocks(assign) == (quantized, high)
 
@@ -131,8 +148,9 @@ def test_paper_12b_layout_is_named():
     rules = TrainConfig(recipe="nvfp4", model=model, precision=layout).precision_rules()
     kept = [i for i in range(62) if rules.resolve(f"layers.{i}.mlp.up_proj") == "bf16"]
     assert kept == [0, 1, *range(54, 62)]
-    with pytest.raises(ValueError, match="precision.bf16_last=3 is not read by "
-                                         "precision.kind='layout'"):
+    with pytest.raises(
+        ValueError, match="precision.bf16_last=3 is not read by precision.kind='layout'"
+    ):
         PrecisionConfig(kind="layout", layout="paper_12b", bf16_last=3)
     with pytest.raises(ValueError, match=r"precision.layout='paper'.*\['paper_12b'\]"):
         PrecisionConfig(kind="layout", layout="paper")
@@ -141,8 +159,9 @@ def test_paper_12b_layout_is_named():
 
 
 def _small_cfg(**kw):
-    base = dict(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
-                max_seq_len=64)
+    base = dict(
+        vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -152,8 +171,17 @@ def test_transformer_assignments():
     got = assignments(model)
     assert len(got) == 4 * 7
     assert {p for p, r in got.items() if r == "bf16"} == {
-        f"layers.3.{m}" for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        f"layers.3.{m}"
+        for m in (
+            "attn.q_proj",
+            "attn.k_proj",
+            "attn.v_proj",
+            "attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert model.layers[0].attn.q_proj.recipe == "nvfp4"
     assert got == model.rules.assignments(model)
     # Late switch re-applies rules in place.
@@ -183,8 +211,13 @@ def test_apply_rules_on_user_model():
     y_plain = fwd(model, x)
     rules = PrecisionRules(rules=((r"head", "bf16"),), default="nvfp4")
     touched = apply_rules(model, rules)
-    assert touched == {"blocks.0": "nvfp4", "blocks.1": "nvfp4", "blocks.2": "nvfp4",
-                       "mix": "nvfp4", "head": "bf16"}
+    assert touched == {
+        "blocks.0": "nvfp4",
+        "blocks.1": "nvfp4",
+        "blocks.2": "nvfp4",
+        "mix": "nvfp4",
+        "head": "bf16",
+    }
     assert model.blocks[0].dot_general is not jax.lax.dot_general
     assert assignments(model) == touched
     y_nvfp4 = fwd(model, x)
@@ -251,8 +284,10 @@ def test_qlinear_dtypes_and_per_layer_keys():
 
     @nnx.jit
     def run(m):
-        return nnx.value_and_grad(lambda m: jnp.sum(m(x, key=key).astype(jnp.float32) ** 2),
-                                  argnums=nnx.DiffState(0, nnx.Param))(m)
+        return nnx.value_and_grad(
+            lambda m: jnp.sum(m(x, key=key).astype(jnp.float32) ** 2),
+            argnums=nnx.DiffState(0, nnx.Param),
+        )(m)
 
     y = nnx.jit(lambda m, x: m(x))(lin, x)
     assert y.shape == (16, 32) and y.dtype == jnp.bfloat16

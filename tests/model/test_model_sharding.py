@@ -15,8 +15,13 @@ CASES = [
     (("embed", "heads"), (64, 64), MESH, P("fsdp", "tensor"), None),
     (("heads", "embed"), (64, 64), MESH, P("tensor", "fsdp"), None),
     (("vocab", "embed"), (257, 64), MESH, P(None, "fsdp"), (0, "257 is not divisible")),
-    (("embed", "kv_heads"), (64, 6), {"fsdp": 2, "tensor": 4}, P("fsdp", None),
-     (1, "6 is not divisible by mesh axes ('tensor',) (size 4)")),
+    (
+        ("embed", "kv_heads"),
+        (64, 6),
+        {"fsdp": 2, "tensor": 4},
+        P("fsdp", None),
+        (1, "6 is not divisible by mesh axes ('tensor',) (size 4)"),
+    ),
     (("batch", "length"), (8, 16), MESH, P(("data", "fsdp"), None), None),
     (("batch",), (6,), MESH, P(None), (0, "not divisible by mesh axes ('data', 'fsdp')")),
     (("batch",), (6,), {"data": 1, "fsdp": 2, "tensor": 2}, P("fsdp"), None),
@@ -25,8 +30,13 @@ CASES = [
     (("expert", "embed"), (4, 64), MESH, P(None, "fsdp"), (0, "no mesh rule")),
     (("embed", "heads"), (64, 64), {"data": 8, "fsdp": 1, "tensor": 1}, P(None, None), None),
     (("heads",), (64,), {"data": 2}, P(None), (0, "the mesh has no axis ['tensor']")),
-    (("batch", "length", "embed"), None, None, P(("data", "fsdp"), None, None),
-     (2, "mesh axis ['fsdp'] already shards")),
+    (
+        ("batch", "length", "embed"),
+        None,
+        None,
+        P(("data", "fsdp"), None, None),
+        (2, "mesh axis ['fsdp'] already shards"),
+    ),
     (("embed", "mlp"), (63, 64), None, P("fsdp", "tensor"), None),  # no mesh: no check
     (None, (3,), MESH, P(), None),
     ((), (), MESH, P(), None),
@@ -52,12 +62,12 @@ def test_bad_rank_names_the_array():
 
 
 def test_partition_specs_on_a_mesh_reports_parameter_paths():
-    cfg = ModelConfig(vocab_size=257, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
-                      d_ff=96, max_seq_len=16)
+    cfg = ModelConfig(
+        vocab_size=257, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=96, max_seq_len=16
+    )
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     recs = []
-    specs = partition_specs(model, mesh={"data": 1, "fsdp": 2, "tensor": 4},
-                            replicated=recs)
+    specs = partition_specs(model, mesh={"data": 1, "fsdp": 2, "tensor": 4}, replicated=recs)
     # d_ff 96 = 4 * 24 shards; kv 1 * 32 = 4 * 8 shards; vocab 257 does not.
     assert specs["layers"][0]["mlp"]["up_proj"]["kernel"].get_value() == P("fsdp", "tensor")
     assert specs["embed"]["embedding"].get_value() == P(None, "fsdp")

@@ -26,8 +26,9 @@ from microscale.ops import get_recipe, list_recipes, make_dot_general
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                max_seq_len=64)
+    base = dict(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -107,8 +108,9 @@ def test_gqa_equals_mha_with_repeated_kv():
     nnx.update(mha_model, dst)
     assert mha_model.layers[0].attn.k_proj.kernel[...].shape == (d, 4 * hd)
     tokens = _tokens(cfg)
-    np.testing.assert_allclose(_forward(gqa_model, tokens), _forward(mha_model, tokens),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        _forward(gqa_model, tokens), _forward(mha_model, tokens), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_rope_relative_position():
@@ -129,8 +131,7 @@ def test_rope_relative_position():
     np.testing.assert_allclose(apply_rope(q, c0, s0), q)  # position 0 is the identity
     # Norm-preserving rotation.
     c, s = rope_tables(jnp.array([17]), hd, 10000.0)
-    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, c, s)), jnp.linalg.norm(q),
-                               rtol=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, c, s)), jnp.linalg.norm(q), rtol=1e-5)
 
 
 def test_tied_and_untied_embeddings():
@@ -168,6 +169,7 @@ def test_tiny_forward_grad_under_jit(recipe):
         def loss_fn(m):
             logits = m(tokens[:, :-1], key=key)
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
         return nnx.value_and_grad(loss_fn)(m)
 
     loss, grads = loss_and_grads(model, tokens, jax.random.key(1))
@@ -267,10 +269,10 @@ def test_qlinear_kernel_gradient_is_the_float32_wgrad(recipe):
     lkey = jax.random.fold_in(key, layer.layer_id)
     dg = make_dot_general(recipe, key=lkey)
     dims = (((2,), (0,)), ((), ()))
-    outside = jax.grad(lambda w: loss(dg(x, w.astype(jnp.bfloat16), dims,
-                                         preferred_element_type=jnp.bfloat16)))(w)
-    np.testing.assert_array_equal(np.asarray(outside),
-                                  g.astype(jnp.bfloat16).astype(np.float32))
+    outside = jax.grad(
+        lambda w: loss(dg(x, w.astype(jnp.bfloat16), dims, preferred_element_type=jnp.bfloat16))
+    )(w)
+    np.testing.assert_array_equal(np.asarray(outside), g.astype(jnp.bfloat16).astype(np.float32))
 
 
 @pytest.mark.parametrize("tied", [False, True])

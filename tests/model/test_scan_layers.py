@@ -22,8 +22,11 @@ TOKENS = jax.random.randint(jax.random.key(1), (2, 48), 0, 257)
 
 def _model(n_layers=5, recipe="bf16", scan=False, first=1, last=1, **model):
     cfg = ModelConfig.tiny().replace(n_layers=n_layers, scan_layers=scan, **model)
-    rules = (None if recipe == "bf16" else
-             PrecisionRules.for_recipe(recipe, n_layers, bf16_first=first, bf16_last=last))
+    rules = (
+        None
+        if recipe == "bf16"
+        else PrecisionRules.for_recipe(recipe, n_layers, bf16_first=first, bf16_last=last)
+    )
     return Transformer(cfg, rngs=nnx.Rngs(0), rules=rules)
 
 
@@ -35,19 +38,23 @@ def _loss(model):
 
 def _value_and_grads(model):
     loss, grads = nnx.jit(nnx.value_and_grad(_loss))(model)
-    return float(loss), {"/".join(map(str, p)): np.asarray(v.get_value())
-                         for p, v in nnx.to_flat_state(grads)}
+    return float(loss), {
+        "/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,remat,model", [
-    ("bf16", "none", {}),
-    ("bf16", "full", {}),
-    ("nvfp4", "full", {}),  # stochastic rounding: each block's own stream, as unrolled
-    ("nvfp4", "save_dots", {"attention_chunk": 16}),
-    ("mxfp8", "minimal", {}),
-    ("nvfp4", "none", {"attention_chunk": 8, "n_layers": 7}),
-])
+@pytest.mark.parametrize(
+    "recipe,remat,model",
+    [
+        ("bf16", "none", {}),
+        ("bf16", "full", {}),
+        ("nvfp4", "full", {}),  # stochastic rounding: each block's own stream, as unrolled
+        ("nvfp4", "save_dots", {"attention_chunk": 16}),
+        ("mxfp8", "minimal", {}),
+        ("nvfp4", "none", {"attention_chunk": 8, "n_layers": 7}),
+    ],
+)
 def test_scan_equals_unrolled(recipe, remat, model):
     """Loss and every parameter's gradient of the scanned model equal the unrolled one's
     (float tolerance; on XLA:CPU they agree to the bit)."""
@@ -62,13 +69,16 @@ def test_scan_equals_unrolled(recipe, remat, model):
         assert err <= 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("recipe,n,first,last,segments", [
-    ("bf16", 5, 0, 0, [[0, 1, 2, 3, 4]]),
-    ("nvfp4", 5, 1, 1, [[0], [1, 2, 3], [4]]),
-    ("nvfp4", 6, 0, 2, [[0, 1, 2, 3], [4, 5]]),
-    ("nvfp4", 3, 1, 1, [[0], [1], [2]]),
-    ("mxfp4", 4, 2, 0, [[0, 1], [2, 3]]),
-])
+@pytest.mark.parametrize(
+    "recipe,n,first,last,segments",
+    [
+        ("bf16", 5, 0, 0, [[0, 1, 2, 3, 4]]),
+        ("nvfp4", 5, 1, 1, [[0], [1, 2, 3], [4]]),
+        ("nvfp4", 6, 0, 2, [[0, 1, 2, 3], [4, 5]]),
+        ("nvfp4", 3, 1, 1, [[0], [1], [2]]),
+        ("mxfp4", 4, 2, 0, [[0, 1], [2, 3]]),
+    ],
+)
 def test_segments_are_the_runs_of_equal_recipes(recipe, n, first, last, segments):
     assert scan_segments(_model(n, recipe, first=first, last=last).layers) == segments
 
@@ -87,8 +97,13 @@ def test_mixed_segments_keep_their_recipes():
 
 def test_parameter_names_do_not_change():
     """Checkpoints, export, PTQ and ``init_from`` see the same per-block names."""
-    paths = [sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(
-        nnx.state(_model(3, scan=s), nnx.Param))) for s in (False, True)]
+    paths = [
+        sorted(
+            "/".join(map(str, p))
+            for p, _ in nnx.to_flat_state(nnx.state(_model(3, scan=s), nnx.Param))
+        )
+        for s in (False, True)
+    ]
     assert paths[0] == paths[1] and "layers/2/mlp/down_proj/kernel" in paths[0]
 
 

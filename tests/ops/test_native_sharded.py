@@ -21,26 +21,55 @@ F, T, D = "fsdp", "tensor", "data"
 # (case, lhs spec, rhs spec, output spec the partitioner asks for) ->
 # (lhs, rhs, out specs the GEMM runs with, psum axes, reduce-scatter)
 PLAN = [
-    ("replicated", (None, None, None), (None, None, None), (None, None, None),
-     ((None, None, None), (None, None, None), (None, None, None), (), None)),
-    ("column-parallel fprop: W^T [N (tensor), K (fsdp)] gathers its fsdp shards",
-     (None, F, None), (None, T, F), (None, F, T),
-     ((None, F, None), (None, T, None), (None, F, T), (), None)),
-    ("row-parallel fprop: K split over tensor on both sides, summed",
-     (None, F, T), (None, F, T), (None, F, None),
-     ((None, F, T), (None, None, T), (None, F, None), (T,), None)),
-    ("dgrad of a column-parallel layer: contraction N over tensor",
-     (None, (D, F), T), (None, F, T), (None, (D, F), None),
-     ((None, (D, F), T), (None, None, T), (None, (D, F), None), (T,), None)),
-    ("wgrad: tokens over data x fsdp, dW reduce-scattered to its fsdp shard",
-     (None, None, (D, F)), (None, T, (D, F)), (None, F, T),
-     ((None, None, (D, F)), (None, T, (D, F)), (None, F, T), (D,), (1, (F,)))),
-    ("contraction split on one side only: gathered",
-     (None, F, T), (None, None, None), (None, F, None),
-     ((None, F, None), (None, None, None), (None, F, None), (), None)),
-    ("both output dims asked on one axis: the second gives way",
-     (None, F, None), (None, F, None), (None, F, F),
-     ((None, F, None), (None, None, None), (None, F, None), (), None)),
+    (
+        "replicated",
+        (None, None, None),
+        (None, None, None),
+        (None, None, None),
+        ((None, None, None), (None, None, None), (None, None, None), (), None),
+    ),
+    (
+        "column-parallel fprop: W^T [N (tensor), K (fsdp)] gathers its fsdp shards",
+        (None, F, None),
+        (None, T, F),
+        (None, F, T),
+        ((None, F, None), (None, T, None), (None, F, T), (), None),
+    ),
+    (
+        "row-parallel fprop: K split over tensor on both sides, summed",
+        (None, F, T),
+        (None, F, T),
+        (None, F, None),
+        ((None, F, T), (None, None, T), (None, F, None), (T,), None),
+    ),
+    (
+        "dgrad of a column-parallel layer: contraction N over tensor",
+        (None, (D, F), T),
+        (None, F, T),
+        (None, (D, F), None),
+        ((None, (D, F), T), (None, None, T), (None, (D, F), None), (T,), None),
+    ),
+    (
+        "wgrad: tokens over data x fsdp, dW reduce-scattered to its fsdp shard",
+        (None, None, (D, F)),
+        (None, T, (D, F)),
+        (None, F, T),
+        ((None, None, (D, F)), (None, T, (D, F)), (None, F, T), (D,), (1, (F,))),
+    ),
+    (
+        "contraction split on one side only: gathered",
+        (None, F, T),
+        (None, None, None),
+        (None, F, None),
+        ((None, F, None), (None, None, None), (None, F, None), (), None),
+    ),
+    (
+        "both output dims asked on one axis: the second gives way",
+        (None, F, None),
+        (None, F, None),
+        (None, F, F),
+        ((None, F, None), (None, None, None), (None, F, None), (), None),
+    ),
 ]
 
 
@@ -92,8 +121,7 @@ RUN = {
     "wgrad": ([None, None, [D, F]], [None, T, [D, F]], [None, F, T], (1, 64, 96, 256), None),
     # 96 columns over tensor=2: 48 each, one and a half 32-blocks per device (the 3 scale
     # columns cannot be split in two: they arrive whole)
-    "straddle": ([None, F, T], [None, F, T], [None, F, None], (1, 64, 96, 96),
-                 [None, None, None]),
+    "straddle": ([None, F, T], [None, F, T], [None, F, None], (1, 64, 96, 96), [None, None, None]),
 }
 
 

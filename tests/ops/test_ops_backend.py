@@ -34,12 +34,15 @@ def _fwd_bwd(name, backend_name):
 
 def _reference_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type):
     """jax.nn.scaled_matmul's documented semantics, in float32."""
-    a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32),
-                                             lhs.shape[-1] // lhs_scales.shape[-1], axis=-1)
-    b = rhs.astype(jnp.float32) * jnp.repeat(rhs_scales.astype(jnp.float32),
-                                             rhs.shape[-1] // rhs_scales.shape[-1], axis=-1)
-    return jnp.einsum("bmk,bnk->bmn", a, b,
-                      precision=jax.lax.Precision.HIGHEST).astype(preferred_element_type)
+    a = lhs.astype(jnp.float32) * jnp.repeat(
+        lhs_scales.astype(jnp.float32), lhs.shape[-1] // lhs_scales.shape[-1], axis=-1
+    )
+    b = rhs.astype(jnp.float32) * jnp.repeat(
+        rhs_scales.astype(jnp.float32), rhs.shape[-1] // rhs_scales.shape[-1], axis=-1
+    )
+    return jnp.einsum("bmk,bnk->bmn", a, b, precision=jax.lax.Precision.HIGHEST).astype(
+        preferred_element_type
+    )
 
 
 def test_probe_on_this_machine():
@@ -88,8 +91,10 @@ def test_native_plumbing_matches_emulated(monkeypatch, name):
         assert np.max(np.abs(a - b)) <= 2e-6 * np.max(np.abs(b))
 
 
-@pytest.mark.skipif(not native_supported(get_recipe("fp8")),
-                    reason="needs an NVIDIA GPU with compute capability >= 8.9")
+@pytest.mark.skipif(
+    not native_supported(get_recipe("fp8")),
+    reason="needs an NVIDIA GPU with compute capability >= 8.9",
+)
 @pytest.mark.parametrize("name", NATIVE_RECIPES)
 def test_native_matches_emulated_on_device(name):  # pragma: no cover - hardware only
     if not native_supported(get_recipe(name)):

@@ -27,6 +27,7 @@ def _data(m=24, k=32, n=16):
 def _grads(recipe, x, w, dy, hist):
     def f(x, w, h):
         return jnp.sum(qdot(x, w, recipe, amax_history=h) * dy)
+
     y = qdot(x, w, recipe, amax_history=hist)
     return (y,) + jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, w, hist)
 
@@ -49,23 +50,38 @@ def test_scales_come_from_the_history_not_the_tensor():
     recipe = get_recipe("fp8_delayed")
     x, w, dy = _data()
     for factor in (2.0, 0.25):
-        amax = {"fprop_x": np.abs(x).max(), "fprop_w": np.abs(w).max(),
-                "dgrad_dy": np.abs(dy).max(), "dgrad_w": np.abs(w).max(),
-                "wgrad_x": np.abs(x).max(), "wgrad_dy": np.abs(dy).max()}
-        hist = init_amax_history(recipe).at[:, 5].set(
-            jnp.asarray([amax[s] for s in SLOTS]) * factor)
+        amax = {
+            "fprop_x": np.abs(x).max(),
+            "fprop_w": np.abs(w).max(),
+            "dgrad_dy": np.abs(dy).max(),
+            "dgrad_w": np.abs(w).max(),
+            "wgrad_x": np.abs(x).max(),
+            "wgrad_dy": np.abs(dy).max(),
+        }
+        hist = (
+            init_amax_history(recipe).at[:, 5].set(jnp.asarray([amax[s] for s in SLOTS]) * factor)
+        )
         y, dx, dw, _ = _grads(recipe, x, w, dy, hist)
 
         def fq(t, slot, amax=amax, factor=factor):
             spec = getattr(recipe, slot)
             return fake_quantize(t, spec.format, amax=amax[slot] * factor)
 
-        np.testing.assert_allclose(y, jnp.matmul(fq(x, "fprop_x"), fq(w, "fprop_w"),
-                                                 precision=HI), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(dx, jnp.matmul(fq(dy, "dgrad_dy"), fq(w, "dgrad_w").T,
-                                                  precision=HI), rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(dw, jnp.matmul(fq(x, "wgrad_x").T, fq(dy, "wgrad_dy"),
-                                                  precision=HI), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            y, jnp.matmul(fq(x, "fprop_x"), fq(w, "fprop_w"), precision=HI), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            dx,
+            jnp.matmul(fq(dy, "dgrad_dy"), fq(w, "dgrad_w").T, precision=HI),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+        np.testing.assert_allclose(
+            dw,
+            jnp.matmul(fq(x, "wgrad_x").T, fq(dy, "wgrad_dy"), precision=HI),
+            rtol=1e-5,
+            atol=1e-7,
+        )
         # ... and differs from current scaling, which would use the true amax.
         assert not np.array_equal(np.asarray(y), np.asarray(qdot(x, w, "fp8")))
 
@@ -120,8 +136,9 @@ def test_nnx_training_carries_the_history():
         @nnx.jit
         def step(layer, opt):
             diff = nnx.DiffState(0, nnx.Any(nnx.Param, AmaxHistory))
-            loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean(),
-                                             argnums=diff)(layer)
+            loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean(), argnums=diff)(
+                layer
+            )
             opt.update(layer, nnx.filter_state(grads, nnx.Param))
             overwrite_amax_histories(layer, grads)
             return loss

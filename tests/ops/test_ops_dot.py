@@ -45,20 +45,35 @@ def _fq(t, spec: OperandSpec, axis: int, key, slot: str, seed: int):
     bs = spec.block_shape
     if bs is not None and axis in (-1, t.ndim - 1):
         bs = bs[::-1]  # (along, other) -> array order
-    return fake_quantize(t, spec.format, axis=axis, rounding=spec.rounding,
-                         key=operand_key(key, slot) if spec.stochastic else None,
-                         block_shape=bs, scale_rounding=spec.scale_rounding)
+    return fake_quantize(
+        t,
+        spec.format,
+        axis=axis,
+        rounding=spec.rounding,
+        key=operand_key(key, slot) if spec.stochastic else None,
+        block_shape=bs,
+        scale_rounding=spec.scale_rounding,
+    )
 
 
 def reference(recipe: Recipe, x, w, dy, key, seed=0):
     """Explicit formulas for the three GEMMs (no autodiff), float32 everywhere."""
     r = recipe
-    y = jnp.matmul(_fq(x, r.fprop_x, -1, key, "fprop_x", seed),
-                   _fq(w, r.fprop_w, 0, key, "fprop_w", seed), precision=HI)
-    dx = jnp.matmul(_fq(dy, r.dgrad_dy, -1, key, "dgrad_dy", seed),
-                    _fq(w, r.dgrad_w, -1, key, "dgrad_w", seed).T, precision=HI)
-    dw = jnp.matmul(_fq(x.T, r.wgrad_x, -1, key, "wgrad_x", seed),
-                    _fq(dy, r.wgrad_dy, 0, key, "wgrad_dy", seed), precision=HI)
+    y = jnp.matmul(
+        _fq(x, r.fprop_x, -1, key, "fprop_x", seed),
+        _fq(w, r.fprop_w, 0, key, "fprop_w", seed),
+        precision=HI,
+    )
+    dx = jnp.matmul(
+        _fq(dy, r.dgrad_dy, -1, key, "dgrad_dy", seed),
+        _fq(w, r.dgrad_w, -1, key, "dgrad_w", seed).T,
+        precision=HI,
+    )
+    dw = jnp.matmul(
+        _fq(x.T, r.wgrad_x, -1, key, "wgrad_x", seed),
+        _fq(dy, r.wgrad_dy, 0, key, "wgrad_dy", seed),
+        precision=HI,
+    )
     return y, dx, dw
 
 
@@ -71,11 +86,16 @@ def _vjp_jit(recipe, x, w, dy, key, hist):
 def current_amax_history(recipe, x, w, dy):
     """A delayed-scaling history whose window max is each operand's own amax (the other
     entries smaller), so delayed scaling must reproduce current scaling exactly."""
-    operand = {"fprop_x": x, "fprop_w": w, "dgrad_dy": dy, "dgrad_w": w, "wgrad_x": x,
-               "wgrad_dy": dy}
+    operand = {
+        "fprop_x": x,
+        "fprop_w": w,
+        "dgrad_dy": dy,
+        "dgrad_w": w,
+        "wgrad_x": x,
+        "wgrad_dy": dy,
+    }
     now = jnp.stack([jnp.max(jnp.abs(operand[s].astype(jnp.float32))) for s in SLOTS])
-    older = jax.random.uniform(jax.random.key(7), (len(SLOTS), recipe.amax_history_len),
-                               maxval=0.9)
+    older = jax.random.uniform(jax.random.key(7), (len(SLOTS), recipe.amax_history_len), maxval=0.9)
     return (older * now[:, None]).at[:, 3].set(now)
 
 
@@ -96,6 +116,7 @@ def _close(a, b, rtol=2e-6):
 
 # ---- values and gradients --------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_matches_fake_quant_reference(name):
@@ -114,8 +135,10 @@ def test_bf16_recipe_equals_jnp_dot():
     assert y.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
         np.asarray(y, np.float32),
-        np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                   np.float32))
+        np.asarray(
+            jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32
+        ),
+    )
     _close(y.astype(jnp.float32), jnp.dot(x, w).astype(jnp.float32), rtol=1e-2)
     # Gradients: the same bf16 GEMMs with float32 accumulation.
     _, pb = jax.vjp(lambda x, w: qdot(x, w, "bf16"), x, w)
@@ -123,12 +146,16 @@ def test_bf16_recipe_equals_jnp_dot():
     assert dx.dtype == dw.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
         np.asarray(dx, np.float32),
-        np.asarray(jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                   np.float32))
+        np.asarray(
+            jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32
+        ),
+    )
     np.testing.assert_array_equal(
         np.asarray(dw, np.float32),
-        np.asarray(jnp.dot(x.T, dy, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                   np.float32))
+        np.asarray(
+            jnp.dot(x.T, dy, preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32
+        ),
+    )
 
 
 @pytest.mark.slow
@@ -171,8 +198,15 @@ def test_jit_grad_with_rhs_contracted_on_its_last_axis(name, n):
     ct = jax.random.normal(jax.random.key(3), (2, 32, n), jnp.float32)
 
     def f(x, w, dims):
-        y = quantized_dot_general(x, w, dims, name, key=KEY, operand_dtype=jnp.bfloat16,
-                                  preferred_element_type=jnp.float32)
+        y = quantized_dot_general(
+            x,
+            w,
+            dims,
+            name,
+            key=KEY,
+            operand_dtype=jnp.bfloat16,
+            preferred_element_type=jnp.float32,
+        )
         return jnp.sum(y * ct)
 
     g = jax.jit(jax.grad(f, argnums=(0, 1)), static_argnums=2)
@@ -197,12 +231,17 @@ def test_flax_nnx_linear_and_dtypes():
     assert grads["kernel"][...].dtype == jnp.float32  # master-weight dtype preserved
     assert grads["kernel"][...].shape == (64, 32)
     # preferred_element_type picks the output dtype.
-    y = dg(x, lin.kernel[...].astype(jnp.bfloat16), (((2,), (0,)), ((), ())),
-           preferred_element_type=jnp.float32)
+    y = dg(
+        x,
+        lin.kernel[...].astype(jnp.bfloat16),
+        (((2,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
     assert y.dtype == jnp.float32 and y.shape == (2, 16, 32)
 
 
 # ---- randomness ------------------------------------------------------------------------
+
 
 def test_key_contract():
     x, w, dy = _data()
@@ -256,7 +295,7 @@ def test_sr_dgrad_is_unbiased():
     expect_dy = np.clip(np.asarray(dy, np.float64) * enc, -6, 6) * unit
     wq = np.asarray(_fq(w, recipe.dgrad_w, -1, None, "dgrad_w", 0), np.float64)
     expect = expect_dy @ wq.T
-    sigma = np.sqrt((2 * unit) ** 2 / 4 @ (wq.T ** 2))
+    sigma = np.sqrt((2 * unit) ** 2 / 4 @ (wq.T**2))
     z = np.abs(mean - expect) / (sigma / np.sqrt(samples) + 1e-12)
     assert z.max() < 5, f"max z-score {z.max():.2f}"
     # Power check: round-to-nearest is biased under the same yardstick.
@@ -305,6 +344,7 @@ def test_sr_slots_fair_and_independent_at_ops_level():
 
 # ---- structure -------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_2d_weights_same_w_in_fprop_and_dgrad():
     """X = I and dY = I expose the W each GEMM sees: Y = W_fprop, dX = W_dgrad^T."""
@@ -324,8 +364,9 @@ def test_rht_invisible_without_quantization():
     equals the explicitly rotated reference to float32 accuracy, where the unrotated
     bf16 product is off by its (different) bf16 rounding."""
     x, w, dy = _data(m=64)
-    rht = Recipe(name="rht_only", wgrad_x=OperandSpec(hadamard=16),
-                 wgrad_dy=OperandSpec(hadamard=16))
+    rht = Recipe(
+        name="rht_only", wgrad_x=OperandSpec(hadamard=16), wgrad_dy=OperandSpec(hadamard=16)
+    )
     plain = _vjp("bf16", x, w, dy, KEY)
     rotated = _vjp(rht, x, w, dy, KEY)
     exact = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
@@ -356,11 +397,10 @@ def _lineages(jaxpr, env):
     dots = []
     for eqn in jaxpr.eqns:
         ins = [lin(v) for v in eqn.invars]
-        subs = [p for p in eqn.params.values()
-                if isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)]
+        subs = [p for p in eqn.params.values() if isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)]
         if eqn.primitive.name == "dot_general" and all(
-                getattr(v.aval, "dtype", None) == jnp.bfloat16 and "input" in lin(v)
-                for v in eqn.invars):
+            getattr(v.aval, "dtype", None) == jnp.bfloat16 and "input" in lin(v) for v in eqn.invars
+        ):
             dots.append(tuple(ins))
         tag = eqn.primitive.name
         if tag == "jit":  # a named function: the Hadamard transform is one
@@ -375,8 +415,11 @@ def _lineages(jaxpr, env):
                 sub_dots, sub_env = _lineages(sj, sub_env)
                 dots += sub_dots
                 for o, so in zip(eqn.outvars, sj.outvars, strict=False):
-                    so_lin = (frozenset() if isinstance(so, jcore.Literal)
-                              else sub_env.get(so, frozenset()))
+                    so_lin = (
+                        frozenset()
+                        if isinstance(so, jcore.Literal)
+                        else sub_env.get(so, frozenset())
+                    )
                     env[o] = so_lin | out
         for o in eqn.outvars:
             env.setdefault(o, out)
@@ -405,8 +448,7 @@ def test_jaxpr_all_three_gemms_quantized_for_nvfp4():
             assert "round" in side or "floor" in side
     # The Hadamard transform feeds only the wgrad operands.
     rht = "jit:_hadamard_butterfly"
-    assert [(rht in lhs, rht in rhs) for lhs, rhs in dots] == [(False, False)] * 2 + [
-        (True, True)]
+    assert [(rht in lhs, rht in rhs) for lhs, rhs in dots] == [(False, False)] * 2 + [(True, True)]
     no_rht = _gemm_operand_lineages("nvfp4_no_rht")
     assert len(no_rht) == 3 and not any(rht in a or rht in b for a, b in no_rht)
     fwd_only = _gemm_operand_lineages("nvfp4_fwd_only")
@@ -428,8 +470,7 @@ def test_raw_prng_key_remat_and_vector_lhs():
     x, w, _ = _data(m=16, k=32, n=16)
     loss = lambda x, w, k: jnp.sum(qdot(x, w, "nvfp4", key=k) ** 2)
     g_raw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, jax.random.PRNGKey(0))
-    g_remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w,
-                                                                     jax.random.PRNGKey(0))
+    g_remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w, jax.random.PRNGKey(0))
     for a, b in zip(g_raw, g_remat, strict=True):  # remat may reassociate f32 scaling
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert qdot(x[0], w, "nvfp4").shape == (16,)

@@ -8,8 +8,18 @@ import pytest
 
 from microscale.ops import OperandSpec, Recipe, get_recipe, list_recipes, make_dot_general
 
-REQUIRED = ["bf16", "fp8", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "nvfp4_no_rht", "nvfp4_no_sr",
-            "nvfp4_1d", "nvfp4_fwd_only"]
+REQUIRED = [
+    "bf16",
+    "fp8",
+    "fp8_e4m3",
+    "mxfp8",
+    "nvfp4",
+    "mxfp4",
+    "nvfp4_no_rht",
+    "nvfp4_no_sr",
+    "nvfp4_1d",
+    "nvfp4_fwd_only",
+]
 
 
 def test_required_presets_exist():
@@ -47,8 +57,10 @@ def test_nvfp4_matches_design():
 def test_ablations_switch_one_thing():
     base = get_recipe("nvfp4")
     assert get_recipe("nvfp4_no_rht") == base.replace(
-        name="nvfp4_no_rht", wgrad_x=OperandSpec(format="nvfp4"),
-        wgrad_dy=OperandSpec(format="nvfp4", rounding="stochastic"))
+        name="nvfp4_no_rht",
+        wgrad_x=OperandSpec(format="nvfp4"),
+        wgrad_dy=OperandSpec(format="nvfp4", rounding="stochastic"),
+    )
     no_sr = get_recipe("nvfp4_no_sr")
     assert not no_sr.needs_key and no_sr.wgrad_dy.hadamard == 16
     one_d = get_recipe("nvfp4_1d")
@@ -62,15 +74,18 @@ def test_ablations_switch_one_thing():
     assert fp8.reuses_fprop_w
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(format="nvfp5"), "unknown format 'nvfp5'"),
-    (dict(format="nvfp4", rounding="up"), "unknown rounding 'up'"),
-    (dict(format="nvfp4", block_shape=(32, 32)), r"block size is 16"),
-    (dict(format="fp8_e4m3", block_shape=(16, 16)), r"block size is None"),
-    (dict(format="nvfp4", block_shape=(16,)), "block_shape"),
-    (dict(format="nvfp4", hadamard=12), "power of two"),
-    (dict(format="mxfp4", scale_rounding="round"), "scale_rounding"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(format="nvfp5"), "unknown format 'nvfp5'"),
+        (dict(format="nvfp4", rounding="up"), "unknown rounding 'up'"),
+        (dict(format="nvfp4", block_shape=(32, 32)), r"block size is 16"),
+        (dict(format="fp8_e4m3", block_shape=(16, 16)), r"block size is None"),
+        (dict(format="nvfp4", block_shape=(16,)), "block_shape"),
+        (dict(format="nvfp4", hadamard=12), "power of two"),
+        (dict(format="mxfp4", scale_rounding="round"), "scale_rounding"),
+    ],
+)
 def test_operand_spec_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OperandSpec(**kwargs)

@@ -10,14 +10,25 @@ import pytest
 from microscale.cli import main
 from microscale.model import ModelConfig
 
-TINY = ["--config", "tiny", "model.n_layers=1", "model.vocab_size=256",
-        "precision.bf16_last=0"]
+TINY = ["--config", "tiny", "model.n_layers=1", "model.vocab_size=256", "precision.bf16_last=0"]
 
 
 @pytest.mark.slow
 def test_plan_tiny_on_eight_simulated_devices(tmp_path, capsys):
-    rc = main(["plan", *TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "grad_accum=2",
-               "--recipe", "bf16", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "plan",
+            *TINY,
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "grad_accum=2",
+            "--recipe",
+            "bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     md = capsys.readouterr().out
     assert "**Fits**" in md and "XLA:CPU's buffer assignment needs" in md
@@ -51,11 +62,17 @@ def test_plan_tiny_on_eight_simulated_devices(tmp_path, capsys):
 def test_sr_past_2_32_elements_lowers_at_the_llama8b_microbatch(capsys):
     # llama-8b with 4 microbatches: 128 sequences x 4096 tokens, so up_proj's dY has
     # 128 * 4096 * 14336 = 7.5e9 > 2^32 elements. One block keeps the trace short.
-    over = ["model.n_layers=1", "precision.bf16_last=0", "grad_accum=4", "mesh.data=1",
-            "mesh.fsdp=8"]
+    over = [
+        "model.n_layers=1",
+        "precision.bf16_last=0",
+        "grad_accum=4",
+        "mesh.data=1",
+        "mesh.fsdp=8",
+    ]
     assert 512 // 4 * 4096 * ModelConfig.llama_8b().d_ff > 2**32
-    rc = main(["plan", "--config", "llama-8b", *over, "--recipe", "nvfp4", "--lower-only",
-               "--json"])
+    rc = main(
+        ["plan", "--config", "llama-8b", *over, "--recipe", "nvfp4", "--lower-only", "--json"]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert "error" not in res["compiled"], res["compiled"]
@@ -64,8 +81,9 @@ def test_sr_past_2_32_elements_lowers_at_the_llama8b_microbatch(capsys):
 
 @pytest.mark.slow
 def test_plan_70b_from_shapes(capsys):
-    rc = main(["plan", "--config", "llama-70b", "mesh.fsdp=64", "mesh.tensor=8",
-               "--no-compile", "--json"])
+    rc = main(
+        ["plan", "--config", "llama-70b", "mesh.fsdp=64", "mesh.tensor=8", "--no-compile", "--json"]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["devices"] == 512 and res["compiled"] is None
@@ -77,22 +95,26 @@ def test_plan_70b_from_shapes(capsys):
     assert 1.0 < res["roofline"]["speedup"]["fp8"]["step"] < 2.0
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--devices", "4"],
-     "but only 4 devices are available"),
-    (["mesh.data=1", "mesh.tensor=4"], "mesh.tensor=4 does not divide model.n_kv_heads=2"),
-    (["mesh.data=1", "--accelerator", "tpu-v9"], "unknown accelerator 'tpu-v9'"),
-    ([], "mesh.data=-1 means 'the remaining devices'"),
-    (["mesh.data=32"], "is not divisible by mesh.data * mesh.fsdp = 32"),
-    (["mesh.data=1", "recipe_typo=1"], "recipe_typo"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--devices", "4"],
+            "but only 4 devices are available",
+        ),
+        (["mesh.data=1", "mesh.tensor=4"], "mesh.tensor=4 does not divide model.n_kv_heads=2"),
+        (["mesh.data=1", "--accelerator", "tpu-v9"], "unknown accelerator 'tpu-v9'"),
+        ([], "mesh.data=-1 means 'the remaining devices'"),
+        (["mesh.data=32"], "is not divisible by mesh.data * mesh.fsdp = 32"),
+        (["mesh.data=1", "recipe_typo=1"], "recipe_typo"),
+    ],
+)
 def test_bad_configs_are_named(args, message, capsys):
     assert main(["plan", "--config", "tiny", "--no-compile", *args]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_replicated_dimensions_are_listed(capsys):
-    assert main(["plan", "--config", "tiny", "mesh.data=1", "mesh.tensor=2",
-                 "--no-compile"]) == 0
+    assert main(["plan", "--config", "tiny", "mesh.data=1", "mesh.tensor=2", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "embed.embedding dim 0 'vocab' (257): length 257 is not divisible" in out

@@ -30,27 +30,56 @@ import textwrap
 
 import pytest
 
-MODEL = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=8",
-         "model.n_kv_heads=8", "model.d_ff=1024", "model.max_seq_len=128",
-         "data.seq_len=128", "data.batch_size=16", "model.tie_embeddings=false"]
-MESHES = {"fsdp8": ["mesh.data=1", "mesh.fsdp=8"], "dp8": ["mesh.data=8"],
-          "dp2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"], "tp8": ["mesh.data=1", "mesh.tensor=8"],
-          "dp2_fsdp2_tp2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]}
+MODEL = [
+    "model.vocab_size=512",
+    "model.d_model=256",
+    "model.n_layers=2",
+    "model.n_heads=8",
+    "model.n_kv_heads=8",
+    "model.d_ff=1024",
+    "model.max_seq_len=128",
+    "data.seq_len=128",
+    "data.batch_size=16",
+    "model.tie_embeddings=false",
+]
+MESHES = {
+    "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
+    "dp8": ["mesh.data=8"],
+    "dp2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
+    "tp8": ["mesh.data=1", "mesh.tensor=8"],
+    "dp2_fsdp2_tp2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+}
 # (mesh, recipe, extra overrides)
-CASES = [("fsdp8", "bf16", []), ("fsdp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=true"]),
-         ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"]), ("dp8", "bf16", []),
-         ("dp2_fsdp4", "bf16", []), ("dp2_fsdp2_tp2", "bf16", []), ("tp8", "bf16", []),
-         ("tp8", "nvfp4", []), ("fsdp8", "bf16", ["model.remat=save_dots"]),
-         ("fsdp8", "nvfp4", ["model.remat=minimal"]), ("tp8", "bf16", ["model.remat=full"]),
-         ("fsdp8", "bf16", ["model.remat=full", "model.attention_chunk=32",
-                            "model.loss_chunk=32"]),
-         ("fsdp8", "nvfp4", ["model.remat=save_dots", "model.attention_chunk=48"]),
-         # scanned layers: 4 blocks, NVFP4 in [0, 1, 2] (one scan) and bf16 in [3]
-         ("fsdp8", "nvfp4", ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"]),
-         ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"]),
-         ("dp2_fsdp2_tp2", "nvfp4", ["model.n_layers=4", "model.scan_layers=true",
-                                     "model.remat=full", "model.attention_chunk=32",
-                                     "model.loss_chunk=32"])]
+CASES = [
+    ("fsdp8", "bf16", []),
+    ("fsdp8", "nvfp4", []),
+    ("fsdp8", "bf16", ["model.remat=true"]),
+    ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"]),
+    ("dp8", "bf16", []),
+    ("dp2_fsdp4", "bf16", []),
+    ("dp2_fsdp2_tp2", "bf16", []),
+    ("tp8", "bf16", []),
+    ("tp8", "nvfp4", []),
+    ("fsdp8", "bf16", ["model.remat=save_dots"]),
+    ("fsdp8", "nvfp4", ["model.remat=minimal"]),
+    ("tp8", "bf16", ["model.remat=full"]),
+    ("fsdp8", "bf16", ["model.remat=full", "model.attention_chunk=32", "model.loss_chunk=32"]),
+    ("fsdp8", "nvfp4", ["model.remat=save_dots", "model.attention_chunk=48"]),
+    # scanned layers: 4 blocks, NVFP4 in [0, 1, 2] (one scan) and bf16 in [3]
+    ("fsdp8", "nvfp4", ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"]),
+    ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"]),
+    (
+        "dp2_fsdp2_tp2",
+        "nvfp4",
+        [
+            "model.n_layers=4",
+            "model.scan_layers=true",
+            "model.remat=full",
+            "model.attention_chunk=32",
+            "model.loss_chunk=32",
+        ],
+    ),
+]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -84,25 +113,48 @@ def _case(compiled, mesh, recipe, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,recipe,extra", CASES, ids=["|".join([m, r, *e]) for m, r, e in CASES])
+@pytest.mark.parametrize(
+    "mesh,recipe,extra", CASES, ids=["|".join([m, r, *e]) for m, r, e in CASES]
+)
 def test_matmul_flops_equal_the_formula(compiled, mesh, recipe, extra):
     c = _case(compiled, mesh, recipe, *extra)
     assert c["dot_flops"] == pytest.approx(c["formula"], rel=0.02)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,recipe,extra,bound", [
-    ("fsdp8", "bf16", [], 1.05), ("fsdp8", "nvfp4", [], 1.05),
-    ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"], 1.1),
-    ("fsdp8", "nvfp4", ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"], 1.05),
-    ("dp8", "bf16", [], 1.01),
-    # known excess (module doc): upper bounds that an improvement tightens
-    ("dp2_fsdp4", "bf16", [], 1.3), ("dp2_fsdp2_tp2", "bf16", [], 1.45),
-    ("tp8", "bf16", [], 1.5), ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"], 1.5),
-    ("tp8", "nvfp4", [], 1.9),
-    ("dp2_fsdp2_tp2", "nvfp4", ["model.n_layers=4", "model.scan_layers=true",
-                                "model.remat=full", "model.attention_chunk=32",
-                                "model.loss_chunk=32"], 1.85)])
+@pytest.mark.parametrize(
+    "mesh,recipe,extra,bound",
+    [
+        ("fsdp8", "bf16", [], 1.05),
+        ("fsdp8", "nvfp4", [], 1.05),
+        ("fsdp8", "nvfp4", ["model.remat=true", "data.grad_accum=2"], 1.1),
+        (
+            "fsdp8",
+            "nvfp4",
+            ["model.n_layers=4", "model.scan_layers=true", "model.remat=full"],
+            1.05,
+        ),
+        ("dp8", "bf16", [], 1.01),
+        # known excess (module doc): upper bounds that an improvement tightens
+        ("dp2_fsdp4", "bf16", [], 1.3),
+        ("dp2_fsdp2_tp2", "bf16", [], 1.45),
+        ("tp8", "bf16", [], 1.5),
+        ("tp8", "bf16", ["model.n_layers=4", "model.scan_layers=true"], 1.5),
+        ("tp8", "nvfp4", [], 1.9),
+        (
+            "dp2_fsdp2_tp2",
+            "nvfp4",
+            [
+                "model.n_layers=4",
+                "model.scan_layers=true",
+                "model.remat=full",
+                "model.attention_chunk=32",
+                "model.loss_chunk=32",
+            ],
+            1.85,
+        ),
+    ],
+)
 def test_collective_bytes_within_budget(compiled, mesh, recipe, extra, bound):
     """Compiled bytes against the analytic volume as XLA:CPU lowers it (``cpu_total``:
     its reduce-scatters are all-reduces, 2x the bytes)."""
@@ -112,10 +164,16 @@ def test_collective_bytes_within_budget(compiled, mesh, recipe, extra, bound):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,extra", [("bf16", []), ("nvfp4", []),
-                                          ("bf16", ["model.remat=true"]),
-                                          ("bf16", ["model.remat=save_dots"]),
-                                          ("nvfp4", ["model.remat=minimal"])])
+@pytest.mark.parametrize(
+    "recipe,extra",
+    [
+        ("bf16", []),
+        ("nvfp4", []),
+        ("bf16", ["model.remat=true"]),
+        ("bf16", ["model.remat=save_dots"]),
+        ("nvfp4", ["model.remat=minimal"]),
+    ],
+)
 def test_fsdp_gathers_each_weight_as_zero3_does(compiled, recipe, extra):
     """fsdp=8: the all-gathers are exactly the ZeRO-3 weight gathers (forward, backward,
     remat), and nothing else is gathered (no activation, no quantized operand)."""
@@ -124,4 +182,5 @@ def test_fsdp_gathers_each_weight_as_zero3_does(compiled, recipe, extra):
     # Gradients: XLA:CPU's all-reduce stands for the reduce-scatter (2x its bytes); the
     # embedding's gradient needs none (XLA gathers the token ids and scatter-adds locally).
     assert c["compiled"]["all-reduce"] == pytest.approx(
-        2 * c["analytic"]["reduce-scatter"] + c["analytic"]["all-reduce"], rel=0.1)
+        2 * c["analytic"]["reduce-scatter"] + c["analytic"]["all-reduce"], rel=0.1
+    )

@@ -83,10 +83,17 @@ def test_unknown_trip_count_is_counted_once_and_reported():
     assert h.multiplicity["body"] == 1 and h.unknown_trip_counts == 1
 
 
-@pytest.mark.parametrize(("shape", "nbytes"), [
-    ("f32[4,8]{1,0}", 128), ("bf16[3]", 6), ("(s32[], f32[2,2]{1,0})", 20),
-    ("f4e2m1fn[16]", 8), ("f8e4m3fn[10,10]", 100), ("pred[]", 1),
-])
+@pytest.mark.parametrize(
+    ("shape", "nbytes"),
+    [
+        ("f32[4,8]{1,0}", 128),
+        ("bf16[3]", 6),
+        ("(s32[], f32[2,2]{1,0})", 20),
+        ("f4e2m1fn[16]", 8),
+        ("f8e4m3fn[10,10]", 100),
+        ("pred[]", 1),
+    ],
+)
 def test_shape_bytes(shape, nbytes):
     assert shape_bytes(shape) == nbytes
 

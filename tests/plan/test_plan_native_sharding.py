@@ -56,8 +56,11 @@ WEIGHTS = [(192, 192), (192, 320), (320, 192)]
 
 
 def _full_weights(gathers):
-    return [g for g in gathers if tuple(sorted(g[-2:])) in {tuple(sorted(w)) for w in WEIGHTS}
-            and len(g) >= 2]
+    return [
+        g
+        for g in gathers
+        if tuple(sorted(g[-2:])) in {tuple(sorted(w)) for w in WEIGHTS} and len(g) >= 2
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,5 @@ def test_weights_stay_sharded(compiled, path):
 def test_native_moves_what_emulated_moves(compiled):
     em, na = compiled["emulated"], compiled["native"]
     total = {k: sum(v["elements"].values()) for k, v in compiled.items()}
-    assert abs(total["native"] / total["emulated"] - 1) <= 0.10, (em["elements"],
-                                                                 na["elements"])
+    assert abs(total["native"] / total["emulated"] - 1) <= 0.10, (em["elements"], na["elements"])
     assert na["flops"] == em["flops"]

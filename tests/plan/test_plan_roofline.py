@@ -17,12 +17,22 @@ B200 = get_accelerator("b200")
 
 
 def _cfg(**model):
-    m = dict(vocab_size=512, d_model=4096, n_layers=2, n_heads=32, n_kv_heads=8,
-             d_ff=16384, max_seq_len=4096, remat=False)
+    m = dict(
+        vocab_size=512,
+        d_model=4096,
+        n_layers=2,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=16384,
+        max_seq_len=4096,
+        remat=False,
+    )
     m.update(model)
-    return TrainConfig(model=ModelConfig(**m),
-                       data=DataConfig(seq_len=4096, batch_size=64, grad_accum=1),
-                       precision=PrecisionConfig(bf16_last=0))
+    return TrainConfig(
+        model=ModelConfig(**m),
+        data=DataConfig(seq_len=4096, batch_size=64, grad_accum=1),
+        precision=PrecisionConfig(bf16_last=0),
+    )
 
 
 def test_table_lookups_and_errors():
@@ -101,15 +111,19 @@ def test_remat_adds_a_forward():
     plain = recipe_step_time(cfg, mesh, B200, "bf16")["terms"]["gemm"]
     remat = dataclasses.replace(cfg, model=cfg.model.replace(remat=True))
     assert recipe_step_time(remat, mesh, B200, "bf16")["terms"]["gemm"] == pytest.approx(
-        plain * 4 / 3, rel=1e-3)
+        plain * 4 / 3, rel=1e-3
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,mesh", [
-    ("llama-8b", {"data": 1, "fsdp": 8, "tensor": 1}),
-    ("llama-70b", {"data": 1, "fsdp": 8, "tensor": 8}),
-    ("llama-1b", {"data": 2, "fsdp": 2, "tensor": 2}),
-])
+@pytest.mark.parametrize(
+    "preset,mesh",
+    [
+        ("llama-8b", {"data": 1, "fsdp": 8, "tensor": 1}),
+        ("llama-70b", {"data": 1, "fsdp": 8, "tensor": 8}),
+        ("llama-1b", {"data": 2, "fsdp": 2, "tensor": 2}),
+    ],
+)
 @pytest.mark.parametrize("gb", [20, 80, 141])
 def test_largest_microbatch_is_the_edge_of_the_fit(preset, mesh, gb):
     """The largest microbatch fits, one more sequence per device does not; None when not

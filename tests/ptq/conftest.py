@@ -11,8 +11,9 @@ from microscale.model import ModelConfig, Transformer
 from microscale.train import OptimConfig, TrainConfig, train
 
 # 2 blocks of width 64 (head_dim 32, one kv head): 14 linear layers in 8 groups.
-TINY = ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
-                   max_seq_len=64)
+TINY = ModelConfig(
+    vocab_size=257, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=64
+)
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +35,22 @@ def trained_run(tmp_path_factory, corpus_dir) -> str:
     out = tmp_path_factory.mktemp("q-run") / "run"
     cfg = TrainConfig(
         model=TINY,
-        data=DataConfig(corpus=corpus_dir, heldout="none", seq_len=32, batch_size=8,
-                        eval_batches=2, val_fraction=0.2,
-                        cache_dir=str(tmp_path_factory.mktemp("q-cache")), prefetch=1),
+        data=DataConfig(
+            corpus=corpus_dir,
+            heldout="none",
+            seq_len=32,
+            batch_size=8,
+            eval_batches=2,
+            val_fraction=0.2,
+            cache_dir=str(tmp_path_factory.mktemp("q-cache")),
+            prefetch=1,
+        ),
         optim=OptimConfig(lr=3e-3, warmup_steps=5),
-        steps=30, eval_every=30, log_every=10, tensorboard=False, out=str(out))
+        steps=30,
+        eval_every=30,
+        log_every=10,
+        tensorboard=False,
+        out=str(out),
+    )
     train(cfg, progress=False)
     return str(out)

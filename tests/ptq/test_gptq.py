@@ -47,8 +47,13 @@ def reference_gptq(w_t, hessian, fmt, *, amax=None, damp=0.01, four_over_six=Fal
         g0 = (j // bs) * bs
         g1 = min(g0 + bs, k)
         if j == g0:
-            fixed = quantize(w[:, g0:g1].astype(np.float32), fmt, axis=-1,
-                             amax=amax if tensor else None, four_over_six=four_over_six)
+            fixed = quantize(
+                w[:, g0:g1].astype(np.float32),
+                fmt,
+                axis=-1,
+                amax=amax if tensor else None,
+                four_over_six=four_over_six,
+            )
         vals = np.asarray(dequantize(requantize(w[:, g0:g1].astype(np.float32), fixed)))
         q[:, j] = vals[:, j - g0]
         err = (w[:, j] - q[:, j]) / u[j, j]
@@ -71,8 +76,10 @@ def _hessian(x):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,four6", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False),
-                                       ("mxfp8", False), ("fp8_e4m3", False)])
+@pytest.mark.parametrize(
+    "fmt,four6",
+    [("nvfp4", False), ("nvfp4", True), ("mxfp4", False), ("mxfp8", False), ("fp8_e4m3", False)],
+)
 def test_matches_numpy_reference(fmt, four6):
     rng = np.random.default_rng(1)
     w, x = _layer(rng, 8, 96)  # 96 columns: lazy blocks of 32 (3 of them), 1 padded block
@@ -92,20 +99,20 @@ def test_identity_hessian_is_round_to_nearest(fmt, four6):
     if four6 and fmt != "nvfp4":
         pytest.skip("four over six needs E4M3 block scales")
     rng = np.random.default_rng(2)
-    w = (rng.standard_normal((24, 80)) * np.exp(rng.standard_normal((24, 80)))).astype(
-        np.float32)
-    got = gptq_quantize(w, np.eye(80), fmt, four_over_six=four6, amax=3.0 if fmt == "nvfp4"
-                        else None)
-    want = quantize(w, fmt, axis=-1, four_over_six=four6,
-                    amax=3.0 if fmt == "nvfp4" else None)
+    w = (rng.standard_normal((24, 80)) * np.exp(rng.standard_normal((24, 80)))).astype(np.float32)
+    got = gptq_quantize(
+        w, np.eye(80), fmt, four_over_six=four6, amax=3.0 if fmt == "nvfp4" else None
+    )
+    want = quantize(w, fmt, axis=-1, four_over_six=four6, amax=3.0 if fmt == "nvfp4" else None)
     assert got.spec == want.spec and got.shape == want.shape
-    np.testing.assert_array_equal(np.asarray(got.data.view(np.uint8) if got.spec.packed
-                                             else got.data.astype(np.float32)),
-                                  np.asarray(want.data.view(np.uint8) if want.spec.packed
-                                             else want.data.astype(np.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(got.data.view(np.uint8) if got.spec.packed else got.data.astype(np.float32)),
+        np.asarray(want.data.view(np.uint8) if want.spec.packed else want.data.astype(np.float32)),
+    )
     if want.scales is not None:
-        np.testing.assert_array_equal(np.asarray(got.scales.astype(np.float32)),
-                                      np.asarray(want.scales.astype(np.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(got.scales.astype(np.float32)), np.asarray(want.scales.astype(np.float32))
+        )
 
 
 # (out, in, outlier-heavy): a table of random and outlier-heavy layers
@@ -198,9 +205,27 @@ def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
     """`quantize --weight-method gptq` end to end: every evaluated point uses GPTQ weights,
     the PTQ-effects table has a gptq column next to round-to-nearest."""
     out = tmp_path / "g"
-    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(out), "--budget", "5",
-               "--formats", "nvfp4,mxfp4,bf16", "--calib-tokens", "2048",
-               "--pareto-budgets", "5", "--weight-method", "gptq", "--no-compile-cache", "-q"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            trained_run,
+            "--out",
+            str(out),
+            "--budget",
+            "5",
+            "--formats",
+            "nvfp4,mxfp4,bf16",
+            "--calib-tokens",
+            "2048",
+            "--pareto-budgets",
+            "5",
+            "--weight-method",
+            "gptq",
+            "--no-compile-cache",
+            "-q",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
     assert rep["ptq"]["method"] == "gptq"
@@ -214,9 +239,13 @@ def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
 @pytest.mark.slow
 def test_pipeline_gptq_option(tiny_model, token_batches):
     calib, evals = token_batches
-    cfg = QuantizeConfig(budget=5.0, formats=("nvfp4", "mxfp8", "bf16"),
-                         uniform_formats=("nvfp4", "bf16"), pareto_budgets=(),
-                         ptq=WeightPTQ(method="gptq"))
+    cfg = QuantizeConfig(
+        budget=5.0,
+        formats=("nvfp4", "mxfp8", "bf16"),
+        uniform_formats=("nvfp4", "bf16"),
+        pareto_budgets=(),
+        ptq=WeightPTQ(method="gptq"),
+    )
     res = quantize_model(tiny_model, calib, evals, cfg)
     eff = res.ptq_effects["weights"]["uniform_nvfp4"]
     assert set(eff) >= {"rtn", "both", "gptq"}
@@ -245,8 +274,9 @@ def test_w4a4_hessians_are_those_of_the_quantized_inputs(tiny_model, token_batch
         with intercept_linears(model, hook):
             next_token_loss(model, jnp.asarray(b))
     x = np.concatenate([v.reshape(-1, v.shape[-1]) for v in xs])
-    xq, _ = quantize_dequantize(jnp.asarray(x), "nvfp4", axis=-1, amax=amax[path],
-                                dtype=jnp.float32, with_global_scale=True)
+    xq, _ = quantize_dequantize(
+        jnp.asarray(x), "nvfp4", axis=-1, amax=amax[path], dtype=jnp.float32, with_global_scale=True
+    )
     xq = np.asarray(xq.astype(x.dtype).astype(jnp.float32), np.float64)  # as _qact rounds
     want = 2 * xq.T @ xq / x.shape[0]
     got = eng.input_hessians(calib, act_format="nvfp4", act_amax=amax)
@@ -269,8 +299,11 @@ def test_w4a4_gptq_lowers_the_quantized_gemm_error():
         ratios = []
         for out, k, heavy in LAYERS:
             w, x = _layer(rng, out, k, outliers=heavy)
-            xq = np.asarray(quantize_dequantize(jnp.asarray(x), fmt, axis=-1, dtype=jnp.float32,
-                                                with_global_scale=True)[0])
+            xq = np.asarray(
+                quantize_dequantize(
+                    jnp.asarray(x), fmt, axis=-1, dtype=jnp.float32, with_global_scale=True
+                )[0]
+            )
             ref = xq @ w.T
             err = {}
             for name, h in (("x", _hessian(x)), ("q", _hessian(xq))):
@@ -285,11 +318,15 @@ def test_pipeline_w4a4_gptq(tiny_model, token_batches):
     """``activations=True`` with GPTQ: the searched weights are GPTQ'd on each format's
     quantized-input Hessians (not the weight-only ones)."""
     calib, evals = token_batches
-    kw = dict(budget=5.0, formats=("nvfp4", "bf16"), uniform_formats=("nvfp4", "bf16"),
-              pareto_budgets=(), ptq_effects=False)
+    kw = dict(
+        budget=5.0,
+        formats=("nvfp4", "bf16"),
+        uniform_formats=("nvfp4", "bf16"),
+        pareto_budgets=(),
+        ptq_effects=False,
+    )
     gq = WeightPTQ(method="gptq", mse_scale=False, four_over_six=False)
-    res = quantize_model(tiny_model, calib, evals,
-                         QuantizeConfig(activations=True, ptq=gq, **kw))
+    res = quantize_model(tiny_model, calib, evals, QuantizeConfig(activations=True, ptq=gq, **kw))
     eng = Engine(tiny_model)
     h_q = eng.input_hessians(calib, act_format="nvfp4", act_amax=res.act_amax)
     h_x = eng.input_hessians(calib)

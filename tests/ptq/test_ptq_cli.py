@@ -13,12 +13,36 @@ from microscale.cli import main
 @pytest.mark.slow
 def test_cli_quantizes_a_training_run(trained_run, tmp_path, capsys):
     out = tmp_path / "q"
-    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(out), "--budget", "6",
-               "--formats", "nvfp4,fp8,bf16", "--calib-tokens", "256", "--seed", "1",
-               "--pareto-budgets", "5,8", "--no-ptq-effects", "--no-compile-cache", "-q"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            trained_run,
+            "--out",
+            str(out),
+            "--budget",
+            "6",
+            "--formats",
+            "nvfp4,fp8,bf16",
+            "--calib-tokens",
+            "256",
+            "--seed",
+            "1",
+            "--pareto-budgets",
+            "5,8",
+            "--no-ptq-effects",
+            "--no-compile-cache",
+            "-q",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
-    for name in ("precision_rules.json", "report.json", "report.md", "pareto.png",
-                 "sensitivity.png"):
+    for name in (
+        "precision_rules.json",
+        "report.json",
+        "report.md",
+        "pareto.png",
+        "sensitivity.png",
+    ):
         assert (out / name).is_file(), name
     rep = json.loads((out / "report.json").read_text())
     assert rep["budget"] == 6.0 and rep["effective_bits"] <= 6.0
@@ -33,11 +57,31 @@ def test_cli_quantizes_a_training_run(trained_run, tmp_path, capsys):
 
 
 def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
-    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(tmp_path / "x"),
-               "--formats", "nvfp4,int3", "-q", "--no-compile-cache"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            trained_run,
+            "--out",
+            str(tmp_path / "x"),
+            "--formats",
+            "nvfp4,int3",
+            "-q",
+            "--no-compile-cache",
+        ]
+    )
     assert rc == 2 and "unknown format" in capsys.readouterr().err
-    rc = main(["quantize", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "y"), "-q",
-               "--no-compile-cache"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "y"),
+            "-q",
+            "--no-compile-cache",
+        ]
+    )
     assert rc == 2 and "is not a model folder" in capsys.readouterr().err
 
 
@@ -45,9 +89,26 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
 def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, capsys):
     gguf = pytest.importorskip("gguf")
     out = tmp_path / "qg"
-    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(out), "--target", "gguf",
-               "--budget", "5.0", "--calib-tokens", "256", "--pareto-budgets", "5",
-               "--no-ptq-effects", "--no-compile-cache", "-q"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            trained_run,
+            "--out",
+            str(out),
+            "--target",
+            "gguf",
+            "--budget",
+            "5.0",
+            "--calib-tokens",
+            "256",
+            "--pareto-budgets",
+            "5",
+            "--no-ptq-effects",
+            "--no-compile-cache",
+            "-q",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
     assert rep["formats"] == ["nvfp4", "mxfp4", "q8_0", "bf16"]
@@ -64,17 +125,50 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
     # the quantize output and the run itself export to GGUF through `microscale export`
     for src, name in ((trained_run, "run.gguf"), (str(out), None)):
         if name is None:
-            rc = main(["export", "--checkpoint", src, "--format", "gguf", "--out",
-                       str(tmp_path / "again.gguf")])
+            rc = main(
+                [
+                    "export",
+                    "--checkpoint",
+                    src,
+                    "--format",
+                    "gguf",
+                    "--out",
+                    str(tmp_path / "again.gguf"),
+                ]
+            )
             assert rc == 2 and "already holds its GGUF" in capsys.readouterr().err
             continue
-        rc = main(["export", "--checkpoint", src, "--format", "gguf", "--out",
-                   str(tmp_path / name), "--formats", "mxfp4"])
+        rc = main(
+            [
+                "export",
+                "--checkpoint",
+                src,
+                "--format",
+                "gguf",
+                "--out",
+                str(tmp_path / name),
+                "--formats",
+                "mxfp4",
+            ]
+        )
         assert rc == 0, capsys.readouterr().err
         assert "wrote" in capsys.readouterr().out
 
 
 def test_cli_target_gguf_refuses_formats_llama_cpp_lacks(trained_run, tmp_path, capsys):
-    rc = main(["quantize", "--checkpoint", trained_run, "--out", str(tmp_path / "x"),
-               "--target", "gguf", "--formats", "nvfp4,fp8,bf16", "-q", "--no-compile-cache"])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            trained_run,
+            "--out",
+            str(tmp_path / "x"),
+            "--target",
+            "gguf",
+            "--formats",
+            "nvfp4,fp8,bf16",
+            "-q",
+            "--no-compile-cache",
+        ]
+    )
     assert rc == 2 and "no native fp8_e4m3" in capsys.readouterr().err

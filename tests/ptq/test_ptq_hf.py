@@ -16,11 +16,33 @@ from microscale.export import export_checkpoint, read_checkpoint
 from microscale.model import ModelConfig, Transformer
 
 # Untied, rope_theta / eps off the presets' values; 300 BPE ids in 320 embedding rows.
-MODEL = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                    max_seq_len=64, rope_theta=100000.0, norm_eps=1e-6, tie_embeddings=False)
-ARGS = ("--budget", "6", "--formats", "nvfp4,fp8,bf16", "--calib-tokens", "256",
-        "--eval-batches", "2", "--pareto-budgets", "5,8", "--no-ptq-effects",
-        "--no-compile-cache", "-q")
+MODEL = ModelConfig(
+    vocab_size=320,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=128,
+    max_seq_len=64,
+    rope_theta=100000.0,
+    norm_eps=1e-6,
+    tie_embeddings=False,
+)
+ARGS = (
+    "--budget",
+    "6",
+    "--formats",
+    "nvfp4,fp8,bf16",
+    "--calib-tokens",
+    "256",
+    "--eval-batches",
+    "2",
+    "--pareto-budgets",
+    "5,8",
+    "--no-ptq-effects",
+    "--no-compile-cache",
+    "-q",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +50,13 @@ def hf(tmp_path_factory, corpus_dir) -> Path:
     """A bf16 HF Llama folder with a BPE tokenizer trained on the test corpus."""
     folder = tmp_path_factory.mktemp("hf") / "model"
     texts = [p.read_text() for p in sorted(Path(corpus_dir).glob("*.py"))[:10]]
-    export_checkpoint(Transformer(MODEL, rngs=nnx.Rngs(3)), folder, layer_formats="bf16",
-                      dtype="bfloat16", tokenizer=train_bpe(texts, 300))
+    export_checkpoint(
+        Transformer(MODEL, rngs=nnx.Rngs(3)),
+        folder,
+        layer_formats="bf16",
+        dtype="bfloat16",
+        tokenizer=train_bpe(texts, 300),
+    )
     return folder
 
 
@@ -41,8 +68,9 @@ def _cache(tmp_path_factory, monkeypatch):
 @pytest.mark.slow
 def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     out = tmp_path / "q"
-    rc = main(["quantize", "--checkpoint", str(hf), "--corpus", corpus_dir, "--out", str(out),
-               *ARGS])
+    rc = main(
+        ["quantize", "--checkpoint", str(hf), "--corpus", corpus_dir, "--out", str(out), *ARGS]
+    )
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
     assert rep["effective_bits"] <= 6.0
@@ -62,8 +90,9 @@ def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     # the output is a model folder for everything downstream: weights, config, tokenizer
     ck = read_checkpoint(out / "checkpoint")
     assert ck.config.vocab_size == 320 and not ck.config.tie_embeddings
-    assert (out / "checkpoint" / "tokenizer.json").read_text() == \
-        (hf / "tokenizer.json").read_text()
+    assert (out / "checkpoint" / "tokenizer.json").read_text() == (
+        hf / "tokenizer.json"
+    ).read_text()
     # ... and quantize takes it back (its run is an HF folder: the dequantized weights,
     # on the corpus its report names)
     rc = main(["quantize", "--checkpoint", str(out), "--out", str(tmp_path / "again"), *ARGS])
@@ -76,8 +105,16 @@ def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_hf_folder_default_corpus_is_said(hf, tmp_path, capsys):
-    rc = main(["quantize", "--checkpoint", str(hf), "--out", str(tmp_path / "q"),
-               *[a for a in ARGS if a != "-q"]])
+    rc = main(
+        [
+            "quantize",
+            "--checkpoint",
+            str(hf),
+            "--out",
+            str(tmp_path / "q"),
+            *[a for a in ARGS if a != "-q"],
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "no --corpus: calibrating and evaluating on 'stdlib'" in capsys.readouterr().out
     rep = json.loads((tmp_path / "q" / "report.json").read_text())
@@ -97,6 +134,7 @@ def test_model_folder_errors(hf, tmp_path, capsys):
             (notok / f.name).write_bytes(f.read_bytes())
     rc = main(["quantize", "--checkpoint", str(notok), "--out", str(tmp_path / "y"), "-q"])
     assert rc == 2 and "has no tokenizer.json" in capsys.readouterr().err
-    rc = main(["quantize", "--checkpoint", str(hf), "--step", "3", "--out",
-               str(tmp_path / "z"), "-q"])
+    rc = main(
+        ["quantize", "--checkpoint", str(hf), "--step", "3", "--out", str(tmp_path / "z"), "-q"]
+    )
     assert rc == 2 and "--step 3 applies to a training run folder" in capsys.readouterr().err

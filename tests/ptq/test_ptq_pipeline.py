@@ -20,10 +20,14 @@ from microscale.ptq import (
     write_outputs,
 )
 
-CFG = QuantizeConfig(budget=5.5, formats=("nvfp4", "mxfp4", "fp8_e4m3", "bf16"),
-                     uniform_formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(4.5, 6.0),
-                     pin=((r"layers\.1\.attn\.o_proj", "bf16"),),
-                     ptq=WeightPTQ(scale_grid=(0.8, 1.0, 1.2)))
+CFG = QuantizeConfig(
+    budget=5.5,
+    formats=("nvfp4", "mxfp4", "fp8_e4m3", "bf16"),
+    uniform_formats=("nvfp4", "fp8_e4m3", "bf16"),
+    pareto_budgets=(4.5, 6.0),
+    pin=((r"layers\.1\.attn\.o_proj", "bf16"),),
+    ptq=WeightPTQ(scale_grid=(0.8, 1.0, 1.2)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,19 @@ def result(tiny_model, token_batches):
 @pytest.mark.slow
 def test_report_contents(result):
     rep = result.report()
-    for key in ("budget", "effective_bits", "val_ppl", "layers", "scores", "scores_raw",
-                "act_amax", "weight_stats", "ptq_effects", "calibration", "points"):
+    for key in (
+        "budget",
+        "effective_bits",
+        "val_ppl",
+        "layers",
+        "scores",
+        "scores_raw",
+        "act_amax",
+        "weight_stats",
+        "ptq_effects",
+        "calibration",
+        "points",
+    ):
         assert key in rep, key
     assert set(rep["val_ppl"]) >= {"bf16", "uniform_nvfp4", "heuristic", "searched"}
     assert rep["budget"] == 5.5 and rep["effective_bits"] <= 5.5
@@ -44,14 +59,16 @@ def test_report_contents(result):
     assert all(np.isfinite(v) and v > 1 for v in rep["val_ppl"].values())
     assert rep["points"]["uniform_nvfp4"]["effective_bits"] == pytest.approx(
         (4.5 * sum(result.numel.values()) + 11.5 * result.numel["layers.1.attn.o_proj"])
-        / sum(result.numel.values()))
+        / sum(result.numel.values())
+    )
     # both averages, named: the linear layers, and the whole model (other params at 16 bits)
     lin = sum(result.numel.values())
     other = result.engine.other_numel
     assert other > 0 and rep["linear_bits"] == rep["effective_bits"]  # the budget's measure
     for pt in rep["points"].values():
         assert pt["model_bits"] == pytest.approx(
-            (pt["linear_bits"] * lin + 16 * other) / (lin + other))
+            (pt["linear_bits"] * lin + 16 * other) / (lin + other)
+        )
     assert rep["model_bits"] > rep["linear_bits"] and rep["points"]["bf16"]["model_bits"] == 16
     eff = rep["ptq_effects"]
     assert set(eff["weights"]["uniform_nvfp4"]) == {"rtn", "mse_scale", "four_over_six", "both"}
@@ -79,10 +96,12 @@ def test_allocation_respects_groups_pins_and_rules(result):
 
 
 def test_heuristic_allocation():
-    paths = [f"layers.{i}.{m}" for i in range(4) for m in
-             ("attn.q_proj", "attn.k_proj", "mlp.up_proj", "mlp.down_proj")]
-    h = heuristic_allocation(paths, "fp8_e4m3", "nvfp4",
-                             pinned={"layers.3.attn.q_proj": "bf16"})
+    paths = [
+        f"layers.{i}.{m}"
+        for i in range(4)
+        for m in ("attn.q_proj", "attn.k_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
+    h = heuristic_allocation(paths, "fp8_e4m3", "nvfp4", pinned={"layers.3.attn.q_proj": "bf16"})
     assert h["layers.0.attn.q_proj"] == "fp8_e4m3" and h["layers.3.mlp.up_proj"] == "fp8_e4m3"
     assert h["layers.1.mlp.down_proj"] == "fp8_e4m3" and h["layers.2.attn.k_proj"] == "nvfp4"
     assert h["layers.3.attn.q_proj"] == "bf16"
@@ -90,8 +109,15 @@ def test_heuristic_allocation():
 
 def test_files_and_own_checkpoint_roundtrip(result, tmp_path):
     write_outputs(result, tmp_path, layout="microscale")
-    for name in ("precision_rules.json", "report.json", "report.md", "pareto.png",
-                 "sensitivity.png", "checkpoint/model.safetensors", "checkpoint/manifest.json"):
+    for name in (
+        "precision_rules.json",
+        "report.json",
+        "report.md",
+        "pareto.png",
+        "sensitivity.png",
+        "checkpoint/model.safetensors",
+        "checkpoint/manifest.json",
+    ):
         assert (tmp_path / name).is_file(), name
     from microscale.model import PrecisionRules
 
@@ -109,9 +135,15 @@ def test_files_and_own_checkpoint_roundtrip(result, tmp_path):
 @pytest.mark.slow
 def test_w4a4_and_determinism(tiny_model, token_batches):
     calib, evals = token_batches
-    cfg = QuantizeConfig(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"),
-                         uniform_formats=("nvfp4", "bf16"), pareto_budgets=(),
-                         ptq=WeightPTQ.rtn(), activations=True, ptq_effects=False)
+    cfg = QuantizeConfig(
+        budget=6.0,
+        formats=("nvfp4", "fp8_e4m3", "bf16"),
+        uniform_formats=("nvfp4", "bf16"),
+        pareto_budgets=(),
+        ptq=WeightPTQ.rtn(),
+        activations=True,
+        ptq_effects=False,
+    )
     a = quantize_model(tiny_model, calib, evals, cfg)
     b = quantize_model(tiny_model, calib, evals, cfg)
     assert a.allocation.formats == b.allocation.formats
@@ -154,9 +186,12 @@ def test_export_layout_roundtrip(result, tiny_model, tmp_path):
     assert ck["layout"] == "compressed-tensors" and "fallback_reason" not in ck, ck
     back = export.read_checkpoint(tmp_path / "checkpoint").dequantized_params()
     for p, w in result.weights.items():
-        np.testing.assert_array_equal(np.asarray(back[f"{p}.kernel"], np.float32),
-                                      np.asarray(w.values.astype("bfloat16"), np.float32)
-                                      if w.format == "bf16" else np.asarray(w.values))
+        np.testing.assert_array_equal(
+            np.asarray(back[f"{p}.kernel"], np.float32),
+            np.asarray(w.values.astype("bfloat16"), np.float32)
+            if w.format == "bf16"
+            else np.asarray(w.values),
+        )
 
 
 def test_default_method_is_taylor_and_monotone_follows_the_sign(result):
@@ -182,8 +217,9 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
     pts = rep["points"]
     for name, c in comp.items():
         ref = name.split(" - ")[1]
-        assert c["dloss"] == pytest.approx(pts["searched"]["val_loss"] - pts[ref]["val_loss"],
-                                           abs=1e-9)
+        assert c["dloss"] == pytest.approx(
+            pts["searched"]["val_loss"] - pts[ref]["val_loss"], abs=1e-9
+        )
         assert c["batches"] == 2 and c["se"] >= 0
         if c["se"] > 0:
             assert c["t"] == pytest.approx(c["dloss"] / c["se"])
@@ -196,8 +232,8 @@ def test_paired_comparisons_and_markdown(result, tmp_path):
     md = (tmp_path / "a.md").read_text()
     assert "## Paired differences" in md and "| searched - heuristic |" in md
     assert "measured WORSE than round-to-nearest" not in md or any(
-        row["both"] > row["rtn"] for row in rep["ptq_effects"]["weights"].values()
-        if "both" in row)
+        row["both"] > row["rtn"] for row in rep["ptq_effects"]["weights"].values() if "both" in row
+    )
     # a PTQ choice that measured worse than RTN is called out
     bad = json.loads(json.dumps(rep))
     bad["ptq_effects"]["weights"]["uniform_nvfp4"].update(rtn=1.0, both=2.0)
@@ -218,36 +254,58 @@ def test_trained_allocation_point(tiny_model, token_batches, activations, tmp_pa
     from microscale.ptq.report import write_markdown
 
     calib, evals = token_batches
-    base = dict(budget=6.0, formats=("nvfp4", "fp8_e4m3", "bf16"), pareto_budgets=(),
-                activations=activations, ptq_effects=False,
-                pin=((r"layers\.1\.attn\.o_proj", "bf16"),))
+    base = dict(
+        budget=6.0,
+        formats=("nvfp4", "fp8_e4m3", "bf16"),
+        pareto_budgets=(),
+        activations=activations,
+        ptq_effects=False,
+        pin=((r"layers\.1\.attn\.o_proj", "bf16"),),
+    )
     uniform = ("nvfp4", "mxfp8", "bf16")
-    ref = {name: quantize_model(tiny_model, calib, evals, QuantizeConfig(
-        **base, ptq=ptq, uniform_formats=uniform))
-        for name, ptq in (("rtn", WeightPTQ.rtn()), ("ptq", WeightPTQ()))}
+    ref = {
+        name: quantize_model(
+            tiny_model, calib, evals, QuantizeConfig(**base, ptq=ptq, uniform_formats=uniform)
+        )
+        for name, ptq in (("rtn", WeightPTQ.rtn()), ("ptq", WeightPTQ()))
+    }
     assert "trained" not in ref["rtn"].points  # nothing trained -> no such point
     paths = ref["rtn"].paths
     for fmt in ("nvfp4", "mxfp8"):
-        got = quantize_model(tiny_model, calib, evals, QuantizeConfig(
-            **base, ptq=WeightPTQ(), uniform_formats=("nvfp4", "bf16")),
-            trained=dict.fromkeys(paths, fmt))
+        got = quantize_model(
+            tiny_model,
+            calib,
+            evals,
+            QuantizeConfig(**base, ptq=WeightPTQ(), uniform_formats=("nvfp4", "bf16")),
+            trained=dict.fromkeys(paths, fmt),
+        )
         for label, r in (("trained", ref["rtn"]), ("trained_ptq", ref["ptq"])):
             t, u = got.points[label], r.points[f"uniform_{fmt}"]
             assert t["kind"] == label
             assert t["val_loss"] == pytest.approx(u["val_loss"], abs=1e-6), (fmt, label)
             assert t["effective_bits"] == pytest.approx(u["effective_bits"])  # o_proj pinned
             c = got.comparisons[f"{label} - bf16"]
-            assert c["dloss"] == pytest.approx(t["val_loss"] - got.points["bf16"]["val_loss"],
-                                               abs=1e-9)
+            assert c["dloss"] == pytest.approx(
+                t["val_loss"] - got.points["bf16"]["val_loss"], abs=1e-9
+            )
         assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
     rep = got.report()
     write_markdown(rep, tmp_path / "r.md")
     assert "`trained_ptq`: the same allocation" in (tmp_path / "r.md").read_text()
     # with round-to-nearest PTQ the two points would be one: only "trained"
-    rtn = quantize_model(tiny_model, calib, evals, QuantizeConfig(
-        **base, ptq=WeightPTQ.rtn(), uniform_formats=("nvfp4", "bf16")),
-        trained=dict.fromkeys(paths, "nvfp4"))
+    rtn = quantize_model(
+        tiny_model,
+        calib,
+        evals,
+        QuantizeConfig(**base, ptq=WeightPTQ.rtn(), uniform_formats=("nvfp4", "bf16")),
+        trained=dict.fromkeys(paths, "nvfp4"),
+    )
     assert "trained" in rtn.points and "trained_ptq" not in rtn.points
     with pytest.raises(ValueError, match=r"no format for 1 layer.*layers\.0\.attn\.q_proj"):
-        quantize_model(tiny_model, calib, evals, QuantizeConfig(**base),
-                       trained={p: "nvfp4" for p in paths if p != "layers.0.attn.q_proj"})
+        quantize_model(
+            tiny_model,
+            calib,
+            evals,
+            QuantizeConfig(**base),
+            trained={p: "nvfp4" for p in paths if p != "layers.0.attn.q_proj"},
+        )

@@ -34,8 +34,13 @@ def _problem(rng, n_blocks=1, pinned=None, formats=FORMATS, grouped=True) -> Pro
     paths = _paths(n_blocks)
     numel = {p: int(rng.choice([32, 64, 96, 128])) * 64 for p in paths}
     scores = {p: {f: float(rng.exponential()) for f in formats} for p in paths}
-    return Problem(formats=formats, scores=scores, numel=numel,
-                   groups=group_layers(paths) if grouped else None, pinned=pinned or {})
+    return Problem(
+        formats=formats,
+        scores=scores,
+        numel=numel,
+        groups=group_layers(paths) if grouped else None,
+        pinned=pinned or {},
+    )
 
 
 def test_costs_come_from_formatspec():
@@ -46,7 +51,8 @@ def test_costs_come_from_formatspec():
     assert effective_bits({"a": "nvfp4"}, {"a": 1024}, extra_numel=1024) == (4.5 + 16) / 2
     assert model_bits({"a": "nvfp4", "b": "mxfp4"}, numel, 4096) == {
         "linear_bits": (4.5 * 1024 + 4.25 * 3072) / 4096,
-        "model_bits": (4.5 * 1024 + 4.25 * 3072 + 16 * 4096) / 8192}
+        "model_bits": (4.5 * 1024 + 4.25 * 3072 + 16 * 4096) / 8192,
+    }
     assert model_bits({"a": "bf16"}, numel, 1024, other_bits=32)["model_bits"] == 24
 
 
@@ -56,8 +62,12 @@ def test_exact_vs_brute_force(solver):
     for trial in range(25):
         pinned = {"layers.0.attn.o_proj": "bf16"} if trial % 3 == 0 else {}
         grouped = trial % 2 == 0  # ungrouped: 7 decisions, so fewer formats for brute force
-        prob = _problem(rng, pinned=pinned, grouped=grouped,
-                        formats=FORMATS if grouped else ("nvfp4", "mxfp4", "fp8_e4m3"))
+        prob = _problem(
+            rng,
+            pinned=pinned,
+            grouped=grouped,
+            formats=FORMATS if grouped else ("nvfp4", "mxfp4", "fp8_e4m3"),
+        )
         budget = float(rng.uniform(4.3, 10.0))
         try:
             ref = brute_force(prob, budget)
@@ -104,7 +114,9 @@ def test_groups_share_a_format_and_pins_hold():
             assert {a.formats[f"layers.0.attn.{n}_proj"] for n in "qkv"} == {"fp8_e4m3"}
             for i in range(4):
                 assert len({a.formats[f"layers.{i}.attn.{n}_proj"] for n in "qkv"}) == 1
-                assert a.formats[f"layers.{i}.mlp.gate_proj"] == a.formats[f"layers.{i}.mlp.up_proj"]
+                assert (
+                    a.formats[f"layers.{i}.mlp.gate_proj"] == a.formats[f"layers.{i}.mlp.up_proj"]
+                )
 
 
 def test_conflicting_pins_in_a_group_raise():
@@ -138,8 +150,15 @@ def test_large_instance_and_determinism():
     """224 layers (32 Llama-8B-shaped blocks) x 5 formats; both solvers agree."""
     rng = np.random.default_rng(5)
     paths = _paths(32)
-    shapes = {"q": 4096 * 4096, "k": 4096 * 1024, "v": 4096 * 1024, "o": 4096 * 4096,
-              "gate": 4096 * 14336, "up": 4096 * 14336, "down": 14336 * 4096}
+    shapes = {
+        "q": 4096 * 4096,
+        "k": 4096 * 1024,
+        "v": 4096 * 1024,
+        "o": 4096 * 4096,
+        "gate": 4096 * 14336,
+        "up": 4096 * 14336,
+        "down": 14336 * 4096,
+    }
     numel = {p: shapes[p.split(".")[-1][:-5]] for p in paths}
     scores = {p: {f: float(rng.exponential()) for f in FORMATS} for p in paths}
     prob = Problem(formats=FORMATS, scores=scores, numel=numel, groups=group_layers(paths))
@@ -152,7 +171,8 @@ def test_large_instance_and_determinism():
 
 def test_default_groups_patterns_are_regex_templates():
     assert group_layers(["model.layers.3.self_attn.q_proj"], DEFAULT_GROUPS) == {
-        "model.layers.3.self_attn.q_proj": "model.layers.3.self_attn.qkv_proj"}
+        "model.layers.3.self_attn.q_proj": "model.layers.3.self_attn.qkv_proj"
+    }
     assert group_layers(["fc1"]) == {"fc1": "fc1"}
 
 

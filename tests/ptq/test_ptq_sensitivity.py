@@ -29,8 +29,10 @@ def engine(tiny_model):
 
 @pytest.fixture(scope="module")
 def qweights(engine):
-    return {f: {p: quantize_weight(engine.kernels[p], f, WeightPTQ.rtn()) for p in engine.paths}
-            for f in FMTS}
+    return {
+        f: {p: quantize_weight(engine.kernels[p], f, WeightPTQ.rtn()) for p in engine.paths}
+        for f in FMTS
+    }
 
 
 def _tap_one(engine, params, path, eps, tokens):
@@ -67,8 +69,9 @@ def _direct_score(engine, tokens, path, wq_values) -> float:
 
     out = engine.kernels[path].shape[1]
     eps = jnp.zeros(tokens[:, :-1].shape + (out,), jnp.float32)
-    return float(both(engine.params, engine.with_kernels({path: wq_values}), eps,
-                      jnp.asarray(tokens)))
+    return float(
+        both(engine.params, engine.with_kernels({path: wq_values}), eps, jnp.asarray(tokens))
+    )
 
 
 @pytest.mark.slow
@@ -95,12 +98,13 @@ def test_gradient_linear_term_equals_kernel_gradient(engine, qweights, token_bat
     calib, _ = token_batches
     tokens = jnp.asarray(calib[0])
     path = "layers.1.attn.q_proj"
-    dw = (qweights["nvfp4"][path].values.astype(jnp.bfloat16).astype(jnp.float32)
-          - engine.kernels[path].astype(jnp.bfloat16).astype(jnp.float32))
+    dw = qweights["nvfp4"][path].values.astype(jnp.bfloat16).astype(jnp.float32) - engine.kernels[
+        path
+    ].astype(jnp.bfloat16).astype(jnp.float32)
+
     def loss_of_kernel(k):
         params = engine.with_kernels({path: k})
-        return next_token_loss(nnx.merge(engine.graphdef, nnx.State(params), engine.rest),
-                               tokens)
+        return next_token_loss(nnx.merge(engine.graphdef, nnx.State(params), engine.rest), tokens)
 
     gw = jax.jit(jax.grad(loss_of_kernel))(engine.kernels[path])
     ref = float(jnp.sum(gw * dw))
@@ -109,8 +113,7 @@ def test_gradient_linear_term_equals_kernel_gradient(engine, qweights, token_bat
         return _tap_one(engine, engine.params, path, eps, tokens)
 
     out = engine.kernels[path].shape[1]
-    g, (x, _) = jax.jit(jax.grad(tapped, has_aux=True))(
-        jnp.zeros(tokens[:, :-1].shape + (out,)))
+    g, (x, _) = jax.jit(jax.grad(tapped, has_aux=True))(jnp.zeros(tokens[:, :-1].shape + (out,)))
     got = float(jnp.sum(g * (x.astype(jnp.float32) @ dw)))
     assert got == pytest.approx(ref, rel=0.03, abs=1e-9)
 
@@ -172,20 +175,28 @@ def test_taylor_terms_combine_first_and_second_order(engine, qweights, token_bat
     """taylor = linear + (N/2) token_fisher per batch, averaged over batches; the linear
     term is the signed first-order change (it sums per batch like the Fisher term)."""
     calib, _ = token_batches
-    deltas = {f: {p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
-                  - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
-                  for p in engine.paths} for f in FMTS}
-    per = [engine.grad_terms(calib[i:i + 1], deltas) for i in range(2)]
+    deltas = {
+        f: {
+            p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
+            - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
+            for p in engine.paths
+        }
+        for f in FMTS
+    }
+    per = [engine.grad_terms(calib[i : i + 1], deltas) for i in range(2)]
     n_tok = calib.shape[1] * (calib.shape[2] - 1)
     tay = score(engine, calib, qweights, "taylor")
     for p in engine.paths[:4]:
-        want = sum(t["linear"][p]["nvfp4"] + 0.5 * n_tok * t["token_fisher"][p]["nvfp4"]
-                   for t in per) / 2
+        want = (
+            sum(t["linear"][p]["nvfp4"] + 0.5 * n_tok * t["token_fisher"][p]["nvfp4"] for t in per)
+            / 2
+        )
         assert tay[p]["nvfp4"] == pytest.approx(want, rel=1e-4, abs=1e-12)
         assert tay[p]["bf16"] == 0.0
         assert per[0]["fisher"][p]["nvfp4"] > 0 and per[0]["token_fisher"][p]["nvfp4"] > 0
-    assert score(engine, calib[:1], qweights, "gradient") == \
-        {p: row for p, row in per[0]["fisher"].items()}
+    assert score(engine, calib[:1], qweights, "gradient") == {
+        p: row for p, row in per[0]["fisher"].items()
+    }
     signs = {np.sign(per[0]["linear"][p][f]) for p in engine.paths for f in ("nvfp4", "mxfp4")}
     assert signs == {-1.0, 1.0}  # the first-order term is signed
 
@@ -234,8 +245,14 @@ def _all_at_once_terms(engine, tokens, deltas):
                 gp = g[p].astype(jnp.float32)
                 lin = jnp.sum(gp * dy)
                 tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))
-                out[fmt][p] = jnp.stack([jnp.sum(jnp.square(gp * dy)), lin, tok,
-                                         lin + 0.5 * np.prod(gp.shape[:-1]) * tok])
+                out[fmt][p] = jnp.stack(
+                    [
+                        jnp.sum(jnp.square(gp * dy)),
+                        lin,
+                        tok,
+                        lin + 0.5 * np.prod(gp.shape[:-1]) * tok,
+                    ]
+                )
         return out
 
     return jax.device_get(jax.jit(f)(engine.params, jnp.asarray(tokens), deltas))
@@ -247,9 +264,14 @@ def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_ba
     and one layer's candidates in memory); the scores are those of the one-program
     computation that held every layer in every format at once."""
     calib, _ = token_batches
-    deltas = {f: {p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
-                  - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
-                  for p in engine.paths} for f in FMTS}
+    deltas = {
+        f: {
+            p: qweights[f][p].values.astype(jnp.bfloat16).astype(jnp.float32)
+            - engine.kernels[p].astype(jnp.bfloat16).astype(jnp.float32)
+            for p in engine.paths
+        }
+        for f in FMTS
+    }
     per = [_all_at_once_terms(engine, b, deltas) for b in calib]
     got = score(engine, calib, qweights, method)
     i = 3 if method == "taylor" else 0

@@ -51,8 +51,9 @@ def test_mse_scale_passes_a_tensor_amax():
     q = quantize_weight(w, "nvfp4", WeightPTQ(four_over_six=False))
     assert q.amax == pytest.approx(float(np.abs(w).max()) * q.scale_multiplier, rel=1e-6)
     ref = quantize(w.T, "nvfp4", axis=-1, amax=jnp.float32(q.amax))
-    np.testing.assert_array_equal(np.asarray(q.qarray.scales.view(jnp.uint8)),
-                                  np.asarray(ref.scales.view(jnp.uint8)))
+    np.testing.assert_array_equal(
+        np.asarray(q.qarray.scales.view(jnp.uint8)), np.asarray(ref.scales.view(jnp.uint8))
+    )
     # MX has no tensor scale: nothing to search, amax None
     assert quantize_weight(w, "mxfp4").amax is None
 
@@ -80,8 +81,15 @@ def test_four_over_six_block_maps_max_to_four():
     row[1, 0] = 2.625  # tensor amax: the block scale bamax * 2688 / 2.625 / 4 = 256, exact
     q = four_over_six(row)
     np.testing.assert_allclose(np.asarray(dequantize(q)), row, rtol=0, atol=1e-7)
-    vals = np.abs(np.asarray(dequantize(q.__class__(
-        q.data, q.scales, jnp.float32(1.0), q.spec, q.axis, q.shape, q.block_shape))))[0]
+    vals = np.abs(
+        np.asarray(
+            dequantize(
+                q.__class__(
+                    q.data, q.scales, jnp.float32(1.0), q.spec, q.axis, q.shape, q.block_shape
+                )
+            )
+        )
+    )[0]
     # element codes: max maps to 4 (block scale * 4 == block max / global scale)
     assert vals.max() / vals[vals > 0].min() == pytest.approx(4 / 3)
 
@@ -98,8 +106,9 @@ def test_group_shares_one_tensor_scale():
     qa, qb = quantize_group([a, b], "nvfp4")
     assert float(qa.qarray.global_scale) == float(qb.qarray.global_scale)
     assert qa.amax == qb.amax
-    assert qa.amax == pytest.approx(max(np.abs(a).max(), np.abs(b).max()) *
-                                    qa.scale_multiplier, rel=1e-6)
+    assert qa.amax == pytest.approx(
+        max(np.abs(a).max(), np.abs(b).max()) * qa.scale_multiplier, rel=1e-6
+    )
     fa, fb = quantize_group([a, b], "fp8_e4m3")
     assert float(fa.qarray.scales) == float(fb.qarray.scales)
 
@@ -107,8 +116,9 @@ def test_group_shares_one_tensor_scale():
 def test_bf16_passthrough_and_validation():
     w = _weights(6)
     q = quantize_weight(w, "bf16")
-    np.testing.assert_array_equal(np.asarray(q.values),
-                                  np.asarray(jnp.asarray(w).astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(q.values), np.asarray(jnp.asarray(w).astype(jnp.bfloat16), np.float32)
+    )
     assert not get_format(q.format).quantized
     with pytest.raises(ValueError, match="2-D"):
         quantize_weight(np.ones((4, 4, 4), np.float32), "nvfp4")

@@ -24,9 +24,15 @@ def testbed():
 
 
 def _write(root: Path, name: str, losses: dict[str, list[float]]) -> None:
-    points = {k: {"val_ppl": math.exp(float(np.mean(v))), "val_loss": float(np.mean(v)),
-                  "effective_bits": 4.5 if "4" in k else 16.0, "batch_losses": v}
-              for k, v in losses.items()}
+    points = {
+        k: {
+            "val_ppl": math.exp(float(np.mean(v))),
+            "val_loss": float(np.mean(v)),
+            "effective_bits": 4.5 if "4" in k else 16.0,
+            "batch_losses": v,
+        }
+        for k, v in losses.items()
+    }
     (root / name).mkdir(parents=True)
     (root / name / "report.json").write_text(json.dumps({"points": points}))
 
@@ -35,9 +41,12 @@ def _seed(root: Path, seed: int, rng) -> dict[str, dict[str, list[float]]]:
     base = list(2.0 + 0.1 * rng.standard_normal(4))
     out = {}
     for k, shift in (("r", 0.10), ("q", 0.08), ("g", 0.04)):
-        pts = {"bf16": base, "uniform_nvfp4": [b + shift for b in base],
-               "uniform_mxfp4": [b + 2 * shift for b in base],
-               "searched": [b + shift / 2 for b in base]}
+        pts = {
+            "bf16": base,
+            "uniform_nvfp4": [b + shift for b in base],
+            "uniform_mxfp4": [b + 2 * shift for b in base],
+            "searched": [b + shift / 2 for b in base],
+        }
         _write(root, f"{k}-{seed}-w", pts)
         out[k] = pts
     return out
@@ -52,14 +61,17 @@ def test_table_gaps_closed_fractions_and_pairs(testbed, tmp_path, capsys):
         ppl = {k: math.exp(np.mean(v)) for k, v in made[s]["g"].items()}
         rtn = math.exp(np.mean(made[s]["r"]["uniform_nvfp4"]))
         want = (rtn - ppl["searched"]) / (rtn - ppl["bf16"])
-        assert row["searched at 5.0 bits, GPTQ + MSE scale + four over six"]["closed"] == \
-            pytest.approx(want)
+        assert row["searched at 5.0 bits, GPTQ + MSE scale + four over six"][
+            "closed"
+        ] == pytest.approx(want)
         assert row["uniform NVFP4, RTN"]["gap"] == pytest.approx(100 * (math.exp(0.1) - 1))
         pair = got["per_seed"][s]["pairs"][
-            "GPTQ + MSE scale + four over six uniform_nvfp4 - RTN uniform_nvfp4"]
+            "GPTQ + MSE scale + four over six uniform_nvfp4 - RTN uniform_nvfp4"
+        ]
         assert pair == pytest.approx(0.04 - 0.10)
         over = got["per_seed"][s]["pairs_over_batches"][
-            "GPTQ + MSE scale + four over six searched - RTN bf16"]
+            "GPTQ + MSE scale + four over six searched - RTN bf16"
+        ]
         assert over["mean"] == pytest.approx(0.02) and over["n"] == 4
     assert "RTN NVFP4 gap closed" in capsys.readouterr().out
 

@@ -9,11 +9,26 @@ from pathlib import Path
 import pytest
 
 # 2 blocks of width 64, byte tokens: trains 4 steps in seconds.
-TRAIN_ARGS = ["data.heldout=none", "data.seq_len=32", "data.batch_size=4",
-              "data.eval_batches=1", "data.prefetch=0", "model.vocab_size=257",
-              "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-              "model.d_ff=64", "model.max_seq_len=64", "optim.warmup_steps=1", "steps=4",
-              "eval_every=0", "checkpoint_every=2", "log_every=1", "tensorboard=false"]
+TRAIN_ARGS = [
+    "data.heldout=none",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data.eval_batches=1",
+    "data.prefetch=0",
+    "model.vocab_size=257",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.max_seq_len=64",
+    "optim.warmup_steps=1",
+    "steps=4",
+    "eval_every=0",
+    "checkpoint_every=2",
+    "log_every=1",
+    "tensorboard=false",
+]
 
 
 @pytest.fixture(scope="session")
@@ -22,8 +37,7 @@ def words_corpus(tmp_path_factory) -> Path:
     rnd = random.Random(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while"]
     corpus = root / "corpus.txt"
-    corpus.write_text("\n".join(" ".join(rnd.choice(words) for _ in range(12))
-                                for _ in range(300)))
+    corpus.write_text("\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(300)))
     return corpus
 
 
@@ -43,8 +57,9 @@ def tiny_run(tmp_path_factory, words_corpus, cache_env) -> Path:
     from microscale.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("rel-run") / "run"
-    cfg = apply_overrides(TrainConfig.preset("tiny"), TRAIN_ARGS + [
-        f"data.corpus={words_corpus}", f"out={out}"])
+    cfg = apply_overrides(
+        TrainConfig.preset("tiny"), TRAIN_ARGS + [f"data.corpus={words_corpus}", f"out={out}"]
+    )
     train(cfg, progress=False)
     return out
 

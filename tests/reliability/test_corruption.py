@@ -21,8 +21,7 @@ from .conftest import copy_tree
 
 def _data_files(step_dir: Path) -> list[Path]:
     """The array data files of an orbax step (largest first)."""
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()
-             and p.parent.name == "d"]
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     return sorted(files, key=lambda p: -p.stat().st_size)
 
 
@@ -37,9 +36,13 @@ def _truncate(path: Path, at: float) -> None:
 
 
 def _damage(kind: str, path: Path) -> None:
-    {"flip-early": lambda p: _flip(p, 0.2), "flip-late": lambda p: _flip(p, 0.9),
-     "truncate-half": lambda p: _truncate(p, 0.5), "truncate-empty": lambda p: _truncate(p, 0),
-     "delete": Path.unlink}[kind](path)
+    {
+        "flip-early": lambda p: _flip(p, 0.2),
+        "flip-late": lambda p: _flip(p, 0.9),
+        "truncate-half": lambda p: _truncate(p, 0.5),
+        "truncate-empty": lambda p: _truncate(p, 0),
+        "delete": Path.unlink,
+    }[kind](path)
 
 
 def _params(model) -> dict[str, np.ndarray]:
@@ -80,8 +83,9 @@ def test_resume_falls_back_to_newest_intact_and_matches(tiny_run, tmp_path, caps
     run = copy_tree(tiny_run, tmp_path / "run")
     _flip(_data_files(run / "checkpoints" / "4")[0], 0.5)
     (run / "summary.json").unlink()
-    cfg = dataclasses.replace(load_yaml(TrainConfig, run / "config.yaml"), out=str(run),
-                              resume=True)
+    cfg = dataclasses.replace(
+        load_yaml(TrainConfig, run / "config.yaml"), out=str(run), resume=True
+    )
     train(cfg, progress=False)
     err = capsys.readouterr().err
     assert "checkpoints/4" in err and "falling back" in err
@@ -105,8 +109,10 @@ def test_config_that_does_not_fit_is_named_and_nothing_set_aside(tiny_run, tmp_p
     ck = Checkpointer(run / "checkpoints", async_save=False)
     try:
         good = ck.restore(4, _target_like(ck))[0]
-        wide = jax.tree.map(lambda x: jnp.zeros(x.shape[:-1] + (x.shape[-1] + 16,), x.dtype)
-                            if x.ndim == 2 else x, good)
+        wide = jax.tree.map(
+            lambda x: jnp.zeros(x.shape[:-1] + (x.shape[-1] + 16,), x.dtype) if x.ndim == 2 else x,
+            good,
+        )
         with pytest.raises(CheckpointMismatchError) as e:
             ck.restore(4, wide)
         assert "stored (257, 64), configured (257, 80)" in str(e.value)
@@ -141,24 +147,44 @@ def test_failed_restore_prints_no_background_tracebacks(tiny_run, tmp_path, hang
     for step in ("2", "4"):
         _truncate(_data_files(run / "checkpoints" / step)[0], 0.02)
     for i in range(3):
-        proc = subprocess.run([sys.executable, "-m", "microscale", "export", "-c", str(run),
-                               "--out", str(tmp_path / f"x{i}")], capture_output=True,
-                              text=True, timeout=hang_guard_s,
-                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "microscale",
+                "export",
+                "-c",
+                str(run),
+                "--out",
+                str(tmp_path / f"x{i}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=hang_guard_s,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
         assert proc.returncode == 2
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "cannot be restored" in lines[0], proc.stderr[-3000:]
 
 
-
-@pytest.mark.parametrize("first_line, error, dropped", [
-    ("Future exception was never retrieved",
-     ValueError('OUT_OF_RANGE: Error reading "a/0.0" in OCDBT database at local file "x"'), True),
-    ("_GatheringFuture exception was never retrieved",
-     ValueError('NOT_FOUND: Error reading "b" in OCDBT database at local file "y"'), True),
-    ("Task exception was never retrieved", ValueError("an error of the caller's own"), False),
-    ("Unclosed client session", ValueError("OCDBT database"), False),
-])
+@pytest.mark.parametrize(
+    "first_line, error, dropped",
+    [
+        (
+            "Future exception was never retrieved",
+            ValueError('OUT_OF_RANGE: Error reading "a/0.0" in OCDBT database at local file "x"'),
+            True,
+        ),
+        (
+            "_GatheringFuture exception was never retrieved",
+            ValueError('NOT_FOUND: Error reading "b" in OCDBT database at local file "y"'),
+            True,
+        ),
+        ("Task exception was never retrieved", ValueError("an error of the caller's own"), False),
+        ("Unclosed client session", ValueError("OCDBT database"), False),
+    ],
+)
 def test_abandoned_reader_futures_are_dropped_and_nothing_else(first_line, error, dropped):
     """asyncio logs a garbage-collected failed future ("<class> exception was never
     retrieved") in about one failed restore of seven; those raised by the checkpoint reader
@@ -171,9 +197,15 @@ def test_abandoned_reader_futures_are_dropped_and_nothing_else(first_line, error
     silence_checkpoint_reader_noise()  # idempotent: one filter
     log = logging.getLogger("asyncio")
     assert sum(getattr(f, "_microscale", False) for f in log.filters) == 1
-    record = log.makeRecord("asyncio", logging.ERROR, __file__, 1,
-                            f"{first_line}\nfuture: <Future finished>", (),
-                            (type(error), error, None))
+    record = log.makeRecord(
+        "asyncio",
+        logging.ERROR,
+        __file__,
+        1,
+        f"{first_line}\nfuture: <Future finished>",
+        (),
+        (type(error), error, None),
+    )
     assert bool(log.filter(record)) is (not dropped)
 
 
@@ -191,7 +223,7 @@ def test_checksums_written_and_checked(tmp_path):
 
     raw = (tmp_path / "m.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    sums = json.loads(json.loads(raw[8:8 + n])["__metadata__"][CRC_KEY])
+    sums = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"][CRC_KEY])
     assert sums == {k: f"{zlib.crc32(v.tobytes()):08x}" for k, v in t.items()}
 
 

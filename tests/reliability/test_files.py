@@ -32,12 +32,19 @@ def _siblings(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("write,read,value", [
-    (atomic_write_bytes, lambda p: p.read_bytes(), b"\x00\xffabc"),
-    (atomic_write_text, lambda p: p.read_text(encoding="utf-8"), "héllo\n"),
-    (atomic_write_json, lambda p: json.loads(p.read_text()), {"a": [1, 2.5, None]}),
-    (atomic_write_yaml, lambda p: __import__("yaml").safe_load(p.read_text()), {"b": 1, "a": [2]}),
-])
+@pytest.mark.parametrize(
+    "write,read,value",
+    [
+        (atomic_write_bytes, lambda p: p.read_bytes(), b"\x00\xffabc"),
+        (atomic_write_text, lambda p: p.read_text(encoding="utf-8"), "héllo\n"),
+        (atomic_write_json, lambda p: json.loads(p.read_text()), {"a": [1, 2.5, None]}),
+        (
+            atomic_write_yaml,
+            lambda p: __import__("yaml").safe_load(p.read_text()),
+            {"b": 1, "a": [2]},
+        ),
+    ],
+)
 def test_atomic_writes_roundtrip_and_leave_no_temporaries(tmp_path, write, read, value):
     p = tmp_path / "sub" / "f"
     write(p, value)
@@ -200,8 +207,9 @@ _HOLDER = textwrap.dedent("""
 def test_lock_two_real_processes(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], env=env,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(out)], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(FolderLockedError) as e:  # at once: a wait would outlast the test

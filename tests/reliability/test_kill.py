@@ -20,8 +20,11 @@ from microscale.export import read_checkpoint
 pytestmark = pytest.mark.slow
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "JAX_PLATFORMS": "cpu"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "JAX_PLATFORMS": "cpu",
+}
 
 
 def _tmp_siblings(out: Path) -> list[Path]:
@@ -39,15 +42,23 @@ def _writing(out: Path) -> bool:  # the temporary sibling folder exists
 
 
 def _late(out: Path) -> bool:  # the temporary folder's weights are (being) written
-    return any((t / "model.safetensors").exists() or (t / "checkpoint").exists()
-               or any(t.glob(".model.safetensors.tmp-*")) for t in _tmp_siblings(out))
+    return any(
+        (t / "model.safetensors").exists()
+        or (t / "checkpoint").exists()
+        or any(t.glob(".model.safetensors.tmp-*"))
+        for t in _tmp_siblings(out)
+    )
 
 
 def _kill_when(argv: list[str], cond: Callable[[], bool], timeout: float) -> bool:
     """Run ``microscale argv``; kill -9 it as soon as ``cond()`` holds. True if killed,
     False if it finished first. ``timeout``: the suite's hang guard (``hang_guard_s``)."""
-    p = subprocess.Popen([sys.executable, "-m", "microscale", *argv], env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "microscale", *argv],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     t0 = time.monotonic()
     try:
         while p.poll() is None:
@@ -77,10 +88,15 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
     out = tmp_path / "exp"
     assert main(["export", "-c", str(tiny_run), "--out", str(out), "--formats", "mxfp4"]) == 0
     old = {p.name: p.read_bytes() for p in out.iterdir()}
-    cond = {"started": lambda: _started(out), "writing": lambda: _writing(out),
-            "late": lambda: _late(out), "done": lambda: False}[moment]
-    killed = _kill_when(["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"], cond,
-                        hang_guard_s)
+    cond = {
+        "started": lambda: _started(out),
+        "writing": lambda: _writing(out),
+        "late": lambda: _late(out),
+        "done": lambda: False,
+    }[moment]
+    killed = _kill_when(
+        ["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"], cond, hang_guard_s
+    )
     assert killed == (moment != "done")
     formats = _export_layers(out)  # complete and intact, whichever it is
     if formats == {"mxfp4"}:
@@ -93,10 +109,25 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
     assert [p.name for p in out.parent.iterdir()] == ["exp"]
 
 
-_Q = ["--formats", "nvfp4,fp8,bf16", "--calib-tokens", "256", "--pareto-budgets", "5,8",
-      "--no-ptq-effects", "--no-compile-cache", "-q"]
-_Q_FILES = {"precision_rules.json", "report.json", "report.md", "pareto.png",
-            "sensitivity.png", "checkpoint"}
+_Q = [
+    "--formats",
+    "nvfp4,fp8,bf16",
+    "--calib-tokens",
+    "256",
+    "--pareto-budgets",
+    "5,8",
+    "--no-ptq-effects",
+    "--no-compile-cache",
+    "-q",
+]
+_Q_FILES = {
+    "precision_rules.json",
+    "report.json",
+    "report.md",
+    "pareto.png",
+    "sensitivity.png",
+    "checkpoint",
+}
 
 
 def _quantize_complete(out: Path) -> dict:
@@ -113,13 +144,18 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     first = ["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "8", *_Q]
     assert main(first) == 0
     old_budget = _quantize_complete(out)["budget"]
-    cond = {"started": lambda: _started(out), "writing": lambda: _writing(out),
-            "late": lambda: _late(out)}[moment]
-    _kill_when(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q],
-               cond, hang_guard_s)
+    cond = {
+        "started": lambda: _started(out),
+        "writing": lambda: _writing(out),
+        "late": lambda: _late(out),
+    }[moment]
+    _kill_when(
+        ["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q],
+        cond,
+        hang_guard_s,
+    )
     assert _quantize_complete(out)["budget"] in (old_budget, 5.0)
-    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5",
-                 *_Q]) == 0
+    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q]) == 0
     assert _quantize_complete(out)["budget"] == 5.0
     assert [p.name for p in out.parent.iterdir()] == ["q"]
 
@@ -128,8 +164,11 @@ def test_kill_fresh_quantize_leaves_nothing_half_written(tiny_run, tmp_path, han
     """A first quantize killed while writing leaves no output folder (so no 0-byte
     precision_rules.json to trip over later), and a rerun completes."""
     out = tmp_path / "q"
-    killed = _kill_when(["quantize", "-c", str(tiny_run), "--out", str(out), *_Q],
-                        lambda: _writing(out), hang_guard_s)
+    killed = _kill_when(
+        ["quantize", "-c", str(tiny_run), "--out", str(out), *_Q],
+        lambda: _writing(out),
+        hang_guard_s,
+    )
     assert killed and not out.exists()
     assert main(["quantize", "-c", str(tiny_run), "--out", str(out), *_Q]) == 0
     _quantize_complete(out)

@@ -32,8 +32,9 @@ _HOLDER = textwrap.dedent("""
 def held(tmp_path):
     """A folder locked by another live process: ``(path, pid)``."""
     out = tmp_path / "held"
-    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], env=ENV,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(out)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout.readline().strip() == "locked"
         yield out, p.pid
@@ -47,10 +48,22 @@ def held(tmp_path):
 def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, capsys):
     out, pid = held
     argv = {
-        "train": ["train", "--config", "tiny", *TRAIN_ARGS, f"data.corpus={words_corpus}",
-                  f"out={out}"],
-        "compare": ["compare", "--runs", "bf16", *TRAIN_ARGS, f"data.corpus={words_corpus}",
-                    f"out={out}"],
+        "train": [
+            "train",
+            "--config",
+            "tiny",
+            *TRAIN_ARGS,
+            f"data.corpus={words_corpus}",
+            f"out={out}",
+        ],
+        "compare": [
+            "compare",
+            "--runs",
+            "bf16",
+            *TRAIN_ARGS,
+            f"data.corpus={words_corpus}",
+            f"out={out}",
+        ],
         "quantize": ["quantize", "-c", str(tiny_run), "--out", str(out), "-q"],
         "export": ["export", "-c", str(tiny_run), "--out", str(out)],
     }[command]
@@ -65,9 +78,23 @@ def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, caps
 def test_cli_process_against_held_folder(held, words_corpus, hang_guard_s):
     """A real `microscale train` process (not in-process) refuses the held folder."""
     out, pid = held
-    r = subprocess.run([sys.executable, "-m", "microscale", "train", "--config", "tiny",
-                        *TRAIN_ARGS, f"data.corpus={words_corpus}", f"out={out}"],
-                       env=ENV, capture_output=True, text=True, timeout=hang_guard_s)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "microscale",
+            "train",
+            "--config",
+            "tiny",
+            *TRAIN_ARGS,
+            f"data.corpus={words_corpus}",
+            f"out={out}",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s,
+    )
     assert r.returncode == 2
     assert f"PID {pid}" in r.stderr and str(out) in r.stderr and "Traceback" not in r.stderr
 
@@ -77,10 +104,27 @@ def test_two_trainings_one_folder(tmp_path, words_corpus, cache_env, hang_guard_
     """Two `microscale train` into one out= with seeds 0 and 1, started together: exactly
     one runs; the folder's config, checkpoint and summary all come from that one."""
     out = tmp_path / "run"
-    procs = [subprocess.Popen([sys.executable, "-m", "microscale", "train", "--config", "tiny",
-                               *TRAIN_ARGS, f"data.corpus={words_corpus}", f"seed={seed}",
-                               f"out={out}", "--quiet"], env=ENV, stderr=subprocess.PIPE,
-                              text=True) for seed in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "microscale",
+                "train",
+                "--config",
+                "tiny",
+                *TRAIN_ARGS,
+                f"data.corpus={words_corpus}",
+                f"seed={seed}",
+                f"out={out}",
+                "--quiet",
+            ],
+            env=ENV,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (0, 1)
+    ]
     results = [(p.wait(timeout=hang_guard_s), p.stderr.read()) for p in procs]
     assert sorted(rc for rc, _ in results) == [0, 2], results
     winner = next(seed for seed, (rc, _) in zip((0, 1), results, strict=True) if rc == 0)

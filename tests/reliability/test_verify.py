@@ -28,11 +28,21 @@ from .conftest import copy_tree
 gguf = pytest.importorskip("gguf")
 
 # Every stored GGUF type (fused q/k/v and gate/up share one format); FP8 is stored as Q8_0.
-ALLOC = {f"layers.{i}.{k}": f for i, fmts in enumerate([
-    ("nvfp4", "mxfp4", "q8_0", "bf16"), ("nvfp4", "nvfp4", "bf16", "fp8_e4m3")])
-    for k, f in (("attn.q_proj", fmts[0]), ("attn.k_proj", fmts[0]), ("attn.v_proj", fmts[0]),
-                 ("attn.o_proj", fmts[1]), ("mlp.gate_proj", fmts[2]),
-                 ("mlp.up_proj", fmts[2]), ("mlp.down_proj", fmts[3]))}
+ALLOC = {
+    f"layers.{i}.{k}": f
+    for i, fmts in enumerate(
+        [("nvfp4", "mxfp4", "q8_0", "bf16"), ("nvfp4", "nvfp4", "bf16", "fp8_e4m3")]
+    )
+    for k, f in (
+        ("attn.q_proj", fmts[0]),
+        ("attn.k_proj", fmts[0]),
+        ("attn.v_proj", fmts[0]),
+        ("attn.o_proj", fmts[1]),
+        ("mlp.gate_proj", fmts[2]),
+        ("mlp.up_proj", fmts[2]),
+        ("mlp.down_proj", fmts[3]),
+    )
+}
 
 
 def _flip(path: Path, pos: int, mask: int = 0x01) -> None:
@@ -54,31 +64,67 @@ def _verify(capsys, *args) -> tuple[int, str, str]:
 
 # ---------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory, tiny_run) -> Path:
     """``tiny_run`` exported to GGUF with NVFP4, MXFP4, Q8_0 and BF16 layers (copy it
     before damaging it)."""
     out = tmp_path_factory.mktemp("verify-gguf") / "tiny.gguf"
-    assert main(["export", "--checkpoint", str(tiny_run), "--format", "gguf", "--out",
-                 str(out), "--formats", json.dumps(ALLOC)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(tiny_run),
+                "--format",
+                "gguf",
+                "--out",
+                str(out),
+                "--formats",
+                json.dumps(ALLOC),
+            ]
+        )
+        == 0
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def modelopt_export(tmp_path_factory, tiny_run) -> Path:
     out = tmp_path_factory.mktemp("verify-mo") / "mo"
-    assert main(["export", "--checkpoint", str(tiny_run), "--format", "modelopt", "--out",
-                 str(out)]) == 0
+    assert (
+        main(["export", "--checkpoint", str(tiny_run), "--format", "modelopt", "--out", str(out)])
+        == 0
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def quantize_out(tmp_path_factory, tiny_run) -> Path:
     out = tmp_path_factory.mktemp("verify-q") / "q"
-    assert main(["quantize", "--checkpoint", str(tiny_run), "--out", str(out), "--budget",
-                 "6", "--formats", "nvfp4,bf16", "--calib-tokens", "128",
-                 "--pareto-budgets", "6", "--no-ptq-effects", "--no-compile-cache",
-                 "-q"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                "--checkpoint",
+                str(tiny_run),
+                "--out",
+                str(out),
+                "--budget",
+                "6",
+                "--formats",
+                "nvfp4,bf16",
+                "--calib-tokens",
+                "128",
+                "--pareto-budgets",
+                "6",
+                "--no-ptq-effects",
+                "--no-compile-cache",
+                "-q",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -87,6 +133,7 @@ def _gguf_tensor(path: Path, name: str):
 
 
 # ---------------------------------------------------------------------- GGUF: golden
+
 
 def test_gguf_keys_are_read_by_the_gguf_package(gguf_file):
     """gguf's own reader opens the file; the two entries are plain strings; the stored
@@ -106,8 +153,8 @@ def test_gguf_keys_are_read_by_the_gguf_package(gguf_file):
     last = r.tensors[-1].field
     header_end = last.offset + sum(p.nbytes for p in last.parts)
     raw = bytearray(gguf_file.read_bytes()[:header_end])
-    assert raw[value_at:value_at + 8].decode() == field.contents()
-    raw[value_at:value_at + 8] = b"00000000"
+    assert raw[value_at : value_at + 8].decode() == field.contents()
+    raw[value_at : value_at + 8] = b"00000000"
     assert field.contents() == f"{zlib.crc32(bytes(raw)):08x}"
 
 
@@ -166,15 +213,24 @@ def test_llama_cpp_loader_refuses_a_damaged_gguf(gguf_file, tmp_path):
 def test_gguf_kinds_in_the_table(gguf_file):
     """The table covers each stored type (guards the table against a changed export)."""
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(gguf_file).tensors}
-    want = {"nvfp4": "NVFP4", "e4m3": "NVFP4", "global": "F32", "mxfp4": "MXFP4",
-            "q8_0": "Q8_0", "bf16": "BF16", "f32": "F32"}
+    want = {
+        "nvfp4": "NVFP4",
+        "e4m3": "NVFP4",
+        "global": "F32",
+        "mxfp4": "MXFP4",
+        "q8_0": "Q8_0",
+        "bf16": "BF16",
+        "f32": "F32",
+    }
     for case, tensor, _ in GGUF_DATA:
-        key = next(k for k in ("global", "e4m3", "nvfp4", "mxfp4", "q8_0", "bf16", "f32")
-                   if k in case)
+        key = next(
+            k for k in ("global", "e4m3", "nvfp4", "mxfp4", "q8_0", "bf16", "f32") if k in case
+        )
         assert types[tensor] == want[key], (case, types[tensor])
 
 
 # ---------------------------------------------------------------------- GGUF: header
+
 
 def _kv_at(r, key: str, part: int, offset: int = 0) -> int:
     """Byte position of ``part`` (0 key length, 1 key, 2 type, 3.. value) of a KV entry."""
@@ -291,13 +347,11 @@ SAFETENSORS = [
     ("ct-bf16-norm", "tiny_export", "model.norm.weight", 0),
     ("mo-nvfp4-codes", "modelopt_export", "model.layers.1.mlp.gate_proj.weight", 3),
     ("mo-e4m3-scales", "modelopt_export", "model.layers.0.self_attn.o_proj.weight_scale", 0),
-    ("mo-weight-scale-2", "modelopt_export", "model.layers.0.self_attn.k_proj.weight_scale_2",
-     2),
+    ("mo-weight-scale-2", "modelopt_export", "model.layers.0.self_attn.k_proj.weight_scale_2", 2),
 ]
 
 
-@pytest.mark.parametrize("case, fixture, tensor, at", SAFETENSORS,
-                         ids=[c[0] for c in SAFETENSORS])
+@pytest.mark.parametrize("case, fixture, tensor, at", SAFETENSORS, ids=[c[0] for c in SAFETENSORS])
 def test_safetensors_flip_is_named(request, tmp_path, capsys, case, fixture, tensor, at):
     exp = copy_tree(request.getfixturevalue(fixture), tmp_path / "exp")
     f = exp / "model.safetensors"
@@ -321,8 +375,9 @@ def test_safetensors_without_checksums_says_so(tiny_export, tmp_path, capsys):
     store = TensorStore(f)
     arrays = {n: np.array(store.get(n)) for n in store.names()}
     raw, order = _header_bytes(arrays, {"format": "pt"})
-    f.write_bytes(len(raw).to_bytes(8, "little") + raw
-                  + b"".join(arrays[n].tobytes() for n in order))
+    f.write_bytes(
+        len(raw).to_bytes(8, "little") + raw + b"".join(arrays[n].tobytes() for n in order)
+    )
     assert TensorStore(f).checksums == {}
     rc, out, _ = _verify(capsys, exp)
     assert rc == 3 and _line(out, "UNVERIFIED", f) and "no checksums stored" in out
@@ -335,8 +390,12 @@ def test_safetensors_without_checksums_says_so(tiny_export, tmp_path, capsys):
 
 def test_sharded_export_checks_every_shard_and_the_index(tiny_run, tmp_path, capsys):
     exp = tmp_path / "exp"
-    assert main(["export", "--checkpoint", str(tiny_run), "--out", str(exp),
-                 "--shard-size", "0.00005"]) == 0
+    assert (
+        main(
+            ["export", "--checkpoint", str(tiny_run), "--out", str(exp), "--shard-size", "0.00005"]
+        )
+        == 0
+    )
     shards = sorted(exp.glob("model-*.safetensors"))
     assert len(shards) >= 2
     rc, out, _ = _verify(capsys, exp)
@@ -353,6 +412,7 @@ def test_sharded_export_checks_every_shard_and_the_index(tiny_run, tmp_path, cap
 
 # ---------------------------------------------------------------------- checkpoints
 
+
 def _restored(step_dir: Path) -> dict[str, np.ndarray]:
     """Every array of an orbax step, restored by orbax itself (None when it cannot)."""
     import jax
@@ -361,16 +421,18 @@ def _restored(step_dir: Path) -> dict[str, np.ndarray]:
     ck = ocp.PyTreeCheckpointer()
     tree = ck.metadata(step_dir / "state").item_metadata.tree
     is_arr = lambda m: hasattr(m, "shape")  # noqa: E731
-    args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray) if is_arr(m)
-                        else m, tree, is_leaf=is_arr)
+    args = jax.tree.map(
+        lambda m: ocp.RestoreArgs(restore_type=np.ndarray) if is_arr(m) else m, tree, is_leaf=is_arr
+    )
     out = ck.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=args))
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
+    }
 
 
 def _data_files(step_dir: Path) -> list[Path]:
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()
-             and p.parent.name == "d"]
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     return sorted(files, key=lambda p: -p.stat().st_size)
 
 
@@ -446,11 +508,12 @@ def test_damaged_checkpoints_folder_is_noted(tiny_run, tmp_path, capsys):
 
 # ---------------------------------------------------------------------- clean, usage, API
 
+
 @pytest.mark.slow
-def test_intact_outputs_verify_clean(tiny_run, tiny_export, modelopt_export, gguf_file,
-                                     quantize_out, capsys):
-    rc, out, err = _verify(capsys, gguf_file, tiny_export, modelopt_export, tiny_run,
-                           quantize_out)
+def test_intact_outputs_verify_clean(
+    tiny_run, tiny_export, modelopt_export, gguf_file, quantize_out, capsys
+):
+    rc, out, err = _verify(capsys, gguf_file, tiny_export, modelopt_export, tiny_run, quantize_out)
     assert rc == 0, out + err
     assert "DAMAGED" not in out and "UNVERIFIED" not in out
     assert "verify: 6 files checked: 6 ok, 0 damaged, 0 without checksums" in out, out
@@ -470,8 +533,9 @@ def test_quantize_output_flip_is_named(quantize_out, tmp_path, capsys):
     assert rc == 1 and _line(out, "DAMAGED", f) and repr(name) in out
 
 
-@pytest.mark.parametrize("kind", ["missing", "text-file", "empty-folder", "other-folder",
-                                  "run-without-checkpoints"])
+@pytest.mark.parametrize(
+    "kind", ["missing", "text-file", "empty-folder", "other-folder", "run-without-checkpoints"]
+)
 def test_not_an_output_is_a_usage_error(tiny_run, tmp_path, capsys, kind):
     p = tmp_path / "x"
     if kind == "text-file":
@@ -489,9 +553,13 @@ def test_not_an_output_is_a_usage_error(tiny_run, tmp_path, capsys, kind):
     assert rc == 2 and not out
     assert err.startswith("microscale verify: error: ") and str(p) in err
     assert err.count("\n") == 1
-    assert ("does not exist" if kind == "missing" else
-            "no finished checkpoint" if kind == "run-without-checkpoints" else
-            "not a microscale output") in err
+    assert (
+        "does not exist"
+        if kind == "missing"
+        else "no finished checkpoint"
+        if kind == "run-without-checkpoints"
+        else "not a microscale output"
+    ) in err
     with pytest.raises((FileNotFoundError, NotAnOutputError)):
         verify_path(p)
 
@@ -504,8 +572,7 @@ def test_one_bad_path_stops_before_any_work(gguf_file, tmp_path, capsys):
 def test_progress_counts_every_byte(gguf_file, tiny_run):
     for path in (gguf_file, tiny_run):
         total, seen, files = [], [], []
-        res = verify_path(path, on_start=total.append, on_bytes=seen.append,
-                          on_file=files.append)
+        res = verify_path(path, on_start=total.append, on_bytes=seen.append, on_file=files.append)
         assert len(total) == 1 and sum(seen) == total[0] > 0
         assert files == list(res.files)
 

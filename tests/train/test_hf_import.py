@@ -24,10 +24,33 @@ from microscale.train import load_checkpoint, resolve_config
 
 # Not the presets' values, so a default that leaks through would show: rope_theta 100000
 # (SmolLM2's), eps 1e-6, untied, vocab 320 (more rows than the tokenizer's 300 ids).
-MODEL = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                    max_seq_len=64, rope_theta=100000.0, norm_eps=1e-6, tie_embeddings=False)
-WORDS = ("hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
-         "123", "4567", "émigré")
+MODEL = ModelConfig(
+    vocab_size=320,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=128,
+    max_seq_len=64,
+    rope_theta=100000.0,
+    norm_eps=1e-6,
+    tie_embeddings=False,
+)
+WORDS = (
+    "hello",
+    "world",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "123",
+    "4567",
+    "émigré",
+)
 
 
 def _text(n: int, seed: int = 0) -> list[str]:
@@ -90,8 +113,10 @@ def test_import_is_the_hf_model_bit_for_bit(hf, run):
     assert json.loads((run / "summary.json").read_text())["status"] == "imported"
     # the weights: float32 master copies of the bf16 tensors, exactly
     store = TensorStore(hf)
-    params = {".".join(str(p) for p in k): np.asarray(v[...])
-              for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = {
+        ".".join(str(p) for p in k): np.asarray(v[...])
+        for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
     assert len(params) == len(store.names()) == 2 + 1 + 2 * 9
     for name in store.names():
         stored = np.asarray(store.get(name))
@@ -99,8 +124,9 @@ def test_import_is_the_hf_model_bit_for_bit(hf, run):
         got = params[ms_param_name(name)]
         got = got.T if name.endswith("proj.weight") or name == "lm_head.weight" else got
         assert got.dtype == np.float32
-        np.testing.assert_array_equal(got.astype(ml_dtypes.bfloat16).view(np.uint16),
-                                      stored.view(np.uint16), err_msg=name)
+        np.testing.assert_array_equal(
+            got.astype(ml_dtypes.bfloat16).view(np.uint16), stored.view(np.uint16), err_msg=name
+        )
         np.testing.assert_array_equal(got, stored.astype(np.float32), err_msg=name)
     assert main(["verify", str(run), "-q"]) == 0
 
@@ -114,8 +140,23 @@ def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
     assert out[0]["tokens"] == out[1]["tokens"] > 1000
     assert out[0]["nll"] == out[1]["nll"]
     # eval --formats quantizes a plain HF folder's float weights in memory
-    assert main(["eval", "-m", str(hf), "--data", corpus, "--seq-len", "32", "--json",
-                 "--formats", "nvfp4"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-m",
+                str(hf),
+                "--data",
+                corpus,
+                "--seq-len",
+                "32",
+                "--json",
+                "--formats",
+                "nvfp4",
+            ]
+        )
+        == 0
+    )
     q = json.loads(capsys.readouterr().out)
     assert q["nll"] != out[0]["nll"] and abs(q["nll"] - out[0]["nll"]) < 0.05
 
@@ -123,41 +164,49 @@ def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
 def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
     out = tmp_path / "ct"
     assert main(["export", "-c", str(run), "--out", str(out), "--formats", "bf16"]) == 0
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         assert (out / name).read_bytes() == (run / name).read_bytes(), name
     gguf = pytest.importorskip("gguf", exc_type=ImportError)
     path = tmp_path / "m.gguf"
-    assert main(["export", "-c", str(run), "--out", str(path), "--format", "gguf",
-                 "--formats", "bf16"]) == 0
+    assert (
+        main(
+            ["export", "-c", str(run), "--out", str(path), "--format", "gguf", "--formats", "bf16"]
+        )
+        == 0
+    )
     field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
     assert field.contents() == (run / "chat_template.jinja").read_text()
 
 
 @pytest.mark.slow
-def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path,
-                                                                           capsys):
-    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"),
-                 "--formats", "nvfp4"]) == 0
+def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path, capsys):
+    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"), "--formats", "nvfp4"]) == 0
     out = capsys.readouterr().out
     lin = MODEL.num_linear_params()
     whole = (4.5 * lin + 16 * (MODEL.num_params() - lin)) / MODEL.num_params()
     assert whole > 8  # this tiny model is mostly embedding and LM head
-    assert f"4.500 bits per weight in the linear layers, {whole:.3f} in the whole model" \
-        in out, out
+    assert f"4.500 bits per weight in the linear layers, {whole:.3f} in the whole model" in out, out
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"rope_interleaved": True}, "rope_interleaved"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim"),
-    ({"intermediate_size": 256}, "gate_proj.weight' has shape [128, 64]"),  # tensors disagree
-    ({"vocab_size": 288}, "300"),  # the tokenizer's 300 ids do not fit 288 rows
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_interleaved": True}, "rope_interleaved"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"head_dim": 32}, "head_dim"),
+        ({"intermediate_size": 256}, "gate_proj.weight' has shape [128, 64]"),  # tensors disagree
+        ({"vocab_size": 288}, "300"),  # the tokenizer's 300 ids do not fit 288 rows
+    ],
+)
 def test_import_refuses_what_it_cannot_represent(hf, tmp_path, capsys, change, expected):
     src = _edited(hf, tmp_path / "src", **change)
     out = tmp_path / "run"
@@ -171,22 +220,56 @@ def test_import_refuses_what_it_cannot_represent(hf, tmp_path, capsys, change, e
 def test_smollm2_config_json_imports(tmp_path):
     """SmolLM2-135M-Instruct's config.json as published (2 of its 30 layers, a smaller
     vocabulary): every field is read or harmless; 9 heads of 64, theta 100000, tied."""
-    smol = {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
-            "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64,
-            "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
-            "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192,
-            "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
-            "num_hidden_layers": 2, "num_key_value_heads": 3, "pad_token_id": 2,
-            "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False,
-            "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
-            "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True,
-            "vocab_size": 512}
-    want = ModelConfig(vocab_size=512, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3,
-                       d_ff=1536, max_seq_len=8192, rope_theta=100000.0, norm_eps=1e-5,
-                       tie_embeddings=True, init_std=smol["initializer_range"])
+    smol = {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536,
+        "is_llama_config": True,
+        "max_position_embeddings": 8192,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 9,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 3,
+        "pad_token_id": 2,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_interleaved": False,
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.3",
+        "use_cache": True,
+        "vocab_size": 512,
+    }
+    want = ModelConfig(
+        vocab_size=512,
+        d_model=576,
+        n_layers=2,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        max_seq_len=8192,
+        rope_theta=100000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        init_std=smol["initializer_range"],
+    )
     src = tmp_path / "smol"
-    export_checkpoint(Transformer(want, rngs=nnx.Rngs(0)), src, layer_formats="bf16",
-                      tokenizer=train_bpe(_text(100), 300))
+    export_checkpoint(
+        Transformer(want, rngs=nnx.Rngs(0)),
+        src,
+        layer_formats="bf16",
+        tokenizer=train_bpe(_text(100), 300),
+    )
     (src / "config.json").write_text(json.dumps(smol))
     assert main(["import", str(src), "--out", str(tmp_path / "run"), "-q"]) == 0
     _, cfg, _ = load_checkpoint(tmp_path / "run")
@@ -222,16 +305,26 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_source(hf, run, tmp_path
         assert cfg.model == MODEL and cfg.data.seq_len == 64  # tiny's 128 > the context
         assert cfg.data.tokenizer == str(src / "tokenizer.json")
         # how the model runs may change; a shorter context too
-        cfg = resolve_config("tiny", [f"init_from={src}", "model.remat=full",
-                                      "model.max_seq_len=32", "seq_len=32",
-                                      "model.vocab_size=320", "data.tokenizer=byte"])
+        cfg = resolve_config(
+            "tiny",
+            [
+                f"init_from={src}",
+                "model.remat=full",
+                "model.max_seq_len=32",
+                "seq_len=32",
+                "model.vocab_size=320",
+                "data.tokenizer=byte",
+            ],
+        )
         assert cfg.model == MODEL.replace(remat="full", max_seq_len=32)
         assert cfg.data.tokenizer == "byte"
         # what defines the model may not
-        for key, value, theirs in (("model.d_ff", 256, "intermediate_size=128"),
-                                   ("model.rope_theta", 10000.0, "rope_theta=100000.0"),
-                                   ("model.tie_embeddings", True, "tie_word_embeddings=False"),
-                                   ("model.max_seq_len", 128, "max_position_embeddings=64")):
+        for key, value, theirs in (
+            ("model.d_ff", 256, "intermediate_size=128"),
+            ("model.rope_theta", 10000.0, "rope_theta=100000.0"),
+            ("model.tie_embeddings", True, "tie_word_embeddings=False"),
+            ("model.max_seq_len", 128, "max_position_embeddings=64"),
+        ):
             with pytest.raises(ConfigError) as e:
                 resolve_config("tiny", [f"init_from={src}", f"{key}={value}"])
             msg = str(e.value)
@@ -253,9 +346,14 @@ def test_init_from_a_quantize_output_takes_its_model(run, corpus, tmp_path):
     from microscale.ptq import QuantizeConfig
     from microscale.workflows import quantize_run
 
-    qcfg = QuantizeConfig(budget=4.5, formats=("nvfp4", "bf16"), calib_tokens=256,
-                          pareto_budgets=(), ptq_effects=False,
-                          uniform_formats=("nvfp4", "bf16"))
+    qcfg = QuantizeConfig(
+        budget=4.5,
+        formats=("nvfp4", "bf16"),
+        calib_tokens=256,
+        pareto_budgets=(),
+        ptq_effects=False,
+        uniform_formats=("nvfp4", "bf16"),
+    )
     for layout, where in (("compressed-tensors", "checkpoint"), ("microscale", None)):
         q = tmp_path / layout
         quantize_run(run, q, qcfg, corpus=corpus, eval_batches=2, layout=layout)
@@ -266,6 +364,7 @@ def test_init_from_a_quantize_output_takes_its_model(run, corpus, tmp_path):
 
 
 # ---------------------------------------------------------------------- tokenizer mismatch
+
 
 @pytest.fixture(scope="module")
 def mismatched(hf, run, big_tokenizer, tmp_path_factory) -> dict[str, Path]:
@@ -282,24 +381,66 @@ def mismatched(hf, run, big_tokenizer, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [
-    ["train", "init_from={run}", "data.corpus={corpus}", "data.heldout=none", "steps=1",
-     "tensorboard=false", "out={tmp}/t", "--no-compile-cache", "-q"],
-    ["train", "init_from={hf}", "data.corpus={corpus}", "data.heldout=none", "steps=1",
-     "tensorboard=false", "out={tmp}/t", "--no-compile-cache", "-q"],
-    ["train", "init_from={good_run}", "data.tokenizer={tok}", "data.corpus={corpus}",
-     "data.heldout=none", "steps=1", "tensorboard=false", "out={tmp}/t", "-q"],
-    ["eval", "-m", "{run}", "--data", "{corpus}"],
-    ["eval", "-m", "{hf}", "--data", "{corpus}"],
-    ["generate", "-m", "{run}", "-p", "hello"],
-    ["generate", "-m", "{hf}", "-p", "hello"],
-    ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--corpus", "{corpus}"],
-    ["export", "-c", "{run}", "--out", "{tmp}/x"],
-    ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "--format", "gguf"],
-], ids=["train-run", "train-hf", "train-override", "eval-run", "eval-hf", "generate-run",
-        "generate-hf", "quantize", "export", "export-gguf"])
-def test_every_command_refuses_ids_the_model_cannot_embed(argv, mismatched, run, corpus,
-                                                          tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "train",
+            "init_from={run}",
+            "data.corpus={corpus}",
+            "data.heldout=none",
+            "steps=1",
+            "tensorboard=false",
+            "out={tmp}/t",
+            "--no-compile-cache",
+            "-q",
+        ],
+        [
+            "train",
+            "init_from={hf}",
+            "data.corpus={corpus}",
+            "data.heldout=none",
+            "steps=1",
+            "tensorboard=false",
+            "out={tmp}/t",
+            "--no-compile-cache",
+            "-q",
+        ],
+        [
+            "train",
+            "init_from={good_run}",
+            "data.tokenizer={tok}",
+            "data.corpus={corpus}",
+            "data.heldout=none",
+            "steps=1",
+            "tensorboard=false",
+            "out={tmp}/t",
+            "-q",
+        ],
+        ["eval", "-m", "{run}", "--data", "{corpus}"],
+        ["eval", "-m", "{hf}", "--data", "{corpus}"],
+        ["generate", "-m", "{run}", "-p", "hello"],
+        ["generate", "-m", "{hf}", "-p", "hello"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--corpus", "{corpus}"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "--format", "gguf"],
+    ],
+    ids=[
+        "train-run",
+        "train-hf",
+        "train-override",
+        "eval-run",
+        "eval-hf",
+        "generate-run",
+        "generate-hf",
+        "quantize",
+        "export",
+        "export-gguf",
+    ],
+)
+def test_every_command_refuses_ids_the_model_cannot_embed(
+    argv, mismatched, run, corpus, tmp_path, capsys
+):
     places = {**mismatched, "good_run": run, "corpus": corpus, "tmp": tmp_path}
     rc = main([a.format(**places) for a in argv])
     err = capsys.readouterr().err

@@ -27,8 +27,17 @@ T = 40  # positions per window (inputs); chunks of 1, 7 and 16 leave a partial l
 
 
 def _model(tie: bool, recipe: str):
-    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
-                      d_ff=128, max_seq_len=64, tie_embeddings=tie, dim_multiple=16)
+    cfg = ModelConfig(
+        vocab_size=300,
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=128,
+        max_seq_len=64,
+        tie_embeddings=tie,
+        dim_multiple=16,
+    )
     rules = None if recipe == "bf16" else PrecisionRules(default=recipe)
     return cfg, Transformer(cfg, rngs=nnx.Rngs(0), rules=rules)
 
@@ -71,8 +80,9 @@ def test_chunks_need_not_divide_the_sequence_and_keep_the_gradient_finite():
 def test_chunked_loss_holds_one_chunk_of_logits():
     """The compiled fwd+bwd's temporary bytes: whole-sequence logits and their gradient
     (float32 [4, 512, 8192]: 64 MiB each) are gone with 64-position chunks."""
-    cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
-                      d_ff=128, max_seq_len=512)
+    cfg = ModelConfig(
+        vocab_size=8192, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=128, max_seq_len=512
+    )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jnp.zeros((4, 513), jnp.int32)
@@ -82,6 +92,7 @@ def test_chunked_loss_holds_one_chunk_of_logits():
             m = nnx.merge(graph, p, rest)
             m.config = dataclasses.replace(cfg, loss_chunk=chunk)
             return lm_loss(m, tokens)
+
         c = jax.jit(jax.value_and_grad(f)).lower(params).compile()
         return c.memory_analysis().temp_size_in_bytes
 

@@ -27,20 +27,36 @@ def tokens():
     return np.random.default_rng(0).integers(0, 257, 20_000).astype(np.int32)
 
 
-PATHS = [f"layers.{b}.{m}" for b in range(3) for m in (
-    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj",
-    "mlp.up_proj", "mlp.down_proj")]
+PATHS = [
+    f"layers.{b}.{m}"
+    for b in range(3)
+    for m in (
+        "attn.q_proj",
+        "attn.k_proj",
+        "attn.v_proj",
+        "attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 
 
 def _group(path: str) -> str:
-    for a, b in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
-                 ("gate_proj", "gate_up"), ("up_proj", "gate_up")):
+    for a, b in (
+        ("q_proj", "qkv"),
+        ("k_proj", "qkv"),
+        ("v_proj", "qkv"),
+        ("gate_proj", "gate_up"),
+        ("up_proj", "gate_up"),
+    ):
         path = path.replace(a, b)
     return path
 
 
-@pytest.mark.parametrize("seed, fraction", [(s, f) for s in range(3)
-                                            for f in (0.0, 0.1, 0.25, 0.5, 0.9)])
+@pytest.mark.parametrize(
+    "seed, fraction", [(s, f) for s in range(3) for f in (0.0, 0.1, 0.25, 0.5, 0.9)]
+)
 def test_allocation_is_the_best_feasible_set(seed, fraction):
     """Brute force over every set of fused groups: the bf16 layers avoid the largest total
     score (signed: a layer whose rounding lowers the loss is never worth bf16) within the
@@ -70,9 +86,12 @@ def test_allocation_is_the_best_feasible_set(seed, fraction):
 
 @pytest.mark.slow
 def test_choice_on_a_model_block_granularity_and_positional_default(make_cfg, tokens):
-    cfg = make_cfg("recipe=nvfp4", "precision.kind=sensitivity",
-                   "precision.sensitivity.granularity=block",
-                   "precision.sensitivity.calib_tokens=512")
+    cfg = make_cfg(
+        "recipe=nvfp4",
+        "precision.kind=sensitivity",
+        "precision.sensitivity.granularity=block",
+        "precision.sensitivity.calib_tokens=512",
+    )
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     rules, rec = choose_bf16_layers(model, cfg, tokens)
     paths = list(rec["scores"])
@@ -85,8 +104,7 @@ def test_choice_on_a_model_block_granularity_and_positional_default(make_cfg, to
     for b in blocks:  # whole blocks only
         assert {p for p in paths if p.split(".")[1] == b} <= set(rec["bf16_layers"])
     # the block whose rounding costs more stays bf16 (when rounding costs anything at all)
-    cost = {b: sum(v for p, v in rec["scores"].items() if p.split(".")[1] == b)
-            for b in ("0", "1")}
+    cost = {b: sum(v for p, v in rec["scores"].items() if p.split(".")[1] == b) for b in ("0", "1")}
     worst = max(cost, key=cost.get)
     assert blocks == ({worst} if cost[worst] > 0 else set())
     for p in paths:
@@ -104,8 +122,15 @@ def test_bf16_rules_table():
 
 @pytest.mark.slow
 def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
-    common = ("recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=0.3",
-              "precision.sensitivity.calib_tokens=512", "steps=10", "eval_every=5", "checkpoint_every=4")
+    common = (
+        "recipe=nvfp4",
+        "precision.kind=sensitivity",
+        "precision.warmup=0.3",
+        "precision.sensitivity.calib_tokens=512",
+        "steps=10",
+        "eval_every=5",
+        "checkpoint_every=4",
+    )
     straight = make_cfg(*common, f"out={tmp_path / 'a'}")
     s = train(straight, progress=False)
     alloc = s["bf16_allocation"]
@@ -117,7 +142,8 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
     saved = PrecisionRules.load(Path(straight.out) / "precision_rules.json")
     assert saved == bf16_rules("nvfp4", alloc["bf16_layers"])
     assert {p: r for p, r in s["precision"].items()} == {
-        p: saved.resolve_name(p) for p in s["precision"]}
+        p: saved.resolve_name(p) for p in s["precision"]
+    }
     # quantize evaluates the same allocation as the run's "trained" point
     from microscale.ptq import trained_allocation
 
@@ -146,8 +172,9 @@ def test_run_records_allocation_and_resumes_with_it(make_cfg, tmp_path):
 def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_path):
     """The control for sensitivity's warm-up: the same all-bf16 steps, then exactly the
     positional rules (no allocation is chosen or recorded)."""
-    cfg = make_cfg("recipe=nvfp4", "precision.warmup=0.3", "steps=6", "eval_every=0",
-                   f"out={tmp_path / 'w'}")
+    cfg = make_cfg(
+        "recipe=nvfp4", "precision.warmup=0.3", "steps=6", "eval_every=0", f"out={tmp_path / 'w'}"
+    )
     assert cfg.warmup_steps == 2
     s = train(cfg, progress=False)
     assert [r["phase"] for r in _records(cfg.out, "train")] == ["warmup"] * 2 + ["main"] * 4
@@ -159,26 +186,52 @@ def test_position_warmup_is_the_warmup_then_the_positional_rule(make_cfg, tmp_pa
     assert s["precision"] == {p: positional.resolve_name(p) for p in s["precision"]}
 
 
-@pytest.mark.parametrize("override, expected", [
-    (["precision.kind=sometimes"], ("precision.kind", "sometimes")),
-    (["precision.warmup=0.1"], ("needs a quantized recipe",)),
-    (["recipe=nvfp4", "precision.warmup=0.1", "precision.kind=rules", "precision.rules=r.json"],
-     ("precision.warmup=0.1 is not read by precision.kind='rules'",)),
-    (["precision.kind=sensitivity"], ("needs a quantized recipe",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=1.5"],
-     ("precision.warmup=1.5",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.bf16_flops=1.2"],
-     ("precision.sensitivity.bf16_flops=1.2",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.method=magic"],
-     ("precision.sensitivity.method='magic'",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.granularity=head"],
-     ("granularity", "head")),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.late.fraction=0.95"],
-     ("leaves no step",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.rules=r.json"],
-     ("precision.rules='r.json' is not read by precision.kind='sensitivity'",)),
-    (["precision.rules_bf16=sideways"], ("precision.rules_bf16", "sideways")),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["precision.kind=sometimes"], ("precision.kind", "sometimes")),
+        (["precision.warmup=0.1"], ("needs a quantized recipe",)),
+        (
+            [
+                "recipe=nvfp4",
+                "precision.warmup=0.1",
+                "precision.kind=rules",
+                "precision.rules=r.json",
+            ],
+            ("precision.warmup=0.1 is not read by precision.kind='rules'",),
+        ),
+        (["precision.kind=sensitivity"], ("needs a quantized recipe",)),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=1.5"],
+            ("precision.warmup=1.5",),
+        ),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.bf16_flops=1.2"],
+            ("precision.sensitivity.bf16_flops=1.2",),
+        ),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.method=magic"],
+            ("precision.sensitivity.method='magic'",),
+        ),
+        (
+            [
+                "recipe=nvfp4",
+                "precision.kind=sensitivity",
+                "precision.sensitivity.granularity=head",
+            ],
+            ("granularity", "head"),
+        ),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.late.fraction=0.95"],
+            ("leaves no step",),
+        ),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.rules=r.json"],
+            ("precision.rules='r.json' is not read by precision.kind='sensitivity'",),
+        ),
+        (["precision.rules_bf16=sideways"], ("precision.rules_bf16", "sideways")),
+    ],
+)
 def test_bad_values_name_the_key(make_cfg, override, expected):
     from microscale.config import ConfigError
 
@@ -193,22 +246,34 @@ def test_every_new_key_is_listed(capsys):
 
     assert main(["train", "--list-keys"]) == 0
     out = capsys.readouterr().out
-    for key in ("init_from", "init_step", "precision.kind", "precision.rules_bf16",
-                "precision.warmup", "precision.sensitivity.bf16_flops",
-                "precision.sensitivity.method", "precision.sensitivity.calib_tokens",
-                "precision.sensitivity.activations", "precision.sensitivity.granularity",
-                "precision.late.fraction", "precision.late.bf16"):
+    for key in (
+        "init_from",
+        "init_step",
+        "precision.kind",
+        "precision.rules_bf16",
+        "precision.warmup",
+        "precision.sensitivity.bf16_flops",
+        "precision.sensitivity.method",
+        "precision.sensitivity.calib_tokens",
+        "precision.sensitivity.activations",
+        "precision.sensitivity.granularity",
+        "precision.late.fraction",
+        "precision.late.bf16",
+    ):
         line = next((x for x in out.splitlines() if x.startswith(key + " =")), None)
         assert line is not None and "#" in line, key
 
 
-@pytest.mark.parametrize("overrides, own", [
-    ((), False),
-    (("recipe=nvfp4",), False),
-    (("recipe=nvfp4", "precision.warmup=0.1"), False),
-    (("recipe=nvfp4", "precision.kind=sensitivity"), True),
-    (("precision.kind=rules", "precision.rules={rules}"), True),
-])
+@pytest.mark.parametrize(
+    "overrides, own",
+    [
+        ((), False),
+        (("recipe=nvfp4",), False),
+        (("recipe=nvfp4", "precision.warmup=0.1"), False),
+        (("recipe=nvfp4", "precision.kind=sensitivity"), True),
+        (("precision.kind=rules", "precision.rules={rules}"), True),
+    ],
+)
 def test_own_allocation(make_cfg, tmp_path, overrides, own):
     """Runs that record an allocation of their own (export writes it, quantize scores it)."""
     rules = tmp_path / "rules.json"

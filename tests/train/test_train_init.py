@@ -32,8 +32,13 @@ def _event(out, name):
 
 @pytest.fixture
 def source_run(make_cfg, tmp_path):
-    cfg = make_cfg("steps=10", "eval_every=5", "checkpoint_every=5", "keep_checkpoints=3",
-                   f"out={tmp_path / 'src'}")
+    cfg = make_cfg(
+        "steps=10",
+        "eval_every=5",
+        "checkpoint_every=5",
+        "keep_checkpoints=3",
+        f"out={tmp_path / 'src'}",
+    )
     train(cfg, progress=False)
     return cfg
 
@@ -41,8 +46,13 @@ def source_run(make_cfg, tmp_path):
 @pytest.mark.slow
 def test_init_from_run_latest_and_given_step(make_cfg, source_run, tmp_path):
     src = source_run.out
-    ft = make_cfg(f"init_from={src}", "steps=4", "eval_every=2", "optim.warmup_steps=2",
-                  f"out={tmp_path / 'ft'}")
+    ft = make_cfg(
+        f"init_from={src}",
+        "steps=4",
+        "eval_every=2",
+        "optim.warmup_steps=2",
+        f"out={tmp_path / 'ft'}",
+    )
     s = train(ft, progress=False)
     # starts where the source's last evaluation ended, then keeps learning
     assert abs(_eval_at(ft.out, 0) - _eval_at(src, 10)) < SAME
@@ -66,9 +76,14 @@ def test_init_from_quantize_output_master_then_dequantized(make_cfg, source_run,
     from microscale.ptq import QuantizeConfig
     from microscale.workflows import quantize_run
 
-    qcfg = QuantizeConfig(budget=4.5, formats=("nvfp4", "bf16"), calib_tokens=256,
-                          pareto_budgets=(), ptq_effects=False,
-                          uniform_formats=("nvfp4", "bf16"))
+    qcfg = QuantizeConfig(
+        budget=4.5,
+        formats=("nvfp4", "bf16"),
+        calib_tokens=256,
+        pareto_budgets=(),
+        ptq_effects=False,
+        uniform_formats=("nvfp4", "bf16"),
+    )
     for layout in ("microscale", "compressed-tensors"):
         q = tmp_path / f"q-{layout}"
         res = quantize_run(source_run.out, q, qcfg, layout=layout)
@@ -101,11 +116,18 @@ def test_init_from_hf_llama_matches_transformers_loss(make_cfg, tmp_path):
     m = ft.model
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
-        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-        num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
-        rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps, tie_word_embeddings=True,
-        initializer_range=0.3)  # far from a fresh init: the loss shows whose weights run
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.d_ff,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        max_position_embeddings=m.max_seq_len,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )  # far from a fresh init: the loss shows whose weights run
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     folder = tmp_path / "hf"
     hf.save_pretrained(folder)
@@ -116,13 +138,18 @@ def test_init_from_hf_llama_matches_transformers_loss(make_cfg, tmp_path):
         for b in batches:
             t = torch.tensor(np.asarray(b), dtype=torch.long)
             logits = hf(t[:, :-1]).logits.float()
-            losses.append(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1)).item())
+            losses.append(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1)
+                ).item()
+            )
     ref = float(np.mean(losses))
     assert abs(ref - math.log(m.vocab_size)) > 0.5
 
-    s = train(make_cfg("steps=2", "eval_every=1", f"init_from={folder}",
-                       f"out={tmp_path / 'ft'}"), progress=False)
+    s = train(
+        make_cfg("steps=2", "eval_every=1", f"init_from={folder}", f"out={tmp_path / 'ft'}"),
+        progress=False,
+    )
     assert s["init_from"]["kind"] == "hf" and s["init_from"]["weights"] == "master"
     # microscale's forward rounds matmul operands to bf16 (the bf16 recipe): ~1e-3 nats
     assert abs(_eval_at(ft.out, 0) - ref) < 0.02 * ref
@@ -130,15 +157,20 @@ def test_init_from_hf_llama_matches_transformers_loss(make_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
-    wide = make_cfg(f"init_from={source_run.out}", "model.d_ff=128", "steps=1",
-                    f"out={tmp_path / 'x'}")
+    wide = make_cfg(
+        f"init_from={source_run.out}", "model.d_ff=128", "steps=1", f"out={tmp_path / 'x'}"
+    )
     with pytest.raises(ValueError) as e:
         train(wide, progress=False)
     msg = str(e.value)
     # the cause first, then a short table: the first four mismatches and the count
     assert msg.index("model.d_ff=64 (config: 128)") < msg.index("6 mismatch(es)")
-    for name in ("layers.0.mlp.gate_proj.kernel", "layers.0.mlp.up_proj.kernel",
-                 "layers.0.mlp.down_proj.kernel", "layers.1.mlp.down_proj.kernel"):
+    for name in (
+        "layers.0.mlp.gate_proj.kernel",
+        "layers.0.mlp.up_proj.kernel",
+        "layers.0.mlp.down_proj.kernel",
+        "layers.1.mlp.down_proj.kernel",
+    ):
         assert f"{name} has shape" in msg, name
     assert "layers.1.mlp.up_proj.kernel" not in msg and msg.endswith("; and 2 more")
     # the failed run leaves no half-made folder; a folder that existed before is kept
@@ -167,12 +199,15 @@ def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
     assert len(str(e.value)) < 700 and "more" in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["init_from=/nonexistent/model"], "does not exist"),
-    (["init_step=3"], "init_step=3 needs init_from"),
-    (["init_from={empty}"], "is not a model folder"),
-    (["init_from={empty}", "init_step=2"], "applies to a run folder"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["init_from=/nonexistent/model"], "does not exist"),
+        (["init_step=3"], "init_step=3 needs init_from"),
+        (["init_from={empty}"], "is not a model folder"),
+        (["init_from={empty}", "init_step=2"], "applies to a run folder"),
+    ],
+)
 def test_bad_init_from_is_one_line(make_cfg, tmp_path, capsys, overrides, expected):
     from microscale.cli import main
 
@@ -181,12 +216,26 @@ def test_bad_init_from_is_one_line(make_cfg, tmp_path, capsys, overrides, expect
     cfg = make_cfg()
     args = [o.format(empty=empty) for o in overrides]
     m = cfg.model
-    rc = main(["train", "--config", "tiny", "-q", "--no-compile-cache",
-               f"model.d_model={m.d_model}", f"model.n_heads={m.n_heads}",
-               f"model.n_kv_heads={m.n_kv_heads}", f"model.d_ff={m.d_ff}",
-               f"data.corpus={cfg.data.corpus}", "data.heldout=none",
-               f"data.cache_dir={cfg.data.cache_dir}", "tensorboard=false",
-               f"out={tmp_path / 'o'}", "steps=1", *args])
+    rc = main(
+        [
+            "train",
+            "--config",
+            "tiny",
+            "-q",
+            "--no-compile-cache",
+            f"model.d_model={m.d_model}",
+            f"model.n_heads={m.n_heads}",
+            f"model.n_kv_heads={m.n_kv_heads}",
+            f"model.d_ff={m.d_ff}",
+            f"data.corpus={cfg.data.corpus}",
+            "data.heldout=none",
+            f"data.cache_dir={cfg.data.cache_dir}",
+            "tensorboard=false",
+            f"out={tmp_path / 'o'}",
+            "steps=1",
+            *args,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()

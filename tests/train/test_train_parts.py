@@ -17,20 +17,22 @@ from microscale.train.step import lm_loss
 from .conftest import TEST_MODEL
 
 
-@pytest.mark.parametrize(("phases", "expected"), [
-    (Phases(warmup_end=0, late_start=None), ["main"] * 6),
-    (Phases(warmup_end=2, late_start=None), ["warmup"] * 2 + ["main"] * 4),
-    (Phases(warmup_end=0, late_start=4), ["main"] * 4 + ["late"] * 2),
-    (Phases(warmup_end=1, late_start=5), ["warmup"] + ["main"] * 4 + ["late"]),
-])
+@pytest.mark.parametrize(
+    ("phases", "expected"),
+    [
+        (Phases(warmup_end=0, late_start=None), ["main"] * 6),
+        (Phases(warmup_end=2, late_start=None), ["warmup"] * 2 + ["main"] * 4),
+        (Phases(warmup_end=0, late_start=4), ["main"] * 4 + ["late"] * 2),
+        (Phases(warmup_end=1, late_start=5), ["warmup"] + ["main"] * 4 + ["late"]),
+    ],
+)
 def test_phases(phases, expected):
     assert [phases.of(s) for s in range(6)] == expected
 
 
 def test_phases_of_run(make_cfg):
     cfg = make_cfg("recipe=nvfp4", "precision.late.fraction=0.25", "steps=20")
-    assert Phases.of_run(cfg, {"main": None, "late": None}) == Phases(warmup_end=0,
-                                                                       late_start=15)
+    assert Phases.of_run(cfg, {"main": None, "late": None}) == Phases(warmup_end=0, late_start=15)
     assert Phases.of_run(cfg, {"main": None}).late_start is None
 
 
@@ -48,8 +50,9 @@ def test_clock_time_split_and_pause():
 
 def test_clock_counts_streaks_and_windows():
     c = Clock(t_start=0.0, step=3, win_t0=0.0)
-    for step, (loss, finite) in enumerate([(4.0, True), (9.0, False), (8.0, False),
-                                           (2.0, True), (1.0, True), (3.0, True)], start=4):
+    for step, (loss, finite) in enumerate(
+        [(4.0, True), (9.0, False), (8.0, False), (2.0, True), (1.0, True), (3.0, True)], start=4
+    ):
         c.count(step, loss, finite=finite, keep=3)
         c.win_tokens += 10
         if step == 6:
@@ -63,8 +66,9 @@ def test_clock_counts_streaks_and_windows():
 
 
 def test_clock_resumed_from_checkpoint_meta():
-    c = Clock.resumed({"nonfinite_total": 3, "nonfinite_streak": 1, "train_time_s": 7.5},
-                      t_start=1.0, start=40)
+    c = Clock.resumed(
+        {"nonfinite_total": 3, "nonfinite_streak": 1, "train_time_s": 7.5}, t_start=1.0, start=40
+    )
     assert (c.step, c.nonfinite_total, c.streak, c.train_time) == (40, 3, 1, 7.5)
     assert Clock.resumed({}, t_start=1.0, start=0) == Clock(t_start=1.0, step=0)
 
@@ -76,9 +80,10 @@ def test_evaluate_is_the_mean_loss_of_the_batches(make_cfg, recipe):
     st = build_state(cfg)
     g = st.graphdefs["main"]
     rng = np.random.default_rng(0)
-    batches = {"val": [rng.integers(0, TEST_MODEL.vocab_size, (4, 17), dtype=np.int32)
-                       for _ in range(2)],
-               "other": [rng.integers(0, TEST_MODEL.vocab_size, (4, 17), dtype=np.int32)]}
+    batches = {
+        "val": [rng.integers(0, TEST_MODEL.vocab_size, (4, 17), dtype=np.int32) for _ in range(2)],
+        "other": [rng.integers(0, TEST_MODEL.vocab_size, (4, 17), dtype=np.int32)],
+    }
     step = make_eval_step(g, seed=cfg.seed)
     rec = evaluate(step, st.params, st.rest, batches, g, step=7, tokens=70, phase="main")
     expect = [float(step(st.params, st.rest, b)) for b in batches["val"]]
@@ -92,36 +97,69 @@ def test_evaluate_is_the_mean_loss_of_the_batches(make_cfg, recipe):
     if recipe == "bf16":
         # a bf16 model: nothing quantized, and the loss is the plain forward pass's
         assert rec["quant"] == {}
-        np.testing.assert_allclose(expect[0], float(lm_loss(model, batches["val"][0])),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(expect[0], float(lm_loss(model, batches["val"][0])), rtol=1e-6)
     else:
-        assert set(rec["quant"]) == {"layers.0.attn.q_proj", "layers.0.attn.k_proj",
-                                     "layers.0.attn.v_proj", "layers.0.attn.o_proj",
-                                     "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj",
-                                     "layers.0.mlp.down_proj", "layers.1.attn.q_proj",
-                                     "layers.1.attn.k_proj", "layers.1.attn.v_proj",
-                                     "layers.1.attn.o_proj", "layers.1.mlp.gate_proj",
-                                     "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"}
-        assert set(rec["quant"]["layers.0.attn.q_proj"]) == {"zero", "saturated",
-                                                              "scale_underflow"}
+        assert set(rec["quant"]) == {
+            "layers.0.attn.q_proj",
+            "layers.0.attn.k_proj",
+            "layers.0.attn.v_proj",
+            "layers.0.attn.o_proj",
+            "layers.0.mlp.gate_proj",
+            "layers.0.mlp.up_proj",
+            "layers.0.mlp.down_proj",
+            "layers.1.attn.q_proj",
+            "layers.1.attn.k_proj",
+            "layers.1.attn.v_proj",
+            "layers.1.attn.o_proj",
+            "layers.1.mlp.gate_proj",
+            "layers.1.mlp.up_proj",
+            "layers.1.mlp.down_proj",
+        }
+        assert set(rec["quant"]["layers.0.attn.q_proj"]) == {"zero", "saturated", "scale_underflow"}
 
 
 def _facts(cfg, tmp_path):
-    return RunFacts(cfg=cfg, out=tmp_path / "run", n_params=1234, corpus_hash="abc",
-                    entropy={"val": 3.5, "wiki": 4.0}, late_switch_step=15,
-                    mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, data={"rows": 9})
+    return RunFacts(
+        cfg=cfg,
+        out=tmp_path / "run",
+        n_params=1234,
+        corpus_hash="abc",
+        entropy={"val": 3.5, "wiki": 4.0},
+        late_switch_step=15,
+        mesh_shape={"data": 1, "fsdp": 1, "tensor": 1},
+        data={"rows": 9},
+    )
 
 
 def test_write_summary(make_cfg, tmp_path):
     cfg = make_cfg("steps=20")
-    clock = Clock(t_start=0.0, step=20, nonfinite_total=2, train_time=3.0, compile_s=1.0,
-                  timed_s=2.0, timed_tokens=1000, recent=[2.0, 4.0])
-    last_eval = {"val_loss": 2.5, "val_ppl": math.exp(2.5), "val_losses": {"val": 2.5},
-                 "val_batch_losses": {"val": [2.0, 3.0]}}
+    clock = Clock(
+        t_start=0.0,
+        step=20,
+        nonfinite_total=2,
+        train_time=3.0,
+        compile_s=1.0,
+        timed_s=2.0,
+        timed_tokens=1000,
+        recent=[2.0, 4.0],
+    )
+    last_eval = {
+        "val_loss": 2.5,
+        "val_ppl": math.exp(2.5),
+        "val_losses": {"val": 2.5},
+        "val_batch_losses": {"val": [2.0, 3.0]},
+    }
     path = tmp_path / "summary.json"
-    s = write_summary(path, "completed", facts=_facts(cfg, tmp_path), clock=clock,
-                      last_eval=last_eval, precision={"layers.0.attn.q_proj": "bf16"},
-                      init_source=None, allocation=None)
+    s = write_summary(
+        path,
+        "completed",
+        facts=_facts(cfg, tmp_path),
+        clock=clock,
+        last_eval=last_eval,
+        precision={"layers.0.attn.q_proj": "bf16"},
+        init_source=None,
+        allocation=None,
+    )
     assert json.loads(path.read_text()) == json.loads(json.dumps(s))
     assert s["status"] == "completed" and s["recipe"] == cfg.recipe
     assert (s["final_val_loss"], s["final_val_batch_losses"]) == (2.5, {"val": [2.0, 3.0]})
@@ -135,10 +173,18 @@ def test_write_summary(make_cfg, tmp_path):
 
 
 def test_write_summary_aborted_without_eval_and_unwritten(make_cfg, tmp_path):
-    s = write_summary(None, "aborted", facts=_facts(make_cfg(), tmp_path),
-                      clock=Clock(t_start=0.0, step=4), last_eval=None, precision={},
-                      init_source=None, allocation=None, error="boom",
-                      last_good_checkpoint=None)
+    s = write_summary(
+        None,
+        "aborted",
+        facts=_facts(make_cfg(), tmp_path),
+        clock=Clock(t_start=0.0, step=4),
+        last_eval=None,
+        precision={},
+        init_source=None,
+        allocation=None,
+        error="boom",
+        last_good_checkpoint=None,
+    )
     assert not list(tmp_path.glob("*.json"))  # path None: returned, not written
     assert s["final_val_loss"] is None and s["final_train_loss"] is None
     assert s["tokens_per_s"] is None

@@ -24,26 +24,62 @@ from microscale.train.precision import PRECISION_KINDS, PrecisionKind
 
 # (kind, old-key overrides, the same request in new keys); "{rules}" is a rules file.
 OLD_AND_NEW = [
-    ("position", ["recipe=nvfp4", "bf16_first=1", "bf16_last=0"],
-     ["recipe=nvfp4", "precision.bf16_first=1", "precision.bf16_last=0"]),
-    ("layout", ["recipe=nvfp4", "model.n_layers=12", "bf16_layout=paper_12b"],
-     ["recipe=nvfp4", "model.n_layers=12", "precision.kind=layout",
-      "precision.layout=paper_12b"]),
+    (
+        "position",
+        ["recipe=nvfp4", "bf16_first=1", "bf16_last=0"],
+        ["recipe=nvfp4", "precision.bf16_first=1", "precision.bf16_last=0"],
+    ),
+    (
+        "layout",
+        ["recipe=nvfp4", "model.n_layers=12", "bf16_layout=paper_12b"],
+        [
+            "recipe=nvfp4",
+            "model.n_layers=12",
+            "precision.kind=layout",
+            "precision.layout=paper_12b",
+        ],
+    ),
     ("rules", ["rules={rules}"], ["precision.kind=rules", "precision.rules={rules}"]),
-    ("rules", ["rules={rules}", "rules_mode=full"],
-     ["precision.kind=rules", "precision.rules={rules}", "precision.rules_bf16=nothing"]),
-    ("rules", ["rules={rules}", "rules_mode=as_written"],
-     ["precision.kind=rules", "precision.rules={rules}", "precision.rules_bf16=as_written"]),
-    ("sensitivity", ["recipe=nvfp4", "bf16_policy=sensitivity", "adaptive.calib_tokens=256",
-                     "adaptive.warmup_fraction=0.25"],
-     ["recipe=nvfp4", "precision.kind=sensitivity", "precision.sensitivity.calib_tokens=256",
-      "precision.warmup=0.25"]),
-    ("position", ["recipe=nvfp4", "bf16_policy=position_warmup"],
-     ["recipe=nvfp4", "precision.warmup=0.1"]),
-    ("position", ["recipe=nvfp4", "late_switch.fraction=0.25", "late_switch.mode=full"],
-     ["recipe=nvfp4", "precision.late.fraction=0.25", "precision.late.bf16=all"]),
-    ("position", ["recipe=nvfp4", "late_switch.fraction=0.25", "late_switch.mode=fwd_only"],
-     ["recipe=nvfp4", "precision.late.fraction=0.25", "precision.late.bf16=forward"]),
+    (
+        "rules",
+        ["rules={rules}", "rules_mode=full"],
+        ["precision.kind=rules", "precision.rules={rules}", "precision.rules_bf16=nothing"],
+    ),
+    (
+        "rules",
+        ["rules={rules}", "rules_mode=as_written"],
+        ["precision.kind=rules", "precision.rules={rules}", "precision.rules_bf16=as_written"],
+    ),
+    (
+        "sensitivity",
+        [
+            "recipe=nvfp4",
+            "bf16_policy=sensitivity",
+            "adaptive.calib_tokens=256",
+            "adaptive.warmup_fraction=0.25",
+        ],
+        [
+            "recipe=nvfp4",
+            "precision.kind=sensitivity",
+            "precision.sensitivity.calib_tokens=256",
+            "precision.warmup=0.25",
+        ],
+    ),
+    (
+        "position",
+        ["recipe=nvfp4", "bf16_policy=position_warmup"],
+        ["recipe=nvfp4", "precision.warmup=0.1"],
+    ),
+    (
+        "position",
+        ["recipe=nvfp4", "late_switch.fraction=0.25", "late_switch.mode=full"],
+        ["recipe=nvfp4", "precision.late.fraction=0.25", "precision.late.bf16=all"],
+    ),
+    (
+        "position",
+        ["recipe=nvfp4", "late_switch.fraction=0.25", "late_switch.mode=fwd_only"],
+        ["recipe=nvfp4", "precision.late.fraction=0.25", "precision.late.bf16=forward"],
+    ),
 ]
 IDS = [f"{k}:{' '.join(o[1:] or o)}" for k, o, _ in OLD_AND_NEW]
 
@@ -54,8 +90,13 @@ def rules_file(tmp_path) -> str:
     from microscale.ptq import allocation_rules
 
     path = tmp_path / "rules.json"
-    allocation_rules({"layers.0.attn.q_proj": "fp8_e4m3", "layers.1.mlp.down_proj": "nvfp4",
-                      "layers.1.mlp.up_proj": "mxfp4"}).save(path)
+    allocation_rules(
+        {
+            "layers.0.attn.q_proj": "fp8_e4m3",
+            "layers.1.mlp.down_proj": "nvfp4",
+            "layers.1.mlp.up_proj": "mxfp4",
+        }
+    ).save(path)
     return str(path)
 
 
@@ -78,12 +119,19 @@ def test_old_keys_build_the_new_config(make_cfg, rules_file, kind, old, new):
             assert f"{key} -> precision." in msg, (key, msg)
 
 
-@pytest.mark.parametrize("base, old, kind, warmup", [
-    (["recipe=nvfp4", "precision.kind=sensitivity"], ["bf16_policy=position"], "position", 0),
-    (["precision.kind=rules", "precision.rules=r.json"], ["rules=none"], "position", 0),
-    (["recipe=nvfp4", "model.n_layers=12"], ["bf16_layout=paper_12b",
-                                             "bf16_policy=position_warmup"], "layout", 0.1),
-])
+@pytest.mark.parametrize(
+    "base, old, kind, warmup",
+    [
+        (["recipe=nvfp4", "precision.kind=sensitivity"], ["bf16_policy=position"], "position", 0),
+        (["precision.kind=rules", "precision.rules=r.json"], ["rules=none"], "position", 0),
+        (
+            ["recipe=nvfp4", "model.n_layers=12"],
+            ["bf16_layout=paper_12b", "bf16_policy=position_warmup"],
+            "layout",
+            0.1,
+        ),
+    ],
+)
 def test_old_keys_over_a_new_base(make_cfg, base, old, kind, warmup):
     """Old keys on top of a config of another kind mean what they meant before."""
     with pytest.warns(FutureWarning, match="deprecated config keys"):
@@ -96,30 +144,53 @@ def test_old_run_folder_config_reads_as_new(tmp_path):
     TrainConfig.tiny() dumped them, plus a few set) loads into the new config."""
     old = to_dict(TrainConfig.tiny())
     del old["precision"]
-    old.update(recipe="nvfp4", bf16_first=1, bf16_last=0, bf16_layout=None, rules=None,
-               rules_mode="forward", bf16_policy="sensitivity",
-               adaptive={"warmup_fraction": 0.1, "bf16_flops": None, "method": "kl",
-                         "calib_tokens": 16384, "activations": True,
-                         "granularity": "layer"},
-               late_switch={"fraction": 0.2, "mode": "fwd_only"})
+    old.update(
+        recipe="nvfp4",
+        bf16_first=1,
+        bf16_last=0,
+        bf16_layout=None,
+        rules=None,
+        rules_mode="forward",
+        bf16_policy="sensitivity",
+        adaptive={
+            "warmup_fraction": 0.1,
+            "bf16_flops": None,
+            "method": "kl",
+            "calib_tokens": 16384,
+            "activations": True,
+            "granularity": "layer",
+        },
+        late_switch={"fraction": 0.2, "mode": "fwd_only"},
+    )
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old, sort_keys=False))
     with pytest.warns(FutureWarning, match="bf16_policy -> precision.kind=sensitivity"):
         cfg = load_yaml(TrainConfig, path)
-    assert cfg == apply_overrides(TrainConfig.tiny(), [
-        "recipe=nvfp4", "precision.kind=sensitivity", "precision.bf16_first=1",
-        "precision.bf16_last=0", "precision.sensitivity.method=kl",
-        "precision.late.fraction=0.2", "precision.late.bf16=forward"])
+    assert cfg == apply_overrides(
+        TrainConfig.tiny(),
+        [
+            "recipe=nvfp4",
+            "precision.kind=sensitivity",
+            "precision.bf16_first=1",
+            "precision.bf16_last=0",
+            "precision.sensitivity.method=kl",
+            "precision.late.fraction=0.2",
+            "precision.late.bf16=forward",
+        ],
+    )
     dump_yaml(cfg, path)  # a resumed run rewrites it in the new keys, without a message
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         assert load_yaml(TrainConfig, path) == cfg
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"adaptive": {"warmup": 0.1}}, "unknown key 'adaptive.warmup'"),
-    ({"bf16_first": 1, "precision": {"bf16_first": 2}}, "'precision.bf16_first' is set twice"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"adaptive": {"warmup": 0.1}}, "unknown key 'adaptive.warmup'"),
+        ({"bf16_first": 1, "precision": {"bf16_first": 2}}, "'precision.bf16_first' is set twice"),
+    ],
+)
 def test_old_yaml_keys_fail_clearly(tmp_path, data, match):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -128,22 +199,43 @@ def test_old_yaml_keys_fail_clearly(tmp_path, data, match):
         load_yaml(TrainConfig, path)
 
 
-@pytest.mark.parametrize("override, expected", [
-    (["precision.kind=magic"], ("precision.kind='magic'", "position", "sensitivity")),
-    (["precision.kind=rules"], ("precision.rules=PATH",)),
-    (["recipe=nvfp4", "precision.kind=rules", "precision.rules=r.json",
-      "precision.bf16_first=1"], ("precision.bf16_first=1 is not read", "rules_bf16")),
-    (["recipe=nvfp4", "precision.kind=layout"], ("precision.layout=None", "paper_12b")),
-    (["recipe=nvfp4", "precision.kind=layout", "precision.layout=paper_12b",
-      "precision.bf16_last=1"], ("precision.bf16_last=1 is not read",)),
-    (["recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=0"],
-     ("precision.warmup=0", "warm-up")),
-    (["precision.warmup=0.1"], ("needs a quantized recipe",)),
-    (["precision.late.bf16=full"], ("precision.late.bf16", "full")),
-    (["precision.rules_bf16=forward"], ("precision.rules_bf16", "forward")),
-    (["recipe=nvfp4", "precision.bf16_first=2", "precision.bf16_last=1"],
-     ("bf16_first=2 + bf16_last=1 exceeds n_layers=2",)),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["precision.kind=magic"], ("precision.kind='magic'", "position", "sensitivity")),
+        (["precision.kind=rules"], ("precision.rules=PATH",)),
+        (
+            [
+                "recipe=nvfp4",
+                "precision.kind=rules",
+                "precision.rules=r.json",
+                "precision.bf16_first=1",
+            ],
+            ("precision.bf16_first=1 is not read", "rules_bf16"),
+        ),
+        (["recipe=nvfp4", "precision.kind=layout"], ("precision.layout=None", "paper_12b")),
+        (
+            [
+                "recipe=nvfp4",
+                "precision.kind=layout",
+                "precision.layout=paper_12b",
+                "precision.bf16_last=1",
+            ],
+            ("precision.bf16_last=1 is not read",),
+        ),
+        (
+            ["recipe=nvfp4", "precision.kind=sensitivity", "precision.warmup=0"],
+            ("precision.warmup=0", "warm-up"),
+        ),
+        (["precision.warmup=0.1"], ("needs a quantized recipe",)),
+        (["precision.late.bf16=full"], ("precision.late.bf16", "full")),
+        (["precision.rules_bf16=forward"], ("precision.rules_bf16", "forward")),
+        (
+            ["recipe=nvfp4", "precision.bf16_first=2", "precision.bf16_last=1"],
+            ("bf16_first=2 + bf16_last=1 exceeds n_layers=2",),
+        ),
+    ],
+)
 def test_bad_precision_names_the_key(make_cfg, override, expected):
     with pytest.raises(ConfigError) as e:
         make_cfg(*override)
@@ -161,12 +253,17 @@ def test_every_kind_is_a_row_with_documented_fields():
 def test_a_new_kind_is_one_row(make_cfg, monkeypatch):
     """A kind added as one row (here: every block but the last in bf16) is accepted,
     checked and trained from; nothing else names the kinds."""
-    def last_only(p, recipe, n_layers):
-        return PrecisionRules.for_recipe(recipe, n_layers, bf16_first=n_layers - 1,
-                                         bf16_last=0)
 
-    row = PrecisionKind(name="last_only", description="only the last block quantized",
-                        fields=(), main_rules=last_only, needs_quantized=True)
+    def last_only(p, recipe, n_layers):
+        return PrecisionRules.for_recipe(recipe, n_layers, bf16_first=n_layers - 1, bf16_last=0)
+
+    row = PrecisionKind(
+        name="last_only",
+        description="only the last block quantized",
+        fields=(),
+        main_rules=last_only,
+        needs_quantized=True,
+    )
     monkeypatch.setitem(PRECISION_KINDS, row.name, row)
     with pytest.warns(UserWarning, match="only 1 of 2 blocks"):
         cfg = make_cfg("recipe=nvfp4", "precision.kind=last_only")
@@ -225,15 +322,19 @@ TRAINED = [0, 1, 2, 5, 8]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, old, new", [OLD_AND_NEW[i] for i in TRAINED],
-                         ids=[IDS[i] for i in TRAINED])
-def test_old_and_new_keys_train_bit_identically(make_cfg, rules_file, tmp_path, kind, old,
-                                                new):
+@pytest.mark.parametrize(
+    "kind, old, new", [OLD_AND_NEW[i] for i in TRAINED], ids=[IDS[i] for i in TRAINED]
+)
+def test_old_and_new_keys_train_bit_identically(make_cfg, rules_file, tmp_path, kind, old, new):
     """Each row trains 4 steps twice, once from each spelling: the losses are equal to the
     bit and the written rules are the same."""
     common = ["steps=4", "eval_every=0"]
-    a, b, _ = _old_and_new(make_cfg, rules_file, [*old, *common, f"out={tmp_path / 'a'}"],
-                           [*new, *common, f"out={tmp_path / 'b'}"])
+    a, b, _ = _old_and_new(
+        make_cfg,
+        rules_file,
+        [*old, *common, f"out={tmp_path / 'a'}"],
+        [*new, *common, f"out={tmp_path / 'b'}"],
+    )
     train(a, progress=False)
     train(b, progress=False)
     la, lb = _losses(a.out), _losses(b.out)

@@ -55,10 +55,11 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_eight_devices_match_one(corpus_dir, tmp_path, fake_devices):
-    stdout = fake_devices(SCRIPT, corpus_dir, str(tmp_path),
-                          env={"MICROSCALE_CACHE": str(tmp_path / "cache")})
+    stdout = fake_devices(
+        SCRIPT, corpus_dir, str(tmp_path), env={"MICROSCALE_CACHE": str(tmp_path / "cache")}
+    )
     line = next(x for x in stdout.splitlines() if x.startswith("RESULT"))
-    res = json.loads(line[len("RESULT"):])
+    res = json.loads(line[len("RESULT") :])
     # q_proj [embed, heads] -> (fsdp, tensor); its Adam moment is sharded the same way.
     assert res["q_spec"][0] == res["q_spec"][1] == "P('fsdp', 'tensor')"
     assert res["q_spec"][2] == 8

@@ -43,18 +43,40 @@ def test_preset_yaml_files_are_the_presets(name):
 
 
 def test_every_config_field_has_a_comment():
-    for cls in (TrainConfig, OptimConfig, LateSwitchConfig, MeshConfig, PrecisionConfig,
-                SensitivityConfig):
+    for cls in (
+        TrainConfig,
+        OptimConfig,
+        LateSwitchConfig,
+        MeshConfig,
+        PrecisionConfig,
+        SensitivityConfig,
+    ):
         names = {f.name for f in dataclasses.fields(cls)}
         assert set(field_comments(cls)) == names, cls
 
 
 def test_train_config_overrides_and_validation():
-    cfg = resolve_config("tiny", ["recipe=nvfp4", "lr=1e-3", "batch_size=8", "model=small",
-                                  "seq_len=64", "precision.late.bf16=forward", "mesh.fsdp=2"])
-    assert (cfg.recipe, cfg.optim.lr, cfg.data.batch_size, cfg.model.d_model,
-            cfg.data.seq_len, cfg.precision.late.bf16, cfg.mesh.fsdp) == (
-        "nvfp4", 1e-3, 8, 512, 64, "forward", 2)
+    cfg = resolve_config(
+        "tiny",
+        [
+            "recipe=nvfp4",
+            "lr=1e-3",
+            "batch_size=8",
+            "model=small",
+            "seq_len=64",
+            "precision.late.bf16=forward",
+            "mesh.fsdp=2",
+        ],
+    )
+    assert (
+        cfg.recipe,
+        cfg.optim.lr,
+        cfg.data.batch_size,
+        cfg.model.d_model,
+        cfg.data.seq_len,
+        cfg.precision.late.bf16,
+        cfg.mesh.fsdp,
+    ) == ("nvfp4", 1e-3, 8, 512, 64, "forward", 2)
     with pytest.raises(ConfigError, match="unknown recipe 'nvfp5'.*nvfp4"):
         resolve_config("tiny", ["recipe=nvfp5"])
     with pytest.raises(ConfigError, match="seq_len=512 exceeds model.max_seq_len=256"):
@@ -62,12 +84,13 @@ def test_train_config_overrides_and_validation():
     with pytest.raises(ConfigError, match="mxfp4.*blocks of 32.*d_ff=48"):
         resolve_config("tiny", ["model.dim_multiple=16", "model.d_ff=48", "recipe=mxfp4"])
     with pytest.raises(ConfigError, match="bf16_first=3 \\+ bf16_last=3 exceeds n_layers=4"):
-        resolve_config("tiny", ["recipe=nvfp4", "precision.bf16_last=3",
-                                "precision.bf16_first=3"])
+        resolve_config("tiny", ["recipe=nvfp4", "precision.bf16_last=3", "precision.bf16_first=3"])
     # Validated once after all overrides: both orders of a valid pair are accepted, even
     # where the first alone would exceed the layer count with the other's old value.
-    for order in (["precision.bf16_first=3", "precision.bf16_last=0"],
-                  ["precision.bf16_last=0", "precision.bf16_first=3"]):
+    for order in (
+        ["precision.bf16_first=3", "precision.bf16_last=0"],
+        ["precision.bf16_last=0", "precision.bf16_first=3"],
+    ):
         with pytest.warns(UserWarning, match="only 1 of 4 blocks are quantized"):
             cfg = resolve_config("tiny", ["recipe=nvfp4", *order])
         assert (cfg.precision.bf16_first, cfg.precision.bf16_last) == (3, 0), order
@@ -81,8 +104,9 @@ def test_train_config_overrides_and_validation():
 
 
 def test_switch_step_and_rules():
-    cfg = apply_overrides(TrainConfig.tiny(), ["steps=100", "precision.late.fraction=0.18",
-                                               "recipe=nvfp4"])
+    cfg = apply_overrides(
+        TrainConfig.tiny(), ["steps=100", "precision.late.fraction=0.18", "recipe=nvfp4"]
+    )
     assert cfg.switch_step == 82
     rules = cfg.precision_rules()
     assert rules.resolve_name("layers.0.attn.q_proj") == "nvfp4"
@@ -91,8 +115,9 @@ def test_switch_step_and_rules():
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_lr_schedules(schedule):
-    opt = OptimConfig(lr=1.0, warmup_steps=10, schedule=schedule, min_lr_ratio=0.1,
-                      decay_fraction=0.2)
+    opt = OptimConfig(
+        lr=1.0, warmup_steps=10, schedule=schedule, min_lr_ratio=0.1, decay_fraction=0.2
+    )
     f = lr_schedule(opt, 100)
     lr = np.array([float(f(s)) for s in range(100)])
     assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
@@ -107,8 +132,9 @@ def test_lr_schedules(schedule):
 def test_step_skips_nonfinite_updates():
     cfg = TrainConfig(model=TEST_MODEL, data=DataConfig(seq_len=32), recipe="bf16")
     st = build_state(cfg)
-    fn = make_train_step(st.graphdefs["main"], st.tx, lr_schedule(cfg.optim, 10),
-                         seed=0, inject=True)
+    fn = make_train_step(
+        st.graphdefs["main"], st.tx, lr_schedule(cfg.optim, 10), seed=0, inject=True
+    )
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 257, (1, 4, 33)), jnp.int32)
     p0 = jax.tree.map(np.asarray, st.params)
     o0 = jax.tree.map(np.asarray, st.opt_state)
@@ -125,8 +151,7 @@ def test_step_skips_nonfinite_updates():
 def test_weight_quant_stats():
     nv = OperandSpec(format="nvfp4", block_shape=(16, 16))
     const = jnp.full((32, 32), 0.5)
-    assert weight_quant_stats(const, nv) == {"zero": 0.0, "saturated": 1.0,
-                                             "scale_underflow": 0.0}
+    assert weight_quant_stats(const, nv) == {"zero": 0.0, "saturated": 1.0, "scale_underflow": 0.0}
     zeros = weight_quant_stats(jnp.zeros((32, 32)), nv)
     assert zeros["zero"] == 1.0 and zeros["scale_underflow"] == 0.0
     # One huge block: the other three 16x16 tiles' scales underflow E4M3 -> 3/4 blocks lost.

@@ -14,18 +14,37 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "compare": ("microscale.cli.compare", "train several recipes on the same data and report the gaps"),
-    "train": ("microscale.cli.train", "train a model with a recipe (bf16, fp8, mxfp8, nvfp4, mxfp4)"),
-    "quantize": ("microscale.cli.quantize", "sensitivity analysis + budgeted per-layer precision search"),
-    "import": ("microscale.cli.import_hf", "an HF Llama folder as a run folder (config.json's "
-                                          "model, its tokenizer, its weights; no training)"),
-    "export": ("microscale.cli.export", "write a packed checkpoint (compressed-tensors / ModelOpt)"),
+    "compare": (
+        "microscale.cli.compare",
+        "train several recipes on the same data and report the gaps",
+    ),
+    "train": (
+        "microscale.cli.train",
+        "train a model with a recipe (bf16, fp8, mxfp8, nvfp4, mxfp4)",
+    ),
+    "quantize": (
+        "microscale.cli.quantize",
+        "sensitivity analysis + budgeted per-layer precision search",
+    ),
+    "import": (
+        "microscale.cli.import_hf",
+        "an HF Llama folder as a run folder (config.json's "
+        "model, its tokenizer, its weights; no training)",
+    ),
+    "export": (
+        "microscale.cli.export",
+        "write a packed checkpoint (compressed-tensors / ModelOpt)",
+    ),
     "generate": ("microscale.cli.generate", "generate text from a (packed) checkpoint"),
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),
-    "plan": ("microscale.cli.plan", "compile a train step at scale on simulated devices: "
-                                    "memory fit, collectives, roofline"),
-    "verify": ("microscale.cli.verify", "check a GGUF file, export, quantize output or run "
-                                        "against its stored checksums"),
+    "plan": (
+        "microscale.cli.plan",
+        "compile a train step at scale on simulated devices: memory fit, collectives, roofline",
+    ),
+    "verify": (
+        "microscale.cli.verify",
+        "check a GGUF file, export, quantize output or run against its stored checksums",
+    ),
 }
 
 
@@ -59,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_intermixed_args(argv[1:])
         args.command = name
     else:
-        parser = ArgumentParser(prog="microscale",
-                                description="NVFP4 training, verification and adaptive "
-                                            "quantization in JAX.")
+        parser = ArgumentParser(
+            prog="microscale",
+            description="NVFP4 training, verification and adaptive quantization in JAX.",
+        )
         sub = parser.add_subparsers(dest="command", metavar="COMMAND")
         sub.required = True
         for name, (_, helptext) in COMMANDS.items():
@@ -75,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - one line, never a traceback (see above)
         known = isinstance(e, (ValueError, OSError, LookupError, TypeError))
-        print(f"microscale {name}: error: {_one_line(e)}"
-              + ("" if known else f" ({type(e).__name__}; MICROSCALE_TRACEBACK=1 shows where)"),
-              file=sys.stderr)
+        print(
+            f"microscale {name}: error: {_one_line(e)}"
+            + ("" if known else f" ({type(e).__name__}; MICROSCALE_TRACEBACK=1 shows where)"),
+            file=sys.stderr,
+        )
         if os.environ.get("MICROSCALE_TRACEBACK"):
             import traceback
 

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _number(text: str, kind: type, lo: float | None, lo_open: bool, hi: float | None,
-            what: str) -> Any:
+def _number(
+    text: str, kind: type, lo: float | None, lo_open: bool, hi: float | None, what: str
+) -> Any:
     try:
         v = kind(text)
     except (TypeError, ValueError):
@@ -62,8 +63,9 @@ def _list(text: str, one, what: str) -> tuple:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
-        raise argparse.ArgumentTypeError(f"{text!r} lists {', '.join(repeated)} more than once; "
-                                         f"expected {what}, each once")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} lists {', '.join(repeated)} more than once; expected {what}, each once"
+        )
     return values
 
 
@@ -116,11 +118,9 @@ def add_old_flags(parser: argparse.ArgumentParser, table: tuple[OldFlag, ...]) -
     for i, f in enumerate(table):
         kw: dict[str, Any] = {"dest": f"_old_{i}", "default": None}
         if f.const is not None:
-            kw.update(action="store_const", const=f.const,
-                      help=f"{f.key}={_shown(f.const)}")
+            kw.update(action="store_const", const=f.const, help=f"{f.key}={_shown(f.const)}")
         else:
-            kw.update(type=f.type, metavar=f.key.upper().replace(".", "_"),
-                      help=f"{f.key}=VALUE")
+            kw.update(type=f.type, metavar=f.key.upper().replace(".", "_"), help=f"{f.key}=VALUE")
             if f.choices is not None:
                 kw["choices"] = list(f.choices)
         g.add_argument(*f.flags, **kw)
@@ -137,8 +137,9 @@ def _shown(v: Any) -> str:
     return str(v)
 
 
-def old_flag_values(args: argparse.Namespace, table: tuple[OldFlag, ...],
-                    command: str) -> tuple[dict[str, Any], dict[str, str]]:
+def old_flag_values(
+    args: argparse.Namespace, table: tuple[OldFlag, ...], command: str
+) -> tuple[dict[str, Any], dict[str, str]]:
     """``{key: value}`` of the old flags given and ``{key: the flag as given}`` (for error
     messages in the user's words), with one notice per flag on stdout (``--w4a4 is now
     activations=true``; stderr keeps an error to its one line). Two flags setting one key
@@ -164,8 +165,7 @@ def spelled(said: dict[str, str], key: str, value: Any) -> str:
     return said.get(key, f"{key}={_shown(value)}")
 
 
-def split_keys(overrides: list[str], old: dict[str, Any],
-               *classes: type) -> list[dict[str, Any]]:
+def split_keys(overrides: list[str], old: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
     """The old flags' values, then the ``key=value`` overrides (which win), split by the
     config class whose field the key's first part names; an unknown key raises a
     ``ConfigError`` naming it and every valid key."""
@@ -197,6 +197,9 @@ def require(args: argparse.Namespace, command: str, *names: str) -> bool:
     ``--list-keys``); prints the usage error naming the missing ones otherwise."""
     missing = [f"--{n}" for n in names if getattr(args, n) is None]
     if missing:
-        print(f"microscale {command}: error: the following arguments are required: "
-              f"{', '.join(missing)}", file=sys.stderr)
+        print(
+            f"microscale {command}: error: the following arguments are required: "
+            f"{', '.join(missing)}",
+            file=sys.stderr,
+        )
     return not missing

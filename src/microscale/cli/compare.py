@@ -28,31 +28,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from microscale.experiments.compare import PRESETS
     from microscale.experiments.scaling import SIZES
 
-    parser.add_argument("--preset", "-p", default="default", choices=list(PRESETS),
-                        help="; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))
-    parser.add_argument("--config", "-c", default=None,
-                        help="training preset or YAML for the shared config, replacing the "
-                             "compare preset's regime (default: tiny + the preset's regime)")
-    parser.add_argument("--runs", type=name_list, default=None,
-                        help="comma-separated runs (default: the preset's)")
-    parser.add_argument("--ablations", type=name_list, default=(),
-                        help="comma-separated NVFP4 ablations to add, or 'all' "
-                             "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
-                             "nvfp4_fwd_only, nvfp4_late_bf16, nvfp4_adaptive)")
-    parser.add_argument("--seeds", type=int_list, default=None,
-                        help="comma-separated seeds (default: the preset's)")
-    parser.add_argument("--sizes", type=name_list, default=None,
-                        help=f"comma-separated model sizes for a trend sweep, from {list(SIZES)}")
-    parser.add_argument("--tokens-per-param", type=positive_float, default=None,
-                        help="with --sizes: training tokens per parameter (default 1)")
-    parser.add_argument("--min-steps", type=positive_int, default=None,
-                        help="with --sizes: fewest optimizer steps per size (default 100)")
-    parser.add_argument("--parallel", type=positive_int, default=1,
-                        help="concurrent training processes (default 1: in this process)")
+    parser.add_argument(
+        "--preset",
+        "-p",
+        default="default",
+        choices=list(PRESETS),
+        help="; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()),
+    )
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=None,
+        help="training preset or YAML for the shared config, replacing the "
+        "compare preset's regime (default: tiny + the preset's regime)",
+    )
+    parser.add_argument(
+        "--runs", type=name_list, default=None, help="comma-separated runs (default: the preset's)"
+    )
+    parser.add_argument(
+        "--ablations",
+        type=name_list,
+        default=(),
+        help="comma-separated NVFP4 ablations to add, or 'all' "
+        "(nvfp4_no_rht, nvfp4_no_sr, nvfp4_1d, nvfp4_all_fp4, "
+        "nvfp4_fwd_only, nvfp4_late_bf16, nvfp4_adaptive)",
+    )
+    parser.add_argument(
+        "--seeds", type=int_list, default=None, help="comma-separated seeds (default: the preset's)"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=name_list,
+        default=None,
+        help=f"comma-separated model sizes for a trend sweep, from {list(SIZES)}",
+    )
+    parser.add_argument(
+        "--tokens-per-param",
+        type=positive_float,
+        default=None,
+        help="with --sizes: training tokens per parameter (default 1)",
+    )
+    parser.add_argument(
+        "--min-steps",
+        type=positive_int,
+        default=None,
+        help="with --sizes: fewest optimizer steps per size (default 100)",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=positive_int,
+        default=1,
+        help="concurrent training processes (default 1: in this process)",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="overrides of the shared training config; out=DIR sets the "
-                             "compare output folder")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides of the shared training config; out=DIR sets the compare output folder",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,10 +117,13 @@ def run(args: argparse.Namespace) -> int:
         base = resolve_config(regime, overrides)
         cfg = CompareConfig.preset(args.preset, base=base, parallel=args.parallel)
         refuse_unused(
-            (args.sizes is None and args.tokens_per_param is not None, "--tokens-per-param",
-             "without --sizes"),
-            (args.sizes is None and args.min_steps is not None, "--min-steps",
-             "without --sizes"))
+            (
+                args.sizes is None and args.tokens_per_param is not None,
+                "--tokens-per-param",
+                "without --sizes",
+            ),
+            (args.sizes is None and args.min_steps is not None, "--min-steps", "without --sizes"),
+        )
         runs = list(args.runs or cfg.runs)
         abl = list(ABLATIONS) if args.ablations == ("all",) else list(args.ablations)
         runs += [a for a in abl if a not in runs]
@@ -94,8 +131,14 @@ def run(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, runs=tuple(runs), seeds=seeds)
         scaling = None
         if args.sizes is not None:
-            given = {k: v for k, v in (("tokens_per_param", args.tokens_per_param),
-                                       ("min_steps", args.min_steps)) if v is not None}
+            given = {
+                k: v
+                for k, v in (
+                    ("tokens_per_param", args.tokens_per_param),
+                    ("min_steps", args.min_steps),
+                )
+                if v is not None
+            }
             scaling = ScalingConfig(compare=cfg, sizes=args.sizes, **given)
     except (ConfigError, ValueError) as e:
         print(f"microscale compare: error: {e}", file=sys.stderr)
@@ -120,6 +163,5 @@ def run(args: argparse.Namespace) -> int:
     summary = run_compare(cfg, progress=not args.quiet)
     if not args.quiet:
         print(Path(out, "report.md").read_text())
-        print(f"[compare] report: {out}/report.md, plots: convergence.png gap.png, "
-              f"summary.json")
+        print(f"[compare] report: {out}/report.md, plots: convergence.png gap.png, summary.json")
     return 0 if summary["runs"] else 1

@@ -67,15 +67,22 @@ OLD_FLAGS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", "-c",
-                        help="training run folder or HF-style model folder (required)")
-    parser.add_argument("--out", "-o",
-                        help="output folder (layout=gguf: output file) (required)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="ExportConfig keys: layout=gguf formats=nvfp4 activations=true "
-                             "corpus=texts/ (--list-keys)")
-    parser.add_argument("--list-keys", action="store_true",
-                        help="list every key with its value and meaning, and exit")
+    parser.add_argument(
+        "--checkpoint", "-c", help="training run folder or HF-style model folder (required)"
+    )
+    parser.add_argument("--out", "-o", help="output folder (layout=gguf: output file) (required)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="ExportConfig keys: layout=gguf formats=nvfp4 activations=true "
+        "corpus=texts/ (--list-keys)",
+    )
+    parser.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every key with its value and meaning, and exit",
+    )
     add_old_flags(parser, OLD_FLAGS)
 
 
@@ -108,13 +115,17 @@ def parse_formats(text: str | None):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not valid JSON: {e.msg} at column {e.colno}; "
-                             "expected a format name or {layer path: format}") from None
+            raise ValueError(
+                f"{where} is not valid JSON: {e.msg} at column {e.colno}; "
+                "expected a format name or {layer path: format}"
+            ) from None
     if isinstance(obj, dict) and isinstance(obj.get("layers"), dict):
         obj = obj["layers"]
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: the JSON must be an object {{layer path: format}}, got "
-                         f"a {type(obj).__name__}")
+        raise ValueError(
+            f"{where}: the JSON must be an object {{layer path: format}}, got "
+            f"a {type(obj).__name__}"
+        )
     return obj
 
 
@@ -130,13 +141,18 @@ def _print_written(res, dtype: str) -> None:
     config = res.config
     shapes = param_shapes(config)
     numel = {p: math.prod(shapes[f"{p}.kernel"]) for p in res.layers}
-    bits = model_bits({p: f.split("/")[0] for p, f in res.layers.items()}, numel,
-                      config.num_params() - sum(numel.values()),
-                      other_bits=32 if dtype == "float32" else 16)
-    print(f"wrote {res.path} ({res.layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
-          + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
-          + f"; {bits['linear_bits']:.3f} bits per weight in the linear layers, "
-          f"{bits['model_bits']:.3f} in the whole model")
+    bits = model_bits(
+        {p: f.split("/")[0] for p, f in res.layers.items()},
+        numel,
+        config.num_params() - sum(numel.values()),
+        other_bits=32 if dtype == "float32" else 16,
+    )
+    print(
+        f"wrote {res.path} ({res.layout}, {res.tensor_bytes / 2**20:.2f} MiB of tensors): "
+        + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
+        + f"; {bits['linear_bits']:.3f} bits per weight in the linear layers, "
+        f"{bits['model_bits']:.3f} in the whole model"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,24 +178,40 @@ def run(args: argparse.Namespace) -> int:
             formats = PrecisionRules.load(cfg.rules)
         layout = get_layout(cfg.layout)
         if cfg.activations and not layout.input_scales:
-            raise ValueError(f"activations=true: the {layout.name} layout stores weights "
-                             "only; drop it")
+            raise ValueError(
+                f"activations=true: the {layout.name} layout stores weights only; drop it"
+            )
         refuse_unused(
-            (layout.single_file and cfg.shard_size is not None,
-             spelled(said, "shard_size", cfg.shard_size),
-             f"with layout={layout.name} (it writes one file)"),
-            (not cfg.activations and cfg.calib_batches is not None,
-             spelled(said, "calib_batches", cfg.calib_batches),
-             "without activations=true (only layer inputs are calibrated)"),
-            (not cfg.activations and cfg.corpus is not None,
-             spelled(said, "corpus", cfg.corpus),
-             "without activations=true (only layer inputs are calibrated)"))
-        res = export_run(args.checkpoint, args.out, layout=layout.name, formats=formats,
-                         activations=cfg.activations, calib_batches=cfg.calib_batches,
-                         data=cfg.corpus, step=cfg.step, dtype=cfg.dtype,
-                         shard_bytes=None if cfg.shard_size is None
-                         else int(cfg.shard_size * 1e9),
-                         embed_format=cfg.embed_format, overwrite=cfg.overwrite)
+            (
+                layout.single_file and cfg.shard_size is not None,
+                spelled(said, "shard_size", cfg.shard_size),
+                f"with layout={layout.name} (it writes one file)",
+            ),
+            (
+                not cfg.activations and cfg.calib_batches is not None,
+                spelled(said, "calib_batches", cfg.calib_batches),
+                "without activations=true (only layer inputs are calibrated)",
+            ),
+            (
+                not cfg.activations and cfg.corpus is not None,
+                spelled(said, "corpus", cfg.corpus),
+                "without activations=true (only layer inputs are calibrated)",
+            ),
+        )
+        res = export_run(
+            args.checkpoint,
+            args.out,
+            layout=layout.name,
+            formats=formats,
+            activations=cfg.activations,
+            calib_batches=cfg.calib_batches,
+            data=cfg.corpus,
+            step=cfg.step,
+            dtype=cfg.dtype,
+            shard_bytes=None if cfg.shard_size is None else int(cfg.shard_size * 1e9),
+            embed_format=cfg.embed_format,
+            overwrite=cfg.overwrite,
+        )
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2

@@ -21,21 +21,33 @@ from microscale.cli.args import nonnegative_float, nonnegative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", required=True,
-                        help="exported model folder or training run folder")
-    parser.add_argument("--prompt", "-p", required=True, action="append",
-                        help="prompt text (repeat for a batch of prompts)")
+    parser.add_argument(
+        "--model", "-m", required=True, help="exported model folder or training run folder"
+    )
+    parser.add_argument(
+        "--prompt",
+        "-p",
+        required=True,
+        action="append",
+        help="prompt text (repeat for a batch of prompts)",
+    )
     parser.add_argument("--max-new-tokens", "-n", type=positive_int, default=64)
-    parser.add_argument("--temperature", "-t", type=nonnegative_float, default=0.0,
-                        help="0 = greedy (default)")
+    parser.add_argument(
+        "--temperature", "-t", type=nonnegative_float, default=0.0, help="0 = greedy (default)"
+    )
     parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=probability, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed")
     parser.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
-    parser.add_argument("--formats", help="quantize a run's weights in memory: a format name "
-                        "or JSON {layer path: format}")
-    parser.add_argument("--activations", action="store_true",
-                        help="emulate W4A4: quantize each packed layer's inputs too")
+    parser.add_argument(
+        "--formats",
+        help="quantize a run's weights in memory: a format name or JSON {layer path: format}",
+    )
+    parser.add_argument(
+        "--activations",
+        action="store_true",
+        help="emulate W4A4: quantize each packed layer's inputs too",
+    )
     parser.add_argument("--stats", action="store_true", help="print memory and speed")
 
 
@@ -51,18 +63,26 @@ def run(args: argparse.Namespace) -> int:
             try:
                 p.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"--prompt {p!r} is not valid UTF-8 text (undecodable byte "
-                                 f"at character {e.start})") from None
-        model = load_model(args.model, formats=parse_formats(args.formats),
-                           activations=args.activations or None)
+                raise ValueError(
+                    f"--prompt {p!r} is not valid UTF-8 text (undecodable byte "
+                    f"at character {e.start})"
+                ) from None
+        model = load_model(
+            args.model, formats=parse_formats(args.formats), activations=args.activations or None
+        )
         tok = model.tokenizer
         if tok is None:
-            raise ValueError(f"{args.model}: no tokenizer.json next to the model; cannot "
-                             "encode a text prompt")
+            raise ValueError(
+                f"{args.model}: no tokenizer.json next to the model; cannot encode a text prompt"
+            )
         stops = () if args.no_stop else (tok.eos_id,)
-        gen = GenerationConfig(max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, stop_tokens=stops)
+        gen = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop_tokens=stops,
+        )
         prompts = [tok.encode(p) or [tok.eos_id] for p in args.prompt]
         t0 = time.perf_counter()
         res = model.generate(prompts, gen, key=jax.random.key(args.seed))
@@ -75,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         n = int(res.lengths.sum())
         print(f"[stats] {model.memory_stats().summary()}")
-        print(f"[stats] generated {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, "
-              "compilation included)")
+        print(
+            f"[stats] generated {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, "
+            "compilation included)"
+        )
     return 0

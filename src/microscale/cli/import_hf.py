@@ -18,8 +18,11 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="HF_FOLDER",
-                        help="an HF Llama folder: config.json, *.safetensors, tokenizer.json")
+    parser.add_argument(
+        "folder",
+        metavar="HF_FOLDER",
+        help="an HF Llama folder: config.json, *.safetensors, tokenizer.json",
+    )
     parser.add_argument("--out", "-o", required=True, help="the run folder to write (new)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
 

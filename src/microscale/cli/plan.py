@@ -21,22 +21,43 @@ from microscale.train.config import list_presets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default="tiny",
-                        help=f"preset ({', '.join(list_presets())}) or a YAML path "
-                             "(default: tiny)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides: mesh.fsdp=64 mesh.tensor=8 grad_accum=4 ...")
-    parser.add_argument("--accelerator", "-a", default="b200",
-                        help="b200, gb200, gb300, h100 or h200 (default: b200)")
-    parser.add_argument("--recipe", default="nvfp4",
-                        help="recipe compiled and compared with bf16 and fp8 (default: nvfp4)")
-    parser.add_argument("--devices", type=positive_int, default=None,
-                        help="simulated devices (default: the mesh's size; needed when a "
-                             "mesh axis is -1)")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="memory and roofline from the shapes only (no XLA)")
-    parser.add_argument("--lower-only", action="store_true",
-                        help="trace and lower the step but do not compile it")
+    parser.add_argument(
+        "--config",
+        "-c",
+        default="tiny",
+        help=f"preset ({', '.join(list_presets())}) or a YAML path (default: tiny)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides: mesh.fsdp=64 mesh.tensor=8 grad_accum=4 ...",
+    )
+    parser.add_argument(
+        "--accelerator",
+        "-a",
+        default="b200",
+        help="b200, gb200, gb300, h100 or h200 (default: b200)",
+    )
+    parser.add_argument(
+        "--recipe",
+        default="nvfp4",
+        help="recipe compiled and compared with bf16 and fp8 (default: nvfp4)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="simulated devices (default: the mesh's size; needed when a mesh axis is -1)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="memory and roofline from the shapes only (no XLA)",
+    )
+    parser.add_argument(
+        "--lower-only", action="store_true", help="trace and lower the step but do not compile it"
+    )
     parser.add_argument("--out", default=None, help="folder for plan.md and plan.json")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -52,8 +73,14 @@ def run(args: argparse.Namespace) -> int:
         from microscale.plan import get_accelerator, plan
 
         acc = get_accelerator(args.accelerator)
-        res = plan(cfg, accelerator=acc, devices=args.devices,
-                   compile=not args.no_compile, lower_only=args.lower_only, out=args.out)
+        res = plan(
+            cfg,
+            accelerator=acc,
+            devices=args.devices,
+            compile=not args.no_compile,
+            lower_only=args.lower_only,
+            out=args.out,
+        )
     except (ConfigError, ValueError) as e:
         print(f"microscale plan: error: {e}", file=sys.stderr)
         return 2

@@ -78,20 +78,34 @@ OLD_FLAGS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", "-c", metavar="PATH",
-                        help="a training run folder (the out= of microscale train), an HF "
-                             "Llama folder (config.json, *.safetensors, tokenizer.json) or a "
-                             "quantize output (required)")
+    parser.add_argument(
+        "--checkpoint",
+        "-c",
+        metavar="PATH",
+        help="a training run folder (the out= of microscale train), an HF "
+        "Llama folder (config.json, *.safetensors, tokenizer.json) or a "
+        "quantize output (required)",
+    )
     parser.add_argument("--out", "-o", metavar="DIR", help="output folder (required)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="QuantizeConfig / QuantizeRunConfig keys, dotted for nested "
-                             "fields: budget=5.0 formats=nvfp4,fp8,bf16 activations=true "
-                             "ptq.method=gptq layout=gguf corpus=texts/ (--list-keys)")
-    parser.add_argument("--list-keys", action="store_true",
-                        help="list every key with its value and meaning, and exit")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="QuantizeConfig / QuantizeRunConfig keys, dotted for nested "
+        "fields: budget=5.0 formats=nvfp4,fp8,bf16 activations=true "
+        "ptq.method=gptq layout=gguf corpus=texts/ (--list-keys)",
+    )
+    parser.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every key with its value and meaning, and exit",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not use JAX's persistent compilation cache")
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache",
+    )
     add_old_flags(parser, OLD_FLAGS)
 
 
@@ -110,20 +124,28 @@ def configs(args: argparse.Namespace):
     runc = apply_overrides(QuantizeRunConfig(), rkeys)
     gguf = runc.layout == "gguf"
     cfg = apply_overrides(QuantizeConfig.for_gguf() if gguf else QuantizeConfig(), qkeys)
-    refuse_unused((not cfg.static_act_scales and not cfg.activations,
-                   spelled(said, "static_act_scales", False),
-                   "without activations=true (only quantized layer inputs have scales)"))
+    refuse_unused(
+        (
+            not cfg.static_act_scales and not cfg.activations,
+            spelled(said, "static_act_scales", False),
+            "without activations=true (only quantized layer inputs have scales)",
+        )
+    )
     if gguf:
         from microscale.export.gguf import gguf_format
 
         if cfg.activations:
-            raise ValueError("activations=true with layout=gguf: a GGUF stores weights only "
-                             "(llama.cpp quantizes activations itself)")
+            raise ValueError(
+                "activations=true with layout=gguf: a GGUF stores weights only "
+                "(llama.cpp quantizes activations itself)"
+            )
         for f in cfg.formats if "formats" in qkeys else ():
             if gguf_format(f) != f:
-                raise ValueError(f"formats: llama.cpp has no native {f} (it would run as "
-                                 f"{gguf_format(f)}); layout=gguf searches nvfp4, mxfp4, "
-                                 "q8_0, bf16")
+                raise ValueError(
+                    f"formats: llama.cpp has no native {f} (it would run as "
+                    f"{gguf_format(f)}); layout=gguf searches nvfp4, mxfp4, "
+                    "q8_0, bf16"
+                )
     return cfg, runc
 
 
@@ -146,20 +168,24 @@ def run(args: argparse.Namespace) -> int:
 
         enable_compilation_cache()
     try:
-        result = quantize_run(args.checkpoint, args.out, cfg, log=log,
-                              **dataclasses.asdict(runc))
+        result = quantize_run(args.checkpoint, args.out, cfg, log=log, **dataclasses.asdict(runc))
     except (FileNotFoundError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
     if runc.layout == "gguf" and not (Path(args.out) / "model.gguf").is_file():
-        print(f"microscale quantize: error: the GGUF export failed (see "
-              f"{args.out}/report.json, checkpoint.fallback_reason); the allocation was "
-              f"written in microscale's layout to {args.out}/checkpoint", file=sys.stderr)
+        print(
+            f"microscale quantize: error: the GGUF export failed (see "
+            f"{args.out}/report.json, checkpoint.fallback_reason); the allocation was "
+            f"written in microscale's layout to {args.out}/checkpoint",
+            file=sys.stderr,
+        )
         return 2
     ppl = result.val_ppl
     s = result.points["searched"]
-    print(f"searched {result.allocation.effective_bits:.3f} bits ({s['linear_bits']:.3f} in the "
-          f"linear layers, {s['model_bits']:.3f} in the whole model): val ppl "
-          f"{ppl['searched']:.4f} (bf16 {ppl['bf16']:.4f}, heuristic {ppl['heuristic']:.4f} "
-          f"@ {result.points['heuristic']['effective_bits']:.2f} bits) -> {args.out}")
+    print(
+        f"searched {result.allocation.effective_bits:.3f} bits ({s['linear_bits']:.3f} in the "
+        f"linear layers, {s['model_bits']:.3f} in the whole model): val ppl "
+        f"{ppl['searched']:.4f} (bf16 {ppl['bf16']:.4f}, heuristic {ppl['heuristic']:.4f} "
+        f"@ {result.points['heuristic']['effective_bits']:.2f} bits) -> {args.out}"
+    )
     return 0

@@ -21,19 +21,33 @@ from microscale.train.config import list_presets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default="tiny",
-                        help=f"preset name ({', '.join(list_presets())}) or a YAML path "
-                             "(default: tiny)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides, dotted for nested fields: recipe=nvfp4 "
-                             "steps=300 optim.lr=1e-3 model.d_model=256 out=runs/x")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML and exit")
-    parser.add_argument("--list-keys", action="store_true",
-                        help="list every config key with its value and meaning, and exit")
+    parser.add_argument(
+        "--config",
+        "-c",
+        default="tiny",
+        help=f"preset name ({', '.join(list_presets())}) or a YAML path (default: tiny)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, dotted for nested fields: recipe=nvfp4 "
+        "steps=300 optim.lr=1e-3 model.d_model=256 out=runs/x",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    parser.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every config key with its value and meaning, and exit",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not use JAX's persistent compilation cache")
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

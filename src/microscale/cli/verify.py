@@ -24,11 +24,16 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="a .gguf / .safetensors file, or an export, quantize output, "
-                             "training run or checkpoint folder")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per PATH instead of text")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="a .gguf / .safetensors file, or an export, quantize output, "
+        "training run or checkpoint folder",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per PATH instead of text"
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -58,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{'note':<10} {note}")
     if not args.json:
         n = sum(counts.values())
-        print(f"verify: {n} file{'s' if n != 1 else ''} checked: {counts['ok']} ok, "
-              f"{counts['damaged']} damaged, {counts['unverified']} without checksums")
+        print(
+            f"verify: {n} file{'s' if n != 1 else ''} checked: {counts['ok']} ok, "
+            f"{counts['damaged']} damaged, {counts['unverified']} without checksums"
+        )
     return 1 if 1 in codes else 3 if 3 in codes else 0
 
 
@@ -76,8 +83,14 @@ def _verify_one(path: str, as_json: bool, show_bar: bool, counts: dict, verify_p
         if show_bar:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {path}",
-                       leave=False, file=sys.stderr)
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"verify {path}",
+                leave=False,
+                file=sys.stderr,
+            )
 
     def file_done(rep) -> None:
         counts[rep.status] += 1
@@ -87,13 +100,18 @@ def _verify_one(path: str, as_json: bool, show_bar: bool, counts: dict, verify_p
         for prob in rep.problems[:_MAX_LINES]:
             say(f"{'':<10}   {prob.message}")
         if len(rep.problems) > _MAX_LINES:
-            say(f"{'':<10}   ... and {len(rep.problems) - _MAX_LINES} more problems "
-                "(--json lists all)")
+            say(
+                f"{'':<10}   ... and {len(rep.problems) - _MAX_LINES} more problems "
+                "(--json lists all)"
+            )
 
     try:
-        return verify_path(path, on_start=start,
-                           on_bytes=lambda n: bar.update(n) if bar is not None else None,
-                           on_file=file_done)
+        return verify_path(
+            path,
+            on_start=start,
+            on_bytes=lambda n: bar.update(n) if bar is not None else None,
+            on_file=file_done,
+        )
     finally:
         if bar is not None:
             bar.close()

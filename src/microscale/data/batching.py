@@ -52,11 +52,14 @@ def _check_int(name: str, value, lo: int) -> int:
 
 def _check_tokens(tokens, seq_len: int, what: str) -> np.ndarray:
     if not hasattr(tokens, "shape") or len(tokens.shape) != 1:
-        raise ValueError(f"{what} must be a 1-D token array, got "
-                         f"{getattr(tokens, 'shape', type(tokens).__name__)}")
+        raise ValueError(
+            f"{what} must be a 1-D token array, got "
+            f"{getattr(tokens, 'shape', type(tokens).__name__)}"
+        )
     if tokens.shape[0] < seq_len + 1:
-        raise ValueError(f"{what} has {tokens.shape[0]} tokens; one window needs seq_len + 1 = "
-                         f"{seq_len + 1}")
+        raise ValueError(
+            f"{what} has {tokens.shape[0]} tokens; one window needs seq_len + 1 = {seq_len + 1}"
+        )
     return tokens
 
 
@@ -93,8 +96,9 @@ class Batcher:
         self.process_index = _check_int("process_index", process_index, 0)
         self.seed = _check_int("seed", seed, 0)
         if self.process_index >= self.process_count:
-            raise ValueError(f"process_index must be < process_count={process_count}, "
-                             f"got {process_index}")
+            raise ValueError(
+                f"process_index must be < process_count={process_count}, got {process_index}"
+            )
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         self.mode = mode
@@ -169,7 +173,11 @@ class Batcher:
         return self.batch_at(step).reshape(self.grad_accum, self.micro_batch_size, -1)
 
     def iterate(
-        self, start_step: int = 0, num_steps: int | None = None, *, prefetch: int = 2,
+        self,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        *,
+        prefetch: int = 2,
         microbatches: bool = False,
     ) -> PrefetchIterator:
         """Yield ``(step, batch)`` for ``start_step, start_step + 1, ...`` (``num_steps`` of
@@ -206,8 +214,9 @@ class PrefetchIterator(Iterator):
         if self._prefetch:
             self._queue: queue.Queue = queue.Queue(maxsize=self._prefetch)
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._produce, daemon=True,
-                                            name="microscale-prefetch")
+            self._thread = threading.Thread(
+                target=self._produce, daemon=True, name="microscale-prefetch"
+            )
             self._thread.start()
 
     def _put(self, item) -> bool:
@@ -298,11 +307,13 @@ def val_batches(
     process_count = _check_int("process_count", process_count, 1)
     process_index = _check_int("process_index", process_index, 0)
     if process_index >= process_count:
-        raise ValueError(f"process_index must be < process_count={process_count}, "
-                         f"got {process_index}")
+        raise ValueError(
+            f"process_index must be < process_count={process_count}, got {process_index}"
+        )
     if batch_size % process_count:
-        raise ValueError(f"batch_size={batch_size} must be divisible by process_count="
-                         f"{process_count}")
+        raise ValueError(
+            f"batch_size={batch_size} must be divisible by process_count={process_count}"
+        )
     if max_batches is not None:
         _check_int("max_batches", max_batches, 1)
     tokens = _check_tokens(tokens, seq_len, "val tokens")
@@ -317,5 +328,5 @@ def val_batches(
     if max_batches is not None:
         n = min(n, max_batches)
     b = batch_size // process_count
-    win = (np.arange(n)[:, None] * batch_size + process_index * b + np.arange(b)[None, :])
+    win = np.arange(n)[:, None] * batch_size + process_index * b + np.arange(b)[None, :]
     return _gather(tokens, win.reshape(-1) * seq_len, seq_len).reshape(n, b, seq_len + 1)

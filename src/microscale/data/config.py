@@ -87,16 +87,21 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"data.batch_size={self.batch_size} must be divisible by "
-                             f"data.grad_accum={self.grad_accum}")
+            raise ValueError(
+                f"data.batch_size={self.batch_size} must be divisible by "
+                f"data.grad_accum={self.grad_accum}"
+            )
         if self.sampling not in _MODES:
             raise ValueError(f"data.sampling must be one of {_MODES}, got {self.sampling!r}")
         if self.tokenizer == "bpe" and not 257 <= self.vocab_size <= 1 << 20:
-            raise ValueError(f"data.vocab_size must be in [257, 1048576] for a BPE tokenizer, "
-                             f"got {self.vocab_size}")
+            raise ValueError(
+                f"data.vocab_size must be in [257, 1048576] for a BPE tokenizer, "
+                f"got {self.vocab_size}"
+            )
         if self.bin_dtype not in (None, "uint16", "uint32"):
-            raise ValueError(f"data.bin_dtype must be 'uint16', 'uint32' or None, "
-                             f"got {self.bin_dtype!r}")
+            raise ValueError(
+                f"data.bin_dtype must be 'uint16', 'uint32' or None, got {self.bin_dtype!r}"
+            )
 
     def heldout_sources(self) -> list[str]:
         """The extra held-out corpora ``heldout`` names, resolved."""
@@ -134,9 +139,16 @@ class Data:
     def train_batcher(self, *, process_index: int = 0, process_count: int = 1) -> Batcher:
         """The deterministic training batches of this host."""
         c = self.config
-        return Batcher(self.corpus.train, batch_size=c.batch_size, seq_len=c.seq_len,
-                       seed=c.seed, mode=c.sampling, grad_accum=c.grad_accum,
-                       process_index=process_index, process_count=process_count)
+        return Batcher(
+            self.corpus.train,
+            batch_size=c.batch_size,
+            seq_len=c.seq_len,
+            seed=c.seed,
+            mode=c.sampling,
+            grad_accum=c.grad_accum,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
     def val_batches(
         self, name: str = "val", *, process_index: int = 0, process_count: int = 1
@@ -146,9 +158,14 @@ class Data:
         if name not in sets:
             raise KeyError(f"unknown held-out set {name!r}; have {sorted(sets)}")
         c = self.config
-        return val_batches(sets[name], c.eval_batch_size or c.batch_size, c.seq_len,
-                           c.eval_batches, process_index=process_index,
-                           process_count=process_count)
+        return val_batches(
+            sets[name],
+            c.eval_batch_size or c.batch_size,
+            c.seq_len,
+            c.eval_batches,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
     def unigram_entropy(self, name: str = "val") -> float:
         """Unigram entropy (nats/token) of held-out set ``name``: the bar to beat."""
@@ -178,15 +195,22 @@ def load_data(config: DataConfig | None = None) -> Data:
         raise TypeError(f"load_data expects a DataConfig, got {type(c).__name__}")
     common: dict[str, Any] = dict(val_fraction=c.val_fraction, cache=c.cache, cache_dir=c.cache_dir)
     corpus = load_corpus(
-        c.corpus, tokenizer=None if c.corpus.endswith(".bin") and c.tokenizer == "byte"
-        else c.tokenizer, bpe_vocab_size=c.vocab_size, pattern=c.pattern,
-        text_field=c.text_field, dtype=c.bin_dtype, **common,
+        c.corpus,
+        tokenizer=None if c.corpus.endswith(".bin") and c.tokenizer == "byte" else c.tokenizer,
+        bpe_vocab_size=c.vocab_size,
+        pattern=c.pattern,
+        text_field=c.text_field,
+        dtype=c.bin_dtype,
+        **common,
     )
     heldout = {}
     for src in c.heldout_sources():
         if corpus.tokenizer is None:
-            raise ValueError(f"data.heldout={c.heldout!r} needs a tokenizer, but corpus "
-                             f"{c.corpus!r} has none; set data.tokenizer or data.heldout='none'")
-        heldout[src] = load_corpus(src, tokenizer=corpus.tokenizer, text_field=c.text_field,
-                                   **common)
+            raise ValueError(
+                f"data.heldout={c.heldout!r} needs a tokenizer, but corpus "
+                f"{c.corpus!r} has none; set data.tokenizer or data.heldout='none'"
+            )
+        heldout[src] = load_corpus(
+            src, tokenizer=corpus.tokenizer, text_field=c.text_field, **common
+        )
     return Data(config=c, corpus=corpus, heldout=heldout)

@@ -117,7 +117,10 @@ class Corpus:
 
 
 def make_tokenizer(
-    spec: str | Tokenizer, docs: Documents | None = None, *, bpe_vocab_size: int = 4096,
+    spec: str | Tokenizer,
+    docs: Documents | None = None,
+    *,
+    bpe_vocab_size: int = 4096,
     cache_dir: str | os.PathLike | None = None,
 ) -> Tokenizer:
     """``"byte"``, ``"bpe"`` (trained on ``docs.train``, cached) or a tokenizer.json path."""
@@ -134,9 +137,11 @@ def make_tokenizer(
                 f"tokenizer='bpe' trains on the corpus's train split, but {what}; pass a "
                 "trained tokenizer (object or tokenizer.json path) instead"
             )
-        key = hashlib.sha256(json.dumps(
-            [docs.content_hash, docs.split, bpe_vocab_size, _CACHE_VERSION], sort_keys=True
-        ).encode()).hexdigest()[:24]
+        key = hashlib.sha256(
+            json.dumps(
+                [docs.content_hash, docs.split, bpe_vocab_size, _CACHE_VERSION], sort_keys=True
+            ).encode()
+        ).hexdigest()[:24]
         path = cache_root(cache_dir) / "tokenizers" / f"bpe-{key}.json"
         if path.is_file():
             try:
@@ -158,9 +163,9 @@ def _slug(name: str) -> str:
 
 
 def _tokenize_cached(docs: Documents, tok: Tokenizer, cache_dir, use_cache: bool):
-    key = hashlib.sha256(json.dumps(
-        [docs.content_hash, docs.split, tok.id, _CACHE_VERSION], sort_keys=True
-    ).encode()).hexdigest()[:24]
+    key = hashlib.sha256(
+        json.dumps([docs.content_hash, docs.split, tok.id, _CACHE_VERSION], sort_keys=True).encode()
+    ).hexdigest()[:24]
     folder = cache_root(cache_dir) / "tokens" / f"{_slug(docs.name)}-{key}"
     meta_path = folder / "meta.json"
     if use_cache and meta_path.is_file():
@@ -178,20 +183,33 @@ def _tokenize_cached(docs: Documents, tok: Tokenizer, cache_dir, use_cache: bool
         folder.mkdir(parents=True, exist_ok=True)
         _atomic_save_npy(folder / "train.npy", train)
         _atomic_save_npy(folder / "val.npy", val)
-        _atomic_write_json(meta_path, {"name": docs.name, "content_hash": docs.content_hash,
-                                       "tokenizer": tok.to_dict(), "split": docs.split,
-                                       "train_tokens": int(train.shape[0]),
-                                       "val_tokens": int(val.shape[0])})
+        _atomic_write_json(
+            meta_path,
+            {
+                "name": docs.name,
+                "content_hash": docs.content_hash,
+                "tokenizer": tok.to_dict(),
+                "split": docs.split,
+                "train_tokens": int(train.shape[0]),
+                "val_tokens": int(val.shape[0]),
+            },
+        )
     return train, val, False
 
 
 def _file_hash(path: Path, cache_dir, use_cache: bool) -> str:
     """Content hash of one file, framed like text sources; memoized by (path, size, mtime)."""
     st = path.stat()
-    stamp: dict[str, Any] = {"path": str(path.resolve()), "size": st.st_size,
-                             "mtime_ns": st.st_mtime_ns}
-    memo = (cache_root(cache_dir) / "hashes"
-            / f"{hashlib.sha256(stamp['path'].encode()).hexdigest()[:24]}.json")
+    stamp: dict[str, Any] = {
+        "path": str(path.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
+    memo = (
+        cache_root(cache_dir)
+        / "hashes"
+        / f"{hashlib.sha256(stamp['path'].encode()).hexdigest()[:24]}.json"
+    )
     if use_cache and memo.is_file():
         try:
             obj = json.loads(memo.read_text(encoding="utf-8"))
@@ -233,13 +251,16 @@ def _load_bin(path: Path, *, dtype, vocab_size, tokenizer, val_fraction, cache_d
             '{"dtype": "uint16", "vocab_size": ...}'
         )
     if str(dtype) not in ("uint16", "uint32"):
-        raise ValueError(f"pre-tokenized file {str(path)!r}: dtype must be 'uint16' or "
-                         f"'uint32', got {dtype!r}")
+        raise ValueError(
+            f"pre-tokenized file {str(path)!r}: dtype must be 'uint16' or 'uint32', got {dtype!r}"
+        )
     dt = np.dtype(str(dtype))
     size = path.stat().st_size
     if size == 0 or size % dt.itemsize:
-        raise ValueError(f"pre-tokenized file {str(path)!r}: {size} bytes is not a positive "
-                         f"multiple of the {dt.name} item size {dt.itemsize}")
+        raise ValueError(
+            f"pre-tokenized file {str(path)!r}: {size} bytes is not a positive "
+            f"multiple of the {dt.name} item size {dt.itemsize}"
+        )
     tokens = np.memmap(path, dtype=dt, mode="r")
     n = tokens.shape[0]
     if n < 2:
@@ -251,9 +272,15 @@ def _load_bin(path: Path, *, dtype, vocab_size, tokenizer, val_fraction, cache_d
     eos = side.get("eos_id", tok.eos_id if tok else None)
     n_val = min(max(1, int(round(n * val_fraction))), n - 1)
     return Corpus(
-        name=str(path), train=tokens[: n - n_val], val=tokens[n - n_val :],
-        vocab_size=int(vocab), eos_id=eos, content_hash=_file_hash(path, cache_dir, use_cache),
-        n_files=1, n_bytes=size, tokenizer=tok,
+        name=str(path),
+        train=tokens[: n - n_val],
+        val=tokens[n - n_val :],
+        vocab_size=int(vocab),
+        eos_id=eos,
+        content_hash=_file_hash(path, cache_dir, use_cache),
+        n_files=1,
+        n_bytes=size,
+        tokenizer=tok,
         split={"method": "tail", "val_fraction": val_fraction, "val_tokens": n_val},
     )
 
@@ -286,20 +313,38 @@ def load_corpus(
         path = Path(source).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"pre-tokenized corpus {source!r}: no such file")
-        return _load_bin(path, dtype=dtype, vocab_size=vocab_size,
-                         tokenizer=tokenizer,
-                         val_fraction=val_fraction, cache_dir=cache_dir, use_cache=cache)
+        return _load_bin(
+            path,
+            dtype=dtype,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            cache_dir=cache_dir,
+            use_cache=cache,
+        )
     docs = read_documents(source, val_fraction, pattern=pattern, text_field=text_field)
-    tok = make_tokenizer("byte" if tokenizer is None else tokenizer, docs,
-                         bpe_vocab_size=bpe_vocab_size, cache_dir=cache_dir)
+    tok = make_tokenizer(
+        "byte" if tokenizer is None else tokenizer,
+        docs,
+        bpe_vocab_size=bpe_vocab_size,
+        cache_dir=cache_dir,
+    )
     train, val, hit = _tokenize_cached(docs, tok, cache_dir, cache)
     split = dict(docs.split, n_train_docs=len(docs.train), n_val_docs=len(docs.val))
     if docs.n_skipped:
         split["n_skipped_files"] = docs.n_skipped
     return Corpus(
-        name=docs.name, train=train, val=val, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-        content_hash=docs.content_hash, n_files=docs.n_files, n_bytes=docs.n_bytes,
-        tokenizer=tok, split=split, cached=hit,
+        name=docs.name,
+        train=train,
+        val=val,
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        content_hash=docs.content_hash,
+        n_files=docs.n_files,
+        n_bytes=docs.n_bytes,
+        tokenizer=tok,
+        split=split,
+        cached=hit,
     )
 
 
@@ -310,8 +355,9 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
     """
     tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
     if tokens.ndim != 1 or tokens.shape[0] == 0:
-        raise ValueError(f"unigram_entropy needs a non-empty 1-D token array, got shape "
-                         f"{tokens.shape}")
+        raise ValueError(
+            f"unigram_entropy needs a non-empty 1-D token array, got shape {tokens.shape}"
+        )
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"unigram_entropy needs integer token ids, got dtype {tokens.dtype}")
     counts = np.zeros(0, dtype=np.int64)
@@ -326,8 +372,9 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
         else:
             counts[: c.shape[0]] += c
     if vocab_size is not None and counts.shape[0] > vocab_size:
-        raise ValueError(f"unigram_entropy: token id {counts.shape[0] - 1} >= vocab_size "
-                         f"{vocab_size}")
+        raise ValueError(
+            f"unigram_entropy: token id {counts.shape[0] - 1} >= vocab_size {vocab_size}"
+        )
     p = counts[counts > 0] / float(tokens.shape[0])
     return float(-(p * np.log(p)).sum())
 

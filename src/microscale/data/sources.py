@@ -62,8 +62,16 @@ from pathlib import Path
 
 # Folder names (any path component) that never belong to the stdlib corpus.
 _STDLIB_EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-     "lib-dynload", "pydoc_data"}
+    {
+        "test",
+        "tests",
+        "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "lib-dynload",
+        "pydoc_data",
+    }
 )
 
 
@@ -116,9 +124,7 @@ def _split_by_key(
     """``docs`` = (name, text, key) -> (train, val) by :func:`split_fraction` of the key."""
     _check_fraction(val_fraction)
     if len(docs) < 2:
-        raise ValueError(
-            f"a split by document needs at least 2 documents, got {len(docs)}"
-        )
+        raise ValueError(f"a split by document needs at least 2 documents, got {len(docs)}")
     fracs = [split_fraction(key) for _, _, key in docs]
     is_val = [f < val_fraction for f in fracs]
     if not any(is_val):
@@ -157,8 +163,9 @@ def stdlib_files(root: Path | None = None) -> list[tuple[str, str]]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Prune excluded folders in place so os.walk never descends into them.
-        dirnames[:] = [d for d in dirnames
-                       if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith("config-")]
+        dirnames[:] = [
+            d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith("config-")
+        ]
         for fname in filenames:
             if not fname.endswith(".py") or fname.startswith("_sysconfigdata"):
                 continue
@@ -203,8 +210,11 @@ def _pydoc_topics(root: Path) -> list[tuple[str, str]]:
                 topics = ast.literal_eval(node.value)
             except ValueError:
                 return []
-            return [(f"pydoc_data/topics.py:{k}", v) for k, v in sorted(topics.items())
-                    if isinstance(v, str) and v.strip()]
+            return [
+                (f"pydoc_data/topics.py:{k}", v)
+                for k, v in sorted(topics.items())
+                if isinstance(v, str) and v.strip()
+            ]
     return []
 
 
@@ -219,8 +229,11 @@ def read_stdlib_docs(val_fraction: float = 0.05, *, root: Path | None = None) ->
             docs.append((f"{rel}:docstrings", "\n\n".join(strings)))
     if not docs:
         raise FileNotFoundError(f"no stdlib documentation found under {str(root)!r}")
-    split = {"method": "val-only", "contents": "pydoc_data/topics.py + docstrings of stdlib "
-             "val files", "stdlib_val_fraction": val_fraction}
+    split = {
+        "method": "val-only",
+        "contents": "pydoc_data/topics.py + docstrings of stdlib val files",
+        "stdlib_val_fraction": val_fraction,
+    }
     return _make("stdlib-docs", [], docs, n_files=1 + len(code.val), split=split)
 
 
@@ -300,7 +313,10 @@ def read_text_file(path: Path, val_fraction: float = 0.05) -> Documents:
 
 
 def read_documents(
-    source: str, val_fraction: float = 0.05, *, pattern: str | None = None,
+    source: str,
+    val_fraction: float = 0.05,
+    *,
+    pattern: str | None = None,
     text_field: str = "text",
 ) -> Documents:
     """Dispatch a source name or path (not ``.bin``) to its reader; see the module docstring."""

@@ -47,9 +47,11 @@ def check_vocab_fits(n_ids: int, vocab_size: int, *, what: str = "the tokenizer"
     every command runs where a tokenizer meets a model (train, eval, generate, quantize,
     export); a model with more rows than ids (a padded vocabulary) is fine."""
     if n_ids > vocab_size:
-        raise ValueError(f"{what} produces token ids up to {n_ids - 1} ({n_ids} ids) but the "
-                         f"model embeds {vocab_size} (model.vocab_size={vocab_size}): ids >= "
-                         f"{vocab_size} cannot be embedded; use the model's own tokenizer")
+        raise ValueError(
+            f"{what} produces token ids up to {n_ids - 1} ({n_ids} ids) but the "
+            f"model embeds {vocab_size} (model.vocab_size={vocab_size}): ids >= "
+            f"{vocab_size} cannot be embedded; use the model's own tokenizer"
+        )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -87,7 +89,9 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).ravel()
         if arr.size and (arr.min() < 0 or arr.max() > self.eos_id):
-            raise ValueError(f"byte tokenizer ids must be in [0, 256], got {arr.min()}..{arr.max()}")
+            raise ValueError(
+                f"byte tokenizer ids must be in [0, 256], got {arr.min()}..{arr.max()}"
+            )
         return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", "replace")
 
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
@@ -104,8 +108,7 @@ class ByteTokenizer:
         atomic_write_json(path, self.to_dict())
 
     def to_dict(self) -> dict:
-        return {"type": "byte", "id": self.id, "vocab_size": self.vocab_size,
-                "eos_id": self.eos_id}
+        return {"type": "byte", "id": self.id, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=257, eos_id=256)"
@@ -132,8 +135,9 @@ class BPETokenizer:
         self._json = self._tok.to_str()
         # ids it can produce are 0..vocab_size-1 (the largest id + 1 when ids have gaps)
         ids = self._tok.get_vocab(with_added_tokens=True).values()
-        self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)),
-                              max(ids, default=-1) + 1)
+        self.vocab_size = max(
+            int(self._tok.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1
+        )
         digest = hashlib.sha256(self._json.encode("utf-8")).hexdigest()[:16]
         self.id = f"bpe{self.vocab_size}-{digest}"
 
@@ -163,8 +167,13 @@ class BPETokenizer:
         atomic_write_text(path, self._json)
 
     def to_dict(self) -> dict:
-        return {"type": "bpe", "id": self.id, "vocab_size": self.vocab_size,
-                "eos_id": self.eos_id, "eos_token": self.eos_token}
+        return {
+            "type": "bpe",
+            "id": self.id,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "eos_token": self.eos_token,
+        }
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"

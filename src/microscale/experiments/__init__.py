@@ -5,5 +5,12 @@ from microscale.experiments.compare import CompareConfig, run_compare
 from microscale.experiments.report import render_markdown, write_report
 from microscale.experiments.runs import ABLATIONS, BASELINES, RUNS
 
-__all__ = ["ABLATIONS", "BASELINES", "RUNS", "CompareConfig", "render_markdown", "run_compare",
-           "write_report"]
+__all__ = [
+    "ABLATIONS",
+    "BASELINES",
+    "RUNS",
+    "CompareConfig",
+    "render_markdown",
+    "run_compare",
+    "write_report",
+]

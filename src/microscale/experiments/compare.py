@@ -51,14 +51,31 @@ from microscale.train import TrainConfig, TrainingAborted, train
 # (0.41, n = 4) is no larger than the 0.62M model's (0.61-0.77) at ~60% of the CPU per run,
 # so more seeds fit. The final eval reads 64 x 16 x 128 = 131k validation tokens (and as
 # many of the second held-out set): its own SE (~0.01 points) is far below the seed spread.
-REGIME = ("model.d_model=64", "model.d_ff=128", "steps=150", "optim.warmup_steps=15",
-          "lr=1e-3", "optim.min_lr_ratio=0", "eval_every=0", "eval_batches=64",
-          "data.eval_batch_size=16", "tensorboard=false")
+REGIME = (
+    "model.d_model=64",
+    "model.d_ff=128",
+    "steps=150",
+    "optim.warmup_steps=15",
+    "lr=1e-3",
+    "optim.min_lr_ratio=0",
+    "eval_every=0",
+    "eval_batches=64",
+    "data.eval_batch_size=16",
+    "tensorboard=false",
+)
 PRESETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[int, ...]]] = {
-    "default": ("bf16, fp8 and nvfp4 paired over 6 seeds (timings: benchmarks/timings.md)",
-                REGIME, ("bf16", "fp8", "nvfp4"), tuple(range(6))),
-    "decisive": ("the default's regime with 20 seeds (measured: +-0.12-point intervals vs "
-                 "bf16 and fp8)", REGIME, ("bf16", "fp8", "nvfp4"), tuple(range(20))),
+    "default": (
+        "bf16, fp8 and nvfp4 paired over 6 seeds (timings: benchmarks/timings.md)",
+        REGIME,
+        ("bf16", "fp8", "nvfp4"),
+        tuple(range(6)),
+    ),
+    "decisive": (
+        "the default's regime with 20 seeds (measured: +-0.12-point intervals vs bf16 and fp8)",
+        REGIME,
+        ("bf16", "fp8", "nvfp4"),
+        tuple(range(20)),
+    ),
 }
 
 
@@ -97,8 +114,7 @@ class CompareConfig:
         """A compare preset (``PRESETS``): its runs and seeds, and its training regime
         applied to the ``tiny`` config (or to ``base`` when given, which then wins)."""
         if name not in PRESETS:
-            raise ValueError(f"unknown compare preset {name!r}; expected one of "
-                             f"{list(PRESETS)}")
+            raise ValueError(f"unknown compare preset {name!r}; expected one of {list(PRESETS)}")
         _, overrides, runs, seeds = PRESETS[name]
         if base is None:
             base = apply_overrides(TrainConfig.tiny(), list(overrides))
@@ -107,8 +123,9 @@ class CompareConfig:
     def run_dirs(self) -> dict[tuple[str, int], Path]:
         root = Path(self.out) / "runs"
         multi = len(self.seeds) > 1
-        return {(r, s): root / (f"{r}-seed{s}" if multi else r)
-                for r in self.runs for s in self.seeds}
+        return {
+            (r, s): root / (f"{r}-seed{s}" if multi else r) for r in self.runs for s in self.seeds
+        }
 
     def run_config(self, name: str, seed: int) -> TrainConfig:
         # A seed fixes both the initialisation and the data order, so runs of one seed are
@@ -119,8 +136,11 @@ class CompareConfig:
 
     def settings_hash(self) -> str:
         """Identifies the comparison's settings (not its output folder)."""
-        d = {"base": to_dict(dataclasses.replace(self.base, out=None, resume=False)),
-             "runs": list(self.runs), "seeds": list(self.seeds)}
+        d = {
+            "base": to_dict(dataclasses.replace(self.base, out=None, resume=False)),
+            "runs": list(self.runs),
+            "seeds": list(self.seeds),
+        }
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -144,11 +164,11 @@ def _run_subprocess(cfg: TrainConfig, env_extra: dict[str, str]) -> subprocess.P
     run_dir.mkdir(parents=True, exist_ok=True)
     yaml_path = run_dir / "compare_config.yaml"
     dump_yaml(cfg, yaml_path)
-    cmd = [sys.executable, "-m", "microscale.cli", "train", "--config", str(yaml_path),
-           "--quiet"]
+    cmd = [sys.executable, "-m", "microscale.cli", "train", "--config", str(yaml_path), "--quiet"]
     log = open(run_dir / "train.log", "ab")  # noqa: SIM115 - closed by the caller's wait
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env_extra})
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_extra}
+    )
 
 
 def _device_groups(n: int) -> list[dict[str, str]]:
@@ -160,14 +180,17 @@ def _device_groups(n: int) -> list[dict[str, str]]:
         return [{} for _ in range(n)]
     ids = [d.id for d in devs]
     per = len(ids) // n
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids[i * per:(i + 1) * per]))}
-            for i in range(n)]
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids[i * per : (i + 1) * per]))} for i in range(n)
+    ]
 
 
 def _cpu_seconds() -> float:
     """User + system CPU time of this process and its finished children."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN)
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -178,8 +201,9 @@ def _completed(run_dir: Path) -> bool:
         return False
 
 
-def _run_serial(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
-                progress: bool) -> None:
+def _run_serial(
+    cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]], progress: bool
+) -> None:
     """Train the jobs one after another in this process under one progress bar (steps of
     all runs; tqdm's ETA), and record each trained run's wall and CPU seconds in
     ``OUT/timings.json``."""
@@ -188,10 +212,14 @@ def _run_serial(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
     assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    todo = [j for j in jobs
-            if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
-    bar = tqdm(total=sum(j[2].steps for j in todo), unit="step", disable=not progress,
-               desc="compare", dynamic_ncols=True)
+    todo = [j for j in jobs if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
+    bar = tqdm(
+        total=sum(j[2].steps for j in todo),
+        unit="step",
+        disable=not progress,
+        desc="compare",
+        dynamic_ncols=True,
+    )
     for i, (name, seed, rcfg) in enumerate(todo):
         bar.set_description(f"compare {i + 1}/{len(todo)} {name} s{seed}")
         done = [0]
@@ -207,14 +235,18 @@ def _run_serial(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
         except TrainingAborted as e:  # e.g. all-FP4 diverging: report it, go on
             bar.write(f"[compare] {name} (seed {seed}) aborted: {e}")
         bar.update(rcfg.steps - done[0])
-        timings[f"{name}-seed{seed}"] = {"wall_s": time.perf_counter() - w0,
-                                         "cpu_s": _cpu_seconds() - c0, "steps": rcfg.steps}
+        timings[f"{name}-seed{seed}"] = {
+            "wall_s": time.perf_counter() - w0,
+            "cpu_s": _cpu_seconds() - c0,
+            "steps": rcfg.steps,
+        }
         atomic_write_text(timings_path, json.dumps(timings, indent=2))
     bar.close()
 
 
-def _run_parallel(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
-                  progress: bool) -> None:
+def _run_parallel(
+    cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]], progress: bool
+) -> None:
     """Train the jobs in up to ``cfg.parallel`` subprocesses (one device group each), with
     a progress bar over runs, recording each run's wall and CPU seconds (``os.wait4``)."""
     from tqdm.auto import tqdm
@@ -222,19 +254,18 @@ def _run_parallel(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
     assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    pending = [j for j in jobs
-               if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
+    pending = [j for j in jobs if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
     free = _device_groups(cfg.parallel)
-    bar = tqdm(total=len(pending), unit="run", disable=not progress, desc="compare",
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(pending), unit="run", disable=not progress, desc="compare", dynamic_ncols=True
+    )
     running: list[tuple[str, int, TrainConfig, subprocess.Popen, dict, float]] = []
     failed = []
     while pending or running:
         while pending and free:
             name, seed, rcfg = pending.pop(0)
             env = free.pop(0)
-            running.append((name, seed, rcfg, _run_subprocess(rcfg, env), env,
-                            time.perf_counter()))
+            running.append((name, seed, rcfg, _run_subprocess(rcfg, env), env, time.perf_counter()))
             bar.set_postfix_str(", ".join(f"{r[0]} s{r[1]}" for r in running))
         time.sleep(1.0)
         for item in list(running):
@@ -248,14 +279,16 @@ def _run_parallel(cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]],
             bar.update(1)
             if code not in (0, 1):  # 1: aborted (non-finite), summary written
                 failed.append(f"{name} (seed {seed})")
-            timings[f"{name}-seed{seed}"] = {"wall_s": time.perf_counter() - w0,
-                                             "cpu_s": ru.ru_utime + ru.ru_stime,
-                                             "steps": rcfg.steps, "parallel": cfg.parallel}
+            timings[f"{name}-seed{seed}"] = {
+                "wall_s": time.perf_counter() - w0,
+                "cpu_s": ru.ru_utime + ru.ru_stime,
+                "steps": rcfg.steps,
+                "parallel": cfg.parallel,
+            }
             atomic_write_text(timings_path, json.dumps(timings, indent=2))
     bar.close()
     if failed:
-        raise RuntimeError(f"run(s) {failed} failed; see their train.log under "
-                           f"{cfg.out}/runs")
+        raise RuntimeError(f"run(s) {failed} failed; see their train.log under {cfg.out}/runs")
 
 
 def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -269,8 +302,10 @@ def run_compare(cfg: CompareConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def _run_compare(cfg: CompareConfig, out: Path, *, progress: bool) -> dict[str, Any]:
-    atomic_write_text(out / "compare.json", json.dumps(
-        {"settings_hash": cfg.settings_hash(), "config": to_dict(cfg)}, indent=2))
+    atomic_write_text(
+        out / "compare.json",
+        json.dumps({"settings_hash": cfg.settings_hash(), "config": to_dict(cfg)}, indent=2),
+    )
     dump_yaml(cfg.base, out / "base_config.yaml")
     # seed-major: each seed's paired runs finish together
     jobs = [(name, seed, cfg.run_config(name, seed)) for seed in cfg.seeds for name in cfg.runs]
@@ -280,6 +315,8 @@ def _run_compare(cfg: CompareConfig, out: Path, *, progress: bool) -> dict[str, 
     else:
         _run_parallel(cfg, jobs, progress)
     if progress:
-        print(f"[compare] all runs done in {time.perf_counter() - t0:.0f} s; writing report",
-              flush=True)
+        print(
+            f"[compare] all runs done in {time.perf_counter() - t0:.0f} s; writing report",
+            flush=True,
+        )
     return write_report(cfg)

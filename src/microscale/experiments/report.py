@@ -108,25 +108,30 @@ def _machine() -> dict[str, Any]:
     from microscale.ops.backend import resolve_backend
 
     dev = jax.devices()[0]
-    return {"platform": dev.platform, "device": getattr(dev, "device_kind", str(dev)),
-            "devices": jax.device_count(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "jax": jax.__version__,
-            "machine": platform.machine(),
-            "backend_nvfp4": resolve_backend("auto", get_recipe("nvfp4"))}
+    return {
+        "platform": dev.platform,
+        "device": getattr(dev, "device_kind", str(dev)),
+        "devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "machine": platform.machine(),
+        "backend_nvfp4": resolve_backend("auto", get_recipe("nvfp4")),
+    }
 
 
 def comparison_pairs(runs: tuple[str, ...]) -> list[tuple[str, str]]:
     """(run, reference) pairs reported for a run set, in reading order."""
     pairs = [(r, "bf16") for r in runs if r != "bf16" and "bf16" in runs]
     pairs += [(r, "fp8") for r in runs if r not in ("bf16", "fp8") and "fp8" in runs]
-    pairs += [(r, "nvfp4") for r in runs
-              if "nvfp4" in runs and (r in ABLATIONS or r == "mxfp4")]
+    pairs += [(r, "nvfp4") for r in runs if "nvfp4" in runs and (r in ABLATIONS or r == "mxfp4")]
     pairs += [(r, CONTROLS[r]) for r in runs if r in CONTROLS and CONTROLS[r] in runs]
     return pairs
 
 
-def compare_pair(run: str, ref: str, per_seed: dict[str, dict[int, dict]],
-                 target: float = TARGET_HALF_WIDTH) -> dict[str, Any]:
+def compare_pair(
+    run: str, ref: str, per_seed: dict[str, dict[int, dict]], target: float = TARGET_HALF_WIDTH
+) -> dict[str, Any]:
     """One paired comparison from the run summaries (``per_seed[name][seed]``)."""
     x = {s: r.get("final_val_loss") for s, r in per_seed[run].items()}
     y = {s: r.get("final_val_loss") for s, r in per_seed[ref].items()}
@@ -145,9 +150,13 @@ def compare_pair(run: str, ref: str, per_seed: dict[str, dict[int, dict]],
         hc = stats.mean_ci(list(stats.paired_gaps(hx, hy).values()))
         heldout[k] = {"gap_mean": hc["mean"], "gap_ci95": hc["ci95"]}
     return {
-        "run": run, "ref": ref,
-        "gap_mean": ci["mean"], "gap_ci95": ci["ci95"], "gap_half_width": ci["half_width"],
-        "gap_sd": ci["sd"], "n_seeds": ci["n"],
+        "run": run,
+        "ref": ref,
+        "gap_mean": ci["mean"],
+        "gap_ci95": ci["ci95"],
+        "gap_half_width": ci["half_width"],
+        "gap_sd": ci["sd"],
+        "n_seeds": ci["n"],
         "eval_se": stats.combined_eval_se(list(se_seed.values())),
         "per_seed": {str(s): g for s, g in gaps.items()},
         "eval_se_per_seed": {str(s): v for s, v in se_seed.items()},
@@ -164,9 +173,13 @@ def _timings(out: Path) -> dict[str, Any]:
     t = json.loads(p.read_text()) if p.exists() else {}
     wall = sum(v["wall_s"] for v in t.values())
     cpu = sum(v["cpu_s"] for v in t.values())
-    return {"runs": t, "wall_s": wall, "cpu_s": cpu,
-            # both cores busy for the whole run: the idle 2-core machine's wall time
-            "idle_2core_estimate_s": cpu / 2}
+    return {
+        "runs": t,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        # both cores busy for the whole run: the idle 2-core machine's wall time
+        "idle_2core_estimate_s": cpu / 2,
+    }
 
 
 def write_report(cfg: CompareConfig) -> dict[str, Any]:
@@ -177,12 +190,14 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
     for (name, seed), d in dirs.items():
         p = d / "summary.json"
         if not p.exists():
-            raise FileNotFoundError(f"run {name!r} (seed {seed}) has no summary at {p}; "
-                                    "re-run compare")
+            raise FileNotFoundError(
+                f"run {name!r} (seed {seed}) has no summary at {p}; re-run compare"
+            )
         per_seed[name][seed] = json.loads(p.read_text())
 
-    comparisons = {f"{r}_vs_{ref}": compare_pair(r, ref, per_seed)
-                   for r, ref in comparison_pairs(cfg.runs)}
+    comparisons = {
+        f"{r}_vs_{ref}": compare_pair(r, ref, per_seed) for r, ref in comparison_pairs(cfg.runs)
+    }
     runs: dict[str, dict[str, Any]] = {}
     for name, by_seed in per_seed.items():
         sums = list(by_seed.values())
@@ -205,14 +220,18 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
             "seeds": len(sums),
             "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
             "weight_bits_per_param": weight_bits_per_param(
-                cfg.run_config(name, cfg.seeds[0]), sums[0].get("precision")),
+                cfg.run_config(name, cfg.seeds[0]), sums[0].get("precision")
+            ),
         }
         for ref in ("bf16", "fp8"):
             c = comparisons.get(f"{name}_vs_{ref}")
             r[f"rel_gap_vs_{ref}"] = 0.0 if name == ref else (c["gap_mean"] if c else None)
         c = comparisons.get(f"{name}_vs_bf16")
-        r["heldout_gap_vs_bf16"] = ({k: v["gap_mean"] for k, v in c["heldout"].items()} if c
-                                    else {k: 0.0 for k in r["heldout_losses"]})
+        r["heldout_gap_vs_bf16"] = (
+            {k: v["gap_mean"] for k, v in c["heldout"].items()}
+            if c
+            else {k: 0.0 for k in r["heldout_losses"]}
+        )
         runs[name] = r
 
     first = per_seed[cfg.runs[0]][cfg.seeds[0]]
@@ -229,7 +248,8 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
         "schedule": b.optim.schedule,
         "eval_batches": len((first.get("final_val_batch_losses") or {}).get("val") or []),
         "eval_tokens": len((first.get("final_val_batch_losses") or {}).get("val") or [])
-        * (b.data.eval_batch_size or b.data.batch_size) * b.data.seq_len,
+        * (b.data.eval_batch_size or b.data.batch_size)
+        * b.data.seq_len,
         "corpus": b.data.corpus,
         "corpus_hash": first.get("corpus_hash"),
         "unigram_entropy": first.get("unigram_entropy"),
@@ -262,33 +282,62 @@ def _gap_cell(c: dict | None) -> str:
 def render_markdown(summary: dict[str, Any]) -> str:
     runs, comps, setup = summary["runs"], summary["comparisons"], summary["setup"]
     heldout_names = sorted({k for r in runs.values() for k in r["heldout_losses"]})
-    head = ["run", "recipe", "train loss", "val loss", "val ppl", "gap vs bf16 (95% CI)",
-            "gap vs fp8 (95% CI)"] + [f"{k} gap vs bf16" for k in heldout_names] + [
-            "tokens/s", "weight bits/param"]
-    lines = ["# microscale compare", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = (
+        [
+            "run",
+            "recipe",
+            "train loss",
+            "val loss",
+            "val ppl",
+            "gap vs bf16 (95% CI)",
+            "gap vs fp8 (95% CI)",
+        ]
+        + [f"{k} gap vs bf16" for k in heldout_names]
+        + ["tokens/s", "weight bits/param"]
+    )
+    lines = ["# microscale compare", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():
         val = _fmt(r["final_val_loss"])
         if r["final_val_loss_std"] is not None:
             val += f" ± {r['final_val_loss_std']:.4f} sd"
         label = name if r["status"] == ["completed"] else f"{name} ({'/'.join(r['status'])})"
-        row = [label, r["recipe"] or "", _fmt(r["final_train_loss"]), val,
-               _fmt(r["val_ppl"], ".3f"),
-               "0 (reference)" if name == "bf16" else _gap_cell(comps.get(f"{name}_vs_bf16")),
-               "0 (reference)" if name == "fp8" else _gap_cell(comps.get(f"{name}_vs_fp8"))]
+        row = [
+            label,
+            r["recipe"] or "",
+            _fmt(r["final_train_loss"]),
+            val,
+            _fmt(r["val_ppl"], ".3f"),
+            "0 (reference)" if name == "bf16" else _gap_cell(comps.get(f"{name}_vs_bf16")),
+            "0 (reference)" if name == "fp8" else _gap_cell(comps.get(f"{name}_vs_fp8")),
+        ]
         for k in heldout_names:
             row.append(_fmt(r["heldout_gap_vs_bf16"].get(k), "+.2f", "%"))
         row += [_fmt(r["tokens_per_s"], ",.0f"), _fmt(r["weight_bits_per_param"], ".2f")]
         lines.append("| " + " | ".join(row) + " |")
     m, t = setup["machine"], setup["timings"]
     lines += [
-        "", "Gaps are paired per seed (same initialisation and data order) and given as "
+        "",
+        "Gaps are paired per seed (same initialisation and data order) and given as "
         "mean ± the 95% Student-t half-width over seeds; val loss is the seed mean ± sd.",
-        "", "## Verdicts", "", *[f"- {c['verdict']}" for c in comps.values()],
-        "", "## Resolution", "", *resolution(summary),
-        "", "## Against the paper", "", *paper_table(comps),
-        "", "![convergence](convergence.png)", "", "![gap to bf16](gap.png)", "",
-        "## Setup", "",
+        "",
+        "## Verdicts",
+        "",
+        *[f"- {c['verdict']}" for c in comps.values()],
+        "",
+        "## Resolution",
+        "",
+        *resolution(summary),
+        "",
+        "## Against the paper",
+        "",
+        *paper_table(comps),
+        "",
+        "![convergence](convergence.png)",
+        "",
+        "![gap to bf16](gap.png)",
+        "",
+        "## Setup",
+        "",
         f"- model: {setup['params']:,} parameters (d_model {setup['model']['d_model']}, "
         f"{setup['model']['n_layers']} layers, {setup['model']['n_heads']} heads), "
         f"{setup['steps']} steps x {setup['batch_size']} x {setup['seq_len']} tokens = "
@@ -299,17 +348,25 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"- data: `{setup['corpus']}` (sha256 `{setup['corpus_hash']}`), unigram entropy of "
         f"the val split {_fmt(setup['unigram_entropy'])} nats/token",
         f"- seeds: {setup['seeds']} (a seed sets the initialisation and the data order)",
-        (f"- time: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU (user+sys) "
-         f"for the {len(t['runs'])} runs trained by `compare` here "
-         f"({t['cpu_s'] / max(t['wall_s'], 1e-9):.2f} cores busy on average; CPU / 2 = "
-         f"{t['idle_2core_estimate_s'] / 60:.1f} min is a lower bound on a 2-core machine's "
-         "wall time)" if t["runs"] else
-         "- time: not recorded (no run was trained by `compare` in this folder)"),
+        (
+            f"- time: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU (user+sys) "
+            f"for the {len(t['runs'])} runs trained by `compare` here "
+            f"({t['cpu_s'] / max(t['wall_s'], 1e-9):.2f} cores busy on average; CPU / 2 = "
+            f"{t['idle_2core_estimate_s'] / 60:.1f} min is a lower bound on a 2-core machine's "
+            "wall time)"
+            if t["runs"]
+            else "- time: not recorded (no run was trained by `compare` in this folder)"
+        ),
         f"- machine: {m['platform']} ({m['device']}), {m['devices']} device(s), "
         f"{m['cpu_count']} CPU cores, jax {m['jax']}; NVFP4 GEMM backend: "
         f"{m['backend_nvfp4']}",
         fingerprint_line(setup.get("numerics")),
-        "", "## Reading", "", *reading(summary), ""]
+        "",
+        "## Reading",
+        "",
+        *reading(summary),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -323,15 +380,23 @@ def resolution(summary: dict[str, Any]) -> list[str]:
         if c["gap_half_width"] is None:
             out.append(f"- `{key}`: one seed, no interval; add seeds (`--seeds 0,1,2,...`).")
             continue
-        ev = (f"; the evaluation's own SE is {c['eval_se']:.3f} points"
-              if c["eval_se"] is not None else "")
-        state = ("resolved" if c["resolved"] else "NOT resolved")
-        need = (f"; at the measured seed sd ({c['gap_sd']:.2f} points) a half-width of "
-                f"{c['target_half_width']} needs {c['seeds_for_target']} seeds"
-                if c["seeds_for_target"] else "")
-        out.append(f"- `{key}`: 95% CI half-width {c['gap_half_width']:.2f} points with "
-                   f"{c['n_seeds']} seeds -- {state} to ±{c['target_half_width']} points"
-                   f"{need}{ev}.")
+        ev = (
+            f"; the evaluation's own SE is {c['eval_se']:.3f} points"
+            if c["eval_se"] is not None
+            else ""
+        )
+        state = "resolved" if c["resolved"] else "NOT resolved"
+        need = (
+            f"; at the measured seed sd ({c['gap_sd']:.2f} points) a half-width of "
+            f"{c['target_half_width']} needs {c['seeds_for_target']} seeds"
+            if c["seeds_for_target"]
+            else ""
+        )
+        out.append(
+            f"- `{key}`: 95% CI half-width {c['gap_half_width']:.2f} points with "
+            f"{c['n_seeds']} seeds -- {state} to ±{c['target_half_width']} points"
+            f"{need}{ev}."
+        )
     return out
 
 
@@ -355,9 +420,12 @@ def paper_table(comps: dict[str, dict]) -> list[str]:
         lines.append(f"| {text} | {here} | {word} |")
     if len(lines) == 2:
         return ["(no run pair of the published results in this run set)"]
-    return lines + ["", "The published gaps are at 8-12B parameters and 1-10T tokens; these "
-                    "are at the size above. Agreement is in direction; magnitudes at this "
-                    "size are not predictions of 12B (see `--sizes` for the trend)."]
+    return lines + [
+        "",
+        "The published gaps are at 8-12B parameters and 1-10T tokens; these "
+        "are at the size above. Agreement is in direction; magnitudes at this "
+        "size are not predictions of 12B (see `--sizes` for the trend).",
+    ]
 
 
 def reading(summary: dict[str, Any]) -> list[str]:
@@ -369,13 +437,17 @@ def reading(summary: dict[str, Any]) -> list[str]:
     if b and b["final_val_loss"] is not None and ent:
         v = b["final_val_loss"]
         if v < ent:
-            out.append(f"- The bf16 run reached a validation loss of {v:.3f} nats/token, "
-                       f"{'well ' if v < 0.8 * ent else ''}below the corpus's unigram entropy "
-                       f"({ent:.3f}): the model learned structure beyond token frequencies.")
+            out.append(
+                f"- The bf16 run reached a validation loss of {v:.3f} nats/token, "
+                f"{'well ' if v < 0.8 * ent else ''}below the corpus's unigram entropy "
+                f"({ent:.3f}): the model learned structure beyond token frequencies."
+            )
         else:
-            out.append(f"- The bf16 run's validation loss ({v:.3f} nats/token) is NOT below "
-                       f"the unigram entropy ({ent:.3f}): the model is undertrained, so the "
-                       "gaps below say little; train longer (steps=...).")
+            out.append(
+                f"- The bf16 run's validation loss ({v:.3f} nats/token) is NOT below "
+                f"the unigram entropy ({ent:.3f}): the model is undertrained, so the "
+                "gaps below say little; train longer (steps=...)."
+            )
     nv = comps.get("nvfp4_vs_bf16")
     if nv and nv["gap_mean"] is not None:
         out.append(f"- Headline: {nv['verdict']}")
@@ -383,17 +455,23 @@ def reading(summary: dict[str, Any]) -> list[str]:
         if n8:
             out.append(f"- Against FP8: {n8['verdict']}")
     if len(setup["seeds"]) < 2:
-        out.append("- Only one seed was run: the gaps above are single measurements, not "
-                   "verdicts (docs/design.md#statistics). Use `--seeds 0,1,2,...`.")
+        out.append(
+            "- Only one seed was run: the gaps above are single measurements, not "
+            "verdicts (docs/design.md#statistics). Use `--seeds 0,1,2,...`."
+        )
     sd = b and b.get("final_val_loss_std")
     if sd and nv and nv["gap_sd"] is not None:
-        out.append(f"- Seed spread: bf16's own final loss moves by "
-                   f"{100 * sd / b['final_val_loss']:.2f}% (sd over seeds), the paired "
-                   f"nvfp4-bf16 gap by {nv['gap_sd']:.2f} points; the interval narrows as "
-                   "1/sqrt(seeds).")
-    out.append("- What this does not show: behaviour at billions of parameters and trillions "
-               "of tokens (the paper's regime), downstream-task accuracy, or speed on FP4 "
-               "hardware (the GEMMs here are emulated unless the backend says native).")
+        out.append(
+            f"- Seed spread: bf16's own final loss moves by "
+            f"{100 * sd / b['final_val_loss']:.2f}% (sd over seeds), the paired "
+            f"nvfp4-bf16 gap by {nv['gap_sd']:.2f} points; the interval narrows as "
+            "1/sqrt(seeds)."
+        )
+    out.append(
+        "- What this does not show: behaviour at billions of parameters and trillions "
+        "of tokens (the paper's regime), downstream-task accuracy, or speed on FP4 "
+        "hardware (the GEMMs here are emulated unless the backend says native)."
+    )
     return out
 
 
@@ -403,8 +481,7 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(
-        color=plt.get_cmap("tab20").colors)  # type: ignore[attr-defined]
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)  # type: ignore[attr-defined]
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, by_seed in curves.items():
         pts = next(iter(by_seed.values()), [])
@@ -412,9 +489,8 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
             continue
         style = "--" if name in ABLATIONS else "-"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=2, label=name)
-        tail = pts[len(pts) // 3:]  # zoom: the last two thirds, where the gaps show
-        zoom.plot([p[0] for p in tail], [p[1] for p in tail], style, marker="o", ms=2,
-                  label=name)
+        tail = pts[len(pts) // 3 :]  # zoom: the last two thirds, where the gaps show
+        zoom.plot([p[0] for p in tail], [p[1] for p in tail], style, marker="o", ms=2, label=name)
     ax.set_yscale("log")
     ax.set_title("Loss vs tokens (first seed; log scale)")
     zoom.set_title("Last two thirds of training")
@@ -440,8 +516,16 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
         ts = sorted(gaps)
         cis = [stats.mean_ci(gaps[t]) for t in ts]
         err = [c["half_width"] or 0.0 for c in cis]
-        ax.errorbar(ts, [c["mean"] for c in cis], yerr=err, capsize=3, marker="o", ms=3,
-                    ls="--" if name in ABLATIONS else "-", label=name)
+        ax.errorbar(
+            ts,
+            [c["mean"] for c in cis],
+            yerr=err,
+            capsize=3,
+            marker="o",
+            ms=3,
+            ls="--" if name in ABLATIONS else "-",
+            label=name,
+        )
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("paired loss gap to bf16 (%), 95% CI")

@@ -17,11 +17,13 @@ RUNS: dict[str, dict[str, Any]] = {
     "nvfp4_no_rht": {"recipe": "nvfp4_no_rht"},
     "nvfp4_no_sr": {"recipe": "nvfp4_no_sr"},
     "nvfp4_1d": {"recipe": "nvfp4_1d"},
-    "nvfp4_all_fp4": {"recipe": "nvfp4", "precision.bf16_last": 0,
-                      "precision.bf16_first": 0},
+    "nvfp4_all_fp4": {"recipe": "nvfp4", "precision.bf16_last": 0, "precision.bf16_first": 0},
     "nvfp4_fwd_only": {"recipe": "nvfp4_fwd_only"},
-    "nvfp4_late_bf16": {"recipe": "nvfp4", "precision.late.fraction": 0.18,
-                        "precision.late.bf16": "all"},
+    "nvfp4_late_bf16": {
+        "recipe": "nvfp4",
+        "precision.late.fraction": 0.18,
+        "precision.late.bf16": "all",
+    },
     # nvfp4 with the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
     # the positional rule's bf16 FLOP fraction (train/adaptive.py)
     "nvfp4_adaptive": {"recipe": "nvfp4", "precision.kind": "sensitivity"},

@@ -79,15 +79,16 @@ class ScalingConfig:
         """The comparison at one size: its model, its step budget, its folder."""
         base = self.compare.base
         model = dataclasses.replace(base.model, **SIZES[size])
-        steps = max(self.min_steps, round(self.tokens_per_param * model.num_params()
-                                          / base.tokens_per_step))
+        steps = max(
+            self.min_steps, round(self.tokens_per_param * model.num_params() / base.tokens_per_step)
+        )
         warm = max(1, round(steps * base.optim.warmup_steps / base.steps))
         every = base.eval_every and max(1, steps // max(1, base.steps // base.eval_every))
-        cfg = apply_overrides(dataclasses.replace(base, model=model),
-                              {"steps": steps, "optim.warmup_steps": warm,
-                               "eval_every": every})
-        return dataclasses.replace(self.compare, base=cfg,
-                                   out=str(Path(self.compare.out) / size))
+        cfg = apply_overrides(
+            dataclasses.replace(base, model=model),
+            {"steps": steps, "optim.warmup_steps": warm, "eval_every": every},
+        )
+        return dataclasses.replace(self.compare, base=cfg, out=str(Path(self.compare.out) / size))
 
 
 def run_scaling(cfg: ScalingConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -95,9 +96,12 @@ def run_scaling(cfg: ScalingConfig, *, progress: bool = True) -> dict[str, Any]:
     for i, size in enumerate(cfg.sizes):
         if progress:
             c = cfg.size_config(size)
-            print(f"[sizes] {i + 1}/{len(cfg.sizes)}: {size} ({c.base.model.num_params():,} "
-                  f"params, {c.base.steps} steps = {c.base.steps * c.base.tokens_per_step:,} "
-                  "tokens)", flush=True)
+            print(
+                f"[sizes] {i + 1}/{len(cfg.sizes)}: {size} ({c.base.model.num_params():,} "
+                f"params, {c.base.steps} steps = {c.base.steps * c.base.tokens_per_step:,} "
+                "tokens)",
+                flush=True,
+            )
         run_compare(cfg.size_config(size), progress=progress)
     return write_scaling_report(cfg)
 
@@ -111,7 +115,9 @@ def trend(points: list[tuple[float, list[float]]]) -> dict[str, Any] | None:
     except ValueError:
         return None
     lo, hi = fit["slope_ci95"]
-    word = "grows" if lo > 0 else "shrinks" if hi < 0 else "has no resolved trend (flat within the CI)"
+    word = (
+        "grows" if lo > 0 else "shrinks" if hi < 0 else "has no resolved trend (flat within the CI)"
+    )
     return {"fit": fit, "direction": word, "at_paper_size": stats.predict(fit, PAPER_PARAMS)}
 
 
@@ -121,23 +127,34 @@ def write_scaling_report(cfg: ScalingConfig) -> dict[str, Any]:
         sc = cfg.size_config(size)
         s = write_report(sc)
         ref = s["runs"].get("bf16") or next(iter(s["runs"].values()))
-        per_size[size] = {"params": s["setup"]["params"], "tokens": s["setup"]["tokens"],
-                          "ref_run": "bf16" if "bf16" in s["runs"] else next(iter(s["runs"])),
-                          "ref_val_loss": ref["final_val_loss"],
-                          "unigram_entropy": s["setup"]["unigram_entropy"],
-                          "steps": sc.base.steps, "comparisons": s["comparisons"],
-                          "timings": s["setup"]["timings"]}
+        per_size[size] = {
+            "params": s["setup"]["params"],
+            "tokens": s["setup"]["tokens"],
+            "ref_run": "bf16" if "bf16" in s["runs"] else next(iter(s["runs"])),
+            "ref_val_loss": ref["final_val_loss"],
+            "unigram_entropy": s["setup"]["unigram_entropy"],
+            "steps": sc.base.steps,
+            "comparisons": s["comparisons"],
+            "timings": s["setup"]["timings"],
+        }
     trends = {}
     for run, ref in TREND_PAIRS:
         key = f"{run}_vs_{ref}"
-        pts = [(v["params"], [g for g in v["comparisons"][key]["per_seed"].values()])
-               for v in per_size.values() if key in v["comparisons"]]
+        pts = [
+            (v["params"], [g for g in v["comparisons"][key]["per_seed"].values()])
+            for v in per_size.values()
+            if key in v["comparisons"]
+        ]
         t = trend(pts) if pts else None
         if t:
             trends[key] = t
-    summary = {"sizes": per_size, "trends": trends,
-               "rule": {"tokens_per_param": cfg.tokens_per_param, "min_steps": cfg.min_steps},
-               "seeds": list(cfg.compare.seeds), "runs": list(cfg.compare.runs)}
+    summary = {
+        "sizes": per_size,
+        "trends": trends,
+        "rule": {"tokens_per_param": cfg.tokens_per_param, "min_steps": cfg.min_steps},
+        "seeds": list(cfg.compare.seeds),
+        "runs": list(cfg.compare.runs),
+    }
     out = Path(cfg.compare.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -148,16 +165,31 @@ def write_scaling_report(cfg: ScalingConfig) -> dict[str, Any]:
 
 def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
     sizes, trends = summary["sizes"], summary["trends"]
-    keys = [k for k in (f"{r}_vs_{f}" for r, f in TREND_PAIRS)
-            if any(k in v["comparisons"] for v in sizes.values())]
+    keys = [
+        k
+        for k in (f"{r}_vs_{f}" for r, f in TREND_PAIRS)
+        if any(k in v["comparisons"] for v in sizes.values())
+    ]
     head = ["size", "params", "steps", "tokens", "val loss (reference run)"] + [
-        f"{k} (95% CI)" for k in keys]
-    lines = ["# microscale compare --sizes", "", "![scaling](scaling.png)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        f"{k} (95% CI)" for k in keys
+    ]
+    lines = [
+        "# microscale compare --sizes",
+        "",
+        "![scaling](scaling.png)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for name, v in sizes.items():
         loss = v["ref_val_loss"]
-        row = [name, f"{v['params']:,}", str(v["steps"]), f"{v['tokens']:,}",
-               "—" if loss is None else f"{loss:.3f} ({v['ref_run']})"]
+        row = [
+            name,
+            f"{v['params']:,}",
+            str(v["steps"]),
+            f"{v['tokens']:,}",
+            "—" if loss is None else f"{loss:.3f} ({v['ref_run']})",
+        ]
         for k in keys:
             c = v["comparisons"].get(k)
             if c is None or c["gap_mean"] is None:
@@ -165,44 +197,59 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
             elif c["gap_ci95"] is None:
                 row.append(f"{c['gap_mean']:+.2f}% (1 seed)")
             else:
-                row.append(f"{c['gap_mean']:+.2f}% ({c['gap_ci95'][0]:+.2f}..."
-                           f"{c['gap_ci95'][1]:+.2f})")
+                row.append(
+                    f"{c['gap_mean']:+.2f}% ({c['gap_ci95'][0]:+.2f}...{c['gap_ci95'][1]:+.2f})"
+                )
         lines.append("| " + " | ".join(row) + " |")
     ent = next(iter(sizes.values()))["unigram_entropy"]
     if ent:
-        lines += ["", f"The val split's unigram entropy is {ent:.3f} nats/token: a loss near "
-                  "it means a model that has learned little beyond token frequencies, where "
-                  "a precision gap has little to act on."]
+        lines += [
+            "",
+            f"The val split's unigram entropy is {ent:.3f} nats/token: a loss near "
+            "it means a model that has learned little beyond token frequencies, where "
+            "a precision gap has little to act on.",
+        ]
     cpu = sum(v["timings"]["cpu_s"] for v in sizes.values())
     wall = sum(v["timings"]["wall_s"] for v in sizes.values())
     lines += ["", "## Trend", ""]
     for k, t in trends.items():
         f, p = t["fit"], t["at_paper_size"]
         lo, hi = f["slope_ci95"]
-        lines.append(f"- `{k}`: the gap {t['direction']} with size: slope {f['slope']:+.2f} "
-                     f"points per decade of parameters (95% CI {lo:+.2f} to {hi:+.2f}, "
-                     f"{f['n_points']} size x seed points). Extrapolated to 12B parameters: "
-                     f"{p['gap']:+.1f}% (95% CI {p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f}).")
+        lines.append(
+            f"- `{k}`: the gap {t['direction']} with size: slope {f['slope']:+.2f} "
+            f"points per decade of parameters (95% CI {lo:+.2f} to {hi:+.2f}, "
+            f"{f['n_points']} size x seed points). Extrapolated to 12B parameters: "
+            f"{p['gap']:+.1f}% (95% CI {p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f})."
+        )
     if "nvfp4_vs_fp8" in trends or "nvfp4_vs_bf16" in trends:
-        lines.append("- The paper: NVFP4 about 1-1.5% above FP8 at 12B parameters and 10T "
-                     "tokens (~800 tokens per parameter), ~1.5% above BF16 at 8B and 1T.")
+        lines.append(
+            "- The paper: NVFP4 about 1-1.5% above FP8 at 12B parameters and 10T "
+            "tokens (~800 tokens per parameter), ~1.5% above BF16 at 8B and 1T."
+        )
     lines += [
         "- Caveat: this fit spans one decade or so of sizes at "
         f"{cfg.tokens_per_param:.3g} tokens per parameter (at least {cfg.min_steps} steps), "
         "the paper is four decades further at hundreds of tokens per parameter. A log-linear "
         "trend may bend, and the extrapolated interval only covers the noise of this fit, "
         "not that model error: read the extrapolation as a direction, not a prediction.",
-        "", "## Setup", "",
+        "",
+        "## Setup",
+        "",
         f"- token rule: tokens = {cfg.tokens_per_param:.3g} x parameters, rounded to whole "
         f"steps of {cfg.compare.base.tokens_per_step:,} tokens, at least {cfg.min_steps} "
         "steps; same batch, sequence length, peak lr and schedule shape at every size",
         f"- runs: {', '.join(cfg.compare.runs)}; seeds {list(cfg.compare.seeds)} "
         "(paired within a size)",
-        (f"- time: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (user+sys) for the runs "
-         f"trained by `compare` ({cpu / max(wall, 1e-9):.2f} cores busy on average; CPU / 2 = "
-         f"{cpu / 120:.1f} min is a lower bound on a 2-core machine's wall time)" if cpu else
-         "- time: not recorded (no run was trained by `compare` in these folders)"),
-        "- per-size reports: " + ", ".join(f"[{s}]({s}/report.md)" for s in sizes), ""]
+        (
+            f"- time: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (user+sys) for the runs "
+            f"trained by `compare` ({cpu / max(wall, 1e-9):.2f} cores busy on average; CPU / 2 = "
+            f"{cpu / 120:.1f} min is a lower bound on a 2-core machine's wall time)"
+            if cpu
+            else "- time: not recorded (no run was trained by `compare` in these folders)"
+        ),
+        "- per-size reports: " + ", ".join(f"[{s}]({s}/report.md)" for s in sizes),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -217,8 +264,11 @@ def _plot(path: Path, sizes: dict[str, dict], trends: dict[str, dict]) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     params = [v["params"] for v in sizes.values()]
     for i, (key, t) in enumerate(trends.items()):
-        pts = [(v["params"], v["comparisons"][key]) for v in sizes.values()
-               if key in v["comparisons"] and v["comparisons"][key]["gap_mean"] is not None]
+        pts = [
+            (v["params"], v["comparisons"][key])
+            for v in sizes.values()
+            if key in v["comparisons"] and v["comparisons"][key]["gap_mean"] is not None
+        ]
         xs = [p * (1 + 0.03 * i) for p, _ in pts]  # a small offset keeps bars apart
         ys = [c["gap_mean"] for _, c in pts]
         err = [c["gap_half_width"] or 0.0 for _, c in pts]
@@ -228,8 +278,13 @@ def _plot(path: Path, sizes: dict[str, dict], trends: dict[str, dict]) -> None:
         pred = [stats.predict(f, g) for g in grid]
         color = line[0].get_color()
         ax.plot(grid, [p["gap"] for p in pred], color=color, lw=1)
-        ax.fill_between(grid, [p["ci95"][0] for p in pred], [p["ci95"][1] for p in pred],
-                        color=color, alpha=0.12)
+        ax.fill_between(
+            grid,
+            [p["ci95"][0] for p in pred],
+            [p["ci95"][1] for p in pred],
+            color=color,
+            alpha=0.12,
+        )
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters")

@@ -34,8 +34,15 @@ from typing import Any
 
 from scipy import stats as _st
 
-__all__ = ["eval_se", "loglinear_fit", "mean_ci", "paired_gaps", "seeds_needed",
-           "t_quantile", "verdict"]
+__all__ = [
+    "eval_se",
+    "loglinear_fit",
+    "mean_ci",
+    "paired_gaps",
+    "seeds_needed",
+    "t_quantile",
+    "verdict",
+]
 
 
 def t_quantile(df: int, level: float = 0.95) -> float:
@@ -69,8 +76,7 @@ def mean_ci(values: Sequence[float | None], level: float = 0.95) -> dict[str, An
     return {"mean": m, "sd": sd, "n": n, "ci95": [m - h, m + h], "half_width": h}
 
 
-def paired_gaps(x: Mapping[Any, float | None], ref: Mapping[Any, float | None]
-                ) -> dict[Any, float]:
+def paired_gaps(x: Mapping[Any, float | None], ref: Mapping[Any, float | None]) -> dict[Any, float]:
     """Per-seed relative gap in percent, ``100 (x_s - ref_s) / ref_s``, for the seeds both
     have with finite values (a diverged run has no gap)."""
     out = {}
@@ -86,8 +92,10 @@ def eval_se(x_batches: Sequence[float], ref_batches: Sequence[float]) -> float |
     """Standard error, in points of relative gap, of one seed's gap from its ``B`` paired
     validation batches: ``100 sd(x_b - r_b) / (sqrt(B) mean(r_b))``. None for ``B < 2``."""
     if len(x_batches) != len(ref_batches):
-        raise ValueError(f"paired eval needs the same batches: got {len(x_batches)} and "
-                         f"{len(ref_batches)} batch losses")
+        raise ValueError(
+            f"paired eval needs the same batches: got {len(x_batches)} and "
+            f"{len(ref_batches)} batch losses"
+        )
     b = len(x_batches)
     if b < 2:
         return None
@@ -106,8 +114,9 @@ def combined_eval_se(per_seed: Sequence[float | None]) -> float | None:
     return math.sqrt(sum(v * v for v in known)) / len(known)
 
 
-def seeds_needed(sd: float | None, half_width: float = 0.5, level: float = 0.95,
-                 max_n: int = 1000) -> int | None:
+def seeds_needed(
+    sd: float | None, half_width: float = 0.5, level: float = 0.95, max_n: int = 1000
+) -> int | None:
     """Smallest ``n >= 2`` with ``t(n - 1) sd / sqrt(n) <= half_width`` (None: unknown sd
     or more than ``max_n``)."""
     if sd is None or not math.isfinite(sd):
@@ -124,20 +133,25 @@ def verdict(run: str, ref: str, ci: Mapping[str, Any]) -> str:
     if m is None:
         return f"`{run}` vs `{ref}`: no finished pair of runs, no gap."
     if iv is None:
-        return (f"`{run}` vs `{ref}`: {m:+.2f}% with one seed -- not a verdict "
-                "(no interval; run two or more seeds).")
+        return (
+            f"`{run}` vs `{ref}`: {m:+.2f}% with one seed -- not a verdict "
+            "(no interval; run two or more seeds)."
+        )
     lo, hi = iv
     tail = f"95% CI {lo:+.2f}% to {hi:+.2f}%, n = {n} seeds"
     if lo > 0:
         return f"`{run}` is worse than `{ref}` by {m:.2f}% ({tail})."
     if hi < 0:
         return f"`{run}` is better than `{ref}` by {-m:.2f}% ({tail})."
-    return (f"`{run}` vs `{ref}`: no difference detected; a gap larger than "
-            f"{max(hi, 0):.2f}% (worse) or {max(-lo, 0):.2f}% (better) is excluded ({tail}).")
+    return (
+        f"`{run}` vs `{ref}`: no difference detected; a gap larger than "
+        f"{max(hi, 0):.2f}% (worse) or {max(-lo, 0):.2f}% (better) is excluded ({tail})."
+    )
 
 
-def loglinear_fit(sizes: Sequence[float], gaps: Sequence[float], level: float = 0.95
-                  ) -> dict[str, Any]:
+def loglinear_fit(
+    sizes: Sequence[float], gaps: Sequence[float], level: float = 0.95
+) -> dict[str, Any]:
     """OLS fit ``gap = a + b log10(size)`` over all points, with the slope's interval.
 
     Returns ``{"intercept", "slope", "slope_ci95", "n_points", "residual_sd", "x_mean",
@@ -146,12 +160,17 @@ def loglinear_fit(sizes: Sequence[float], gaps: Sequence[float], level: float = 
     """
     if len(sizes) != len(gaps):
         raise ValueError(f"{len(sizes)} sizes but {len(gaps)} gaps")
-    pts = [(math.log10(s), g) for s, g in zip(sizes, gaps, strict=True)
-           if s and s > 0 and g is not None and math.isfinite(g)]
+    pts = [
+        (math.log10(s), g)
+        for s, g in zip(sizes, gaps, strict=True)
+        if s and s > 0 and g is not None and math.isfinite(g)
+    ]
     xs = {x for x, _ in pts}
     if len(pts) < 3 or len(xs) < 2:
-        raise ValueError(f"a log-linear fit needs >= 3 points at >= 2 sizes; got {len(pts)} "
-                         f"points at {len(xs)} sizes")
+        raise ValueError(
+            f"a log-linear fit needs >= 3 points at >= 2 sizes; got {len(pts)} "
+            f"points at {len(xs)} sizes"
+        )
     n = len(pts)
     xm = sum(x for x, _ in pts) / n
     ym = sum(y for _, y in pts) / n
@@ -161,15 +180,22 @@ def loglinear_fit(sizes: Sequence[float], gaps: Sequence[float], level: float = 
     rss = sum((y - a - b * x) ** 2 for x, y in pts)
     s = math.sqrt(rss / (n - 2))
     h = t_quantile(n - 2, level) * s / math.sqrt(sxx)
-    return {"intercept": a, "slope": b, "slope_ci95": [b - h, b + h], "n_points": n,
-            "residual_sd": s, "x_mean": xm, "sxx": sxx, "level": level}
+    return {
+        "intercept": a,
+        "slope": b,
+        "slope_ci95": [b - h, b + h],
+        "n_points": n,
+        "residual_sd": s,
+        "x_mean": xm,
+        "sxx": sxx,
+        "level": level,
+    }
 
 
 def predict(fit: Mapping[str, Any], size: float) -> dict[str, Any]:
     """The fitted mean gap at ``size`` parameters and its confidence interval."""
     x = math.log10(size)
     y = fit["intercept"] + fit["slope"] * x
-    se = fit["residual_sd"] * math.sqrt(1 / fit["n_points"]
-                                        + (x - fit["x_mean"]) ** 2 / fit["sxx"])
+    se = fit["residual_sd"] * math.sqrt(1 / fit["n_points"] + (x - fit["x_mean"]) ** 2 / fit["sxx"])
     h = t_quantile(fit["n_points"] - 2, fit["level"]) * se
     return {"size": size, "gap": y, "ci95": [y - h, y + h]}

@@ -88,9 +88,19 @@ from microscale.formats import (
 from microscale.integrity import crc32_many
 from microscale.model import ModelConfig, linear_paths
 
-__all__ = ["EMBED_FORMATS", "GGUF_FORMATS", "GGUFResult", "GGUFVocab", "gguf_embed_format",
-           "gguf_format", "gguf_layer_formats", "gguf_tensor", "gguf_vocab", "tensor_name",
-           "write_gguf"]
+__all__ = [
+    "EMBED_FORMATS",
+    "GGUF_FORMATS",
+    "GGUFResult",
+    "GGUFVocab",
+    "gguf_embed_format",
+    "gguf_format",
+    "gguf_layer_formats",
+    "gguf_tensor",
+    "gguf_vocab",
+    "tensor_name",
+    "write_gguf",
+]
 
 # microscale formats ggml runs natively -> GGMLQuantizationType member name.
 GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
@@ -102,14 +112,22 @@ _FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # layers' outputs, not to the embedding lookup.
 EMBED_FORMATS = ("bf16", "q8_0", "mxfp4")
 # Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
-_LINEAR_NAMES = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
-                 "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_LINEAR_NAMES = {
+    "attn.q_proj": "attn_q",
+    "attn.k_proj": "attn_k",
+    "attn.v_proj": "attn_v",
+    "attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 _OTHER_NAMES = {"attn_norm.scale": "attn_norm.weight", "mlp_norm.scale": "ffn_norm.weight"}
 _ROPE_PERMUTED = ("attn.q_proj", "attn.k_proj")
 # Pre-tokenizer regexes llama.cpp implements (src/llama-vocab.cpp) -> tokenizer.ggml.pre.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # A merge that never fires: no merge creates either multi-character symbol.
 _NOOP_MERGE = "\u0120\u0120 \u0120\u0120"
 
@@ -118,8 +136,10 @@ def _gguf():
     try:
         import gguf
     except ImportError:  # pragma: no cover - the [gguf] extra
-        raise ImportError("GGUF export needs the gguf package: pip install "
-                          "'microscale[gguf]' (or pip install 'gguf>=0.19')") from None
+        raise ImportError(
+            "GGUF export needs the gguf package: pip install "
+            "'microscale[gguf]' (or pip install 'gguf>=0.19')"
+        ) from None
     return gguf
 
 
@@ -131,8 +151,10 @@ def gguf_format(fmt: str) -> str:
         return spec.name if spec.quantized else "bf16"
     if spec.elem_bits == 8:
         return "q8_0"
-    raise ValueError(f"format {spec.name!r} has no GGUF type; expected one of "
-                     f"{sorted(GGUF_FORMATS)}, an 8-bit format (stored as q8_0) or bf16")
+    raise ValueError(
+        f"format {spec.name!r} has no GGUF type; expected one of "
+        f"{sorted(GGUF_FORMATS)}, an 8-bit format (stored as q8_0) or bf16"
+    )
 
 
 def gguf_embed_format(fmt: str) -> str:
@@ -140,10 +162,12 @@ def gguf_embed_format(fmt: str) -> str:
     :data:`EMBED_FORMATS`, or an 8-bit format, stored as ``q8_0``); others are refused."""
     stored = gguf_format(fmt)
     if stored not in EMBED_FORMATS:
-        raise ValueError(f"embed_format={fmt!r}: the token embedding / LM head can be stored "
-                         f"as {list(EMBED_FORMATS)} (or an 8-bit format, as q8_0); {stored} "
-                         "needs a tensor scale that llama.cpp does not apply to the "
-                         "embedding lookup")
+        raise ValueError(
+            f"embed_format={fmt!r}: the token embedding / LM head can be stored "
+            f"as {list(EMBED_FORMATS)} (or an 8-bit format, as q8_0); {stored} "
+            "needs a tensor scale that llama.cpp does not apply to the "
+            "embedding lookup"
+        )
     return stored
 
 
@@ -171,8 +195,7 @@ def _rope_rows(n_rows: int, head_dim: int) -> np.ndarray:
 def _permute_rows(w: Any, rows: np.ndarray) -> Any:
     if not isinstance(w, QArray):
         return np.asarray(w)[rows]
-    return dataclasses.replace(w, data=np.asarray(w.data)[rows],
-                               scales=np.asarray(w.scales)[rows])
+    return dataclasses.replace(w, data=np.asarray(w.data)[rows], scales=np.asarray(w.scales)[rows])
 
 
 def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
@@ -181,30 +204,38 @@ def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
     gguf = _gguf()
     spec = q.spec
     if spec.name not in GGUF_FORMATS:
-        raise ValueError(f"{name}: format {spec.name!r} has no GGUF block type; expected one "
-                         f"of {sorted(GGUF_FORMATS)}")
+        raise ValueError(
+            f"{name}: format {spec.name!r} has no GGUF block type; expected one "
+            f"of {sorted(GGUF_FORMATS)}"
+        )
     qtype = gguf.GGMLQuantizationType[GGUF_FORMATS[spec.name]]
     per_block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     q = L.row_blocks(L.to_hf_orientation(q))
     n, k = q.shape
     if k % per_block:
-        raise ValueError(f"{name}: input dimension {k} is not a multiple of {per_block}, "
-                         f"the {qtype.name} block length; ggml cannot hold this tensor "
-                         f"(use another format for this layer, e.g. bf16)")
+        raise ValueError(
+            f"{name}: input dimension {k} is not a multiple of {per_block}, "
+            f"the {qtype.name} block length; ggml cannot hold this tensor "
+            f"(use another format for this layer, e.g. bf16)"
+        )
     sub = spec.block_size
     assert sub is not None  # only block-scaled formats have a ggml block type
     groups = per_block // sub  # scale groups per ggml block
     scales = np.asarray(q.scales)[:n]  # 16x16 tiles may pad rows
     data = np.asarray(q.data)[:n]
     if spec.has_global_scale and not np.isfinite(np.asarray(q.global_scale)):
-        raise ValueError(f"{name}: the tensor scale is {float(np.asarray(q.global_scale))} (non-finite "
-                         "weights); refusing to write a tensor llama.cpp would misread")
+        raise ValueError(
+            f"{name}: the tensor scale is {float(np.asarray(q.global_scale))} (non-finite "
+            "weights); refusing to write a tensor llama.cpp would misread"
+        )
     # Block scales must be finite and non-negative (decoded: E8M0 0xFF is NaN, which ggml
     # does not handle; a UE4M3 byte has no sign bit and reads 0x7F as 0).
     decoded = np.asarray(block_scales_f32(dataclasses.replace(q, scales=jnp.asarray(scales))))
     if not (np.isfinite(decoded) & (decoded >= 0) & ~np.signbit(decoded)).all():
-        raise ValueError(f"{name}: non-finite or negative block scales (non-finite "
-                         "weights); refusing to write a tensor llama.cpp would misread")
+        raise ValueError(
+            f"{name}: non-finite or negative block scales (non-finite "
+            "weights); refusing to write a tensor llama.cpp would misread"
+        )
     sbytes = scales.view(np.uint8).reshape(n, k // per_block, -1)
     if spec.packed:
         codes = np.asarray(unpack_nibbles(jnp.asarray(data), 1)).reshape(n, -1, 2, sub // 2)
@@ -224,13 +255,12 @@ def _float_tensor(x, dtype: str) -> tuple[np.ndarray, Any]:
     a = np.asarray(jnp.asarray(x, jnp.float32))
     if dtype == "bfloat16":
         b = a.astype(ml_dtypes.bfloat16).view(np.uint8)
-        return np.ascontiguousarray(b.reshape(*a.shape[:-1], -1)), \
-            gguf.GGMLQuantizationType.BF16
-    return np.ascontiguousarray(a.astype(np.float16 if dtype == "float16" else np.float32)), \
-        None
+        return np.ascontiguousarray(b.reshape(*a.shape[:-1], -1)), gguf.GGMLQuantizationType.BF16
+    return np.ascontiguousarray(a.astype(np.float16 if dtype == "float16" else np.float32)), None
 
 
 # ---------------------------------------------------------------------- tokenizer
+
 
 def _tokenizer_json(tokenizer) -> tuple[dict, int, Path | None]:
     """``(tokenizer.json as a dict, its end-of-document id, its file or None)``."""
@@ -244,13 +274,19 @@ def _tokenizer_json(tokenizer) -> tuple[dict, int, Path | None]:
         return json.loads(byte_tokenizer_hf().to_str()), tokenizer.eos_id, file
     if isinstance(tokenizer, BPETokenizer):
         return json.loads(tokenizer.hf.to_str()), tokenizer.eos_id, file
-    raise TypeError(f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
-                    "BPETokenizer or a tokenizer file path")
+    raise TypeError(
+        f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
+        "BPETokenizer or a tokenizer file path"
+    )
 
 
 def _is_bytelevel(p: Any, regex: bool) -> bool:
-    return isinstance(p, dict) and p.get("type") == "ByteLevel" and \
-        bool(p.get("use_regex", True)) == regex and not p.get("add_prefix_space", False)
+    return (
+        isinstance(p, dict)
+        and p.get("type") == "ByteLevel"
+        and bool(p.get("use_regex", True)) == regex
+        and not p.get("add_prefix_space", False)
+    )
 
 
 def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
@@ -261,22 +297,33 @@ def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
         return "default"  # every byte is its own token: how text is split cannot matter
     if _is_bytelevel(pre, True):
         return "gpt-2"
-    seq = (pre.get("pretokenizers") or []) if isinstance(pre, dict) and \
-        pre.get("type") == "Sequence" else []
+    seq = (
+        (pre.get("pretokenizers") or [])
+        if isinstance(pre, dict) and pre.get("type") == "Sequence"
+        else []
+    )
     if len(seq) == 2 and isinstance(seq[0], dict):
         first = seq[0]
-        if first.get("type") == "Digits" and first.get("individual_digits") is True \
-                and _is_bytelevel(seq[1], True):
+        if (
+            first.get("type") == "Digits"
+            and first.get("individual_digits") is True
+            and _is_bytelevel(seq[1], True)
+        ):
             return "smollm"
-        if first.get("type") == "Split" and _is_bytelevel(seq[1], False) \
-                and (first.get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT \
-                and first.get("behavior", "Isolated") == "Isolated" \
-                and not first.get("invert", False):
+        if (
+            first.get("type") == "Split"
+            and _is_bytelevel(seq[1], False)
+            and (first.get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT
+            and first.get("behavior", "Isolated") == "Isolated"
+            and not first.get("invert", False)
+        ):
             return "llama-bpe"
-    raise ValueError(f"tokenizer pre-tokenizer {json.dumps(pre)[:300]} is not one llama.cpp "
-                     "implements the same way; GGUF export knows GPT-2's ByteLevel regex "
-                     "(gpt-2), digits split then GPT-2's regex (smollm) and Llama 3's split "
-                     "regex (llama-bpe)")
+    raise ValueError(
+        f"tokenizer pre-tokenizer {json.dumps(pre)[:300]} is not one llama.cpp "
+        "implements the same way; GGUF export knows GPT-2's ByteLevel regex "
+        "(gpt-2), digits split then GPT-2's regex (smollm) and Llama 3's split "
+        "regex (llama-bpe)"
+    )
 
 
 def _token_text(v: Any, key: str, where: Path | None) -> str | None:
@@ -298,8 +345,10 @@ def _chat_template(cfg: dict, folder: Path, where: Path | None) -> str | None:
         named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
         t = named.get("default")
     if t is not None and not isinstance(t, str):
-        raise ValueError(f"{where}: chat_template: expected a string or a list of "
-                         "{name, template} with a 'default'")
+        raise ValueError(
+            f"{where}: chat_template: expected a string or a list of "
+            "{name, template} with a 'default'"
+        )
     if t is None and (folder / "chat_template.jinja").is_file():
         t = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     return t
@@ -311,8 +360,7 @@ def _template_start(proc: Any) -> str | None:
     if not isinstance(proc, dict):
         return None
     if proc.get("type") == "Sequence":
-        return next((t for p in proc.get("processors") or [] if (t := _template_start(p))),
-                    None)
+        return next((t for p in proc.get("processors") or [] if (t := _template_start(p))), None)
     single = proc.get("single") if proc.get("type") == "TemplateProcessing" else None
     if not single or not isinstance(single[0], dict):
         return None
@@ -356,14 +404,17 @@ def gguf_vocab(tokenizer: Any) -> GGUFVocab:
     tj, eos, file = _tokenizer_json(tokenizer)
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback") or tj.get("normalizer"):
-        raise ValueError("tokenizer: GGUF export supports byte-level BPE tokenizers (model "
-                         f"type {model.get('type')!r}, byte_fallback "
-                         f"{model.get('byte_fallback')!r}, normalizer "
-                         f"{(tj.get('normalizer') or {}).get('type')!r}); expected BPE, no "
-                         "byte fallback, no normalizer")
+        raise ValueError(
+            "tokenizer: GGUF export supports byte-level BPE tokenizers (model "
+            f"type {model.get('type')!r}, byte_fallback "
+            f"{model.get('byte_fallback')!r}, normalizer "
+            f"{(tj.get('normalizer') or {}).get('type')!r}); expected BPE, no "
+            "byte fallback, no normalizer"
+        )
     if (tj.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"tokenizer decoder {(tj.get('decoder') or {}).get('type')!r}: "
-                         "expected ByteLevel")
+        raise ValueError(
+            f"tokenizer decoder {(tj.get('decoder') or {}).get('type')!r}: expected ByteLevel"
+        )
     vocab = dict(model.get("vocab") or {})
     added = {}
     for t in tj.get("added_tokens") or []:
@@ -399,10 +450,17 @@ def gguf_vocab(tokenizer: Any) -> GGUFVocab:
         add_bos = first in vocab and (bos_id is None or vocab[first] == bos_id)
         if add_bos and bos_id is None:
             bos_id = vocab[first]
-    return GGUFVocab(vocab=vocab, added=added, merges=merges, pre=pre,
-                     bos_id=eos_id if bos_id is None else bos_id, eos_id=eos_id,
-                     pad_id=token_id("pad_token"), add_bos=add_bos,
-                     chat_template=_chat_template(cfg, folder, where) if folder else None)
+    return GGUFVocab(
+        vocab=vocab,
+        added=added,
+        merges=merges,
+        pre=pre,
+        bos_id=eos_id if bos_id is None else bos_id,
+        eos_id=eos_id,
+        pad_id=token_id("pad_token"),
+        add_bos=add_bos,
+        chat_template=_chat_template(cfg, folder, where) if folder else None,
+    )
 
 
 def _add_tokenizer(w, voc: GGUFVocab, vocab_size: int) -> dict[str, Any]:
@@ -412,8 +470,11 @@ def _add_tokenizer(w, voc: GGUFVocab, vocab_size: int) -> dict[str, Any]:
     types = [gguf.TokenType.UNUSED] * vocab_size
     for text, i in voc.vocab.items():
         tokens[i] = text
-        types[i] = gguf.TokenType.NORMAL if i not in voc.added else (
-            gguf.TokenType.CONTROL if voc.added[i] else gguf.TokenType.USER_DEFINED)
+        types[i] = (
+            gguf.TokenType.NORMAL
+            if i not in voc.added
+            else (gguf.TokenType.CONTROL if voc.added[i] else gguf.TokenType.USER_DEFINED)
+        )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(voc.pre)
     w.add_token_list(tokens)
@@ -428,12 +489,21 @@ def _add_tokenizer(w, voc: GGUFVocab, vocab_size: int) -> dict[str, Any]:
     w.add_add_eos_token(False)
     if voc.chat_template is not None:
         w.add_chat_template(voc.chat_template)
-    return {"model": "gpt2", "pre": voc.pre, "tokens": voc.n_ids, "merges": len(voc.merges),
-            "bos_id": voc.bos_id, "eos_id": voc.eos_id, "pad_id": voc.pad_id,
-            "add_bos": voc.add_bos, "chat_template": voc.chat_template is not None}
+    return {
+        "model": "gpt2",
+        "pre": voc.pre,
+        "tokens": voc.n_ids,
+        "merges": len(voc.merges),
+        "bos_id": voc.bos_id,
+        "eos_id": voc.eos_id,
+        "pad_id": voc.pad_id,
+        "add_bos": voc.add_bos,
+        "chat_template": voc.chat_template is not None,
+    }
 
 
 # ---------------------------------------------------------------------- export
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GGUFResult:
@@ -456,12 +526,18 @@ class GGUFResult:
 
     def describe(self) -> dict[str, Any]:
         """What a report records of the export (``quantize``'s ``checkpoint`` entry)."""
-        return {"layout": self.layout, "path": str(self.path), "files": [self.path.name],
-                "tokenizer": self.tokenizer, "embedding": self.embedding}
+        return {
+            "layout": self.layout,
+            "path": str(self.path),
+            "files": [self.path.name],
+            "tokenizer": self.tokenizer,
+            "embedding": self.embedding,
+        }
 
 
-def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
-                       layer_formats: L.LayerFormats, ck_layers=None) -> dict[str, str]:
+def gguf_layer_formats(
+    cfg: ModelConfig, params: Mapping[str, Any], layer_formats: L.LayerFormats, ck_layers=None
+) -> dict[str, str]:
     """{linear path: stored format}: the requested formats (default: a Checkpoint's own
     layers, else NVFP4) mapped through :func:`gguf_format`."""
     if layer_formats is None and ck_layers is not None:
@@ -470,10 +546,18 @@ def gguf_layer_formats(cfg: ModelConfig, params: Mapping[str, Any],
     return {p: gguf_format(lq.weights) for p, lq in layers.items()}
 
 
-def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | None = None,
-               layer_formats: L.LayerFormats = None, tokenizer: Any = None,
-               dtype: str = "bfloat16", embed_format: str = "bf16",
-               name: str | None = None, overwrite: bool = False) -> GGUFResult:
+def write_gguf(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    config: ModelConfig | None = None,
+    layer_formats: L.LayerFormats = None,
+    tokenizer: Any = None,
+    dtype: str = "bfloat16",
+    embed_format: str = "bf16",
+    name: str | None = None,
+    overwrite: bool = False,
+) -> GGUFResult:
     """Write ``model`` as a llama.cpp GGUF file (see the module doc).
 
     Long: its split (config, vocab, tensors, file) waits for issue #23's quantized
@@ -504,14 +588,17 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_FLOAT_TYPES)}")
     out = Path(path)
     if out.is_dir():
-        raise IsADirectoryError(f"--out {str(out)!r} is a folder; GGUF export writes one file "
-                                "(e.g. model.gguf)")
+        raise IsADirectoryError(
+            f"--out {str(out)!r} is a folder; GGUF export writes one file (e.g. model.gguf)"
+        )
     if out.exists() and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True (CLI: --overwrite)")
     if tokenizer is None:
-        raise ValueError("GGUF export needs the model's tokenizer (llama.cpp stores the vocab "
-                         "in the file); pass tokenizer=... (a run or a folder with "
-                         "tokenizer.json provides it)")
+        raise ValueError(
+            "GGUF export needs the model's tokenizer (llama.cpp stores the vocab "
+            "in the file); pass tokenizer=... (a run or a folder with "
+            "tokenizer.json provides it)"
+        )
     emb_fmt = gguf_embed_format(embed_format)
     vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
@@ -519,10 +606,15 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
     for key, v in params.items():  # checked here: formats' amax may not see a NaN
         a = dequantize(v) if isinstance(v, QArray) else jnp.asarray(v, jnp.float32)
         if not np.isfinite(np.asarray(a)).all():
-            where = tensor_name(key[: -len(".kernel")]) if key.startswith("layers.") and \
-                key.endswith(".kernel") else key
-            raise ValueError(f"{where}: non-finite weights (NaN or Inf); refusing to write a "
-                             "file llama.cpp would misread")
+            where = (
+                tensor_name(key[: -len(".kernel")])
+                if key.startswith("layers.") and key.endswith(".kernel")
+                else key
+            )
+            raise ValueError(
+                f"{where}: non-finite weights (NaN or Inf); refusing to write a "
+                "file llama.cpp would misread"
+            )
     formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
     # Kernels that are not already in their stored format are decoded (8-bit -> Q8_0).
     params = dict(params)
@@ -540,8 +632,12 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         arr, raw = _float_tensor(x, dt)
         tensors.append((tname, arr, raw))
 
-    tensors.append(("token_embd.weight",
-                    *_embed_tensor(params["embed.embedding"], emb_fmt, "token_embd", dtype)))
+    tensors.append(
+        (
+            "token_embd.weight",
+            *_embed_tensor(params["embed.embedding"], emb_fmt, "token_embd", dtype),
+        )
+    )
     for i in range(cfg.n_layers):
         for sub, gname in _OTHER_NAMES.items():
             add_float(f"blk.{i}.{gname}", params[f"layers.{i}.{sub}"], "float32")
@@ -549,25 +645,37 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
     for p in linear_paths(cfg):
         tname = tensor_name(p)
         w = quantized[p]
-        w = L.to_hf_orientation(w) if isinstance(w, QArray) else np.asarray(
-            jnp.asarray(w, jnp.float32)).T
+        w = (
+            L.to_hf_orientation(w)
+            if isinstance(w, QArray)
+            else np.asarray(jnp.asarray(w, jnp.float32)).T
+        )
         if p.split(".", 2)[2] in _ROPE_PERMUTED:
             w = _permute_rows(w, _rope_rows(w.shape[0], hd))
         if isinstance(w, QArray):
             arr, qtype = gguf_tensor(w, tname)
             tensors.append((f"{tname}.weight", arr, qtype))
             if w.spec.has_global_scale:
-                tensors.append((f"{tname}.scale",
-                                np.asarray(w.global_scale, np.float32).reshape(1), None))
+                tensors.append(
+                    (f"{tname}.scale", np.asarray(w.global_scale, np.float32).reshape(1), None)
+                )
         else:
             if not np.isfinite(w).all():
                 raise ValueError(f"{tname}: non-finite weights; refusing to write them")
             add_float(f"{tname}.weight", w)
     add_float("output_norm.weight", params["final_norm.scale"], "float32")
     if not cfg.tie_embeddings:
-        tensors.append(("output.weight", *_embed_tensor(
-            np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T, emb_fmt,
-            "output", dtype)))
+        tensors.append(
+            (
+                "output.weight",
+                *_embed_tensor(
+                    np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T,
+                    emb_fmt,
+                    "output",
+                    dtype,
+                ),
+            )
+        )
 
     w = gguf.GGUFWriter(None, "llama")
     w.add_name(name or out.stem)
@@ -597,5 +705,11 @@ def write_gguf(model: Any, path: str | os.PathLike, *, config: ModelConfig | Non
         w.write_tensors_to_file()
         w.close()
         seal_gguf_header(fh.name)
-    return GGUFResult(path=out, layers=formats, tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
-                      tokenizer=tok, config=cfg, embedding=emb_fmt)
+    return GGUFResult(
+        path=out,
+        layers=formats,
+        tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
+        tokenizer=tok,
+        config=cfg,
+        embedding=emb_fmt,
+    )

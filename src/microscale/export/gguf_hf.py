@@ -70,17 +70,23 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     n_heads = int(_field(reader, a + "attention.head_count"))
     rot = _field(reader, a + "rope.dimension_count", d // n_heads)
     if rot != d // n_heads:
-        raise ValueError(f"GGUF {a}rope.dimension_count={rot}: partial RoPE is not supported "
-                         f"(expected head_dim {d // n_heads})")
+        raise ValueError(
+            f"GGUF {a}rope.dimension_count={rot}: partial RoPE is not supported "
+            f"(expected head_dim {d // n_heads})"
+        )
     return ModelConfig(
-        vocab_size=int(n_vocab), d_model=d, n_layers=int(_field(reader, a + "block_count")),
-        n_heads=n_heads, n_kv_heads=int(_field(reader, a + "attention.head_count_kv", n_heads)),
+        vocab_size=int(n_vocab),
+        d_model=d,
+        n_layers=int(_field(reader, a + "block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, a + "attention.head_count_kv", n_heads)),
         d_ff=int(_field(reader, a + "feed_forward_length")),
         max_seq_len=int(_field(reader, a + "context_length")),
         rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
         norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        dim_multiple=16)
+        dim_multiple=16,
+    )
 
 
 def _decoded(reader: Any) -> dict[str, np.ndarray]:
@@ -97,8 +103,10 @@ def _decoded(reader: Any) -> dict[str, np.ndarray]:
 def _hf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
     src = _decoded(reader)
     hd = cfg.head_dim
-    out = {hf_param_name("embed.embedding"): src["token_embd.weight"],
-           hf_param_name("final_norm.scale"): src["output_norm.weight"]}
+    out = {
+        hf_param_name("embed.embedding"): src["token_embd.weight"],
+        hf_param_name("final_norm.scale"): src["output_norm.weight"],
+    }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = src["output.weight"]
     for i in range(cfg.n_layers):
@@ -121,14 +129,18 @@ def _pre_tokenizer(pre: str) -> Any:
     if pre in ("gpt-2", "default"):
         return byte_level
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        byte_level])
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre == "llama-bpe":
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r}: expected 'gpt-2', 'smollm' or "
-                     "'llama-bpe' (the byte-level pre-tokenizers microscale implements)")
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise ValueError(
+        f"GGUF tokenizer.ggml.pre={pre!r}: expected 'gpt-2', 'smollm' or "
+        "'llama-bpe' (the byte-level pre-tokenizers microscale implements)"
+    )
 
 
 def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
@@ -137,8 +149,7 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
 
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={model!r}: expected 'gpt2' "
-                         "(byte-level BPE)")
+        raise ValueError(f"GGUF tokenizer.ggml.model={model!r}: expected 'gpt2' (byte-level BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
@@ -146,13 +157,19 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
     tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "gpt-2"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    conf: dict[str, Any] = {"tokenizer_class": "GPT2Tokenizer", "clean_up_tokenization_spaces":
-                            False, "add_bos_token": bool(_field(reader,
-                                                                "tokenizer.ggml.add_bos_token",
-                                                                False)),
-                            "model_max_length": int(_field(reader, "llama.context_length"))}
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _CONTROL
+        ]
+    )
+    conf: dict[str, Any] = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": int(_field(reader, "llama.context_length")),
+    }
     for name in ("bos", "eos", "unk", "pad"):
         tid = _field(reader, f"tokenizer.ggml.{name}_token_id", None)
         if tid is not None:

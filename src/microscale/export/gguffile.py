@@ -50,9 +50,20 @@ import numpy as np
 
 from microscale.integrity import CorruptDataError, crc32, crc32_many
 
-__all__ = ["CRC_HEADER_KEY", "CRC_TENSORS_KEY", "GGUFCheck", "GGUFFormatError", "GGUFHeader",
-           "GGUFTensorInfo", "GGUFValue", "check_gguf", "header_crc", "read_gguf_header",
-           "seal_gguf_header", "verify_gguf"]
+__all__ = [
+    "CRC_HEADER_KEY",
+    "CRC_TENSORS_KEY",
+    "GGUFCheck",
+    "GGUFFormatError",
+    "GGUFHeader",
+    "GGUFTensorInfo",
+    "GGUFValue",
+    "check_gguf",
+    "header_crc",
+    "read_gguf_header",
+    "seal_gguf_header",
+    "verify_gguf",
+]
 
 CRC_TENSORS_KEY = "microscale.crc32.tensors"
 CRC_HEADER_KEY = "microscale.crc32.header"
@@ -116,8 +127,10 @@ def _gguf_types():
     try:
         import gguf
     except ImportError:  # pragma: no cover - the [gguf] extra
-        raise ImportError("reading GGUF files needs the gguf package: pip install "
-                          "'microscale[gguf]' (or pip install 'gguf>=0.19')") from None
+        raise ImportError(
+            "reading GGUF files needs the gguf package: pip install "
+            "'microscale[gguf]' (or pip install 'gguf>=0.19')"
+        ) from None
     return gguf.GGMLQuantizationType, gguf.GGML_QUANT_SIZES
 
 
@@ -126,8 +139,10 @@ class _Cursor:
         self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
 
     def fail(self, what: str, at: int | None = None) -> GGUFFormatError:
-        return GGUFFormatError(f"{self.path}: the GGUF header is damaged or truncated at byte "
-                               f"{self.pos if at is None else at} ({what})")
+        return GGUFFormatError(
+            f"{self.path}: the GGUF header is damaged or truncated at byte "
+            f"{self.pos if at is None else at} ({what})"
+        )
 
     def take(self, n: int, what: str) -> int:
         if n < 0 or self.pos + n > self.size:
@@ -148,7 +163,7 @@ class _Cursor:
         if not decode:
             return start, None
         try:
-            return start, bytes(self.buf[start:start + n]).decode("utf-8")
+            return start, bytes(self.buf[start : start + n]).decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8", start) from None
 
@@ -191,8 +206,9 @@ def _map(path: str | os.PathLike) -> tuple[np.ndarray, GGUFHeader]:
     return buf, _parse(buf, path, size)
 
 
-def _place_tensors(path: Path, size: int, kv: dict[str, GGUFValue], infos: list,
-                   header_end: int) -> tuple[int, list[GGUFTensorInfo]]:
+def _place_tensors(
+    path: Path, size: int, kv: dict[str, GGUFValue], infos: list, header_end: int
+) -> tuple[int, list[GGUFTensorInfo]]:
     """``(data start, tensors)``: the tensor table's ``(name, type, type name, shape,
     offset, bytes)`` rows placed after the header at ``general.alignment``, each checked to
     be unique, aligned, inside the file and not overlapping another."""
@@ -200,10 +216,15 @@ def _place_tensors(path: Path, size: int, kv: dict[str, GGUFValue], infos: list,
     align = _DEFAULT_ALIGNMENT
     if align_v is not None:
         stored = align_v.value
-        if align_v.vtype != _UINT32 or not isinstance(stored, int) or not stored or (
-                stored & (stored - 1)):
-            raise GGUFFormatError(f"{path}: general.alignment must be a uint32 power of two; "
-                                  "the header is damaged")
+        if (
+            align_v.vtype != _UINT32
+            or not isinstance(stored, int)
+            or not stored
+            or (stored & (stored - 1))
+        ):
+            raise GGUFFormatError(
+                f"{path}: general.alignment must be a uint32 power of two; the header is damaged"
+            )
         align = stored
     data_start = -(-header_end // align) * align
     tensors: list[GGUFTensorInfo] = []
@@ -211,23 +232,29 @@ def _place_tensors(path: Path, size: int, kv: dict[str, GGUFValue], infos: list,
     for name, t, tname, shape, offset, nbytes in infos:
         where = f"{path}: tensor {name!r}"
         if name in names:
-            raise GGUFFormatError(f"{where} appears twice in the tensor table; the header is "
-                                  "damaged")
+            raise GGUFFormatError(
+                f"{where} appears twice in the tensor table; the header is damaged"
+            )
         names.add(name)
         if offset % align:
-            raise GGUFFormatError(f"{where}: offset {offset} is not a multiple of the "
-                                  f"alignment {align}; the header is damaged")
+            raise GGUFFormatError(
+                f"{where}: offset {offset} is not a multiple of the "
+                f"alignment {align}; the header is damaged"
+            )
         begin = data_start + offset
         if begin + nbytes > size:
-            raise GGUFFormatError(f"{where}: its {nbytes} bytes at byte {begin} run past the "
-                                  f"end of the file ({size} bytes): truncated, or the header "
-                                  "is damaged")
+            raise GGUFFormatError(
+                f"{where}: its {nbytes} bytes at byte {begin} run past the "
+                f"end of the file ({size} bytes): truncated, or the header "
+                "is damaged"
+            )
         tensors.append(GGUFTensorInfo(name, t, tname, shape, begin, begin + nbytes))
     spans = sorted((x.begin, x.end, x.name) for x in tensors if x.end > x.begin)
     for (_, e0, a), (b1, _, b) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
-            raise GGUFFormatError(f"{path}: tensors {a!r} and {b!r} overlap in the file; the "
-                                  "header is damaged")
+            raise GGUFFormatError(
+                f"{path}: tensors {a!r} and {b!r} overlap in the file; the header is damaged"
+            )
     return data_start, tensors
 
 
@@ -235,9 +262,12 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
     qtypes, qsizes = _gguf_types()
     c = _Cursor(buf, path)
     try:
-        if bytes(buf[c.take(4, "magic"):4]) != _MAGIC:
-            raise c.fail(f"magic {bytes(buf[:4])!r}, expected {_MAGIC!r}: not a GGUF file "
-                         "or its first bytes are damaged", 0)
+        if bytes(buf[c.take(4, "magic") : 4]) != _MAGIC:
+            raise c.fail(
+                f"magic {bytes(buf[:4])!r}, expected {_MAGIC!r}: not a GGUF file "
+                "or its first bytes are damaged",
+                0,
+            )
         version = c.u32("version")
         if version not in _VERSIONS:
             raise c.fail(f"version {version}; expected one of {_VERSIONS} (little-endian)", 4)
@@ -245,8 +275,11 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         n_kv = c.u64("metadata count")
         # every entry takes at least 12 bytes: a bad count fails here, not after a long loop
         if n_kv * 12 + n_tensors * 24 > size:
-            raise c.fail(f"{n_kv} metadata entries and {n_tensors} tensors do not fit the "
-                         f"file's {size} bytes", 8)
+            raise c.fail(
+                f"{n_kv} metadata entries and {n_tensors} tensors do not fit the "
+                f"file's {size} bytes",
+                8,
+            )
         kv: dict[str, GGUFValue] = {}
         for i in range(n_kv):
             begin = c.pos
@@ -258,8 +291,10 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
             vbegin = c.pos
             value = None
             if vtype == _STRING:
-                vbegin, value = c.string(f"value of {key!r}", decode=key.startswith(
-                    "microscale.") or key == "general.alignment")
+                vbegin, value = c.string(
+                    f"value of {key!r}",
+                    decode=key.startswith("microscale.") or key == "general.alignment",
+                )
             elif vtype in _SCALAR_SIZES:
                 c.skip_value(vtype, f"value of {key!r}")
                 if vtype == _UINT32:
@@ -274,8 +309,9 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
             assert name is not None  # decoded
             n_dims = c.u32(f"tensor {name!r} dimension count")
             if not 1 <= n_dims <= _MAX_DIMS:
-                raise c.fail(f"tensor {name!r}: {n_dims} dimensions, expected 1 to "
-                             f"{_MAX_DIMS}", start)
+                raise c.fail(
+                    f"tensor {name!r}: {n_dims} dimensions, expected 1 to {_MAX_DIMS}", start
+                )
             shape = tuple(c.u64(f"tensor {name!r} shape") for _ in range(n_dims))
             t = c.u32(f"tensor {name!r} type")
             try:
@@ -286,26 +322,37 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
             offset = c.u64(f"tensor {name!r} offset")
             n = int(np.prod(shape, dtype=object))
             if shape[0] % block:
-                raise c.fail(f"tensor {name!r}: row length {shape[0]} is not a multiple of "
-                             f"{qtype.name}'s block of {block}", start)
+                raise c.fail(
+                    f"tensor {name!r}: row length {shape[0]} is not a multiple of "
+                    f"{qtype.name}'s block of {block}",
+                    start,
+                )
             infos.append((name, t, qtype.name, shape, offset, n // block * type_size))
         header_end = c.pos
     except struct.error as e:  # pragma: no cover - take() bounds every read
         raise c.fail(str(e)) from None
     data_start, tensors = _place_tensors(path, size, kv, infos, header_end)
-    return GGUFHeader(path=path, version=version, size=size, kv=kv, tensors=tensors,
-                      header_end=header_end, data_start=data_start)
+    return GGUFHeader(
+        path=path,
+        version=version,
+        size=size,
+        kv=kv,
+        tensors=tensors,
+        header_end=header_end,
+        data_start=data_start,
+    )
 
 
 # ---------------------------------------------------------------------- checksums
 
+
 def header_crc(buf, header: GGUFHeader) -> str:
     """CRC-32 of ``buf[:header_end]`` (the file's bytes) with the value of
     ``microscale.crc32.header`` read as ``00000000`` (see the module doc)."""
-    raw = bytearray(buf[:header.header_end])
+    raw = bytearray(buf[: header.header_end])
     v = header.kv.get(CRC_HEADER_KEY)
     if v is not None and v.vtype == _STRING and v.end - v.value_begin == 8:
-        raw[v.value_begin:v.end] = _HEADER_PLACEHOLDER
+        raw[v.value_begin : v.end] = _HEADER_PLACEHOLDER
     return crc32(raw)
 
 
@@ -317,7 +364,7 @@ def seal_gguf_header(path: str | os.PathLike) -> str:
     v = header.kv.get(CRC_HEADER_KEY)
     if v is None or v.vtype != _STRING or v.end - v.value_begin != 8:
         raise ValueError(f"{path}: no 8-character {CRC_HEADER_KEY!r} entry to fill")
-    if bytes(buf[v.value_begin:v.end]) != _HEADER_PLACEHOLDER:
+    if bytes(buf[v.value_begin : v.end]) != _HEADER_PLACEHOLDER:
         raise ValueError(f"{path}: {CRC_HEADER_KEY!r} is already filled")
     value = header_crc(buf, header)
     del buf
@@ -340,8 +387,9 @@ class GGUFCheck:
     problems: tuple[tuple[str | None, str], ...]
 
 
-def check_gguf(path: str | os.PathLike, *,
-               progress: Callable[[int], None] | None = None) -> GGUFCheck:
+def check_gguf(
+    path: str | os.PathLike, *, progress: Callable[[int], None] | None = None
+) -> GGUFCheck:
     """Check a GGUF file against its stored checksums (module doc), reporting every damaged
     tensor; ``progress(nbytes)`` is called as tensor bytes are hashed."""
     path = Path(path)
@@ -356,8 +404,9 @@ def check_gguf(path: str | os.PathLike, *,
     damaged = "; the header is damaged"
     for key in (CRC_HEADER_KEY, CRC_TENSORS_KEY):
         if key not in header.kv:
-            problems.append((None, f"metadata entry {key!r} is missing (the file has "
-                                   f"{sorted(has)}){damaged}"))
+            problems.append(
+                (None, f"metadata entry {key!r} is missing (the file has {sorted(has)}){damaged}")
+            )
         elif header.kv[key].vtype != _STRING:
             problems.append((None, f"metadata entry {key!r} is not a string{damaged}"))
     for key in sorted(set(has) - {CRC_HEADER_KEY, CRC_TENSORS_KEY}):
@@ -367,9 +416,14 @@ def check_gguf(path: str | os.PathLike, *,
         got_header = header_crc(buf, header)
         if got_header != stored_header:
             shown = stored_header if _HEX8.fullmatch(stored_header) else repr(stored_header)
-            problems.append((None, f"the header (metadata and tensor table) fails its "
-                                   f"checksum (crc32 {got_header}, stored {shown}): the "
-                                   "header is damaged"))
+            problems.append(
+                (
+                    None,
+                    f"the header (metadata and tensor table) fails its "
+                    f"checksum (crc32 {got_header}, stored {shown}): the "
+                    "header is damaged",
+                )
+            )
     sums: Any = {}
     text = header.string(CRC_TENSORS_KEY)
     if text is not None:
@@ -377,27 +431,42 @@ def check_gguf(path: str | os.PathLike, *,
             sums = json.loads(text)
         except json.JSONDecodeError:
             sums = None
-        if not (isinstance(sums, dict) and all(isinstance(v, str) and _HEX8.fullmatch(v)
-                                               for v in sums.values())):
-            problems.append((None, f"{CRC_TENSORS_KEY!r} is not a JSON object of "
-                                   f"checksums{damaged}"))
+        if not (
+            isinstance(sums, dict)
+            and all(isinstance(v, str) and _HEX8.fullmatch(v) for v in sums.values())
+        ):
+            problems.append(
+                (None, f"{CRC_TENSORS_KEY!r} is not a JSON object of checksums{damaged}")
+            )
             sums = {}
         names = {t.name for t in header.tensors}
         for n in sorted(set(sums) - names):
-            problems.append((None, f"a checksum is stored for tensor {n!r}, which the tensor "
-                                   f"table does not list{damaged}"))
+            problems.append(
+                (
+                    None,
+                    f"a checksum is stored for tensor {n!r}, which the tensor "
+                    f"table does not list{damaged}",
+                )
+            )
         for n in sorted(names - set(sums)) if sums else ():
-            problems.append((n, f"tensor {n!r} has no stored checksum although the file "
-                                f"stores them{damaged}"))
+            problems.append(
+                (n, f"tensor {n!r} has no stored checksum although the file stores them{damaged}")
+            )
     sizes = {t.name: t.end - t.begin for t in header.tensors}
-    got = crc32_many({t.name: buf[t.begin:t.end] for t in header.tensors if t.name in sums},
-                     on_done=None if progress is None else lambda n: progress(sizes[n]))
-    maybe = (" (the header is damaged too: the stored value may be what changed)"
-             if problems else "")
+    got = crc32_many(
+        {t.name: buf[t.begin : t.end] for t in header.tensors if t.name in sums},
+        on_done=None if progress is None else lambda n: progress(sizes[n]),
+    )
+    maybe = " (the header is damaged too: the stored value may be what changed)" if problems else ""
     for t in header.tensors:
         if t.name in got and got[t.name] != sums[t.name]:
-            problems.append((t.name, f"tensor {t.name!r} ({t.type_name}) fails its checksum "
-                                     f"(crc32 {got[t.name]}, stored {sums[t.name]}){maybe}"))
+            problems.append(
+                (
+                    t.name,
+                    f"tensor {t.name!r} ({t.type_name}) fails its checksum "
+                    f"(crc32 {got[t.name]}, stored {sums[t.name]}){maybe}",
+                )
+            )
     return GGUFCheck(path, len(header.tensors), len(got), True, tuple(problems))
 
 
@@ -407,10 +476,12 @@ def verify_gguf(path: str | os.PathLike) -> GGUFCheck:
     checksums passes unverified (``checksums`` is False)."""
     res = check_gguf(path)
     if res.problems:
-        tensor, msg = next(((t, m) for t, m in res.problems if t is not None),
-                           res.problems[0])
+        tensor, msg = next(((t, m) for t, m in res.problems if t is not None), res.problems[0])
         more = len(res.problems) - 1
         text = msg if msg.startswith(str(res.path)) else f"{res.path}: {msg}"
-        raise CorruptDataError(text + (f" (and {more} more problem(s))" if more else "")
-                               + ("" if "damaged" in msg else ": the file is damaged"))
+        raise CorruptDataError(
+            text
+            + (f" (and {more} more problem(s))" if more else "")
+            + ("" if "damaged" in msg else ": the file is damaged")
+        )
     return res

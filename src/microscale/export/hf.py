@@ -54,7 +54,8 @@ __all__ = [
 
 # Linear sub-paths inside a block: microscale -> HF (HF names the attention "self_attn").
 LINEAR_KINDS: dict[str, str] = {
-    k: "self_" + k if k.startswith("attn.") else k for k in BLOCK_LINEARS}
+    k: "self_" + k if k.startswith("attn.") else k for k in BLOCK_LINEARS
+}
 _HF_KINDS = {v: k for k, v in LINEAR_KINDS.items()}
 
 _MS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -68,9 +69,11 @@ def hf_module(path: str) -> str:
         return "lm_head"
     m = _MS_LAYER.fullmatch(path)
     if not m or m.group(2) not in LINEAR_KINDS:
-        raise ValueError(f"{path!r} is not a linear layer path of microscale's Transformer "
-                         "(expected 'layers.<i>.attn.{q,k,v,o}_proj' or "
-                         "'layers.<i>.mlp.{gate,up,down}_proj')")
+        raise ValueError(
+            f"{path!r} is not a linear layer path of microscale's Transformer "
+            "(expected 'layers.<i>.attn.{q,k,v,o}_proj' or "
+            "'layers.<i>.mlp.{gate,up,down}_proj')"
+        )
     return f"model.layers.{m.group(1)}.{LINEAR_KINDS[m.group(2)]}"
 
 
@@ -89,8 +92,10 @@ _NON_LINEAR = {
     "final_norm.scale": "model.norm.weight",
     "lm_head.kernel": "lm_head.weight",
 }
-_BLOCK_NORMS = {"attn_norm.scale": "input_layernorm.weight",
-                "mlp_norm.scale": "post_attention_layernorm.weight"}
+_BLOCK_NORMS = {
+    "attn_norm.scale": "input_layernorm.weight",
+    "mlp_norm.scale": "post_attention_layernorm.weight",
+}
 
 
 def hf_param_name(path: str) -> str:
@@ -124,13 +129,21 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{microscale parameter path: shape} of every parameter of ``Transformer(cfg)``."""
     d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
     qd, kvd = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    out: dict[str, tuple[int, ...]] = {"embed.embedding": (cfg.vocab_size, d),
-                                       "final_norm.scale": (d,)}
+    out: dict[str, tuple[int, ...]] = {
+        "embed.embedding": (cfg.vocab_size, d),
+        "final_norm.scale": (d,),
+    }
     if not cfg.tie_embeddings:
         out["lm_head.kernel"] = (d, cfg.vocab_size)
-    lin = {"attn.q_proj": (d, qd), "attn.k_proj": (d, kvd), "attn.v_proj": (d, kvd),
-           "attn.o_proj": (qd, d), "mlp.gate_proj": (d, f), "mlp.up_proj": (d, f),
-           "mlp.down_proj": (f, d)}
+    lin = {
+        "attn.q_proj": (d, qd),
+        "attn.k_proj": (d, kvd),
+        "attn.v_proj": (d, kvd),
+        "attn.o_proj": (qd, d),
+        "mlp.gate_proj": (d, f),
+        "mlp.up_proj": (d, f),
+        "mlp.down_proj": (f, d),
+    }
     for i in range(cfg.n_layers):
         out[f"layers.{i}.attn_norm.scale"] = (d,)
         out[f"layers.{i}.mlp_norm.scale"] = (d,)
@@ -141,8 +154,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # ---------------------------------------------------------------------- config.json
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "bfloat16", eos_token_id: int | None = None,
-              bos_token_id: int | None = None) -> dict[str, Any]:
+
+def hf_config(
+    cfg: ModelConfig,
+    *,
+    dtype: str = "bfloat16",
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+) -> dict[str, Any]:
     """``config.json`` of a ``LlamaForCausalLM`` with ``cfg``'s shape."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -185,8 +204,10 @@ def _get(d: dict, key: str, types, default=...):
     if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise ValueError(f"config.json: {key}={v!r}: expected {types}")
     if not isinstance(v, types):
-        raise ValueError(f"config.json: {key}={v!r} ({type(v).__name__}): expected "
-                         f"{getattr(types, '__name__', types)}")
+        raise ValueError(
+            f"config.json: {key}={v!r} ({type(v).__name__}): expected "
+            f"{getattr(types, '__name__', types)}"
+        )
     return v
 
 
@@ -198,28 +219,34 @@ def _dim_multiple(*dims: int) -> int:
     return 1
 
 
-def model_config_from_hf(d: dict[str, Any], *, param_dtype: str = "float32",
-                         compute_dtype: str = "bfloat16") -> ModelConfig:
+def model_config_from_hf(
+    d: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "bfloat16"
+) -> ModelConfig:
     """A ``ModelConfig`` from a Llama ``config.json`` dict; unsupported features raise."""
     if not isinstance(d, dict):
         raise ValueError(f"config.json: expected a JSON object, got {type(d).__name__}")
     arch = d.get("architectures") or []
     mtype = d.get("model_type")
     if mtype != "llama" and "LlamaForCausalLM" not in arch:
-        raise ValueError(f"config.json: model_type={mtype!r}, architectures={arch!r}: only "
-                         "Llama-architecture models (model_type 'llama' / "
-                         "LlamaForCausalLM) can be imported")
+        raise ValueError(
+            f"config.json: model_type={mtype!r}, architectures={arch!r}: only "
+            "Llama-architecture models (model_type 'llama' / "
+            "LlamaForCausalLM) can be imported"
+        )
     hidden = _get(d, "hidden_size", int)
     heads = _get(d, "num_attention_heads", int)
     kv = _get(d, "num_key_value_heads", int, heads)
     if heads <= 0 or hidden % heads:
-        raise ValueError(f"config.json: hidden_size={hidden} is not a multiple of "
-                         f"num_attention_heads={heads}")
+        raise ValueError(
+            f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+        )
     hd = _get(d, "head_dim", int, hidden // heads)
     if hd != hidden // heads:
-        raise ValueError(f"config.json: head_dim={hd} differs from hidden_size / "
-                         f"num_attention_heads = {hidden // heads}; microscale's model "
-                         "derives head_dim and cannot represent this model")
+        raise ValueError(
+            f"config.json: head_dim={hd} differs from hidden_size / "
+            f"num_attention_heads = {hidden // heads}; microscale's model "
+            "derives head_dim and cannot represent this model"
+        )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act={act!r}: expected 'silu' (SwiGLU)")
@@ -227,17 +254,23 @@ def model_config_from_hf(d: dict[str, Any], *, param_dtype: str = "float32",
         if d.get(key):
             raise ValueError(f"config.json: {key}=true: microscale's Llama has no biases")
     if d.get("rope_interleaved"):
-        raise ValueError("config.json: rope_interleaved=true: microscale's RoPE rotates "
-                         "halves (i with i + head_dim/2), not interleaved pairs")
+        raise ValueError(
+            "config.json: rope_interleaved=true: microscale's RoPE rotates "
+            "halves (i with i + head_dim/2), not interleaved pairs"
+        )
     rope = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling")
-    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict)
-                  else 10000.0)
+    theta = d.get(
+        "rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0
+    )
     for src, r in (("rope_scaling", scaling), ("rope_parameters", rope)):
-        if r and (not isinstance(r, dict)
-                  or r.get("rope_type", r.get("type", "default")) != "default"):
-            raise ValueError(f"config.json: {src}={r!r}: RoPE scaling is not supported by "
-                             "microscale's model (expected none / rope_type 'default')")
+        if r and (
+            not isinstance(r, dict) or r.get("rope_type", r.get("type", "default")) != "default"
+        ):
+            raise ValueError(
+                f"config.json: {src}={r!r}: RoPE scaling is not supported by "
+                "microscale's model (expected none / rope_type 'default')"
+            )
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ValueError(f"config.json: rope_theta={theta!r}: expected a positive number")
     d_ff = _get(d, "intermediate_size", int)
@@ -265,12 +298,16 @@ def model_config_from_hf(d: dict[str, Any], *, param_dtype: str = "float32",
             raise
         for field, key in _HF_KEYS.items():
             msg = msg.replace(f"ModelConfig.{field}=", f"{key}=")
-        raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip(': ')}"
-                         ) from None
+        raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip(': ')}") from None
 
 
 # ModelConfig field -> config.json key, for errors.
-_HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
-            "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-            "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
-            "max_seq_len": "max_position_embeddings"}
+_HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+}

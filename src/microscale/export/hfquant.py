@@ -43,6 +43,7 @@ def load_json(path: Path) -> Any:
 
 # ---------------------------------------------------------------------- compressed-tensors
 
+
 def _ct_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
     kinds: dict[L.LayerQuant, list[str]] = {}
     for p, lq in layers.items():
@@ -55,8 +56,7 @@ def _ct_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[st
         groups[f"group_{i}"] = {
             "targets": ["Linear"] if every else mods,
             "weights": dict(scheme.weights),
-            "input_activations": None if lq.inputs is None
-            else dict(L.ct_scheme(lq.inputs).inputs),
+            "input_activations": None if lq.inputs is None else dict(L.ct_scheme(lq.inputs).inputs),
             "output_activations": None,
             "format": scheme.format,
         }
@@ -81,15 +81,18 @@ def _ct_matches(name: str, target: str) -> bool:
     return name == target
 
 
-def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
-               ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
+def _ct_layers(
+    qc: dict[str, Any], cfg: ModelConfig
+) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError("quantization_config.config_groups: expected a non-empty object")
     if qc.get("quantization_status", "compressed") != "compressed":
-        raise CheckpointError(f"quantization_config.quantization_status="
-                              f"{qc.get('quantization_status')!r}: only 'compressed' "
-                              "checkpoints hold packed weights")
+        raise CheckpointError(
+            f"quantization_config.quantization_status="
+            f"{qc.get('quantization_status')!r}: only 'compressed' "
+            "checkpoints hold packed weights"
+        )
     ignore = qc.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
         raise CheckpointError("quantization_config.ignore: expected a list of strings")
@@ -105,14 +108,17 @@ def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
         wf = L.ct_format_of(w, f"{where}.weights")
         fmt = g.get("format") or top
         if fmt != L.CT_SCHEMES[wf].format:
-            raise CheckpointError(f"{where}: format {fmt!r} does not hold {wf} weights; "
-                                  f"expected {L.CT_SCHEMES[wf].format!r}")
+            raise CheckpointError(
+                f"{where}: format {fmt!r} does not hold {wf} weights; "
+                f"expected {L.CT_SCHEMES[wf].format!r}"
+            )
         inp = g.get("input_activations")
         inf, static = None, False
         if inp:
             if not isinstance(inp, dict):
-                raise CheckpointError(f"{where}.input_activations: expected QuantizationArgs "
-                                      f"or null, got {inp!r}")
+                raise CheckpointError(
+                    f"{where}.input_activations: expected QuantizationArgs or null, got {inp!r}"
+                )
             inf = L.ct_input_format_of(inp, f"{where}.input_activations")
             static = get_format(inf).has_tensor_scale and inp.get("dynamic") in (False, "local")
         parsed.append((g["targets"], L.LayerQuant(weights=wf, inputs=inf), static))
@@ -131,14 +137,18 @@ def _ct_layers(qc: dict[str, Any], cfg: ModelConfig
 
 # ---------------------------------------------------------------------- ModelOpt
 
+
 def _modelopt_config(layers: Mapping[str, L.LayerQuant], ignore: list[str]) -> dict[str, Any]:
     per = {hf_module(p): L.modelopt_algo(lq) for p, lq in layers.items() if lq.quantized}
     algos = {json.dumps(a, sort_keys=True) for a in per.values()}
     if len(algos) == 1:
-        return {**json.loads(algos.pop()), "kv_cache_quant_algo": None,
-                "exclude_modules": ignore}
-    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-            "quantized_layers": per, "exclude_modules": ignore}
+        return {**json.loads(algos.pop()), "kv_cache_quant_algo": None, "exclude_modules": ignore}
+    return {
+        "quant_algo": "MIXED_PRECISION",
+        "kv_cache_quant_algo": None,
+        "quantized_layers": per,
+        "exclude_modules": ignore,
+    }
 
 
 def _modelopt_quant(path: Path, cfg_json: dict[str, Any]) -> dict[str, Any]:
@@ -152,22 +162,27 @@ def _modelopt_quant(path: Path, cfg_json: dict[str, Any]) -> dict[str, Any]:
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
-    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
-               for p in patterns)
+    return any(
+        name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns
+    )
 
 
-def _modelopt_layers(q: dict[str, Any], cfg: ModelConfig
-                     ) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
+def _modelopt_layers(
+    q: dict[str, Any], cfg: ModelConfig
+) -> tuple[dict[str, L.LayerQuant], dict[str, bool]]:
     if q.get("kv_cache_quant_algo") not in (None, "NONE"):
-        raise CheckpointError(f"kv_cache_quant_algo={q.get('kv_cache_quant_algo')!r}: "
-                              "quantized KV caches are not supported")
+        raise CheckpointError(
+            f"kv_cache_quant_algo={q.get('kv_cache_quant_algo')!r}: "
+            "quantized KV caches are not supported"
+        )
     exclude = q.get("exclude_modules") or []
 
     def algo(entry: Any, where: str) -> L.LayerQuant:
         a = entry.get("quant_algo") if isinstance(entry, dict) else None
         if a not in L.MODELOPT_ALGOS:
-            raise CheckpointError(f"{where}: quant_algo={a!r}; microscale reads "
-                                  f"{sorted(L.MODELOPT_ALGOS)}")
+            raise CheckpointError(
+                f"{where}: quant_algo={a!r}; microscale reads {sorted(L.MODELOPT_ALGOS)}"
+            )
         w, i = L.MODELOPT_ALGOS[a]
         bs = get_format(w).block_size
         gs = entry.get("group_size", bs)
@@ -183,12 +198,14 @@ def _modelopt_layers(q: dict[str, Any], cfg: ModelConfig
         known = {hf_module(p) for p in linear_paths(cfg)}
         for name in ql:
             if name not in known:
-                raise CheckpointError(f"quantized_layers: {name!r} is not a linear layer of "
-                                      "this model")
+                raise CheckpointError(
+                    f"quantized_layers: {name!r} is not a linear layer of this model"
+                )
         for p in linear_paths(cfg):
             name = hf_module(p)
-            layers[p] = algo(ql[name], f"quantized_layers[{name!r}]") if name in ql \
-                else L.LayerQuant()
+            layers[p] = (
+                algo(ql[name], f"quantized_layers[{name!r}]") if name in ql else L.LayerQuant()
+            )
     else:
         lq = algo(q, "quant_algo")
         for p in linear_paths(cfg):
@@ -196,8 +213,9 @@ def _modelopt_layers(q: dict[str, Any], cfg: ModelConfig
     return layers, {p: lq.inputs is not None for p, lq in layers.items()}
 
 
-def _modelopt_files(layers: Mapping[str, L.LayerQuant], ignore: list[str]
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _modelopt_files(
+    layers: Mapping[str, L.LayerQuant], ignore: list[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     q = _modelopt_config(layers, ignore)
     hq = {"producer": {"name": "microscale", "version": __version__}, "quantization": q}
     return {"quant_method": "modelopt", **q}, {"hf_quant_config.json": hq}
@@ -234,31 +252,49 @@ class HFQuant:
     # Whether that input scale is stored in the encode direction.
     input_global_encode: bool
     # files(layers, ignore) -> (config.json's quantization_config, {other file: JSON}).
-    files: Callable[[Mapping[str, L.LayerQuant], list[str]],
-                    tuple[dict[str, Any], dict[str, Any]]]
+    files: Callable[[Mapping[str, L.LayerQuant], list[str]], tuple[dict[str, Any], dict[str, Any]]]
     # parse(folder, config.json, model config) -> ({linear path: LayerQuant},
     # {linear path: static input scale stored}); raises ValueError / CheckpointError.
-    parse: Callable[[Path, dict[str, Any], ModelConfig],
-                    tuple[dict[str, L.LayerQuant], dict[str, bool]]]
+    parse: Callable[
+        [Path, dict[str, Any], ModelConfig], tuple[dict[str, L.LayerQuant], dict[str, bool]]
+    ]
 
 
-HF_QUANT: dict[str, HFQuant] = {row.name: row for row in (
-    HFQuant(name="compressed-tensors",
-            description="an HF folder in vLLM's compressed-tensors layout", packed_data="weight_packed", scalar=(1,),
+HF_QUANT: dict[str, HFQuant] = {
+    row.name: row
+    for row in (
+        HFQuant(
+            name="compressed-tensors",
+            description="an HF folder in vLLM's compressed-tensors layout",
+            packed_data="weight_packed",
+            scalar=(1,),
             scale_storage=lambda fmt: L.ct_scheme(fmt).scale_storage,
-            check=lambda lq: None, global_scale="weight_global_scale", global_encode=True,
-            input_global_scale="input_global_scale", input_global_encode=True,
+            check=lambda lq: None,
+            global_scale="weight_global_scale",
+            global_encode=True,
+            input_global_scale="input_global_scale",
+            input_global_encode=True,
             files=lambda layers, ignore: (_ct_config(layers, ignore), {}),
-            parse=lambda path, cfg_json, cfg: _ct_layers(cfg_json["quantization_config"], cfg)),
-    HFQuant(name="modelopt", description="an HF folder in NVIDIA ModelOpt's layout",
-            packed_data="weight", scalar=(),
-            scale_storage=lambda fmt: None, check=L.modelopt_algo,
-            global_scale="weight_scale_2", global_encode=False,
-            input_global_scale="input_scale", input_global_encode=False,
+            parse=lambda path, cfg_json, cfg: _ct_layers(cfg_json["quantization_config"], cfg),
+        ),
+        HFQuant(
+            name="modelopt",
+            description="an HF folder in NVIDIA ModelOpt's layout",
+            packed_data="weight",
+            scalar=(),
+            scale_storage=lambda fmt: None,
+            check=L.modelopt_algo,
+            global_scale="weight_scale_2",
+            global_encode=False,
+            input_global_scale="input_scale",
+            input_global_encode=False,
             files=_modelopt_files,
-            parse=lambda path, cfg_json, cfg: _modelopt_layers(_modelopt_quant(path, cfg_json),
-                                                               cfg)),
-)}
+            parse=lambda path, cfg_json, cfg: _modelopt_layers(
+                _modelopt_quant(path, cfg_json), cfg
+            ),
+        ),
+    )
+}
 
 
 def hf_quant(name: str) -> HFQuant:

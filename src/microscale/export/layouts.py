@@ -86,6 +86,7 @@ __all__ = [
     "to_kernel_orientation",
 ]
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerQuant:
     """How one linear layer is stored and run."""
@@ -102,8 +103,10 @@ class LayerQuant:
             if not get_format(self.inputs).quantized:
                 object.__setattr__(self, "inputs", None)
             elif not get_format(self.weights).quantized:
-                raise ValueError(f"LayerQuant(weights={self.weights!r}, inputs="
-                                 f"{self.inputs!r}): quantized inputs need quantized weights")
+                raise ValueError(
+                    f"LayerQuant(weights={self.weights!r}, inputs="
+                    f"{self.inputs!r}): quantized inputs need quantized weights"
+                )
 
     @property
     def weight_spec(self) -> FormatSpec:
@@ -126,6 +129,7 @@ class LayerQuant:
 
 # ---------------------------------------------------------------------- layout tables
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CTScheme:
     """compressed-tensors vocabulary for one microscale format."""
@@ -145,30 +149,76 @@ _F = dict(type="float", symmetric=True)
 CT_SCHEMES: dict[str, CTScheme] = {
     "nvfp4": CTScheme(
         format="nvfp4-pack-quantized",
-        weights=dict(num_bits=4, **_F, group_size=16, strategy="tensor_group", dynamic=False,
-                     scale_dtype="torch.float8_e4m3fn"),
-        inputs=dict(num_bits=4, **_F, group_size=16, strategy="tensor_group",
-                    dynamic="local", scale_dtype="torch.float8_e4m3fn",
-                    observer="static_minmax")),
+        weights=dict(
+            num_bits=4,
+            **_F,
+            group_size=16,
+            strategy="tensor_group",
+            dynamic=False,
+            scale_dtype="torch.float8_e4m3fn",
+        ),
+        inputs=dict(
+            num_bits=4,
+            **_F,
+            group_size=16,
+            strategy="tensor_group",
+            dynamic="local",
+            scale_dtype="torch.float8_e4m3fn",
+            observer="static_minmax",
+        ),
+    ),
     "mxfp4": CTScheme(
         format="mxfp4-pack-quantized",
-        weights=dict(num_bits=4, **_F, group_size=32, strategy="group", dynamic=False,
-                     scale_dtype="torch.uint8"),
-        inputs=dict(num_bits=4, **_F, group_size=32, strategy="group", dynamic=True,
-                    scale_dtype="torch.uint8"),
-        scale_storage="U8"),
+        weights=dict(
+            num_bits=4,
+            **_F,
+            group_size=32,
+            strategy="group",
+            dynamic=False,
+            scale_dtype="torch.uint8",
+        ),
+        inputs=dict(
+            num_bits=4,
+            **_F,
+            group_size=32,
+            strategy="group",
+            dynamic=True,
+            scale_dtype="torch.uint8",
+        ),
+        scale_storage="U8",
+    ),
     "mxfp8": CTScheme(
         format="mxfp8-quantized",
-        weights=dict(num_bits=8, **_F, group_size=32, strategy="group", dynamic=False,
-                     scale_dtype="torch.uint8"),
-        inputs=dict(num_bits=8, **_F, group_size=32, strategy="group", dynamic=True,
-                    scale_dtype="torch.uint8"),
-        scale_storage="U8"),
+        weights=dict(
+            num_bits=8,
+            **_F,
+            group_size=32,
+            strategy="group",
+            dynamic=False,
+            scale_dtype="torch.uint8",
+        ),
+        inputs=dict(
+            num_bits=8,
+            **_F,
+            group_size=32,
+            strategy="group",
+            dynamic=True,
+            scale_dtype="torch.uint8",
+        ),
+        scale_storage="U8",
+    ),
     "fp8_e4m3": CTScheme(
         format="float-quantized",
         weights=dict(num_bits=8, **_F, group_size=None, strategy="tensor", dynamic=False),
-        inputs=dict(num_bits=8, **_F, group_size=None, strategy="tensor", dynamic=False,
-                    observer="static_minmax")),
+        inputs=dict(
+            num_bits=8,
+            **_F,
+            group_size=None,
+            strategy="tensor",
+            dynamic=False,
+            observer="static_minmax",
+        ),
+    ),
 }
 
 # ModelOpt quant_algo -> (weight format, input format or None); its group_size field.
@@ -186,15 +236,19 @@ def modelopt_algo(lq: LayerQuant) -> dict[str, Any]:
             bs = lq.weight_spec.block_size
             return {"quant_algo": algo} if bs is None else {"quant_algo": algo, "group_size": bs}
     supported = ", ".join(f"{w}+{i or 'weight-only'}" for w, i in MODELOPT_ALGOS.values())
-    raise ValueError(f"the ModelOpt layout has no quant_algo for weights {lq.weights!r} with "
-                     f"inputs {lq.inputs!r}; it supports {supported} (use the "
-                     "compressed-tensors layout for other formats)")
+    raise ValueError(
+        f"the ModelOpt layout has no quant_algo for weights {lq.weights!r} with "
+        f"inputs {lq.inputs!r}; it supports {supported} (use the "
+        "compressed-tensors layout for other formats)"
+    )
 
 
 def ct_scheme(fmt: str) -> CTScheme:
     if fmt not in CT_SCHEMES:
-        raise ValueError(f"format {fmt!r} has no compressed-tensors scheme; expected one of "
-                         f"{sorted(CT_SCHEMES)} (or bf16 for an unquantized layer)")
+        raise ValueError(
+            f"format {fmt!r} has no compressed-tensors scheme; expected one of "
+            f"{sorted(CT_SCHEMES)} (or bf16 for an unquantized layer)"
+        )
     return CT_SCHEMES[fmt]
 
 
@@ -216,31 +270,37 @@ def ct_format_of(weights: Mapping[str, Any], where: str) -> str:
     name = _ct_match(weights, "weights")
     if name is not None and weights.get("symmetric", True) is True:
         return name
-    raise ValueError(f"{where}: compressed-tensors weights {dict(weights)!r} match no format "
-                     "microscale can read; expected one of "
-                     + "; ".join(f"{n}: num_bits={s.weights['num_bits']} type=float "
-                                 f"group_size={s.weights['group_size']} "
-                                 f"strategy={s.weights['strategy']}"
-                                 for n, s in CT_SCHEMES.items()))
+    raise ValueError(
+        f"{where}: compressed-tensors weights {dict(weights)!r} match no format "
+        "microscale can read; expected one of "
+        + "; ".join(
+            f"{n}: num_bits={s.weights['num_bits']} type=float "
+            f"group_size={s.weights['group_size']} "
+            f"strategy={s.weights['strategy']}"
+            for n, s in CT_SCHEMES.items()
+        )
+    )
 
 
 def ct_input_format_of(inputs: Mapping[str, Any], where: str) -> str:
     """microscale format of a compressed-tensors input_activations QuantizationArgs dict."""
     name = _ct_match(inputs, "inputs")
     if name is None:
-        raise ValueError(f"{where}: input activations {dict(inputs)!r} match no format "
-                         "microscale can emulate (expected NVFP4 tensor_group 16, MX group 32 "
-                         "or FP8 per-tensor)")
+        raise ValueError(
+            f"{where}: input activations {dict(inputs)!r} match no format "
+            "microscale can emulate (expected NVFP4 tensor_group 16, MX group 32 "
+            "or FP8 per-tensor)"
+        )
     return name
 
 
 # ---------------------------------------------------------------------- scales
 
+
 def tensor_decode_scale(spec: FormatSpec, amax: float) -> np.float32:
     """The per-tensor decode scale ``formats.quantize`` derives from ``amax`` (NVFP4:
     ``amax/2688``; FP8: ``amax/448``), computed by ``formats`` itself on a dummy block."""
-    q = quantize(jnp.zeros((spec.block_size or 1,), jnp.float32), spec,
-                 amax=jnp.float32(amax))
+    q = quantize(jnp.zeros((spec.block_size or 1,), jnp.float32), spec, amax=jnp.float32(amax))
     s = q.global_scale if spec.has_global_scale else q.scales
     return np.float32(np.asarray(s))
 
@@ -265,15 +325,20 @@ def exact_reciprocal(s) -> np.float32:
     if not np.isfinite(s) or s == 0:
         return np.float32(one / s) if s != 0 else np.float32(np.inf)
     r = np.float32(one / s)
-    for cand in (r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(0)),
-                 np.nextafter(np.nextafter(r, np.float32(np.inf)), np.float32(np.inf)),
-                 np.nextafter(np.nextafter(r, np.float32(0)), np.float32(0))):
+    for cand in (
+        r,
+        np.nextafter(r, np.float32(np.inf)),
+        np.nextafter(r, np.float32(0)),
+        np.nextafter(np.nextafter(r, np.float32(np.inf)), np.float32(np.inf)),
+        np.nextafter(np.nextafter(r, np.float32(0)), np.float32(0)),
+    ):
         if np.float32(one / cand) == s:
             return np.float32(cand)
     return r  # no float32 inverts exactly (cannot happen for a formats-computed scale)
 
 
 # ---------------------------------------------------------------------- orientation
+
 
 def to_hf_orientation(q: QArray) -> QArray:
     """A weight QArray as the layouts store it: shape ``(N, K)``, blocks along axis 1.
@@ -296,9 +361,11 @@ def to_kernel_orientation(q: QArray) -> QArray:
 def _transpose(q: QArray) -> QArray:
     def t(x):
         return x if x is None or np.ndim(x) < 2 else x.T
+
     bs = None if q.block_shape is None else tuple(reversed(q.block_shape))
-    return QArray(t(q.data), t(q.scales), q.global_scale, q.spec, 1 - q.axis,
-                  tuple(reversed(q.shape)), bs)
+    return QArray(
+        t(q.data), t(q.scales), q.global_scale, q.spec, 1 - q.axis, tuple(reversed(q.shape)), bs
+    )
 
 
 def row_blocks(q: QArray) -> QArray:
@@ -329,15 +396,19 @@ def _as_layer_quant(where: str, v: Any, activations: bool) -> LayerQuant:
     if isinstance(v, Mapping):
         unknown = sorted(set(v) - {"weights", "inputs"})
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; expected 'weights' and "
-                             "optionally 'inputs'")
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown}; expected 'weights' and optionally 'inputs'"
+            )
         return LayerQuant(**v)
-    raise TypeError(f"{where}: {v!r} ({type(v).__name__}): expected a format name, a "
-                    "LayerQuant or {'weights': fmt, 'inputs': fmt}")
+    raise TypeError(
+        f"{where}: {v!r} ({type(v).__name__}): expected a format name, a "
+        "LayerQuant or {'weights': fmt, 'inputs': fmt}"
+    )
 
 
-def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
-                   activations: bool = False) -> dict[str, LayerQuant]:
+def resolve_layers(
+    cfg: ModelConfig, layer_formats: LayerFormats = None, *, activations: bool = False
+) -> dict[str, LayerQuant]:
     """{linear path: LayerQuant} for every linear layer of ``cfg``'s model.
 
     ``layer_formats``:
@@ -364,9 +435,10 @@ def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
                 continue
             r = get_recipe(recipe)
             w, x = r.fprop_w.spec, r.fprop_x.spec
-            out[p] = LayerQuant(weights=w.name,
-                                inputs=x.name if activations and x.quantized and w.quantized
-                                else None)
+            out[p] = LayerQuant(
+                weights=w.name,
+                inputs=x.name if activations and x.quantized and w.quantized else None,
+            )
     elif isinstance(layer_formats, Mapping):
         known = set(paths)
         for key, v in layer_formats.items():
@@ -377,14 +449,18 @@ def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
                 except ValueError:
                     p = None
             if p not in known:
-                raise ValueError(f"layer_formats: {key!r} is not a linear layer of this model; "
-                                 f"expected paths like {paths[0]!r} (or HF module names)")
+                raise ValueError(
+                    f"layer_formats: {key!r} is not a linear layer of this model; "
+                    f"expected paths like {paths[0]!r} (or HF module names)"
+                )
             out[p] = _as_layer_quant(f"layer_formats[{key!r}]", v, activations)
         for p in paths:
             out.setdefault(p, LayerQuant())
     else:
-        raise TypeError(f"layer_formats={layer_formats!r}: expected None, a format name, a "
-                        "PrecisionRules or a {path: format} mapping")
+        raise TypeError(
+            f"layer_formats={layer_formats!r}: expected None, a format name, a "
+            "PrecisionRules or a {path: format} mapping"
+        )
     for group in fused_groups(cfg):
         first = out[group[0]]
         for p in group[1:]:
@@ -392,18 +468,21 @@ def resolve_layers(cfg: ModelConfig, layer_formats: LayerFormats = None, *,
                 raise ValueError(
                     f"{group[0]} ({first}) and {p} ({out[p]}) are fused into one GEMM by "
                     "vLLM / TensorRT-LLM and must share one format; give the group "
-                    f"{list(group)} the same format")
+                    f"{list(group)} the same format"
+                )
     return {p: out[p] for p in paths}
 
 
 # ---------------------------------------------------------------------- quantization
 
+
 def _group_amax(kernels: list) -> jnp.ndarray:
     return tensor_amax(jnp.stack([tensor_amax(k) for k in kernels]))
 
 
-def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,
-                            layers: Mapping[str, LayerQuant]) -> dict[str, Any]:
+def quantize_linear_weights(
+    params: Mapping[str, Any], cfg: ModelConfig, layers: Mapping[str, LayerQuant]
+) -> dict[str, Any]:
     """Quantize every linear kernel as ``layers`` says, sharing tensor scales in fused groups.
 
     ``params``: flat {parameter path: array} (``layers.0.attn.q_proj.kernel`` -> ``[K, N]``
@@ -419,21 +498,26 @@ def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,
         ws = [params[f"{p}.kernel"] for p in group]
         given = [isinstance(w, QArray) for w in ws]
         if any(given) and not all(given):
-            raise ValueError(f"fused group {list(group)} mixes quantized (QArray) and float "
-                             "kernels; pass all of them quantized or all float")
+            raise ValueError(
+                f"fused group {list(group)} mixes quantized (QArray) and float "
+                "kernels; pass all of them quantized or all float"
+            )
         if all(given):
             qs = [to_kernel_orientation(w) for w in ws]
             for p, q in zip(group, qs, strict=True):
                 if q.spec.name != spec.name:
-                    raise ValueError(f"{p}: the given QArray is {q.spec.name!r} but the layer's "
-                                     f"format is {spec.name!r}")
+                    raise ValueError(
+                        f"{p}: the given QArray is {q.spec.name!r} but the layer's "
+                        f"format is {spec.name!r}"
+                    )
             if spec.has_global_scale:
                 g = [np.float32(np.asarray(q.global_scale)) for q in qs]
                 if len(set(g)) > 1:
                     raise ValueError(
                         f"fused group {list(group)} has different global scales {g}; quantize "
                         "its members with the group's amax (quantize(w, fmt, amax=max amax)) "
-                        "so vLLM / TensorRT-LLM can fuse them")
+                        "so vLLM / TensorRT-LLM can fuse them"
+                    )
             out.update(zip(group, qs, strict=True))
             continue
         if not spec.quantized:
@@ -445,8 +529,9 @@ def quantize_linear_weights(params: Mapping[str, Any], cfg: ModelConfig,
     return out
 
 
-def input_decode_scales(cfg: ModelConfig, layers: Mapping[str, LayerQuant],
-                        input_amax: Mapping[str, Any] | None) -> dict[str, np.float32]:
+def input_decode_scales(
+    cfg: ModelConfig, layers: Mapping[str, LayerQuant], input_amax: Mapping[str, Any] | None
+) -> dict[str, np.float32]:
     """Static activation decode scales {linear path: float32} for layers whose input format
     has a tensor scale, from calibrated ``input_amax`` (shared within fused groups).
     A layer that needs one and has no amax raises, naming it."""
@@ -457,8 +542,10 @@ def input_decode_scales(cfg: ModelConfig, layers: Mapping[str, LayerQuant],
             try:
                 amax[ms_module(key)] = amax.pop(key)
             except ValueError:
-                raise ValueError(f"input_amax: {key!r} is not a linear layer of this model; "
-                                 f"expected paths like {next(iter(layers))!r}") from None
+                raise ValueError(
+                    f"input_amax: {key!r} is not a linear layer of this model; "
+                    f"expected paths like {next(iter(layers))!r}"
+                ) from None
     for group in fused_groups(cfg):
         spec = layers[group[0]].input_spec
         if spec is None or not spec.has_tensor_scale:
@@ -469,11 +556,11 @@ def input_decode_scales(cfg: ModelConfig, layers: Mapping[str, LayerQuant],
                 f"{missing[0]}: its inputs are quantized to {spec.name} (W4A4/W8A8), which "
                 "needs a static input scale, but input_amax has no calibrated amax for it; "
                 "pass input_amax (e.g. from microscale.inference.collect_input_amax) or "
-                "export weight-only (activations=False)")
+                "export weight-only (activations=False)"
+            )
         vals = [float(np.asarray(amax[p])) for p in group]
         if not all(math.isfinite(v) and v >= 0 for v in vals):
-            raise ValueError(f"input_amax for {list(group)} = {vals}: expected finite values "
-                             ">= 0")
+            raise ValueError(f"input_amax for {list(group)} = {vals}: expected finite values >= 0")
         s = tensor_decode_scale(spec, max(vals))
         out.update(dict.fromkeys(group, s))
     return out

@@ -28,13 +28,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["LLAMA_FTYPES", "LlamaCpp", "llama_cpp_available", "llama_quantize",
-           "logits_agreement"]
+__all__ = ["LLAMA_FTYPES", "LlamaCpp", "llama_cpp_available", "llama_quantize", "logits_agreement"]
 
 # llama.cpp's own quantization presets: name -> ``enum llama_ftype`` of llama.h (values
 # stable since 2023). The K-quant mixes (``_s``, ``_m``) keep some tensors in more bits.
-LLAMA_FTYPES: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
-                                "q4_k_s": 14, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+LLAMA_FTYPES: dict[str, int] = {
+    "q4_0": 2,
+    "q4_1": 3,
+    "q8_0": 7,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q4_k_s": 14,
+    "q4_k_m": 15,
+    "q5_k_m": 17,
+    "q6_k": 18,
+}
 
 
 def logits_agreement(a, b) -> tuple[float, int]:
@@ -43,8 +51,10 @@ def logits_agreement(a, b) -> tuple[float, int]:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         raise ValueError(f"logits_agreement: shapes {a.shape} and {b.shape} differ")
-    return (float(np.linalg.norm(a - b) / np.linalg.norm(b)),
-            int((a.argmax(-1) == b.argmax(-1)).sum()))
+    return (
+        float(np.linalg.norm(a - b) / np.linalg.norm(b)),
+        int((a.argmax(-1) == b.argmax(-1)).sum()),
+    )
 
 
 def llama_cpp_available() -> str | None:
@@ -58,11 +68,15 @@ def llama_cpp_available() -> str | None:
 
 
 class _Batch(ctypes.Structure):
-    _fields_ = [("n_tokens", ctypes.c_int32), ("token", ctypes.POINTER(ctypes.c_int32)),
-                ("embd", ctypes.POINTER(ctypes.c_float)), ("pos", ctypes.POINTER(ctypes.c_int32)),
-                ("n_seq_id", ctypes.POINTER(ctypes.c_int32)),
-                ("seq_id", ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))),
-                ("logits", ctypes.POINTER(ctypes.c_int8))]
+    _fields_ = [
+        ("n_tokens", ctypes.c_int32),
+        ("token", ctypes.POINTER(ctypes.c_int32)),
+        ("embd", ctypes.POINTER(ctypes.c_float)),
+        ("pos", ctypes.POINTER(ctypes.c_int32)),
+        ("n_seq_id", ctypes.POINTER(ctypes.c_int32)),
+        ("seq_id", ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))),
+        ("logits", ctypes.POINTER(ctypes.c_int8)),
+    ]
 
 
 class _Params(ctypes.Structure):  # opaque, larger than any llama.cpp params struct
@@ -71,12 +85,16 @@ class _Params(ctypes.Structure):  # opaque, larger than any llama.cpp params str
 
 class _QuantizeParams(ctypes.Structure):  # opaque: only nthread and ftype (the first two
     # int32 fields of llama_model_quantize_params in every version) are set
-    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int32),
-                ("rest", ctypes.c_uint8 * 1016)]
+    _fields_ = [
+        ("nthread", ctypes.c_int32),
+        ("ftype", ctypes.c_int32),
+        ("rest", ctypes.c_uint8 * 1016),
+    ]
 
 
-def llama_quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, *,
-                   n_threads: int | None = None) -> None:
+def llama_quantize(
+    src: str | os.PathLike, dst: str | os.PathLike, ftype: str, *, n_threads: int | None = None
+) -> None:
     """llama.cpp's own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs,
     with its default parameters: no importance matrix) from the float GGUF ``src`` to
     ``dst`` in the preset ``ftype`` (a key of :data:`LLAMA_FTYPES`). The metadata is copied,
@@ -85,8 +103,10 @@ def llama_quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, *
         raise ValueError(f"ftype={ftype!r}: expected one of {sorted(LLAMA_FTYPES)}")
     backend = llama_cpp_available()
     if backend is None:
-        raise ImportError("no llama.cpp: pip install llama-cpp-python or set "
-                          "MICROSCALE_LIBLLAMA=/path/to/libllama.so")
+        raise ImportError(
+            "no llama.cpp: pip install llama-cpp-python or set "
+            "MICROSCALE_LIBLLAMA=/path/to/libllama.so"
+        )
     c = ctypes
     if backend == "llama_cpp":
         import llama_cpp as lib
@@ -97,8 +117,7 @@ def llama_quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, *
         lib = c.CDLL(os.environ["MICROSCALE_LIBLLAMA"])
         lib.llama_model_quantize_default_params.restype = _QuantizeParams
         lib.llama_model_quantize.restype = c.c_uint32
-        lib.llama_model_quantize.argtypes = [c.c_char_p, c.c_char_p,
-                                             c.POINTER(_QuantizeParams)]
+        lib.llama_model_quantize.argtypes = [c.c_char_p, c.c_char_p, c.POINTER(_QuantizeParams)]
         params = lib.llama_model_quantize_default_params()
         pointer = c.byref(params)
     params.nthread, params.ftype = int(n_threads or os.cpu_count() or 1), LLAMA_FTYPES[ftype]
@@ -115,26 +134,30 @@ class _LibLlama:
         lib = self.lib = c.CDLL(path)
         P = c.c_void_p
         for name, res, args in (
-                ("llama_backend_init", None, []),
-                ("llama_model_default_params", _Params, []),
-                ("llama_model_load_from_file", P, [c.c_char_p, _Params]),
-                ("llama_context_default_params", _Params, []),
-                ("llama_init_from_model", P, [P, _Params]),
-                ("llama_set_n_threads", None, [P, c.c_int32, c.c_int32]),
-                ("llama_batch_init", _Batch, [c.c_int32, c.c_int32, c.c_int32]),
-                ("llama_batch_free", None, [_Batch]),
-                ("llama_decode", c.c_int32, [P, _Batch]),
-                ("llama_get_logits_ith", c.POINTER(c.c_float), [P, c.c_int32]),
-                ("llama_model_get_vocab", P, [P]),
-                ("llama_vocab_n_tokens", c.c_int32, [P]),
-                ("llama_tokenize", c.c_int32, [P, c.c_char_p, c.c_int32,
-                                               c.POINTER(c.c_int32), c.c_int32, c.c_bool,
-                                               c.c_bool]),
-                ("llama_vocab_is_eog", c.c_bool, [P, c.c_int32]),
-                ("llama_model_chat_template", c.c_char_p, [P, c.c_char_p]),
-                ("llama_get_memory", P, [P]),
-                ("llama_memory_clear", None, [P, c.c_bool]),
-                ("llama_free", None, [P]), ("llama_model_free", None, [P])):
+            ("llama_backend_init", None, []),
+            ("llama_model_default_params", _Params, []),
+            ("llama_model_load_from_file", P, [c.c_char_p, _Params]),
+            ("llama_context_default_params", _Params, []),
+            ("llama_init_from_model", P, [P, _Params]),
+            ("llama_set_n_threads", None, [P, c.c_int32, c.c_int32]),
+            ("llama_batch_init", _Batch, [c.c_int32, c.c_int32, c.c_int32]),
+            ("llama_batch_free", None, [_Batch]),
+            ("llama_decode", c.c_int32, [P, _Batch]),
+            ("llama_get_logits_ith", c.POINTER(c.c_float), [P, c.c_int32]),
+            ("llama_model_get_vocab", P, [P]),
+            ("llama_vocab_n_tokens", c.c_int32, [P]),
+            (
+                "llama_tokenize",
+                c.c_int32,
+                [P, c.c_char_p, c.c_int32, c.POINTER(c.c_int32), c.c_int32, c.c_bool, c.c_bool],
+            ),
+            ("llama_vocab_is_eog", c.c_bool, [P, c.c_int32]),
+            ("llama_model_chat_template", c.c_char_p, [P, c.c_char_p]),
+            ("llama_get_memory", P, [P]),
+            ("llama_memory_clear", None, [P, c.c_bool]),
+            ("llama_free", None, [P]),
+            ("llama_model_free", None, [P]),
+        ):
             f = getattr(lib, name)
             f.restype, f.argtypes = res, args
         lib.llama_backend_init()
@@ -145,8 +168,9 @@ class _LibLlama:
         if load is not None:
             load.restype, load.argtypes = None, [c.c_char_p]
             load(os.path.dirname(os.path.abspath(path)).encode())
-        self.model = lib.llama_model_load_from_file(str(model_path).encode(),
-                                                    lib.llama_model_default_params())
+        self.model = lib.llama_model_load_from_file(
+            str(model_path).encode(), lib.llama_model_default_params()
+        )
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {model_path}")
         cp = lib.llama_context_default_params()
@@ -173,8 +197,12 @@ class _LibLlama:
         finally:
             lib.llama_batch_free(batch)
         idx = range(len(toks)) if all_logits else [len(toks) - 1]
-        return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i),
-                                               (n_vocab,)).copy() for i in idx])
+        return np.stack(
+            [
+                np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i), (n_vocab,)).copy()
+                for i in idx
+            ]
+        )
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
@@ -207,28 +235,41 @@ class LlamaCpp:
     ``verify=False`` skips that): a damaged file raises
     :class:`~microscale.integrity.CorruptDataError` naming the tensor instead of being run."""
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 256,
-                 n_threads: int | None = None, backend: str | None = None,
-                 verify: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_ctx: int = 256,
+        n_threads: int | None = None,
+        backend: str | None = None,
+        verify: bool = True,
+    ):
         if verify:
             from microscale.export.gguffile import verify_gguf
 
             verify_gguf(path)
         self.backend = backend or llama_cpp_available()
         if self.backend is None:
-            raise ImportError("no llama.cpp: pip install llama-cpp-python (builds llama.cpp) "
-                              "or set MICROSCALE_LIBLLAMA=/path/to/libllama.so")
+            raise ImportError(
+                "no llama.cpp: pip install llama-cpp-python (builds llama.cpp) "
+                "or set MICROSCALE_LIBLLAMA=/path/to/libllama.so"
+            )
         self.n_ctx = int(n_ctx)
         threads = n_threads or os.cpu_count() or 1
         if self.backend == "llama_cpp":
             from llama_cpp import Llama
 
-            self._llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx,
-                              n_threads=threads, logits_all=True, verbose=False)
+            self._llm = Llama(
+                model_path=str(path),
+                n_ctx=self.n_ctx,
+                n_batch=self.n_ctx,
+                n_threads=threads,
+                logits_all=True,
+                verbose=False,
+            )
             self.n_vocab = int(self._llm.n_vocab())
         else:
-            self._llm = _LibLlama(os.environ["MICROSCALE_LIBLLAMA"], str(path), self.n_ctx,
-                                  threads)
+            self._llm = _LibLlama(os.environ["MICROSCALE_LIBLLAMA"], str(path), self.n_ctx, threads)
             self.n_vocab = self._llm.n_vocab
 
     # ------------------------------------------------------------------ evaluation
@@ -266,8 +307,9 @@ class LlamaCpp:
         self._decode(tokens, 0, False)
         return len(tokens) / (time.perf_counter() - t0)
 
-    def greedy(self, tokens: Sequence[int], n: int, *,
-               stop_at_eog: bool = False) -> tuple[list[int], float]:
+    def greedy(
+        self, tokens: Sequence[int], n: int, *, stop_at_eog: bool = False
+    ) -> tuple[list[int], float]:
         """``n`` greedily generated tokens after ``tokens``, and the decode rate in tokens/s
         (the ``n - 1`` single-token steps after the prompt, prefill excluded). With
         ``stop_at_eog``, generation ends after the first token llama.cpp's vocabulary calls
@@ -304,8 +346,7 @@ class LlamaCpp:
         """llama.cpp's tokenization of ``text`` (no BOS); special tokens' text is parsed as
         those tokens with ``special``, as plain text without."""
         if self.backend == "llama_cpp":
-            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False,
-                                           special=special))
+            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special))
         return self._llm.tokenize(text, special)
 
     def close(self) -> None:

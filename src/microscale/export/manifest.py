@@ -50,10 +50,15 @@ def _raw(a) -> tuple[np.ndarray, str]:
     return a, name
 
 
-def write_manifest(out_dir: str | os.PathLike, *, params: Mapping[str, Any],
-                   weights: Mapping[str, Any], activations: bool,
-                   input_amax: Mapping[str, float] | None, rules: dict[str, Any]
-                   ) -> dict[str, Any]:
+def write_manifest(
+    out_dir: str | os.PathLike,
+    *,
+    params: Mapping[str, Any],
+    weights: Mapping[str, Any],
+    activations: bool,
+    input_amax: Mapping[str, float] | None,
+    rules: dict[str, Any],
+) -> dict[str, Any]:
     """Write the layout into ``out_dir`` (created); returns a description.
 
     ``params``: every parameter, flat (the kernels of ``weights`` are left out);
@@ -71,12 +76,21 @@ def write_manifest(out_dir: str | os.PathLike, *, params: Mapping[str, Any],
             tensors[name] = np.asarray(v, np.float32)
     for p, w in weights.items():
         q: QArray = w.qarray
-        entry: dict[str, Any] = {"format": w.format, "shape": list(q.shape), "layout": "out_in",
-                                 "axis": -1, "block_shape": None if q.block_shape is None
-                                 else list(q.block_shape), "amax": w.amax,
-                                 "scale_multiplier": w.scale_multiplier, "tensors": {}}
-        for field, key in (("data", "weight"), ("scales", "weight_scale"),
-                           ("global_scale", "weight_global_scale")):
+        entry: dict[str, Any] = {
+            "format": w.format,
+            "shape": list(q.shape),
+            "layout": "out_in",
+            "axis": -1,
+            "block_shape": None if q.block_shape is None else list(q.block_shape),
+            "amax": w.amax,
+            "scale_multiplier": w.scale_multiplier,
+            "tensors": {},
+        }
+        for field, key in (
+            ("data", "weight"),
+            ("scales", "weight_scale"),
+            ("global_scale", "weight_global_scale"),
+        ):
             arr = getattr(q, field)
             if arr is None:
                 continue
@@ -90,24 +104,29 @@ def write_manifest(out_dir: str | os.PathLike, *, params: Mapping[str, Any],
             entry["input_amax"] = input_amax[p]
         layers[p] = entry
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": MANIFEST_FORMAT})
-    manifest = {"format": MANIFEST_FORMAT, "version": _MANIFEST_VERSION,
-                "activations": activations, "layers": layers,
-                "params": sorted(n for n in tensors if not any(n.startswith(p + ".")
-                                                               for p in weights)),
-                "rules": rules}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": _MANIFEST_VERSION,
+        "activations": activations,
+        "layers": layers,
+        "params": sorted(n for n in tensors if not any(n.startswith(p + ".") for p in weights)),
+        "rules": rules,
+    }
     atomic_write_json(out / MANIFEST, manifest)
-    return {"layout": MANIFEST_FORMAT, "path": str(out),
-            "files": ["model.safetensors", MANIFEST]}
+    return {"layout": MANIFEST_FORMAT, "path": str(out), "files": ["model.safetensors", MANIFEST]}
 
 
-def read_manifest(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str, Any],
-                                                    dict[str, Any]]:
+def read_manifest(
+    path: str | os.PathLike,
+) -> tuple[dict[str, QArray], dict[str, Any], dict[str, Any]]:
     """``({layer path: QArray [out, in]}, {param path: float32 array}, manifest)``."""
     path = Path(path)
     manifest = read_json(path / MANIFEST, what="PTQ manifest")
     if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
-                         f"{MANIFEST_FORMAT!r}")
+        raise ValueError(
+            f"{str(path)!r}: manifest format {manifest.get('format')!r}; expected "
+            f"{MANIFEST_FORMAT!r}"
+        )
     store = TensorStore(path / "model.safetensors")
     qs = {}
     for p, e in manifest["layers"].items():
@@ -125,8 +144,9 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict[str, QArray], dict[str,
                 arr = arr.reshape(())
             leaves[field] = jax.numpy.asarray(arr)
         bs = None if e["block_shape"] is None else tuple(e["block_shape"])
-        qs[p] = QArray(leaves["data"], leaves["scales"], leaves["global_scale"], spec,
-                       1, tuple(e["shape"]), bs)
+        qs[p] = QArray(
+            leaves["data"], leaves["scales"], leaves["global_scale"], spec, 1, tuple(e["shape"]), bs
+        )
     params = {n: np.array(store.get(n)) for n in manifest["params"]}
     return qs, params, manifest
 

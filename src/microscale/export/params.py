@@ -36,14 +36,15 @@ def flat_params(source: Any) -> dict[str, Any]:
     if isinstance(source, nnx.Module):
         source = nnx.state(source, nnx.Param)
     if isinstance(source, nnx.State):
-        out = {".".join(str(p) for p in path): v
-               for path, v in nnx.to_flat_state(source)}
+        out = {".".join(str(p) for p in path): v for path, v in nnx.to_flat_state(source)}
     elif isinstance(source, Mapping):
         out = {}
         _flatten("", source, out)
     else:
-        raise TypeError(f"params of type {type(source).__name__}: expected a Transformer, an "
-                        "nnx.State, or a (nested or flat) dict of arrays")
+        raise TypeError(
+            f"params of type {type(source).__name__}: expected a Transformer, an "
+            "nnx.State, or a (nested or flat) dict of arrays"
+        )
     return {k: (v[...] if isinstance(v, nnx.Variable) else v) for k, v in out.items()}
 
 
@@ -53,8 +54,10 @@ def check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     want = param_shapes(cfg)
     extra = sorted(set(params) - set(want))
     if extra:
-        raise ValueError(f"parameter {extra[0]!r} is not part of a model with this config "
-                         f"(expected names like {next(iter(want))!r})")
+        raise ValueError(
+            f"parameter {extra[0]!r} is not part of a model with this config "
+            f"(expected names like {next(iter(want))!r})"
+        )
     for name, shape in want.items():
         if name not in params:
             raise ValueError(f"parameter {name!r} is missing (expected shape {shape})")
@@ -62,9 +65,11 @@ def check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
         if isinstance(v, QArray):
             got = tuple(v.shape) if v.axis == 0 else tuple(reversed(v.shape))
             if len(v.shape) != 2 or got != shape:
-                raise ValueError(f"parameter {name!r}: QArray of shape {v.shape} (axis "
-                                 f"{v.axis}); expected {shape} with axis 0 or "
-                                 f"{shape[::-1]} with axis 1")
+                raise ValueError(
+                    f"parameter {name!r}: QArray of shape {v.shape} (axis "
+                    f"{v.axis}); expected {shape} with axis 0 or "
+                    f"{shape[::-1]} with axis 1"
+                )
             continue
         got = tuple(np.shape(v))
         if got != shape:

@@ -85,13 +85,14 @@ class Checkpoint:
 
     def dequantized_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
         """``params`` with every QArray decoded to a float kernel ``[in, out]``."""
-        return {k: (np.asarray(dequantize(v, dtype)) if isinstance(v, QArray) else v)
-                for k, v in self.params.items()}
+        return {
+            k: (np.asarray(dequantize(v, dtype)) if isinstance(v, QArray) else v)
+            for k, v in self.params.items()
+        }
 
     def to_model(self, *, param_dtype: str | None = None) -> Transformer:
         """A microscale ``Transformer`` with these weights (quantized ones dequantized)."""
-        cfg = self.config if param_dtype is None else self.config.replace(
-            param_dtype=param_dtype)
+        cfg = self.config if param_dtype is None else self.config.replace(param_dtype=param_dtype)
         return build_model(cfg, self.dequantized_params())
 
 
@@ -107,8 +108,9 @@ def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> Transformer:
             raise CheckpointError(f"parameter {name!r} is missing")
         value = jnp.asarray(np.asarray(params[name]), dt)
         if value.shape != var.shape:
-            raise CheckpointError(f"parameter {name!r} has shape {value.shape}; expected "
-                                  f"{var.shape}")
+            raise CheckpointError(
+                f"parameter {name!r} has shape {value.shape}; expected {var.shape}"
+            )
         flat.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
 
@@ -127,35 +129,48 @@ def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
             by_layer.setdefault(int(m.group(1)), n)
     extra = sorted(i for i in by_layer if i >= cfg.n_layers)
     if extra:
-        raise CheckpointError(f"tensor {by_layer[extra[0]]!r} is not expected: "
-                              f"{path / 'config.json'} says num_hidden_layers={cfg.n_layers}; "
-                              "config and tensors disagree")
+        raise CheckpointError(
+            f"tensor {by_layer[extra[0]]!r} is not expected: "
+            f"{path / 'config.json'} says num_hidden_layers={cfg.n_layers}; "
+            "config and tensors disagree"
+        )
     if len(by_layer) != cfg.n_layers:
-        raise CheckpointError(f"{path / 'config.json'}: num_hidden_layers={cfg.n_layers} but "
-                              f"the tensors hold {len(by_layer)} layers; config and tensors "
-                              "disagree")
+        raise CheckpointError(
+            f"{path / 'config.json'}: num_hidden_layers={cfg.n_layers} but "
+            f"the tensors hold {len(by_layer)} layers; config and tensors "
+            "disagree"
+        )
     emb = store.infos.get("model.embed_tokens.weight")
     want = (cfg.vocab_size, cfg.d_model)
     if emb is not None and tuple(emb.shape) != want:
-        raise CheckpointError(f"{path / 'config.json'}: vocab_size={cfg.vocab_size}, "
-                              f"hidden_size={cfg.d_model} but model.embed_tokens.weight has "
-                              f"shape {list(emb.shape)}; config and tensors disagree")
+        raise CheckpointError(
+            f"{path / 'config.json'}: vocab_size={cfg.vocab_size}, "
+            f"hidden_size={cfg.d_model} but model.embed_tokens.weight has "
+            f"shape {list(emb.shape)}; config and tensors disagree"
+        )
 
 
 # ---------------------------------------------------------------------- tensors
 
-def _expect(store: TensorStore, name: str, dtypes: tuple[str, ...], shapes: tuple, why: str
-            ) -> np.ndarray:
+
+def _expect(
+    store: TensorStore, name: str, dtypes: tuple[str, ...], shapes: tuple, why: str
+) -> np.ndarray:
     if name not in store:
-        raise CheckpointError(f"tensor {name!r} is missing ({why}; expected dtype "
-                              f"{dtypes[0]} shape {list(shapes[0])})")
+        raise CheckpointError(
+            f"tensor {name!r} is missing ({why}; expected dtype "
+            f"{dtypes[0]} shape {list(shapes[0])})"
+        )
     info = store.info(name)
     if info.dtype not in dtypes:
-        raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}; expected "
-                              f"{' or '.join(dtypes)} ({why})")
+        raise CheckpointError(
+            f"tensor {name!r} has dtype {info.dtype}; expected {' or '.join(dtypes)} ({why})"
+        )
     if info.shape not in shapes:
-        raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}; expected "
-                              f"{' or '.join(str(list(s)) for s in shapes)} ({why})")
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(info.shape)}; expected "
+            f"{' or '.join(str(list(s)) for s in shapes)} ({why})"
+        )
     try:
         return store.get(name)  # checksum and finiteness verified on first read
     except SafetensorsError as e:
@@ -169,21 +184,28 @@ def _scale(store: TensorStore, name: str, why: str, *, encode: bool) -> np.float
     return np.float32(np.float32(1.0) / v) if encode else v
 
 
-def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
-                 static_input: bool, kn: tuple[int, ...]) -> tuple[QArray, np.float32 | None]:
+def _read_linear(
+    store: TensorStore,
+    layout: str,
+    mod: str,
+    lq: L.LayerQuant,
+    static_input: bool,
+    kn: tuple[int, ...],
+) -> tuple[QArray, np.float32 | None]:
     spec = lq.weight_spec
     k, n = kn
     why = f"{mod} is {lq} in the {layout} layout"
     row = hf_quant(layout)
     if spec.block_size is not None and k % spec.block_size:
-        raise CheckpointError(f"{mod}: input dimension {k} is not a multiple of the "
-                              f"{spec.name} block size {spec.block_size}")
+        raise CheckpointError(
+            f"{mod}: input dimension {k} is not a multiple of the "
+            f"{spec.name} block size {spec.block_size}"
+        )
     data_name = f"{mod}.{row.packed_data if spec.packed else 'weight'}"
     if spec.packed:
         data = _expect(store, data_name, ("U8",), ((n, k // 2),), why)
     else:
-        data = _expect(store, data_name, (DTYPE_NAMES[np.dtype(spec.elem_dtype)],), ((n, k),),
-                       why)
+        data = _expect(store, data_name, (DTYPE_NAMES[np.dtype(spec.elem_dtype)],), ((n, k),), why)
     if spec.block_size is None:
         scales = np.asarray(_scale(store, f"{mod}.weight_scale", why, encode=False))
         block_shape = None
@@ -196,21 +218,23 @@ def _read_linear(store: TensorStore, layout: str, mod: str, lq: L.LayerQuant,
         block_shape = (spec.block_size, 1)
     gs = None
     if spec.has_global_scale:
-        gs = np.asarray(_scale(store, f"{mod}.{row.global_scale}", why,
-                               encode=row.global_encode))
+        gs = np.asarray(_scale(store, f"{mod}.{row.global_scale}", why, encode=row.global_encode))
     q = QArray(data.T, scales, gs, spec, 0, (k, n), block_shape)  # type: ignore[arg-type]
     in_scale = None
     ispec = lq.input_spec
     if ispec is not None and static_input and ispec.has_tensor_scale:
-        name, enc = (row.input_global_scale, row.input_global_encode) \
-            if ispec.has_global_scale else ("input_scale", False)
-        in_scale = _scale(store, f"{mod}.{name}", why + " with static input scales",
-                          encode=enc)
+        name, enc = (
+            (row.input_global_scale, row.input_global_encode)
+            if ispec.has_global_scale
+            else ("input_scale", False)
+        )
+        in_scale = _scale(store, f"{mod}.{name}", why + " with static input scales", encode=enc)
     return q, in_scale
 
 
-def read_checkpoint(path: str | os.PathLike, *, dequantize: bool = False,
-                    param_dtype: str = "float32") -> Checkpoint:
+def read_checkpoint(
+    path: str | os.PathLike, *, dequantize: bool = False, param_dtype: str = "float32"
+) -> Checkpoint:
     """Read an HF-style Llama folder (plain, compressed-tensors or ModelOpt).
 
     ``dequantize``: decode quantized kernels to float (else they stay packed QArrays).
@@ -226,8 +250,10 @@ def read_checkpoint(path: str | os.PathLike, *, dequantize: bool = False,
         raise CheckpointError(f"{path}: {e}") from None
     method = quant_method(cfg_json, path)
     if method is not None and method not in HF_QUANT:
-        raise CheckpointError(f"quantization_config.quant_method={method!r}: expected "
-                              + " or ".join(repr(m) for m in HF_QUANT))
+        raise CheckpointError(
+            f"quantization_config.quant_method={method!r}: expected "
+            + " or ".join(repr(m) for m in HF_QUANT)
+        )
     try:
         store = TensorStore(path)
     except SafetensorsError as e:
@@ -254,14 +280,14 @@ def read_checkpoint(path: str | os.PathLike, *, dequantize: bool = False,
         hf = hf_param_name(pname)
         hshape = shape[::-1] if pname == "lm_head.kernel" else shape
         arr = _expect(store, hf, _FLOAT_DTYPES, (hshape,), "unquantized")
-        params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" \
-            else np.asarray(arr, dt)
+        params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" else np.asarray(arr, dt)
     for p in linear_paths(cfg):
         mod, lq = hf_module(p), layers[p]
         kn = shapes[f"{p}.kernel"]
         if not lq.quantized:
-            arr = _expect(store, f"{mod}.weight", _FLOAT_DTYPES, (kn[::-1],),
-                          f"{mod} is unquantized")
+            arr = _expect(
+                store, f"{mod}.weight", _FLOAT_DTYPES, (kn[::-1],), f"{mod} is unquantized"
+            )
             params[f"{p}.kernel"] = np.asarray(arr, dt).T
             continue
         q, s = _read_linear(store, layout, mod, lq, static[p], kn)
@@ -269,22 +295,33 @@ def read_checkpoint(path: str | os.PathLike, *, dequantize: bool = False,
         if s is not None:
             input_scales[p] = s
     if cfg.tie_embeddings:
-        store.accessed.add("lm_head.weight")  # some tied checkpoints store it anyway (HF ignores it)
+        store.accessed.add(
+            "lm_head.weight"
+        )  # some tied checkpoints store it anyway (HF ignores it)
     for name in store.names():
         if name not in store.accessed and not _HARMLESS.fullmatch(name):
-            raise CheckpointError(f"tensor {name!r} is not expected in this checkpoint "
-                                  f"({layout} layout; config and tensors disagree)")
-    ck = Checkpoint(path=path, layout=layout, config=cfg, params=params, layers=layers,
-                    input_scales=input_scales, hf_config=cfg_json,
-                    tokenizer_file=(path / "tokenizer.json")
-                    if (path / "tokenizer.json").is_file() else None)
+            raise CheckpointError(
+                f"tensor {name!r} is not expected in this checkpoint "
+                f"({layout} layout; config and tensors disagree)"
+            )
+    ck = Checkpoint(
+        path=path,
+        layout=layout,
+        config=cfg,
+        params=params,
+        layers=layers,
+        input_scales=input_scales,
+        hf_config=cfg_json,
+        tokenizer_file=(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
+    )
     if dequantize:
         ck = dataclasses.replace(ck, params=ck.dequantized_params(dt))
     return ck
 
 
-def import_model(path: str | Path, *, param_dtype: str = "float32"
-                 ) -> tuple[Transformer, ModelConfig]:
+def import_model(
+    path: str | Path, *, param_dtype: str = "float32"
+) -> tuple[Transformer, ModelConfig]:
     """``(Transformer, ModelConfig)`` from an HF-style folder; quantized weights are
     dequantized into the float kernels (keep them packed with :func:`read_checkpoint`)."""
     ck = read_checkpoint(path, param_dtype=param_dtype)

@@ -51,8 +51,17 @@ from microscale.export.reader import read_checkpoint
 from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint
 from microscale.model import ModelConfig
 
-__all__ = ["KINDS", "QUANTIZE_OUTPUT", "RUN", "Kind", "Layout", "detect", "get_layout",
-           "layout_names", "quantize_output_model"]
+__all__ = [
+    "KINDS",
+    "QUANTIZE_OUTPUT",
+    "RUN",
+    "Kind",
+    "Layout",
+    "detect",
+    "get_layout",
+    "layout_names",
+    "quantize_output_model",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,54 +147,100 @@ def _hf_params(p: Path) -> tuple[dict[str, np.ndarray], ModelConfig]:
     return {k: np.asarray(v) for k, v in ck.params.items()}, ck.config
 
 
-def _write_hf_family(model: Any, out: str | os.PathLike, *, layout: str,
-                     shard_bytes: int | None = None, **options) -> Any:
-    return export_checkpoint(model, out, layout=layout,
-                             shard_bytes=DEFAULT_SHARD_BYTES if shard_bytes is None
-                             else shard_bytes, **options)
+def _write_hf_family(
+    model: Any, out: str | os.PathLike, *, layout: str, shard_bytes: int | None = None, **options
+) -> Any:
+    return export_checkpoint(
+        model,
+        out,
+        layout=layout,
+        shard_bytes=DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
+        **options,
+    )
 
 
-def _write_gguf(model: Any, out: str | os.PathLike, *, activations: bool | None = None,
-                input_amax: Any = None, shard_bytes: int | None = None, **options) -> Any:
+def _write_gguf(
+    model: Any,
+    out: str | os.PathLike,
+    *,
+    activations: bool | None = None,
+    input_amax: Any = None,
+    shard_bytes: int | None = None,
+    **options,
+) -> Any:
     if activations or input_amax is not None:
-        raise ValueError("activations: GGUF stores weights only (llama.cpp quantizes "
-                         "activations itself)")
+        raise ValueError(
+            "activations: GGUF stores weights only (llama.cpp quantizes activations itself)"
+        )
     if shard_bytes is not None:
         raise ValueError(f"shard_bytes={shard_bytes}: a GGUF is one file, never sharded")
     return write_gguf(model, out, **options)
 
 
-RUN = Kind(name="run", description="a microscale training run (config.yaml + checkpoints/)",
-           detect=_is_run)
-QUANTIZE_OUTPUT = Kind(name="quantize output",
-                       description="a `microscale quantize` output (report.json + "
-                                   "precision_rules.json + checkpoint/ or model.gguf)",
-                       detect=_is_quantize_output)
-_HF: dict[str, Any] = dict(single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None,
-           read=_hf_params)  # what the HF-style folders share
+RUN = Kind(
+    name="run", description="a microscale training run (config.yaml + checkpoints/)", detect=_is_run
+)
+QUANTIZE_OUTPUT = Kind(
+    name="quantize output",
+    description="a `microscale quantize` output (report.json + "
+    "precision_rules.json + checkpoint/ or model.gguf)",
+    detect=_is_quantize_output,
+)
+_HF: dict[str, Any] = dict(
+    single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None, read=_hf_params
+)  # what the HF-style folders share
 KINDS: tuple[Kind, ...] = (
     RUN,
     QUANTIZE_OUTPUT,
     # one row per HF-style quantized layout (microscale.export.hfquant)
-    *(Layout(name=q.name, description=q.description,
-             detect=functools.partial(lambda p, name: _quant_method(p) == name, name=q.name),
-             quantized=True, input_scales=True,
-             write=functools.partial(_write_hf_family, layout=q.name), **_HF)
-      for q in HF_QUANT.values()),
-    Layout(name="hf", description="a plain HF Llama folder (config.json + *.safetensors)",
-           # any other config.json: read_checkpoint names the unsupported quant_method
-           detect=lambda p: _quant_method(p) not in (None, *HF_QUANT),
-           quantized=False, input_scales=False,
-           write=functools.partial(_write_hf_family, layout="hf"), **_HF),
-    Layout(name="gguf", description="a llama.cpp GGUF file", detect=_is_gguf,
-           single_file=True, writes_model=True, quantized=True, hf_folder=False,
-           input_scales=False,
-           check_tokenizer=gguf_vocab, read=read_gguf_params, write=_write_gguf),
-    Layout(name="microscale",
-           description="microscale's own layout (model.safetensors + manifest.json)",
-           detect=lambda p: (p / MANIFEST).is_file(), single_file=False, writes_model=False,
-           quantized=True, hf_folder=False, input_scales=True, check_tokenizer=None, read=manifest_params,
-           write=write_manifest),
+    *(
+        Layout(
+            name=q.name,
+            description=q.description,
+            detect=functools.partial(lambda p, name: _quant_method(p) == name, name=q.name),
+            quantized=True,
+            input_scales=True,
+            write=functools.partial(_write_hf_family, layout=q.name),
+            **_HF,
+        )
+        for q in HF_QUANT.values()
+    ),
+    Layout(
+        name="hf",
+        description="a plain HF Llama folder (config.json + *.safetensors)",
+        # any other config.json: read_checkpoint names the unsupported quant_method
+        detect=lambda p: _quant_method(p) not in (None, *HF_QUANT),
+        quantized=False,
+        input_scales=False,
+        write=functools.partial(_write_hf_family, layout="hf"),
+        **_HF,
+    ),
+    Layout(
+        name="gguf",
+        description="a llama.cpp GGUF file",
+        detect=_is_gguf,
+        single_file=True,
+        writes_model=True,
+        quantized=True,
+        hf_folder=False,
+        input_scales=False,
+        check_tokenizer=gguf_vocab,
+        read=read_gguf_params,
+        write=_write_gguf,
+    ),
+    Layout(
+        name="microscale",
+        description="microscale's own layout (model.safetensors + manifest.json)",
+        detect=lambda p: (p / MANIFEST).is_file(),
+        single_file=False,
+        writes_model=False,
+        quantized=True,
+        hf_folder=False,
+        input_scales=True,
+        check_tokenizer=None,
+        read=manifest_params,
+        write=write_manifest,
+    ),
 )
 
 
@@ -195,8 +250,11 @@ def layout_names(**where: bool) -> tuple[str, ...]:
     for f in where:
         if f not in {x.name for x in dataclasses.fields(Layout)}:
             raise TypeError(f"layout_names({f}=...): Layout has no field {f!r}")
-    return tuple(k.name for k in KINDS if isinstance(k, Layout)
-                 and all(getattr(k, f) == v for f, v in where.items()))
+    return tuple(
+        k.name
+        for k in KINDS
+        if isinstance(k, Layout) and all(getattr(k, f) == v for f, v in where.items())
+    )
 
 
 def get_layout(name: str) -> Layout:

@@ -93,8 +93,9 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform
-    raise ImportError("microscale.export reads safetensors by memory mapping and needs a "
-                      "little-endian host")
+    raise ImportError(
+        "microscale.export reads safetensors by memory mapping and needs a little-endian host"
+    )
 
 
 class SafetensorsError(ValueError):
@@ -106,8 +107,9 @@ class TensorInfo:
 
     __slots__ = ("begin", "dtype", "end", "file", "name", "shape")
 
-    def __init__(self, name: str, file: Path, dtype: str, shape: tuple[int, ...],
-                 begin: int, end: int):
+    def __init__(
+        self, name: str, file: Path, dtype: str, shape: tuple[int, ...], begin: int, end: int
+    ):
         self.name, self.file, self.dtype, self.shape = name, file, dtype, shape
         self.begin, self.end = begin, end
 
@@ -125,13 +127,16 @@ def _dtype_name(dtype: np.dtype) -> str:
         raise SafetensorsError(f"big-endian dtype {dt} cannot be stored; convert to little-endian")
     name = DTYPE_NAMES.get(dt)
     if name is None:
-        raise SafetensorsError(f"dtype {dt} has no safetensors equivalent; expected one of "
-                               f"{sorted(str(d) for d in DTYPE_NAMES)}")
+        raise SafetensorsError(
+            f"dtype {dt} has no safetensors equivalent; expected one of "
+            f"{sorted(str(d) for d in DTYPE_NAMES)}"
+        )
     return name
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo],
-                                                               dict[str, str]]:
+def read_safetensors_header(
+    path: str | os.PathLike,
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one file's header: ``({name: TensorInfo}, metadata)``."""
     path = Path(path)
     try:
@@ -139,25 +144,31 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
     except FileNotFoundError:
         raise FileNotFoundError(f"safetensors file {str(path)!r} does not exist") from None
     if size < 8:
-        raise SafetensorsError(f"{path}: {size} bytes is too short for a safetensors file "
-                               "(expected an 8-byte header length first)")
+        raise SafetensorsError(
+            f"{path}: {size} bytes is too short for a safetensors file "
+            "(expected an 8-byte header length first)"
+        )
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise SafetensorsError(
                 f"{path}: header length {n} does not fit the file ({size} bytes; at most "
-                f"{min(size - 8, MAX_HEADER_BYTES)} expected) - truncated or not safetensors")
+                f"{min(size - 8, MAX_HEADER_BYTES)} expected) - truncated or not safetensors"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsError(f"{path}: the header is not UTF-8 JSON ({e})") from None
     if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: the header is a JSON {type(header).__name__}, "
-                               "expected an object")
+        raise SafetensorsError(
+            f"{path}: the header is a JSON {type(header).__name__}, expected an object"
+        )
     meta = header.pop("__metadata__", None) or {}
-    if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                           for k, v in meta.items())):
+    if not (
+        isinstance(meta, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
         raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
     data_start = 8 + n
     data_len = size - data_start
@@ -165,28 +176,39 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise SafetensorsError(f"{where}: expected exactly the keys dtype, shape, "
-                                   f"data_offsets, got {entry!r}")
+            raise SafetensorsError(
+                f"{where}: expected exactly the keys dtype, shape, data_offsets, got {entry!r}"
+            )
         dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPES:
-            raise SafetensorsError(f"{where}: unknown dtype {dtype!r}; expected one of "
-                                   f"{sorted(DTYPES)}")
+            raise SafetensorsError(
+                f"{where}: unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}"
+            )
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise SafetensorsError(f"{where}: shape {shape!r} must be a list of ints >= 0")
-        if not (isinstance(offs, list) and len(offs) == 2
-                and all(type(o) is int and o >= 0 for o in offs) and offs[0] <= offs[1]):
-            raise SafetensorsError(f"{where}: data_offsets {offs!r} must be [begin, end] "
-                                   "with 0 <= begin <= end")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(type(o) is int and o >= 0 for o in offs)
+            and offs[0] <= offs[1]
+        ):
+            raise SafetensorsError(
+                f"{where}: data_offsets {offs!r} must be [begin, end] with 0 <= begin <= end"
+            )
         want = math.prod(shape) * DTYPES[dtype].itemsize
         if offs[1] - offs[0] != want:
-            raise SafetensorsError(f"{where}: {offs[1] - offs[0]} bytes for dtype {dtype} "
-                                   f"shape {shape}; expected {want}")
+            raise SafetensorsError(
+                f"{where}: {offs[1] - offs[0]} bytes for dtype {dtype} "
+                f"shape {shape}; expected {want}"
+            )
         if offs[1] > data_len:
             raise SafetensorsError(
                 f"{where}: its data ends at byte {data_start + offs[1]} but the file has "
-                f"only {size} bytes (truncated file?)")
-        infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + offs[0],
-                                 data_start + offs[1])
+                f"only {size} bytes (truncated file?)"
+            )
+        infos[name] = TensorInfo(
+            name, path, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]
+        )
     spans = sorted((i.begin, i.end, i.name) for i in infos.values() if i.end > i.begin)
     for (_, e0, a), (b1, _, b) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
@@ -220,7 +242,8 @@ class TensorStore:
             if len(found) != 1:
                 raise FileNotFoundError(
                     f"{str(path)!r}: expected {SINGLE_NAME}, {INDEX_NAME} or exactly one "
-                    f"*.safetensors file, found {[f.name for f in found]}")
+                    f"*.safetensors file, found {[f.name for f in found]}"
+                )
             files, weight_map = found, None
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
@@ -232,12 +255,15 @@ class TensorStore:
             self.metadata.update(meta)
             for name, info in infos.items():
                 if name in self.infos:
-                    raise SafetensorsError(f"tensor {name!r} is stored twice: in "
-                                           f"{self.infos[name].file.name} and {file.name}")
+                    raise SafetensorsError(
+                        f"tensor {name!r} is stored twice: in "
+                        f"{self.infos[name].file.name} and {file.name}"
+                    )
                 if weight_map is not None and weight_map.get(name) != file.name:
                     raise SafetensorsError(
                         f"tensor {name!r} is in {file.name} but the index maps it to "
-                        f"{weight_map.get(name)!r}")
+                        f"{weight_map.get(name)!r}"
+                    )
                 self.infos[name] = info
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.infos))
@@ -245,7 +271,8 @@ class TensorStore:
                 raise SafetensorsError(
                     f"tensor {missing[0]!r} is listed in {INDEX_NAME} (file "
                     f"{weight_map[missing[0]]!r}) but missing from that file"
-                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                )
 
     def _read_index(self, index: Path) -> tuple[list[Path], dict[str, str]]:
         try:
@@ -253,14 +280,18 @@ class TensorStore:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SafetensorsError(f"{index}: not a JSON file ({e})") from None
         wm = obj.get("weight_map") if isinstance(obj, dict) else None
-        if not (isinstance(wm, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in wm.items())):
+        if not (
+            isinstance(wm, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())
+        ):
             raise SafetensorsError(f"{index}: expected {{'weight_map': {{tensor: file}}}}")
         files = []
         for fname in sorted(set(wm.values())):
             if Path(fname).name != fname or fname in (".", "..") or "\\" in fname:
-                raise SafetensorsError(f"{index}: shard name {fname!r} must be a plain file "
-                                       "name in the checkpoint folder")
+                raise SafetensorsError(
+                    f"{index}: shard name {fname!r} must be a plain file "
+                    "name in the checkpoint folder"
+                )
             if not (index.parent / fname).is_file():
                 raise FileNotFoundError(f"{index}: shard {fname!r} does not exist")
             files.append(index.parent / fname)
@@ -295,7 +326,7 @@ class TensorStore:
         mm = self._maps.get(info.file)
         if mm is None:
             mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        raw = mm[info.begin:info.end]
+        raw = mm[info.begin : info.end]
         arr = raw.view(info.np_dtype).reshape(info.shape)
         if name not in self._verified:
             try:
@@ -310,8 +341,8 @@ class TensorStore:
 
 # ---------------------------------------------------------------------- writing
 
-def _stored_crc(file: Path, text: str | None, infos: Mapping[str, TensorInfo]
-                ) -> dict[str, str]:
+
+def _stored_crc(file: Path, text: str | None, infos: Mapping[str, TensorInfo]) -> dict[str, str]:
     if text is None:
         return {}
     try:
@@ -319,12 +350,16 @@ def _stored_crc(file: Path, text: str | None, infos: Mapping[str, TensorInfo]
     except json.JSONDecodeError:
         crc = None
     if not (isinstance(crc, dict) and all(isinstance(v, str) for v in crc.values())):
-        raise SafetensorsError(f"{file}: __metadata__[{CRC_KEY!r}] is not a JSON object of "
-                               "checksums; the header is damaged")
+        raise SafetensorsError(
+            f"{file}: __metadata__[{CRC_KEY!r}] is not a JSON object of "
+            "checksums; the header is damaged"
+        )
     unknown = sorted(set(crc) - set(infos))
     if unknown:
-        raise SafetensorsError(f"{file}: a checksum is stored for tensor {unknown[0]!r}, "
-                               "which the header does not list; the header is damaged")
+        raise SafetensorsError(
+            f"{file}: a checksum is stored for tensor {unknown[0]!r}, "
+            "which the header does not list; the header is damaged"
+        )
     return crc
 
 
@@ -336,8 +371,9 @@ def _as_array(name: str, x) -> np.ndarray:
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def _header_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
-                  ) -> tuple[bytes, list[str]]:
+def _header_bytes(
+    arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[str]]:
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -345,16 +381,22 @@ def _header_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] 
     off = 0
     for name in order:
         a = arrays[name]
-        header[name] = {"dtype": _dtype_name(a.dtype), "shape": list(a.shape),
-                        "data_offsets": [off, off + a.nbytes]}
+        header[name] = {
+            "dtype": _dtype_name(a.dtype),
+            "shape": list(a.shape),
+            "data_offsets": [off, off + a.nbytes],
+        }
         off += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return raw, order
 
 
-def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, object],
-                      metadata: Mapping[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, object],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
     """Write ``tensors`` (name -> array) to ``path`` atomically; returns the file size."""
     path = Path(path)
     arrays = {}
@@ -372,9 +414,14 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, object],
     return path.stat().st_size
 
 
-def write_sharded(folder: str | os.PathLike, tensors: Mapping[str, object], *,
-                  shard_bytes: int, groups: Iterable[Iterable[str]] | None = None,
-                  metadata: Mapping[str, str] | None = None) -> list[str]:
+def write_sharded(
+    folder: str | os.PathLike,
+    tensors: Mapping[str, object],
+    *,
+    shard_bytes: int,
+    groups: Iterable[Iterable[str]] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> list[str]:
     """Write ``tensors`` as ``model.safetensors``, or as shards plus an index when their
     total exceeds ``shard_bytes``. ``groups`` keeps related tensors (one layer's weight
     and scales) in the same shard. Returns the file names written."""
@@ -409,7 +456,6 @@ def write_sharded(folder: str | os.PathLike, tensors: Mapping[str, object], *,
     for fname, members in zip(names, shards, strict=True):
         write_safetensors(folder / fname, {n: arrays[n] for n in members}, metadata)
         weight_map.update({n: fname for n in members})
-    index = {"metadata": {"total_size": total},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_json(folder / INDEX_NAME, index)
     return names + [INDEX_NAME]

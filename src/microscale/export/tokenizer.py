@@ -24,14 +24,22 @@ __all__ = ["TOKENIZER_FILES", "byte_tokenizer_hf", "write_tokenizer"]
 
 EOS_TOKEN = "<|eos|>"
 # An HF tokenizer's files (tokenizer.json first): they travel together, byte for byte.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
         + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -65,7 +73,8 @@ def write_tokenizer(tokenizer, out_dir: str | os.PathLike, *, max_len: int) -> l
         tokenizer = load_tokenizer(src)
         if isinstance(tokenizer, BPETokenizer) and (src.parent / TOKENIZER_FILES[1]).is_file():
             files = [(src, TOKENIZER_FILES[0])] + [
-                (src.parent / n, n) for n in TOKENIZER_FILES[1:] if (src.parent / n).is_file()]
+                (src.parent / n, n) for n in TOKENIZER_FILES[1:] if (src.parent / n).is_file()
+            ]
             for path, name in files:
                 shutil.copyfile(path, out / name)
             return [name for _, name in files]
@@ -74,11 +83,18 @@ def write_tokenizer(tokenizer, out_dir: str | os.PathLike, *, max_len: int) -> l
     elif isinstance(tokenizer, BPETokenizer):
         text, eos = tokenizer.hf.to_str(), tokenizer.eos_token
     else:
-        raise TypeError(f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
-                        "BPETokenizer or the path of a tokenizer file")
+        raise TypeError(
+            f"tokenizer {tokenizer!r}: expected a microscale ByteTokenizer / "
+            "BPETokenizer or the path of a tokenizer file"
+        )
     atomic_write_text(out / "tokenizer.json", text)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-              "model_max_length": int(max_len), "clean_up_tokenization_spaces": False,
-              "add_bos_token": False, "add_eos_token": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "model_max_length": int(max_len),
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     atomic_write_json(out / "tokenizer_config.json", config)
     return ["tokenizer.json", "tokenizer_config.json"]

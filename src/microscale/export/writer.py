@@ -62,8 +62,13 @@ from microscale.files import atomic_folder, atomic_write_json, check_output_dir,
 from microscale.formats import QArray
 from microscale.model import ModelConfig
 
-__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "check_export_out", "export_checkpoint",
-           "layer_tensors"]
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "ExportResult",
+    "check_export_out",
+    "export_checkpoint",
+    "layer_tensors",
+]
 
 # Shard above 5 GB (the Hugging Face default ``max_shard_size="5GB"``).
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -102,8 +107,9 @@ def _scalar(x, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(x, np.float32).reshape(shape)
 
 
-def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
-                  input_scale: np.float32 | None) -> dict[str, np.ndarray]:
+def layer_tensors(
+    layout: str, module: str, q: QArray, lq: L.LayerQuant, input_scale: np.float32 | None
+) -> dict[str, np.ndarray]:
     """The tensors of one quantized linear in ``layout`` (an :data:`HF_QUANT` row's name;
     ``q``: kernel or HF orientation)."""
     row = hf_quant(layout)
@@ -111,9 +117,12 @@ def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
     spec = q.spec
     n, k = q.shape
     if tuple(q.data.shape) != tuple(q.shape[:1]) + (q.data.shape[1],) or (
-            spec.block_size is not None and k % spec.block_size):
-        raise ValueError(f"{module}: weight of shape {(n, k)} is padded to {q.data.shape}; "
-                         f"the input dimension must be a multiple of {spec.block_size}")
+        spec.block_size is not None and k % spec.block_size
+    ):
+        raise ValueError(
+            f"{module}: weight of shape {(n, k)} is padded to {q.data.shape}; "
+            f"the input dimension must be a multiple of {spec.block_size}"
+        )
     row.check(lq)  # raises for combinations the layout has no name for
     storage = row.scale_storage(spec.name)
     out: dict[str, np.ndarray] = {}
@@ -125,8 +134,7 @@ def layer_tensors(layout: str, module: str, q: QArray, lq: L.LayerQuant,
         sc = sc.view(DTYPES[storage])
     out[f"{module}.weight_scale"] = sc
     if spec.has_global_scale:
-        g = L.exact_reciprocal(np.asarray(q.global_scale)) if row.global_encode \
-            else q.global_scale
+        g = L.exact_reciprocal(np.asarray(q.global_scale)) if row.global_encode else q.global_scale
         out[f"{module}.{row.global_scale}"] = _scalar(g, row.scalar)
     if input_scale is not None:
         assert lq.input_spec is not None  # an input scale is a quantized input's
@@ -143,26 +151,36 @@ def _source(model: Any, config: ModelConfig | None):
     from microscale.export.reader import Checkpoint
 
     if isinstance(model, Checkpoint):
-        return dict(model.params), config or model.config, dict(model.layers), \
-            dict(model.input_scales)
+        return (
+            dict(model.params),
+            config or model.config,
+            dict(model.layers),
+            dict(model.input_scales),
+        )
     if config is None:
         config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
-        raise TypeError("export_checkpoint needs the ModelConfig (pass config=...) unless the "
-                        "model carries one (a Transformer or a Checkpoint)")
+        raise TypeError(
+            "export_checkpoint needs the ModelConfig (pass config=...) unless the "
+            "model carries one (a Transformer or a Checkpoint)"
+        )
     return flat_params(model), config, None, None
 
 
-def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
-                      config: ModelConfig | None = None,
-                      layout: str = "compressed-tensors",
-                      layer_formats: L.LayerFormats = None,
-                      activations: bool | None = None,
-                      input_amax: Mapping[str, Any] | None = None,
-                      tokenizer: Any = None,
-                      dtype: str = "bfloat16",
-                      shard_bytes: int = DEFAULT_SHARD_BYTES,
-                      overwrite: bool = False) -> ExportResult:
+def export_checkpoint(
+    model: Any,
+    out_dir: str | os.PathLike,
+    *,
+    config: ModelConfig | None = None,
+    layout: str = "compressed-tensors",
+    layer_formats: L.LayerFormats = None,
+    activations: bool | None = None,
+    input_amax: Mapping[str, Any] | None = None,
+    tokenizer: Any = None,
+    dtype: str = "bfloat16",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+) -> ExportResult:
     """Write ``model`` to ``out_dir`` in ``layout`` ("compressed-tensors", "modelopt", or
     "hf": float weights only, ``layer_formats`` default "bf16").
 
@@ -190,9 +208,19 @@ def export_checkpoint(model: Any, out_dir: str | os.PathLike, *,
     check_output_dir(out)
     lock = lock_folder(out).acquire()  # released at the end, after the rename into place
     try:
-        return _export(model, out, config=config, layout=layout, layer_formats=layer_formats,
-                       activations=activations, input_amax=input_amax, tokenizer=tokenizer,
-                       dtype=dtype, shard_bytes=shard_bytes, overwrite=overwrite)
+        return _export(
+            model,
+            out,
+            config=config,
+            layout=layout,
+            layer_formats=layer_formats,
+            activations=activations,
+            input_amax=input_amax,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            shard_bytes=shard_bytes,
+            overwrite=overwrite,
+        )
     finally:
         lock.release()
 
@@ -203,16 +231,32 @@ def check_export_out(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
     out = check_output_dir(out_dir, what="output folder")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"output folder {str(out)!r} is not empty; pass "
-                                  "overwrite=True (CLI: --overwrite) to replace it")
+            raise FileExistsError(
+                f"output folder {str(out)!r} is not empty; pass "
+                "overwrite=True (CLI: --overwrite) to replace it"
+            )
         if not (out / "config.json").is_file():
-            raise FileExistsError(f"refusing to overwrite {str(out)!r}: it does not look like "
-                                  "an exported model (no config.json)")
+            raise FileExistsError(
+                f"refusing to overwrite {str(out)!r}: it does not look like "
+                "an exported model (no config.json)"
+            )
     return out
 
 
-def _export(model, out: Path, *, config, layout, layer_formats, activations, input_amax,
-            tokenizer, dtype, shard_bytes, overwrite) -> ExportResult:
+def _export(
+    model,
+    out: Path,
+    *,
+    config,
+    layout,
+    layer_formats,
+    activations,
+    input_amax,
+    tokenizer,
+    dtype,
+    shard_bytes,
+    overwrite,
+) -> ExportResult:
     check_export_out(out, overwrite=overwrite)
     params, cfg, ck_layers, ck_scales = _source(model, config)
     check_params(params, cfg)
@@ -234,8 +278,10 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         input_scales = L.input_decode_scales(cfg, layers, input_amax)
     if layout == "hf" and any(lq.quantized for lq in layers.values()):
         shown = sorted({str(lq) for lq in layers.values() if lq.quantized})
-        raise ValueError(f"layout='hf' stores float weights only, but layers are {shown}; "
-                         "choose compressed-tensors or modelopt for quantized layers")
+        raise ValueError(
+            f"layout='hf' stores float weights only, but layers are {shown}; "
+            "choose compressed-tensors or modelopt for quantized layers"
+        )
     quantized = L.quantize_linear_weights(params, cfg, layers)
 
     # Everything is computed and validated before the output folder is touched.
@@ -257,10 +303,12 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         tensors.update(layer)
         groups.append(list(layer))
 
-    ignore = ["lm_head", "model.embed_tokens"] + [hf_module(p) for p in linear_paths(cfg)
-                                                  if not layers[p].quantized]
-    cfg_json = hf_config(cfg, dtype=dtype,
-                         eos_token_id=None if tokenizer is None else tokenizer.eos_id)
+    ignore = ["lm_head", "model.embed_tokens"] + [
+        hf_module(p) for p in linear_paths(cfg) if not layers[p].quantized
+    ]
+    cfg_json = hf_config(
+        cfg, dtype=dtype, eos_token_id=None if tokenizer is None else tokenizer.eos_id
+    )
     extra: dict[str, Any] = {}  # files beside config.json describing the quantization
     if any(lq.quantized for lq in layers.values()):
         cfg_json["quantization_config"], extra = hf_quant(layout).files(layers, ignore)
@@ -272,8 +320,9 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
         for name, obj in extra.items():
             atomic_write_json(tmp / name, obj)
             files.append(name)
-        files += write_sharded(tmp, tensors, shard_bytes=shard_bytes, groups=groups,
-                               metadata={"format": "pt"})
+        files += write_sharded(
+            tmp, tensors, shard_bytes=shard_bytes, groups=groups, metadata={"format": "pt"}
+        )
         atomic_write_json(tmp / "config.json", cfg_json)
         files.append("config.json")
         if tokenizer is not None:
@@ -282,10 +331,19 @@ def _export(model, out: Path, *, config, layout, layer_formats, activations, inp
                 gen = {"eos_token_id": tokenizer.eos_id, "max_length": cfg.max_seq_len}
                 atomic_write_json(tmp / "generation_config.json", gen)
                 files.append("generation_config.json")
-        marker = {"producer": "microscale", "version": __version__, "layout": layout,
-                  "layers": {p: lq.to_dict() for p, lq in layers.items()}}
+        marker = {
+            "producer": "microscale",
+            "version": __version__,
+            "layout": layout,
+            "layers": {p: lq.to_dict() for p, lq in layers.items()},
+        }
         atomic_write_json(tmp / _MARKER, marker)
         files.append(_MARKER)
-    return ExportResult(path=out, layout=layout, files=tuple(files),
-                        layers={p: str(lq) for p, lq in layers.items()},
-                        tensor_bytes=sum(a.nbytes for a in tensors.values()), config=cfg)
+    return ExportResult(
+        path=out,
+        layout=layout,
+        files=tuple(files),
+        layers={p: str(lq) for p, lq in layers.items()},
+        tensor_bytes=sum(a.nbytes for a in tensors.values()),
+        config=cfg,
+    )

@@ -26,12 +26,24 @@ import numpy as np
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 # (threshold, tie rounds up?) for RNE on |y|.
-_E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
-                        (2.5, False), (3.5, True), (5.0, False))
+_E2M1_RNE_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
-def round_to_float(a: jax.Array, mant_bits: int, min_exp: int, rounding: str = "nearest",
-                   u: jax.Array | None = None) -> jax.Array:
+def round_to_float(
+    a: jax.Array,
+    mant_bits: int,
+    min_exp: int,
+    rounding: str = "nearest",
+    u: jax.Array | None = None,
+) -> jax.Array:
     """Round float32 magnitudes ``a >= 0`` to a narrower float format, in float32.
 
     The format has ``mant_bits`` explicit mantissa bits and smallest normal exponent
@@ -65,7 +77,8 @@ def round_to_float(a: jax.Array, mant_bits: int, min_exp: int, rounding: str = "
     lo_n = jax.lax.bitcast_convert_type(lo_bits, jnp.float32)
     # ulp of lo's binade: 2^(exponent - mant_bits), built from the exponent bits.
     ulp_n = jax.lax.bitcast_convert_type(
-        (lo_bits & jnp.uint32(0x7F800000)) - jnp.uint32(mant_bits << 23), jnp.float32)
+        (lo_bits & jnp.uint32(0x7F800000)) - jnp.uint32(mant_bits << 23), jnp.float32
+    )
     lo = jnp.where(sub, jnp.floor(a / quantum) * quantum, lo_n)
     ulp = jnp.where(sub, quantum, ulp_n)
     return jnp.where(u * ulp < (a - lo), lo + ulp, lo)
@@ -91,8 +104,9 @@ def e2m1_encode(y: jax.Array, rounding: str = "nearest", u: jax.Array | None = N
     return idx | sign
 
 
-def float_round(y: jax.Array, elem_dtype, elem_max: float, rounding: str = "nearest",
-                u: jax.Array | None = None) -> jax.Array:
+def float_round(
+    y: jax.Array, elem_dtype, elem_max: float, rounding: str = "nearest", u: jax.Array | None = None
+) -> jax.Array:
     """float32 -> the nearest value of ``elem_dtype`` (saturating at +-elem_max), float32.
 
     The value-domain quantizer for every element format (fake quantization); the sign
@@ -100,8 +114,9 @@ def float_round(y: jax.Array, elem_dtype, elem_max: float, rounding: str = "near
     """
     fi = ml_dtypes.finfo(elem_dtype)
     a = jnp.minimum(jnp.abs(y), jnp.float32(elem_max))
-    v = jnp.minimum(round_to_float(a, int(fi.nmant), int(fi.minexp), rounding, u),
-                    jnp.float32(elem_max))
+    v = jnp.minimum(
+        round_to_float(a, int(fi.nmant), int(fi.minexp), rounding, u), jnp.float32(elem_max)
+    )
     return jnp.where(jnp.signbit(y), -v, v)
 
 
@@ -113,8 +128,9 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     return val.astype(dtype)
 
 
-def int_round(y: jax.Array, elem_max: float, rounding: str = "nearest",
-              u: jax.Array | None = None) -> jax.Array:
+def int_round(
+    y: jax.Array, elem_max: float, rounding: str = "nearest", u: jax.Array | None = None
+) -> jax.Array:
     """float32 -> the nearest integer, saturating at +-elem_max, as float32.
 
     ``"nearest"`` rounds half away from zero, C's ``roundf`` (what ggml's Q8_0 reference
@@ -136,8 +152,9 @@ def int_round(y: jax.Array, elem_max: float, rounding: str = "nearest",
     return jnp.where(jnp.signbit(y), -r, r)
 
 
-def float8_encode(y: jax.Array, dtype, elem_max: float, rounding: str = "nearest",
-                  u: jax.Array | None = None) -> jax.Array:
+def float8_encode(
+    y: jax.Array, dtype, elem_max: float, rounding: str = "nearest", u: jax.Array | None = None
+) -> jax.Array:
     """float32 -> an 8-bit float dtype, saturating at +-elem_max (never NaN from overflow).
 
     Rounds in the value domain (:func:`float_round`), then casts the exact result.
@@ -174,12 +191,11 @@ def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:
     if axis == codes.ndim - 1 and n % 4 == 0:
         # Fast path (~3x on XLA:CPU): view 4 codes as one little-endian uint32 and
         # gather its four low nibbles into 16 bits, so the loop stays contiguous.
-        v = jax.lax.bitcast_convert_type(codes.reshape(codes.shape[:-1] + (n // 4, 4)),
-                                         jnp.uint32)
+        v = jax.lax.bitcast_convert_type(codes.reshape(codes.shape[:-1] + (n // 4, 4)), jnp.uint32)
         p = (v & 0xF) | ((v >> 4) & 0xF0) | ((v >> 8) & 0xF00) | ((v >> 12) & 0xF000)
         out = jax.lax.bitcast_convert_type(p.astype(jnp.uint16), jnp.uint8)
         return out.reshape(codes.shape[:-1] + (n // 2,))
-    shp = codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1:]
+    shp = codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1 :]
     c = codes.reshape(shp)
     lo = jax.lax.index_in_dim(c, 0, axis + 1, keepdims=False)
     hi = jax.lax.index_in_dim(c, 1, axis + 1, keepdims=False)
@@ -192,15 +208,15 @@ def unpack_nibbles(packed: jax.Array, axis: int = -1) -> jax.Array:
     m = packed.shape[axis]
     if axis == packed.ndim - 1 and m % 2 == 0:
         # Fast path: two packed bytes (one uint16) spread into four code bytes (a uint32).
-        v = jax.lax.bitcast_convert_type(packed.reshape(packed.shape[:-1] + (m // 2, 2)),
-                                         jnp.uint16).astype(jnp.uint32)
+        v = jax.lax.bitcast_convert_type(
+            packed.reshape(packed.shape[:-1] + (m // 2, 2)), jnp.uint16
+        ).astype(jnp.uint32)
         u = (v & 0xF) | ((v & 0xF0) << 4) | ((v & 0xF00) << 8) | ((v & 0xF000) << 12)
-        return jax.lax.bitcast_convert_type(u, jnp.uint8).reshape(
-            packed.shape[:-1] + (2 * m,))
+        return jax.lax.bitcast_convert_type(u, jnp.uint8).reshape(packed.shape[:-1] + (2 * m,))
     lo = packed & 0xF
     hi = packed >> 4
     both = jnp.stack([lo, hi], axis=axis + 1)
-    shp = packed.shape[:axis] + (packed.shape[axis] * 2,) + packed.shape[axis + 1:]
+    shp = packed.shape[:axis] + (packed.shape[axis] * 2,) + packed.shape[axis + 1 :]
     return both.reshape(shp)
 
 
@@ -275,8 +291,10 @@ def _index_groups(shape: tuple[int, ...], limit: int) -> list[tuple[int, int]]:
     groups, stop, size = [], len(shape), 1
     for d in range(len(shape) - 1, -1, -1):
         if shape[d] > limit:
-            raise ValueError(f"stochastic rounding: dimension {d} of shape {tuple(shape)} has "
-                             f"{shape[d]} elements; at most {limit} per dimension are supported")
+            raise ValueError(
+                f"stochastic rounding: dimension {d} of shape {tuple(shape)} has "
+                f"{shape[d]} elements; at most {limit} per dimension are supported"
+            )
         if size * shape[d] > limit:
             groups.append((d + 1, stop))
             stop, size = d + 1, 1
@@ -291,7 +309,8 @@ def _group_index(shape: tuple[int, ...], start: int, stop: int) -> jax.Array:
     for d in shape[start:stop]:
         n *= d
     return jax.lax.iota(jnp.uint32, n).reshape(
-        [s if start <= i < stop else 1 for i, s in enumerate(shape)])
+        [s if start <= i < stop else 1 for i, s in enumerate(shape)]
+    )
 
 
 def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:

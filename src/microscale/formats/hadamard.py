@@ -61,8 +61,15 @@ def random_signs(seed_or_key, n: int) -> jax.Array:
     return jax.random.rademacher(key, (n,), jnp.float32)
 
 
-def random_hadamard(x: jax.Array, axis: int = -1, *, size: int = 16, seed_or_key=0,
-                    inverse: bool = False, dtype=None) -> jax.Array:
+def random_hadamard(
+    x: jax.Array,
+    axis: int = -1,
+    *,
+    size: int = 16,
+    seed_or_key=0,
+    inverse: bool = False,
+    dtype=None,
+) -> jax.Array:
     """Apply ``diag(s) H`` (or its inverse ``H diag(s)``) to each size-chunk along ``axis``.
 
     The length along ``axis`` must be a multiple of ``size``. Computed in float32 with a
@@ -74,25 +81,25 @@ def random_hadamard(x: jax.Array, axis: int = -1, *, size: int = 16, seed_or_key
     axis = axis % x.ndim
     n = x.shape[axis]
     if n % size:
-        raise ValueError(f"random_hadamard: length {n} along axis {axis} is not a multiple "
-                         f"of the transform size {size}")
+        raise ValueError(
+            f"random_hadamard: length {n} along axis {axis} is not a multiple "
+            f"of the transform size {size}"
+        )
     out_dtype = x.dtype if dtype is None else dtype
     if isinstance(seed_or_key, int | np.integer):
         with jax.ensure_compile_time_eval():  # a constant, not a kernel
             signs: Any = np.asarray(random_signs(seed_or_key, size))
     else:
         signs = random_signs(seed_or_key, size)
-    return _hadamard_butterfly(x, signs, axis=axis, size=size, inverse=inverse).astype(
-        out_dtype)
+    return _hadamard_butterfly(x, signs, axis=axis, size=size, inverse=inverse).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "size", "inverse"))
-def _hadamard_butterfly(x: jax.Array, signs, *, axis: int, size: int,
-                       inverse: bool) -> jax.Array:
+def _hadamard_butterfly(x: jax.Array, signs, *, axis: int, size: int, inverse: bool) -> jax.Array:
     """The float32 transform of :func:`random_hadamard`, in the fixed order of the module
     doc (its own jit, so a jaxpr names it)."""
     n = x.shape[axis]
-    pre, post = x.shape[:axis], x.shape[axis + 1:]
+    pre, post = x.shape[:axis], x.shape[axis + 1 :]
     chunks = pre + (n // size,)  # never merged with the within-chunk axis, so a sharded
     y = x.astype(jnp.float32).reshape(chunks + (size,) + post)  # axis stays sharded
     pair = axis + 2  # the (a, b) axis of each stage's view
@@ -106,7 +113,8 @@ def _hadamard_butterfly(x: jax.Array, signs, *, axis: int, size: int,
             a = a * jax.lax.slice_in_dim(half, 0, size // 2, axis=pair + 1)
             b = b * jax.lax.slice_in_dim(half, size // 2, size, axis=pair + 1)
         y = (a + _along(np.array([1, -1], np.float32), pair, z.ndim) * b).reshape(
-            chunks + (size,) + post)  # exact: b * +-1
+            chunks + (size,) + post
+        )  # exact: b * +-1
         m //= 2
     last = signs.astype(jnp.float32) * _scale(size) if inverse else np.full(size, _scale(size))
     return (y * _along(last, axis + 1, y.ndim)).reshape(x.shape)  # the one inexact product

@@ -125,16 +125,20 @@ def _check_input(x, axis: int) -> tuple[jax.Array, int]:
     if x.ndim == 0:
         raise ValueError("quantize expects an array with at least one dimension, got a scalar")
     if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim} "
-                         f"(expected {-x.ndim} <= axis < {x.ndim})")
+        raise ValueError(
+            f"axis {axis} is out of range for an array of rank {x.ndim} "
+            f"(expected {-x.ndim} <= axis < {x.ndim})"
+        )
     return x, axis % x.ndim
 
 
 def _resolve_blocks(spec: FormatSpec, shape, axis: int, block_shape) -> tuple[int, ...] | None:
     if spec.block_size is None:
         if block_shape is not None:
-            raise ValueError(f"format {spec.name!r} uses one scale per tensor; "
-                             f"block_shape={block_shape!r} does not apply (expected None)")
+            raise ValueError(
+                f"format {spec.name!r} uses one scale per tensor; "
+                f"block_shape={block_shape!r} does not apply (expected None)"
+            )
         return None
     ndim = len(shape)
     if block_shape is None:
@@ -143,12 +147,16 @@ def _resolve_blocks(spec: FormatSpec, shape, axis: int, block_shape) -> tuple[in
         return tuple(ones)
     bs = tuple(int(b) for b in block_shape)
     if len(bs) > ndim or any(b < 1 for b in bs):
-        raise ValueError(f"block_shape={block_shape!r} does not fit an array of shape "
-                         f"{tuple(shape)} (expected at most {ndim} positive extents)")
+        raise ValueError(
+            f"block_shape={block_shape!r} does not fit an array of shape "
+            f"{tuple(shape)} (expected at most {ndim} positive extents)"
+        )
     blocks = (1,) * (ndim - len(bs)) + bs
     if blocks[axis] != spec.block_size:
-        raise ValueError(f"block_shape={block_shape!r} has extent {blocks[axis]} along axis "
-                         f"{axis}; format {spec.name!r} needs {spec.block_size} there")
+        raise ValueError(
+            f"block_shape={block_shape!r} has extent {blocks[axis]} along axis "
+            f"{axis}; format {spec.name!r} needs {spec.block_size} there"
+        )
     return blocks
 
 
@@ -174,16 +182,26 @@ def _inner_axes(blocks: tuple[int, ...]) -> tuple[int, ...]:
 
 def _block_view(scales: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
     """A scale array (one entry per block) shaped to broadcast against :func:`_blockify`."""
-    return scales.reshape([d for s, b in zip(scales.shape, blocks, strict=True)
-                           for d in ((s, 1) if b > 1 else (s,))])
+    return scales.reshape(
+        [d for s, b in zip(scales.shape, blocks, strict=True) for d in ((s, 1) if b > 1 else (s,))]
+    )
 
 
 def _uniform(key, shape):
     return elements.uniform_for_rounding(key, tuple(shape))  # key checked in _prepare
 
 
-def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_rounding,
-            four_over_six=False, scale_order="te"):
+def _encode(
+    x,
+    spec: FormatSpec,
+    rounding: str,
+    key,
+    blocks,
+    amax,
+    scale_rounding,
+    four_over_six=False,
+    scale_order="te",
+):
     """Shared core of quantize / quantize_dequantize (blocks is not None).
 
     Long: the scale computation of every scale kind (E4M3 in Transformer Engine's or
@@ -217,12 +235,12 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
         s_enc = jnp.where((t_amax == 0) | ~jnp.isfinite(s_enc), jnp.float32(1.0), s_enc)
         s_dec = jnp.float32(1.0) / s_enc
         global_scale = jnp.where(jnp.isfinite(t_amax), s_dec, jnp.float32(jnp.nan))
+
         def scaled(target):
             # bamax >= 0; the float32 constant 1/target, as TE's fp4_max_inv (module doc).
             inv = jnp.float32(np.float32(1.0) / np.float32(target))
             if scale_order == "te":
-                sb = elements.float_round(bamax * (s_enc * inv), spec.scale_dtype,
-                                          spec.scale_max)
+                sb = elements.float_round(bamax * (s_enc * inv), spec.scale_dtype, spec.scale_max)
                 return sb, _e4m3_divide(xb, sb, s_dec)
             # JAX's reference as compiled (module doc): x * fl(1/s_dec) first, the block
             # scale from its amax (max|x * r| = max|x| * r: rounding is monotone), then
@@ -249,8 +267,10 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
         stored = sb.astype(spec.scale_dtype)  # exact (small array; DCE'd when unused)
     elif spec.scale_kind == "e8m0":
         if four_over_six:
-            raise ValueError(f"four_over_six needs E4M3 block scales; format {spec.name!r} "
-                             f"has scale_kind={spec.scale_kind!r}")
+            raise ValueError(
+                f"four_over_six needs E4M3 block scales; format {spec.name!r} "
+                f"has scale_kind={spec.scale_kind!r}"
+            )
         rule = scale_rounding or spec.scale_rounding
         assert rule is not None  # an e8m0 format has its scale rounding
         byte = elements.e8m0_from_amax(bamax, spec.elem_max, spec.elem_emax, rule)
@@ -261,8 +281,10 @@ def _encode(x, spec: FormatSpec, rounding: str, key, blocks, amax, scale_roundin
         # ggml Q8_0 (quantize_row_q8_0_ref): d = amax / 127 in float32, elements x * (1/d)
         # (d == 0: zeros), d stored as float16 and decoded from that float16.
         if four_over_six:
-            raise ValueError(f"four_over_six needs E4M3 block scales; format {spec.name!r} "
-                             f"has scale_kind={spec.scale_kind!r}")
+            raise ValueError(
+                f"four_over_six needs E4M3 block scales; format {spec.name!r} "
+                f"has scale_kind={spec.scale_kind!r}"
+            )
         d = bamax / jnp.float32(spec.elem_max)
         y = _f16_divide(xb, d)
         stored = d.astype(spec.scale_dtype)
@@ -301,8 +323,9 @@ def _prepare(x, fmt, axis, rounding, key, block_shape, scale_order="te"):
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"unknown rounding {rounding!r}; expected 'nearest' or 'stochastic'")
     if scale_order not in SCALE_ORDERS:
-        raise ValueError(f"unknown scale_order {scale_order!r}; expected one of "
-                         f"{list(SCALE_ORDERS)}")
+        raise ValueError(
+            f"unknown scale_order {scale_order!r}; expected one of {list(SCALE_ORDERS)}"
+        )
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs an explicit key (jax.random.key(...))")
     return spec, x, axis, _resolve_blocks(spec, x.shape, axis, block_shape)
@@ -333,11 +356,19 @@ def _tensor_elements(xf, spec: FormatSpec, scale, rounding: str = "nearest", u=N
     return elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
 
 
-def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "nearest",
-             key: jax.Array | None = None, block_shape: tuple[int, ...] | None = None,
-             amax: jax.Array | float | None = None,
-             scale_rounding: str | None = None, four_over_six: bool = False,
-             scale_order: str = "te") -> QArray:
+def _quantize(
+    x,
+    fmt: str | FormatSpec,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    block_shape: tuple[int, ...] | None = None,
+    amax: jax.Array | float | None = None,
+    scale_rounding: str | None = None,
+    four_over_six: bool = False,
+    scale_order: str = "te",
+) -> QArray:
     """Quantize ``x`` to format ``fmt`` with blocks along ``axis``.
 
     Args:
@@ -367,7 +398,8 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
         vals, scale = _tensor_round(x, spec, rounding, key, amax)
         return QArray(vals.astype(spec.elem_dtype), scale, None, spec, axis, shape, None)
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order)
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order
+    )
     if spec.packed:
         codes = elements.e2m1_encode(y, rounding, u).reshape(padded)
         data = elements.pack_nibbles(codes, axis)
@@ -376,13 +408,21 @@ def _quantize(x, fmt: str | FormatSpec, *, axis: int = -1, rounding: str = "near
     return QArray(data, stored, global_scale, spec, axis, shape, blocks)
 
 
-def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
-                        rounding: str = "nearest", key: jax.Array | None = None,
-                        block_shape: tuple[int, ...] | None = None,
-                        amax: jax.Array | float | None = None,
-                        scale_rounding: str | None = None, dtype: Any = jnp.bfloat16,
-                        with_global_scale: bool = False, four_over_six: bool = False,
-                        scale_order: str = "te") -> tuple[jax.Array, jax.Array]:
+def _quantize_dequantize(
+    x,
+    fmt: str | FormatSpec,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    block_shape: tuple[int, ...] | None = None,
+    amax: jax.Array | float | None = None,
+    scale_rounding: str | None = None,
+    dtype: Any = jnp.bfloat16,
+    with_global_scale: bool = False,
+    four_over_six: bool = False,
+    scale_order: str = "te",
+) -> tuple[jax.Array, jax.Array]:
     """Fused ``quantize`` + ``dequantize`` without packing (for emulated GEMMs).
 
     Returns ``(values, tensor_scale)`` where ``values`` are exactly the dequantized
@@ -402,11 +442,13 @@ def _quantize_dequantize(x, fmt: str | FormatSpec, *, axis: int = -1,
             return (vals * scale).astype(dtype), one
         return vals.astype(dtype), scale
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order)
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order
+    )
     # Round in the value domain: no codes, no packing, no float8 casts.
     vals = _round_elements(y, spec, rounding, u)
-    out = _scale_blocks(vals * scales, global_scale if with_global_scale else None, padded,
-                        tuple(x.shape))
+    out = _scale_blocks(
+        vals * scales, global_scale if with_global_scale else None, padded, tuple(x.shape)
+    )
     gs = one if (global_scale is None or with_global_scale) else global_scale
     return out.astype(dtype), gs
 
@@ -423,8 +465,9 @@ def _requantize_scaled(x, q: QArray):
         byte = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
         return elements.e8m0_divide(xb, _block_view(byte, blocks)), x.shape
     sb = _block_view(block_scales_f32(q), blocks)
-    return (_e4m3_divide(xb, sb, q.global_scale) if spec.scale_kind == "e4m3"
-            else _f16_divide(xb, sb)), x.shape
+    return (
+        _e4m3_divide(xb, sb, q.global_scale) if spec.scale_kind == "e4m3" else _f16_divide(xb, sb)
+    ), x.shape
 
 
 def requantize_values(x, q: QArray) -> jax.Array:
@@ -477,8 +520,10 @@ def requantize(x, q: QArray) -> QArray:
     if not isinstance(q, QArray):
         raise TypeError(f"requantize expects a QArray of scales, got {type(q).__name__}")
     if tuple(jnp.shape(x)) != q.shape:
-        raise ValueError(f"requantize: x has shape {tuple(jnp.shape(x))}; the scales were "
-                         f"made for shape {q.shape}")
+        raise ValueError(
+            f"requantize: x has shape {tuple(jnp.shape(x))}; the scales were "
+            f"made for shape {q.shape}"
+        )
     return _requantize_jit(x, q)
 
 
@@ -491,8 +536,9 @@ def block_scales_f32(q: QArray) -> jax.Array:
     return q.scales.astype(jnp.float32)
 
 
-def _scale_blocks(out: jax.Array, global_scale, padded: tuple[int, ...],
-                  shape: tuple[int, ...]) -> jax.Array:
+def _scale_blocks(
+    out: jax.Array, global_scale, padded: tuple[int, ...], shape: tuple[int, ...]
+) -> jax.Array:
     """Scaled values in blockified layout -> float32, original shape (global applied)."""
     if global_scale is not None:
         out = out * global_scale
@@ -508,11 +554,12 @@ def _decode_blocks(q: QArray, codes: jax.Array, with_global_scale: bool) -> jax.
     sc = block_scales_f32(q)
     assert q.block_shape is not None  # a block-scaled QArray
     vb = _blockify(vals, q.block_shape) * _block_view(sc, q.block_shape)
-    return _scale_blocks(vb, q.global_scale if with_global_scale else None, vals.shape,
-                         q.shape)
+    return _scale_blocks(vb, q.global_scale if with_global_scale else None, vals.shape, q.shape)
 
 
-def _dequantize(q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool = True) -> jax.Array:
+def _dequantize(
+    q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool = True
+) -> jax.Array:
     """Decode a :class:`QArray` back to ``dtype`` with its original shape.
 
     ``with_global_scale=False`` leaves NVFP4's float32 tensor scale (and FP8's
@@ -531,11 +578,19 @@ def _dequantize(q: QArray, dtype: Any = jnp.float32, *, with_global_scale: bool 
     return _decode_blocks(q, q.codes(), with_global_scale).astype(dtype)
 
 
-_STATIC = ("fmt", "axis", "rounding", "block_shape", "scale_rounding", "four_over_six",
-           "scale_order")
+_STATIC = (
+    "fmt",
+    "axis",
+    "rounding",
+    "block_shape",
+    "scale_rounding",
+    "four_over_six",
+    "scale_order",
+)
 _quantize_jit = jax.jit(_quantize, static_argnames=_STATIC)
-_quantize_dequantize_jit = jax.jit(_quantize_dequantize,
-                                   static_argnames=_STATIC + ("dtype", "with_global_scale"))
+_quantize_dequantize_jit = jax.jit(
+    _quantize_dequantize, static_argnames=_STATIC + ("dtype", "with_global_scale")
+)
 _dequantize_jit = jax.jit(_dequantize, static_argnames=("dtype", "with_global_scale"))
 
 
@@ -545,8 +600,10 @@ def check_prng_key(key) -> None:
     if key is None:
         return
     dt = getattr(key, "dtype", None)
-    ok = dt is not None and (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) or (
-        dt == jnp.uint32 and tuple(jnp.shape(key)[-1:]) == (2,)))
+    ok = dt is not None and (
+        jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        or (dt == jnp.uint32 and tuple(jnp.shape(key)[-1:]) == (2,))
+    )
     if not ok:
         raise TypeError(f"key={key!r}: expected a JAX PRNG key (jax.random.key(seed))")
 
@@ -554,26 +611,33 @@ def check_prng_key(key) -> None:
 def _check_key_amax(x, key, amax) -> None:
     """Eager checks of the traced arguments (values only when concrete)."""
     if math.prod(jnp.shape(x)) == 0:
-        raise ValueError(f"quantize got an empty array of shape {tuple(np.shape(x))}: nothing "
-                         "to quantize (expected at least one element)")
+        raise ValueError(
+            f"quantize got an empty array of shape {tuple(np.shape(x))}: nothing "
+            "to quantize (expected at least one element)"
+        )
     check_prng_key(key)
     if amax is not None and not isinstance(amax, jax.core.Tracer):
         a = np.asarray(amax, dtype=np.float64) if not isinstance(amax, str) else None
         if a is None or a.ndim != 0:
             raise ValueError(f"amax={amax!r}: expected a scalar max |x| >= 0")
         if not np.isfinite(a):
-            raise ValueError(f"amax={float(a)}: expected a finite max |x| >= 0 (a NaN or "
-                             "infinite amax would turn every value into NaN or zero)")
+            raise ValueError(
+                f"amax={float(a)}: expected a finite max |x| >= 0 (a NaN or "
+                "infinite amax would turn every value into NaN or zero)"
+            )
         if a < 0:
-            raise ValueError(f"amax={float(a)}: expected a max |x| >= 0 (a negative amax "
-                             "would flip the scale's sign)")
+            raise ValueError(
+                f"amax={float(a)}: expected a max |x| >= 0 (a negative amax "
+                "would flip the scale's sign)"
+            )
 
 
 def _check_dtype(dtype) -> jnp.dtype:
     dt = jnp.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"dtype={dt}: expected a floating-point dtype (dequantized values "
-                        "are not integers)")
+        raise TypeError(
+            f"dtype={dt}: expected a floating-point dtype (dequantized values are not integers)"
+        )
     return dt
 
 
@@ -592,35 +656,74 @@ def _static_args(x, fmt, axis, block_shape, dtype=None):
 
 
 @functools.wraps(_quantize)
-def quantize(x, fmt, *, axis=-1, rounding="nearest", key=None, block_shape=None, amax=None,
-             scale_rounding=None, four_over_six=False, scale_order="te") -> QArray:
+def quantize(
+    x,
+    fmt,
+    *,
+    axis=-1,
+    rounding="nearest",
+    key=None,
+    block_shape=None,
+    amax=None,
+    scale_rounding=None,
+    four_over_six=False,
+    scale_order="te",
+) -> QArray:
     spec, axis, block_shape, _ = _static_args(x, fmt, axis, block_shape)
     _check_key_amax(x, key, amax)
-    return _quantize_jit(x, spec, axis=axis, rounding=rounding, key=key,
-                         block_shape=block_shape, amax=amax, scale_rounding=scale_rounding,
-                         four_over_six=bool(four_over_six), scale_order=scale_order)
+    return _quantize_jit(
+        x,
+        spec,
+        axis=axis,
+        rounding=rounding,
+        key=key,
+        block_shape=block_shape,
+        amax=amax,
+        scale_rounding=scale_rounding,
+        four_over_six=bool(four_over_six),
+        scale_order=scale_order,
+    )
 
 
 @functools.wraps(_quantize_dequantize)
-def quantize_dequantize(x, fmt, *, axis=-1, rounding="nearest", key=None, block_shape=None,
-                        amax=None, scale_rounding=None, dtype=jnp.bfloat16,
-                        with_global_scale=False, four_over_six=False, scale_order="te"):
+def quantize_dequantize(
+    x,
+    fmt,
+    *,
+    axis=-1,
+    rounding="nearest",
+    key=None,
+    block_shape=None,
+    amax=None,
+    scale_rounding=None,
+    dtype=jnp.bfloat16,
+    with_global_scale=False,
+    four_over_six=False,
+    scale_order="te",
+):
     spec, axis, block_shape, dtype = _static_args(x, fmt, axis, block_shape, dtype)
     _check_key_amax(x, key, amax)
-    return _quantize_dequantize_jit(x, spec, axis=axis, rounding=rounding, key=key,
-                                    block_shape=block_shape, amax=amax,
-                                    scale_rounding=scale_rounding, dtype=dtype,
-                                    with_global_scale=bool(with_global_scale),
-                                    four_over_six=bool(four_over_six),
-                                    scale_order=scale_order)
+    return _quantize_dequantize_jit(
+        x,
+        spec,
+        axis=axis,
+        rounding=rounding,
+        key=key,
+        block_shape=block_shape,
+        amax=amax,
+        scale_rounding=scale_rounding,
+        dtype=dtype,
+        with_global_scale=bool(with_global_scale),
+        four_over_six=bool(four_over_six),
+        scale_order=scale_order,
+    )
 
 
 @functools.wraps(_dequantize)
 def dequantize(q: QArray, dtype=jnp.float32, *, with_global_scale: bool = True) -> jax.Array:
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize expects a QArray, got {type(q).__name__}")
-    return _dequantize_jit(q, dtype=_check_dtype(dtype),
-                           with_global_scale=bool(with_global_scale))
+    return _dequantize_jit(q, dtype=_check_dtype(dtype), with_global_scale=bool(with_global_scale))
 
 
 def fake_quantize(x, fmt: str | FormatSpec, **kwargs) -> jax.Array:

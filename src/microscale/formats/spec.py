@@ -113,21 +113,56 @@ _E5M2 = dict(elem_dtype=ml_dtypes.float8_e5m2, elem_bits=8, elem_max=57344.0, el
 REGISTRY: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
-        FormatSpec(name="nvfp4", **_E2M1, block_size=16, scale_kind="e4m3",
-                   scale_dtype=ml_dtypes.float8_e4m3fn, has_global_scale=True),
-        FormatSpec(name="mxfp4", **_E2M1, block_size=32, scale_kind="e8m0",
-                   scale_dtype=ml_dtypes.float8_e8m0fnu, scale_rounding="floor"),
-        FormatSpec(name="mxfp8", **_E4M3, block_size=32, scale_kind="e8m0",
-                   scale_dtype=ml_dtypes.float8_e8m0fnu, scale_rounding="ceil"),
-        FormatSpec(name="fp8_e4m3", **_E4M3, block_size=None, scale_kind="tensor",
-                   scale_dtype=np.float32),
-        FormatSpec(name="fp8_e5m2", **_E5M2, block_size=None, scale_kind="tensor",
-                   scale_dtype=np.float32),
-        FormatSpec(name="q8_0", elem_dtype=np.int8, elem_bits=8, elem_max=127.0, elem_emax=6,
-                   block_size=32, scale_kind="f16", scale_dtype=np.float16),
-        FormatSpec(name="bf16", elem_dtype=ml_dtypes.bfloat16, elem_bits=16,
-                   elem_max=float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), elem_emax=127,
-                   block_size=None, scale_kind="none", scale_dtype=None),
+        FormatSpec(
+            name="nvfp4",
+            **_E2M1,
+            block_size=16,
+            scale_kind="e4m3",
+            scale_dtype=ml_dtypes.float8_e4m3fn,
+            has_global_scale=True,
+        ),
+        FormatSpec(
+            name="mxfp4",
+            **_E2M1,
+            block_size=32,
+            scale_kind="e8m0",
+            scale_dtype=ml_dtypes.float8_e8m0fnu,
+            scale_rounding="floor",
+        ),
+        FormatSpec(
+            name="mxfp8",
+            **_E4M3,
+            block_size=32,
+            scale_kind="e8m0",
+            scale_dtype=ml_dtypes.float8_e8m0fnu,
+            scale_rounding="ceil",
+        ),
+        FormatSpec(
+            name="fp8_e4m3", **_E4M3, block_size=None, scale_kind="tensor", scale_dtype=np.float32
+        ),
+        FormatSpec(
+            name="fp8_e5m2", **_E5M2, block_size=None, scale_kind="tensor", scale_dtype=np.float32
+        ),
+        FormatSpec(
+            name="q8_0",
+            elem_dtype=np.int8,
+            elem_bits=8,
+            elem_max=127.0,
+            elem_emax=6,
+            block_size=32,
+            scale_kind="f16",
+            scale_dtype=np.float16,
+        ),
+        FormatSpec(
+            name="bf16",
+            elem_dtype=ml_dtypes.bfloat16,
+            elem_bits=16,
+            elem_max=float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+            elem_emax=127,
+            block_size=None,
+            scale_kind="none",
+            scale_dtype=None,
+        ),
     )
 }
 

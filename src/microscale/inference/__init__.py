@@ -28,7 +28,17 @@ from microscale.inference.model import (
 from microscale.inference.sampling import GenerationConfig, sample_logits
 
 __all__ = [
-    "GenerationConfig", "GenerationResult", "InferenceModel", "Linear", "MemoryStats",
-    "build_weights", "collect_input_amax", "evaluate_ppl", "forward", "init_cache",
-    "is_run_dir", "load_model", "sample_logits",
+    "GenerationConfig",
+    "GenerationResult",
+    "InferenceModel",
+    "Linear",
+    "MemoryStats",
+    "build_weights",
+    "collect_input_amax",
+    "evaluate_ppl",
+    "forward",
+    "init_cache",
+    "is_run_dir",
+    "load_model",
+    "sample_logits",
 ]

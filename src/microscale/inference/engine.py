@@ -97,8 +97,7 @@ def _apply_linear(lin: Linear, x: jax.Array, cdt) -> jax.Array:
     wv = dequantize(q, mdt, with_global_scale=False)
     scale = _tensor_scale(q)
     if lin.act is not None:
-        amax = None if lin.input_scale is None else amax_from_decode_scale(lin.act,
-                                                                           lin.input_scale)
+        amax = None if lin.input_scale is None else amax_from_decode_scale(lin.act, lin.input_scale)
         x, xs = quantize_dequantize(x, lin.act, axis=-1, amax=amax, dtype=cdt)
         scale = xs if scale is None else scale * xs
     y = jnp.einsum("...k,nk->...n", x.astype(mdt), wv, preferred_element_type=jnp.float32)
@@ -120,9 +119,10 @@ def _attention(q, k, v, q_slot, k_slot, start):
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
-    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & \
-        (k_slot[None, None, :] >= start[:, None, None])  # [B, T, S]
+    scores = scores * (hd**-0.5)
+    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & (
+        k_slot[None, None, :] >= start[:, None, None]
+    )  # [B, T, S]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
@@ -132,13 +132,20 @@ def _attention(q, k, v, q_slot, k_slot, start):
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> list[dict[str, jax.Array]]:
     """Zeroed KV cache: per layer ``{"k", "v"}`` of shape ``[batch, slots, KV, head_dim]``."""
     shp = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
-    return [{"k": jnp.zeros(shp, dtype), "v": jnp.zeros(shp, dtype)}
-            for _ in range(cfg.n_layers)]
+    return [{"k": jnp.zeros(shp, dtype), "v": jnp.zeros(shp, dtype)} for _ in range(cfg.n_layers)]
 
 
-def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, cdt,
-            cache: list | None = None, index: Any = 0, start: jax.Array | None = None,
-            collect_amax: bool = False):
+def forward(
+    weights: Mapping[str, Any],
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    cdt,
+    cache: list | None = None,
+    index: Any = 0,
+    start: jax.Array | None = None,
+    collect_amax: bool = False,
+):
     """Logits ``[B, T, V]`` (float32) of ``tokens [B, T]`` at slots ``index ... index+T-1``.
 
     With ``cache`` the new keys/values are written at those slots and attention reads the
@@ -166,19 +173,15 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
         p = f"layers.{i}"
         h = _rms_norm(x, lw["attn_norm"], cfg.norm_eps, cdt)
         q = lin(f"{p}.attn.q_proj", lw["q_proj"], h).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = lin(f"{p}.attn.k_proj", lw["k_proj"], h).reshape(b, t, cfg.n_kv_heads,
-                                                             cfg.head_dim)
-        v = lin(f"{p}.attn.v_proj", lw["v_proj"], h).reshape(b, t, cfg.n_kv_heads,
-                                                             cfg.head_dim)
+        k = lin(f"{p}.attn.k_proj", lw["k_proj"], h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = lin(f"{p}.attn.v_proj", lw["v_proj"], h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             k_all, v_all, k_slot = k, v, q_slot
         else:
             c = cache[i]
-            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype),
-                                                 (0, index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype),
-                                                 (0, index, 0, 0))
+            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, index, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, index, 0, 0))
             new_cache.append({"k": k_all, "v": v_all})
             k_slot = jnp.arange(k_all.shape[1], dtype=jnp.int32)
         o = _attention(q, k_all.astype(q.dtype), v_all.astype(v.dtype), q_slot, k_slot, start)
@@ -192,8 +195,7 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
     x = _rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt)
     head = weights["embed"] if weights["lm_head"] is None else weights["lm_head"]  # [V, D]
     head, x = jax.lax.optimization_barrier((head, x))  # no hoisted copy (see _apply_linear)
-    logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt), preferred_element_type=jnp.float32)
     if collect_amax:
         return logits, (new_cache if cache is not None else None), amax
     return logits, (new_cache if cache is not None else None)
@@ -201,10 +203,16 @@ def forward(weights: Mapping[str, Any], tokens: jax.Array, *, cfg: ModelConfig, 
 
 # ---------------------------------------------------------------------- building
 
-def build_weights(params: Mapping[str, Any], cfg: ModelConfig,
-                  layers: Mapping[str, LayerQuant], *, compute_dtype,
-                  input_scales: Mapping[str, Any] | None = None,
-                  activations: bool = False) -> dict[str, Any]:
+
+def build_weights(
+    params: Mapping[str, Any],
+    cfg: ModelConfig,
+    layers: Mapping[str, LayerQuant],
+    *,
+    compute_dtype,
+    input_scales: Mapping[str, Any] | None = None,
+    activations: bool = False,
+) -> dict[str, Any]:
     """The forward pass's weight pytree from flat params (kernels float ``[K, N]`` or
     QArrays in either orientation). Dense kernels become ``[N, K]`` arrays in
     ``compute_dtype``; QArrays stay packed (moved to the device as they are)."""
@@ -229,12 +237,16 @@ def build_weights(params: Mapping[str, Any], cfg: ModelConfig,
                 lw[name] = Linear(q, None if s is None else jnp.float32(s), act)
             else:
                 if lq.quantized:
-                    raise ValueError(f"{hf_module(path)}: layer is {lq} but its kernel is not "
-                                     "quantized; quantize it first (quantize_linear_weights)")
+                    raise ValueError(
+                        f"{hf_module(path)}: layer is {lq} but its kernel is not "
+                        "quantized; quantize it first (quantize_linear_weights)"
+                    )
                 lw[name] = Linear(jnp.asarray(jnp.asarray(w).T, cdt))
         out_layers.append(lw)
     head = params.get("lm_head.kernel")
-    return {"embed": jnp.asarray(params["embed.embedding"]),
-            "final_norm": jnp.asarray(params["final_norm.scale"]),
-            "lm_head": None if head is None else jnp.asarray(head).T,
-            "layers": out_layers}
+    return {
+        "embed": jnp.asarray(params["embed.embedding"]),
+        "final_norm": jnp.asarray(params["final_norm.scale"]),
+        "lm_head": None if head is None else jnp.asarray(head).T,
+        "layers": out_layers,
+    }

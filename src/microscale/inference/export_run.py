@@ -87,12 +87,21 @@ class ExportConfig:
             raise ValueError(f"shard_size={s!r}: expected a number of GB > 0 or none")
 
 
-def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
-               layout: str = "compressed-tensors", formats: LayerFormats = None,
-               activations: bool = False, calib_batches: int | None = None,
-               data: str | None = None, step: int | None = None, dtype: str = "bfloat16",
-               shard_bytes: int | None = None, embed_format: str | None = None,
-               overwrite: bool = False) -> Any:
+def export_run(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    layout: str = "compressed-tensors",
+    formats: LayerFormats = None,
+    activations: bool = False,
+    calib_batches: int | None = None,
+    data: str | None = None,
+    step: int | None = None,
+    dtype: str = "bfloat16",
+    shard_bytes: int | None = None,
+    embed_format: str | None = None,
+    overwrite: bool = False,
+) -> Any:
     """Write the model of ``source`` to ``out`` in ``layout``; returns the layout's result
     (``.path``, ``.layers`` {linear path: format}, ``.tensor_bytes``).
 
@@ -121,26 +130,53 @@ def export_run(source: str | os.PathLike, out: str | os.PathLike, *,
     else:
         check_export_out(out, overwrite=overwrite)
     with lock_folder(out):  # before any work; held until the end
-        return _export_run(source, out, row, formats=formats, activations=activations,
-                           calib_batches=calib_batches, data=data, step=step, dtype=dtype,
-                           shard_bytes=shard_bytes, embed_format=embed_format,
-                           overwrite=overwrite)
+        return _export_run(
+            source,
+            out,
+            row,
+            formats=formats,
+            activations=activations,
+            calib_batches=calib_batches,
+            data=data,
+            step=step,
+            dtype=dtype,
+            shard_bytes=shard_bytes,
+            embed_format=embed_format,
+            overwrite=overwrite,
+        )
 
 
-def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard_bytes,
-                   embed_format) -> None:
+def _check_options(
+    row: Layout, *, activations: bool, calib_batches, data, shard_bytes, embed_format
+) -> None:
     """ValueError naming an option ``row`` or the other options leave without effect."""
     if activations and not row.input_scales:
-        raise ValueError(f"activations=True: the {row.name} layout stores weights only; "
-                         "export without activations")
-    unused = [(row.single_file and shard_bytes is not None, f"shard_bytes={shard_bytes}",
-               f"with layout={row.name!r} (it writes one file)"),
-              (not activations and calib_batches is not None, f"calib_batches={calib_batches}",
-               "without activations (only layer inputs are calibrated)"),
-              (not activations and data is not None, f"data={data!r}",
-               "without activations (only layer inputs are calibrated)"),
-              (row.name != "gguf" and embed_format is not None,
-               f"embed_format={embed_format!r}", f"with layout={row.name!r} (GGUF only)")]
+        raise ValueError(
+            f"activations=True: the {row.name} layout stores weights only; "
+            "export without activations"
+        )
+    unused = [
+        (
+            row.single_file and shard_bytes is not None,
+            f"shard_bytes={shard_bytes}",
+            f"with layout={row.name!r} (it writes one file)",
+        ),
+        (
+            not activations and calib_batches is not None,
+            f"calib_batches={calib_batches}",
+            "without activations (only layer inputs are calibrated)",
+        ),
+        (
+            not activations and data is not None,
+            f"data={data!r}",
+            "without activations (only layer inputs are calibrated)",
+        ),
+        (
+            row.name != "gguf" and embed_format is not None,
+            f"embed_format={embed_format!r}",
+            f"with layout={row.name!r} (GGUF only)",
+        ),
+    ]
     for bad, what, why in unused:
         if bad:
             raise ValueError(f"{what} has no effect {why}")
@@ -148,25 +184,51 @@ def _check_options(row: Layout, *, activations: bool, calib_batches, data, shard
 
 def _source_folder(source) -> Path:
     """The folder to read: ``source``, or a quantize output's HF-style ``checkpoint/``."""
-    src = check_input_dir(source, what="--checkpoint", expected="a training run folder, a "
-                          "quantize output or an HF model folder")
+    src = check_input_dir(
+        source,
+        what="--checkpoint",
+        expected="a training run folder, a quantize output or an HF model folder",
+    )
     if detect(src) is not QUANTIZE_OUTPUT:
         return src
     model = quantize_output_model(src)
     if model.suffix == ".gguf":
-        raise ValueError(f"--checkpoint {str(src)!r} is a quantize output that already holds "
-                         f"its GGUF: {str(model)!r}")
+        raise ValueError(
+            f"--checkpoint {str(src)!r} is a quantize output that already holds "
+            f"its GGUF: {str(model)!r}"
+        )
     found = detect(model)
     if not (isinstance(found, Layout) and found.hf_folder):
-        raise FileNotFoundError(f"--checkpoint {str(src)!r}: a quantize output without an "
-                                "HF-style checkpoint/ (quantized with --layout microscale?)")
+        raise FileNotFoundError(
+            f"--checkpoint {str(src)!r}: a quantize output without an "
+            "HF-style checkpoint/ (quantized with --layout microscale?)"
+        )
     return model
 
 
-def _export_run(source, out, row: Layout, *, formats, activations, calib_batches, data, step,
-                dtype, shard_bytes, embed_format, overwrite) -> Any:
-    _check_options(row, activations=activations, calib_batches=calib_batches, data=data,
-                   shard_bytes=shard_bytes, embed_format=embed_format)
+def _export_run(
+    source,
+    out,
+    row: Layout,
+    *,
+    formats,
+    activations,
+    calib_batches,
+    data,
+    step,
+    dtype,
+    shard_bytes,
+    embed_format,
+    overwrite,
+) -> Any:
+    _check_options(
+        row,
+        activations=activations,
+        calib_batches=calib_batches,
+        data=data,
+        shard_bytes=shard_bytes,
+        embed_format=embed_format,
+    )
     src = _source_folder(source)
     tokenizer, seq_len = None, 128
     tok_file = src / "tokenizer.json"
@@ -187,28 +249,46 @@ def _export_run(source, out, row: Layout, *, formats, activations, calib_batches
         # A packed folder without formats is re-written as is (layout conversion keeps
         # its bytes); otherwise its weights are decoded and quantized again (with
         # activations, export_checkpoint keeps the folder's weight formats).
-        ck = read_checkpoint(src, dequantize=not row.single_file and (
-            formats is not None or activations))
+        ck = read_checkpoint(
+            src, dequantize=not row.single_file and (formats is not None or activations)
+        )
         if formats is None and not kind.quantized and row.quantized:
             formats = "nvfp4"  # a float folder written in a quantized layout
         model, config, tokenizer = ck, ck.config, ck.tokenizer()
         seq_len = min(config.max_seq_len, 256)
     else:
-        raise FileNotFoundError(f"--checkpoint {str(src)!r}: neither a training run "
-                                "(config.yaml + checkpoints/) nor an HF model folder")
+        raise FileNotFoundError(
+            f"--checkpoint {str(src)!r}: neither a training run "
+            "(config.yaml + checkpoints/) nor an HF model folder"
+        )
     input_amax = None
     if activations:
         if data is None:
             raise ValueError("--activations needs calibration data: pass --data")
         dense = InferenceModel.from_params(
-            model.params if isinstance(model, Checkpoint) else model, config)
-        batches = eval_batches(data, tokenizer, seq_len=seq_len, batch_size=8,
-                               max_batches=calib_batches or CALIB_BATCHES,
-                               vocab_size=config.vocab_size)
+            model.params if isinstance(model, Checkpoint) else model, config
+        )
+        batches = eval_batches(
+            data,
+            tokenizer,
+            seq_len=seq_len,
+            batch_size=8,
+            max_batches=calib_batches or CALIB_BATCHES,
+            vocab_size=config.vocab_size,
+        )
         input_amax = collect_input_amax(dense, batches)
     # a tokenizer.json brings its tokenizer_config.json (special tokens, chat template)
     extra = {} if embed_format is None else {"embed_format": embed_format}
-    return row.write(model, out, config=config, layer_formats=formats,
-                     activations=activations, input_amax=input_amax, dtype=dtype,
-                     tokenizer=tok_file if tok_file.is_file() else tokenizer,
-                     shard_bytes=shard_bytes, overwrite=overwrite, **extra)
+    return row.write(
+        model,
+        out,
+        config=config,
+        layer_formats=formats,
+        activations=activations,
+        input_amax=input_amax,
+        dtype=dtype,
+        tokenizer=tok_file if tok_file.is_file() else tokenizer,
+        shard_bytes=shard_bytes,
+        overwrite=overwrite,
+        **extra,
+    )

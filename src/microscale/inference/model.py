@@ -43,8 +43,14 @@ from microscale.inference.sampling import GenerationConfig, sample_logits
 from microscale.model import ModelConfig, linear_paths
 from microscale.ops.loss import token_nll
 
-__all__ = ["GenerationResult", "InferenceModel", "MemoryStats", "collect_input_amax",
-           "evaluate_ppl", "load_model"]
+__all__ = [
+    "GenerationResult",
+    "InferenceModel",
+    "MemoryStats",
+    "collect_input_amax",
+    "evaluate_ppl",
+    "load_model",
+]
 
 _PROMPT_BUCKET = 16
 
@@ -86,8 +92,11 @@ class MemoryStats:
     @property
     def ratio(self) -> float:
         """quantized_bytes / quantized_bf16_bytes (nan without packed layers)."""
-        return self.quantized_bytes / self.quantized_bf16_bytes if self.quantized_bf16_bytes \
+        return (
+            self.quantized_bytes / self.quantized_bf16_bytes
+            if self.quantized_bf16_bytes
             else float("nan")
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -100,15 +109,19 @@ class MemoryStats:
 
     def summary(self) -> str:
         if not self.packed_layers:
-            return (f"weights: {self.total_bytes / 2**20:.2f} MiB, {self.dense_layers} dense "
-                    "linear layers, none packed")
+            return (
+                f"weights: {self.total_bytes / 2**20:.2f} MiB, {self.dense_layers} dense "
+                "linear layers, none packed"
+            )
         dev = (self.ratio / self.expected_ratio - 1) * 100
-        return (f"packed linear layers: {self.packed_layers}, "
-                f"{self.quantized_bytes / 2**20:.3f} MiB resident vs "
-                f"{self.quantized_bf16_bytes / 2**20:.3f} MiB in BF16: ratio "
-                f"{self.ratio:.4f} (formats' bits/16: {self.expected_ratio:.4f}, {dev:+.2f}%); "
-                f"dense linear {self.dense_linear_bytes / 2**20:.3f} MiB, other "
-                f"{self.other_bytes / 2**20:.3f} MiB, total {self.total_bytes / 2**20:.3f} MiB")
+        return (
+            f"packed linear layers: {self.packed_layers}, "
+            f"{self.quantized_bytes / 2**20:.3f} MiB resident vs "
+            f"{self.quantized_bf16_bytes / 2**20:.3f} MiB in BF16: ratio "
+            f"{self.ratio:.4f} (formats' bits/16: {self.expected_ratio:.4f}, {dev:+.2f}%); "
+            f"dense linear {self.dense_linear_bytes / 2**20:.3f} MiB, other "
+            f"{self.other_bytes / 2**20:.3f} MiB, total {self.total_bytes / 2**20:.3f} MiB"
+        )
 
 
 def _nbytes(tree) -> int:
@@ -118,25 +131,43 @@ def _nbytes(tree) -> int:
 class InferenceModel:
     """A model ready for generation and evaluation (weights packed where quantized)."""
 
-    def __init__(self, weights: dict[str, Any], config: ModelConfig, *,
-                 layers: Mapping[str, LayerQuant], tokenizer: Any = None,
-                 compute_dtype: Any = None, source: str = ""):
+    def __init__(
+        self,
+        weights: dict[str, Any],
+        config: ModelConfig,
+        *,
+        layers: Mapping[str, LayerQuant],
+        tokenizer: Any = None,
+        compute_dtype: Any = None,
+        source: str = "",
+    ):
         self.weights = weights
         self.config = config
         self.layers = dict(layers)
         if tokenizer is not None:
-            check_vocab_fits(tokenizer.vocab_size, config.vocab_size,
-                             what=f"the tokenizer of {source or 'the model'}")
+            check_vocab_fits(
+                tokenizer.vocab_size,
+                config.vocab_size,
+                what=f"the tokenizer of {source or 'the model'}",
+            )
         self.tokenizer = tokenizer
         self.compute_dtype = jnp.dtype(compute_dtype or config.compute_dtype)
         self.source = source
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_params(cls, params: Any, config: ModelConfig, *, formats: LayerFormats = None,
-                    activations: bool = False, input_amax: Mapping[str, Any] | None = None,
-                    tokenizer: Any = None, compute_dtype: Any = None,
-                    source: str = "params") -> InferenceModel:
+    def from_params(
+        cls,
+        params: Any,
+        config: ModelConfig,
+        *,
+        formats: LayerFormats = None,
+        activations: bool = False,
+        input_amax: Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+        compute_dtype: Any = None,
+        source: str = "params",
+    ) -> InferenceModel:
         """From a model / params. ``formats=None`` keeps the weights as given (float kernels
         dense, QArrays packed); otherwise each layer is quantized in memory like
         ``export_checkpoint(layer_formats=formats)``. ``activations``: W4A4 emulation
@@ -144,35 +175,67 @@ class InferenceModel:
         params = flat_params(params)
         check_params(params, config)
         if formats is None:
-            layers = {p: (LayerQuant(weights=params[f"{p}.kernel"].spec.name)
-                          if isinstance(params[f"{p}.kernel"], QArray) else LayerQuant())
-                      for p in linear_paths(config)}
+            layers = {
+                p: (
+                    LayerQuant(weights=params[f"{p}.kernel"].spec.name)
+                    if isinstance(params[f"{p}.kernel"], QArray)
+                    else LayerQuant()
+                )
+                for p in linear_paths(config)
+            }
             scales: dict[str, Any] = {}
         else:
             layers = resolve_layers(config, formats, activations=activations)
             q = quantize_linear_weights(params, config, layers)
             params = {**params, **{f"{p}.kernel": w for p, w in q.items()}}
             scales = input_decode_scales(config, layers, input_amax) if input_amax else {}
-        w = build_weights(params, config, layers, compute_dtype=compute_dtype or
-                          config.compute_dtype, input_scales=scales, activations=activations)
-        return cls(w, config, layers=layers, tokenizer=tokenizer, compute_dtype=compute_dtype,
-                   source=source)
+        w = build_weights(
+            params,
+            config,
+            layers,
+            compute_dtype=compute_dtype or config.compute_dtype,
+            input_scales=scales,
+            activations=activations,
+        )
+        return cls(
+            w,
+            config,
+            layers=layers,
+            tokenizer=tokenizer,
+            compute_dtype=compute_dtype,
+            source=source,
+        )
 
     @classmethod
-    def from_checkpoint(cls, ck: Checkpoint | str | os.PathLike, *,
-                        activations: bool | None = None,
-                        compute_dtype: Any = None) -> InferenceModel:
+    def from_checkpoint(
+        cls,
+        ck: Checkpoint | str | os.PathLike,
+        *,
+        activations: bool | None = None,
+        compute_dtype: Any = None,
+    ) -> InferenceModel:
         """From an exported folder (or a :class:`Checkpoint`); packed layers stay packed.
         ``activations=None`` emulates W4A4 iff the checkpoint declares quantized inputs."""
         if not isinstance(ck, Checkpoint):
             ck = read_checkpoint(ck)
         if activations is None:
             activations = any(lq.inputs is not None for lq in ck.layers.values())
-        w = build_weights(ck.params, ck.config, ck.layers, compute_dtype=compute_dtype or
-                          ck.config.compute_dtype, input_scales=ck.input_scales,
-                          activations=activations)
-        return cls(w, ck.config, layers=ck.layers, tokenizer=ck.tokenizer(),
-                   compute_dtype=compute_dtype, source=str(ck.path))
+        w = build_weights(
+            ck.params,
+            ck.config,
+            ck.layers,
+            compute_dtype=compute_dtype or ck.config.compute_dtype,
+            input_scales=ck.input_scales,
+            activations=activations,
+        )
+        return cls(
+            w,
+            ck.config,
+            layers=ck.layers,
+            tokenizer=ck.tokenizer(),
+            compute_dtype=compute_dtype,
+            source=str(ck.path),
+        )
 
     # ------------------------------------------------------------------ forward
     @functools.cached_property
@@ -182,6 +245,7 @@ class InferenceModel:
         @jax.jit
         def fn(weights, tokens):
             return forward(weights, tokens, cfg=cfg, cdt=cdt)[0]
+
         return fn
 
     def logits(self, tokens) -> jax.Array:
@@ -192,14 +256,20 @@ class InferenceModel:
         return self._logits_fn(self.weights, tokens)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
-                 *, key: jax.Array | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> GenerationResult:
         """Continue each prompt (token ids). ``key``: PRNG key for sampling (required when
         ``config.temperature > 0``)."""
         gen = config or GenerationConfig()
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt and every prompt must have "
-                             "at least one token")
+            raise ValueError(
+                "generate needs at least one prompt and every prompt must have at least one token"
+            )
         lens = [len(p) for p in prompts]
         vocab = self.config.vocab_size
         for p in prompts:
@@ -207,31 +277,50 @@ class InferenceModel:
             if bad:
                 raise ValueError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
         if max(lens) + gen.max_new_tokens > self.config.max_seq_len:
-            raise ValueError(f"prompt of {max(lens)} tokens + max_new_tokens="
-                             f"{gen.max_new_tokens} exceeds the model's max_seq_len="
-                             f"{self.config.max_seq_len}")
+            raise ValueError(
+                f"prompt of {max(lens)} tokens + max_new_tokens="
+                f"{gen.max_new_tokens} exceeds the model's max_seq_len="
+                f"{self.config.max_seq_len}"
+            )
         if not gen.greedy and key is None:
-            raise ValueError("sampling (temperature > 0) needs an explicit key, e.g. "
-                             "key=jax.random.key(0)")
+            raise ValueError(
+                "sampling (temperature > 0) needs an explicit key, e.g. key=jax.random.key(0)"
+            )
         plen = -(-max(lens) // _PROMPT_BUCKET) * _PROMPT_BUCKET
         batch = np.zeros((len(prompts), plen), np.int32)
         start = np.zeros((len(prompts),), np.int32)
         for i, p in enumerate(prompts):
-            batch[i, plen - len(p):] = np.asarray(p, np.int32)
+            batch[i, plen - len(p) :] = np.asarray(p, np.int32)
             start[i] = plen - len(p)
         key = jax.random.key(0) if key is None else key
         stops = jnp.asarray(gen.stop_tokens or (-2,), jnp.int32)
         # Static: shapes and which filters run; traced: temperature, top_p, stop ids, key.
         toks, lengths, stopped = _generate(
-            self.weights, jnp.asarray(batch), jnp.asarray(start), key, stops,
-            jnp.float32(max(gen.temperature, 1e-6)), jnp.float32(gen.top_p),
-            cfg=self.config, cdt=self.compute_dtype, n_new=gen.max_new_tokens,
-            greedy=gen.greedy, top_k=gen.top_k, use_top_p=gen.top_p < 1.0)
-        return GenerationResult(tokens=np.asarray(toks), lengths=np.asarray(lengths),
-                                stopped=np.asarray(stopped))
+            self.weights,
+            jnp.asarray(batch),
+            jnp.asarray(start),
+            key,
+            stops,
+            jnp.float32(max(gen.temperature, 1e-6)),
+            jnp.float32(gen.top_p),
+            cfg=self.config,
+            cdt=self.compute_dtype,
+            n_new=gen.max_new_tokens,
+            greedy=gen.greedy,
+            top_k=gen.top_k,
+            use_top_p=gen.top_p < 1.0,
+        )
+        return GenerationResult(
+            tokens=np.asarray(toks), lengths=np.asarray(lengths), stopped=np.asarray(stopped)
+        )
 
-    def generate_text(self, prompts: Sequence[str], config: GenerationConfig | None = None,
-                      *, key: jax.Array | None = None) -> list[str]:
+    def generate_text(
+        self,
+        prompts: Sequence[str],
+        config: GenerationConfig | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> list[str]:
         """Encode, generate and decode with the model's tokenizer."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids to generate()")
@@ -264,28 +353,47 @@ class InferenceModel:
                     dense += _nbytes(v.weight)
                     n_dense += 1
         other = _nbytes({k: v for k, v in self.weights.items() if k != "layers"}) + sum(
-            _nbytes(lw["attn_norm"]) + _nbytes(lw["mlp_norm"]) for lw in self.weights["layers"])
-        return MemoryStats(quantized_bytes=q_bytes, quantized_bf16_bytes=q_bf16,
-                           expected_ratio=bits / (16 * q_bf16 / 2) if q_bf16 else float("nan"),
-                           dense_linear_bytes=dense, other_bytes=other,
-                           packed_layers=n_packed, dense_layers=n_dense)
+            _nbytes(lw["attn_norm"]) + _nbytes(lw["mlp_norm"]) for lw in self.weights["layers"]
+        )
+        return MemoryStats(
+            quantized_bytes=q_bytes,
+            quantized_bf16_bytes=q_bf16,
+            expected_ratio=bits / (16 * q_bf16 / 2) if q_bf16 else float("nan"),
+            dense_linear_bytes=dense,
+            other_bytes=other,
+            packed_layers=n_packed,
+            dense_layers=n_dense,
+        )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cdt", "n_new", "greedy", "top_k",
-                                             "use_top_p"))
-def _generate(weights, prompt, start, key, stops, temperature, top_p, *, cfg: ModelConfig,
-              cdt, n_new: int, greedy: bool, top_k: int, use_top_p: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "cdt", "n_new", "greedy", "top_k", "use_top_p"))
+def _generate(
+    weights,
+    prompt,
+    start,
+    key,
+    stops,
+    temperature,
+    top_p,
+    *,
+    cfg: ModelConfig,
+    cdt,
+    n_new: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+):
     b, plen = prompt.shape
     cache = init_cache(cfg, b, plen + n_new, cdt)
 
     def sample(logits, k):
         if greedy:
             return sample_logits(logits, None)
-        return sample_logits(logits, k, temperature=temperature, top_k=top_k,
-                             top_p=top_p if use_top_p else 1.0)
+        return sample_logits(
+            logits, k, temperature=temperature, top_k=top_k, top_p=top_p if use_top_p else 1.0
+        )
 
-    logits, cache = forward(weights, prompt, cfg=cfg, cdt=cdt, cache=cache, index=0,
-                            start=start)
+    logits, cache = forward(weights, prompt, cfg=cfg, cdt=cdt, cache=cache, index=0, start=start)
     tok = sample(logits[:, -1], jax.random.fold_in(key, 0))
     out = jnp.full((b, n_new), -1, jnp.int32).at[:, 0].set(tok)
     done = jnp.isin(tok, stops)
@@ -298,8 +406,9 @@ def _generate(weights, prompt, start, key, stops, temperature, top_p, *, cfg: Mo
     def body(c):
         i, tok, cache, out, done, lengths = c
         feed = jnp.where(done, 0, tok)[:, None]
-        logits, cache = forward(weights, feed, cfg=cfg, cdt=cdt, cache=cache,
-                                index=plen + i - 1, start=start)
+        logits, cache = forward(
+            weights, feed, cfg=cfg, cdt=cdt, cache=cache, index=plen + i - 1, start=start
+        )
         new = sample(logits[:, -1], jax.random.fold_in(key, i))
         new = jnp.where(done, -1, new)
         out = out.at[:, i].set(new)
@@ -308,19 +417,23 @@ def _generate(weights, prompt, start, key, stops, temperature, top_p, *, cfg: Mo
         return i + 1, new, cache, out, done, lengths
 
     _, _, _, out, done, lengths = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok, cache, out, done, lengths))
+        cond, body, (jnp.int32(1), tok, cache, out, done, lengths)
+    )
     return out, lengths, done
 
 
 # ---------------------------------------------------------------------- evaluation
+
 
 def _as_batches(batches) -> np.ndarray:
     arr = np.asarray(batches)
     if arr.ndim == 2:
         arr = arr[None]
     if arr.ndim != 3 or arr.shape[-1] < 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"batches of shape {arr.shape} ({arr.dtype}): expected int tokens "
-                         "[n, batch, seq + 1] or [batch, seq + 1]")
+        raise ValueError(
+            f"batches of shape {arr.shape} ({arr.dtype}): expected int tokens "
+            "[n, batch, seq + 1] or [batch, seq + 1]"
+        )
     return arr
 
 
@@ -330,11 +443,14 @@ def evaluate_ppl(model: InferenceModel, batches) -> dict[str, float]:
     Returns ``{"ppl": exp(nll), "nll": mean nats/token, "tokens": count}``."""
     arr = _as_batches(batches)
     if arr.min() < 0 or arr.max() >= model.config.vocab_size:
-        raise ValueError(f"token ids {arr.min()}..{arr.max()} fall outside the model's "
-                         f"vocabulary [0, {model.config.vocab_size})")
+        raise ValueError(
+            f"token ids {arr.min()}..{arr.max()} fall outside the model's "
+            f"vocabulary [0, {model.config.vocab_size})"
+        )
     if arr.shape[-1] - 1 > model.config.max_seq_len:
-        raise ValueError(f"sequences of {arr.shape[-1] - 1} tokens exceed max_seq_len="
-                         f"{model.config.max_seq_len}")
+        raise ValueError(
+            f"sequences of {arr.shape[-1] - 1} tokens exceed max_seq_len={model.config.max_seq_len}"
+        )
     fn = _nll_fn(model.config, model.compute_dtype)
     total = 0.0
     for batch in arr:
@@ -350,6 +466,7 @@ def _nll_fn(cfg: ModelConfig, cdt):
     def fn(weights, batch):
         logits = forward(weights, batch[:, :-1], cfg=cfg, cdt=cdt)[0]
         return jnp.sum(token_nll(logits, batch[:, 1:]))
+
     return fn
 
 
@@ -372,14 +489,20 @@ def collect_input_amax(model: InferenceModel, batches) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- loading
 
+
 def is_run_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a training run folder (:data:`~microscale.export.registry.RUN`)."""
     return detect(path) is RUN
 
 
-def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
-               activations: bool | None = None, compute_dtype: Any = None,
-               step: int | None = None) -> InferenceModel:
+def load_model(
+    path: str | os.PathLike,
+    *,
+    formats: LayerFormats = None,
+    activations: bool | None = None,
+    compute_dtype: Any = None,
+    step: int | None = None,
+) -> InferenceModel:
     """An :class:`InferenceModel` from an exported HF-style folder or a training run folder.
 
     ``formats`` quantizes float weights in memory (a run's, or a plain HF folder's; a
@@ -389,31 +512,50 @@ def load_model(path: str | os.PathLike, *, formats: LayerFormats = None,
     """
     from microscale.files import check_input_dir
 
-    p = check_input_dir(path, what="", expected="an exported model folder (config.json) or a "
-                        "microscale training run (config.yaml + checkpoints/)")
+    p = check_input_dir(
+        path,
+        what="",
+        expected="an exported model folder (config.json) or a "
+        "microscale training run (config.yaml + checkpoints/)",
+    )
     kind = detect(p)
     if kind is RUN:
         from microscale.data import load_tokenizer
         from microscale.train import load_checkpoint
 
         model, tcfg, _ = load_checkpoint(p, step)
-        tok = load_tokenizer(p / "tokenizer.json") if (p / "tokenizer.json").is_file() \
-            else None
-        return InferenceModel.from_params(model, tcfg.model, formats=formats,
-                                          activations=bool(activations), tokenizer=tok,
-                                          compute_dtype=compute_dtype, source=str(p))
+        tok = load_tokenizer(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
+        return InferenceModel.from_params(
+            model,
+            tcfg.model,
+            formats=formats,
+            activations=bool(activations),
+            tokenizer=tok,
+            compute_dtype=compute_dtype,
+            source=str(p),
+        )
     if isinstance(kind, Layout) and kind.hf_folder:
         if formats is None:
-            return InferenceModel.from_checkpoint(p, activations=activations,
-                                                  compute_dtype=compute_dtype)
+            return InferenceModel.from_checkpoint(
+                p, activations=activations, compute_dtype=compute_dtype
+            )
         if kind.quantized:
-            raise ValueError(f"{str(p)!r} is a {kind.name} export whose layers are already "
-                             "stored in their formats; formats= applies to float weights (a "
-                             "training run or a plain HF folder)")
+            raise ValueError(
+                f"{str(p)!r} is a {kind.name} export whose layers are already "
+                "stored in their formats; formats= applies to float weights (a "
+                "training run or a plain HF folder)"
+            )
         ck = read_checkpoint(p)
-        return InferenceModel.from_params(ck.params, ck.config, formats=formats,
-                                          activations=bool(activations),
-                                          tokenizer=ck.tokenizer(),
-                                          compute_dtype=compute_dtype, source=str(p))
-    raise FileNotFoundError(f"{str(p)!r} is neither an exported model folder (config.json) "
-                            "nor a microscale training run (config.yaml + checkpoints/)")
+        return InferenceModel.from_params(
+            ck.params,
+            ck.config,
+            formats=formats,
+            activations=bool(activations),
+            tokenizer=ck.tokenizer(),
+            compute_dtype=compute_dtype,
+            source=str(p),
+        )
+    raise FileNotFoundError(
+        f"{str(p)!r} is neither an exported model folder (config.json) "
+        "nor a microscale training run (config.yaml + checkpoints/)"
+    )

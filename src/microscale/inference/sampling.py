@@ -39,12 +39,16 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected an int >= 1")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r}: expected a number >= 0 "
-                             "(0 = greedy)")
+            raise ValueError(
+                f"temperature={self.temperature!r}: expected a number >= 0 (0 = greedy)"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an int >= 0 (0 = off)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -61,8 +65,9 @@ class GenerationConfig:
         return self.temperature == 0
 
 
-def sample_logits(logits: jax.Array, key: jax.Array | None, *, temperature=0.0,
-                  top_k: int = 0, top_p=1.0) -> jax.Array:
+def sample_logits(
+    logits: jax.Array, key: jax.Array | None, *, temperature=0.0, top_k: int = 0, top_p=1.0
+) -> jax.Array:
     """Token ids ``[B]`` (int32) from logits ``[B, V]`` (see the module docstring).
 
     ``top_k`` is static (a Python int); ``temperature`` and ``top_p`` may be traced
@@ -71,8 +76,9 @@ def sample_logits(logits: jax.Array, key: jax.Array | None, *, temperature=0.0,
     if isinstance(temperature, (int, float)) and temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
-        raise ValueError("sampling with temperature > 0 needs an explicit key "
-                         "(jax.random.key(seed))")
+        raise ValueError(
+            "sampling with temperature > 0 needs an explicit key (jax.random.key(seed))"
+        )
     z = logits / jnp.asarray(temperature, jnp.float32)
     neg = jnp.float32(-jnp.inf)
     vocab = z.shape[-1]

@@ -48,8 +48,16 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # zero, a unit slip), and building it would exhaust memory with no message. Each is
 # far beyond any published model (Llama 3.1 405B: d_model 16384, 126 layers, d_ff 53248,
 # 128 heads, vocab 128256, context 131072; the largest vocabularies ~262k tokens).
-_MAX_SIZE = {"vocab_size": 2**22, "d_model": 2**17, "n_layers": 2**12, "n_heads": 2**12,
-             "n_kv_heads": 2**12, "d_ff": 2**19, "max_seq_len": 2**24, "dim_multiple": 2**12}
+_MAX_SIZE = {
+    "vocab_size": 2**22,
+    "d_model": 2**17,
+    "n_layers": 2**12,
+    "n_heads": 2**12,
+    "n_kv_heads": 2**12,
+    "d_ff": 2**19,
+    "max_seq_len": 2**24,
+    "dim_multiple": 2**12,
+}
 _MAX_PARAMS = 10**13  # 10T parameters: 5x the largest models trained
 
 # Remat policies by name (the policies themselves: microscale.model.transformer).
@@ -95,27 +103,44 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len", "dim_multiple"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "d_ff",
+            "max_seq_len",
+            "dim_multiple",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive int")
             if v > _MAX_SIZE[name]:
-                raise ValueError(f"ModelConfig.{name}={v:,} is larger than any model (at "
-                                 f"most {_MAX_SIZE[name]:,}); a typo?")
+                raise ValueError(
+                    f"ModelConfig.{name}={v:,} is larger than any model (at "
+                    f"most {_MAX_SIZE[name]:,}); a typo?"
+                )
         remat = self.remat
         if isinstance(remat, bool) or str(remat).lower() in ("true", "false"):
             remat = "full" if str(remat).lower() == "true" else "none"
         if remat not in REMAT_POLICIES:
-            raise ValueError(f"ModelConfig.remat={self.remat!r}: expected one of "
-                             f"{list(REMAT_POLICIES)} (or true/false for full/none)")
+            raise ValueError(
+                f"ModelConfig.remat={self.remat!r}: expected one of "
+                f"{list(REMAT_POLICIES)} (or true/false for full/none)"
+            )
         object.__setattr__(self, "remat", remat)
         for name in ("loss_chunk", "attention_chunk"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not (
-                    0 <= v <= _MAX_SIZE["max_seq_len"]):
-                raise ValueError(f"ModelConfig.{name}={v!r}: expected an int from 0 (no "
-                                 "chunks) to a sequence length")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or not (0 <= v <= _MAX_SIZE["max_seq_len"])
+            ):
+                raise ValueError(
+                    f"ModelConfig.{name}={v!r}: expected an int from 0 (no "
+                    "chunks) to a sequence length"
+                )
         for name in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -127,31 +152,40 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"ModelConfig.d_model={self.d_model} is not divisible by "
-                f"n_heads={self.n_heads}: expected d_model % n_heads == 0")
+                f"n_heads={self.n_heads}: expected d_model % n_heads == 0"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} is not divisible by "
                 f"n_kv_heads={self.n_kv_heads}: expected n_heads % n_kv_heads == 0 "
-                "(each kv head serves a whole group of query heads)")
+                "(each kv head serves a whole group of query heads)"
+            )
         if self.head_dim % 2:
             raise ValueError(
                 f"ModelConfig head_dim = d_model // n_heads = {self.head_dim} is odd: "
-                "RoPE rotates pairs of dimensions, expected an even head_dim")
+                "RoPE rotates pairs of dimensions, expected an even head_dim"
+            )
         m = self.dim_multiple
-        dims = {"d_model": self.d_model, "d_ff": self.d_ff,
-                "n_kv_heads * head_dim": self.n_kv_heads * self.head_dim}
+        dims = {
+            "d_model": self.d_model,
+            "d_ff": self.d_ff,
+            "n_kv_heads * head_dim": self.n_kv_heads * self.head_dim,
+        }
         for name, v in dims.items():
             if v % m:
                 raise ValueError(
                     f"ModelConfig {name}={v} is not a multiple of dim_multiple={m}: every "
                     "quantized linear's in/out dims must be whole scale blocks (16 for "
                     "NVFP4, 32 for MX formats); pick a multiple of "
-                    f"{m} (e.g. {_round_up(v, m)}) or set dim_multiple=16 for NVFP4-only")
+                    f"{m} (e.g. {_round_up(v, m)}) or set dim_multiple=16 for NVFP4-only"
+                )
         if self.num_params() > _MAX_PARAMS:
-            raise ValueError(f"ModelConfig: {self.num_params():,} parameters (d_model "
-                             f"{self.d_model}, {self.n_layers} layers, d_ff {self.d_ff}, vocab "
-                             f"{self.vocab_size}) is larger than any model (at most "
-                             f"{_MAX_PARAMS:.0e}); a typo?")
+            raise ValueError(
+                f"ModelConfig: {self.num_params():,} parameters (d_model "
+                f"{self.d_model}, {self.n_layers} layers, d_ff {self.d_ff}, vocab "
+                f"{self.vocab_size}) is larger than any model (at most "
+                f"{_MAX_PARAMS:.0e}); a typo?"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -194,7 +228,8 @@ class ModelConfig:
         unknown = sorted(set(d) - set(fields))
         if unknown:
             raise ValueError(
-                f"ModelConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}")
+                f"ModelConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}"
+            )
         hints = typing.get_type_hints(cls)
         kwargs = {k: _coerce(k, v, hints[k]) for k, v in d.items()}
         return cls(**kwargs)
@@ -207,44 +242,104 @@ class ModelConfig:
     @classmethod
     def tiny(cls) -> ModelConfig:
         """~1.67M params; trains to a meaningful byte-level loss on a CPU."""
-        return cls(vocab_size=257, d_model=192, n_layers=4, n_heads=4, n_kv_heads=2,
-                   d_ff=512, max_seq_len=256, tie_embeddings=True)
+        return cls(
+            vocab_size=257,
+            d_model=192,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=512,
+            max_seq_len=256,
+            tie_embeddings=True,
+        )
 
     @classmethod
     def small(cls) -> ModelConfig:
         """~25M params; a CPU-feasible model with enough depth for per-layer rules."""
-        return cls(vocab_size=257, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                   d_ff=1536, max_seq_len=512, tie_embeddings=True)
+        return cls(
+            vocab_size=257,
+            d_model=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=4,
+            d_ff=1536,
+            max_seq_len=512,
+            tie_embeddings=True,
+        )
 
     @classmethod
     def gpt2_124m(cls) -> ModelConfig:
         """GPT-2 small's size (124M) with a Llama block; GPT-2 vocab padded to 50304."""
-        return cls(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
-                   d_ff=2048, max_seq_len=1024, tie_embeddings=True)
+        return cls(
+            vocab_size=50304,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=12,
+            d_ff=2048,
+            max_seq_len=1024,
+            tie_embeddings=True,
+        )
 
     @classmethod
     def llama_1b(cls) -> ModelConfig:
         """Llama 3.2 1B shape (1.24B params, tied embeddings); remat on, loss and
         attention in 512-position chunks, scanned layers."""
-        return cls(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                   d_ff=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True,
-                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
+        return cls(
+            vocab_size=128256,
+            d_model=2048,
+            n_layers=16,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=8192,
+            max_seq_len=2048,
+            rope_theta=500000.0,
+            tie_embeddings=True,
+            remat="full",
+            loss_chunk=512,
+            attention_chunk=512,
+            scan_layers=True,
+        )
 
     @classmethod
     def llama_8b(cls) -> ModelConfig:
         """Llama 3.1 8B shape (8.03B params, untied embeddings); remat on, loss and
         attention in 512-position chunks, scanned layers."""
-        return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                   d_ff=14336, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
+        return cls(
+            vocab_size=128256,
+            d_model=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=14336,
+            max_seq_len=4096,
+            rope_theta=500000.0,
+            tie_embeddings=False,
+            remat="full",
+            loss_chunk=512,
+            attention_chunk=512,
+            scan_layers=True,
+        )
 
     @classmethod
     def llama_70b(cls) -> ModelConfig:
         """Llama 3.1 70B shape (70.6B params, untied embeddings); remat on, loss and
         attention in 512-position chunks, scanned layers."""
-        return cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                   d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
-                   remat="full", loss_chunk=512, attention_chunk=512, scan_layers=True)
+        return cls(
+            vocab_size=128256,
+            d_model=8192,
+            n_layers=80,
+            n_heads=64,
+            n_kv_heads=8,
+            d_ff=28672,
+            max_seq_len=8192,
+            rope_theta=500000.0,
+            tie_embeddings=False,
+            remat="full",
+            loss_chunk=512,
+            attention_chunk=512,
+            scan_layers=True,
+        )
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:

@@ -48,8 +48,7 @@ from microscale.ops import (
     recipe_name,
 )
 
-__all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned",
-           "rope_tables"]
+__all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned", "rope_tables"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -71,11 +70,19 @@ class QLinear(nnx.Module):
     rounded to ``compute_dtype`` (Transformer Engine's FP32 main grads). No bias (Llama).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
-                 recipe: RecipeLike = "bf16", layer_id: int = 0,
-                 axes: Sequence[str | None] = (None, None), init_std: float = 0.02,
-                 param_dtype: jnp.dtype | str = jnp.float32,
-                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rngs: nnx.Rngs,
+        recipe: RecipeLike = "bf16",
+        layer_id: int = 0,
+        axes: Sequence[str | None] = (None, None),
+        init_std: float = 0.02,
+        param_dtype: jnp.dtype | str = jnp.float32,
+        compute_dtype: jnp.dtype | str = jnp.bfloat16,
+    ):
         get_recipe(recipe)  # fail early on an unknown name
         self.in_features = in_features
         self.out_features = out_features
@@ -83,28 +90,36 @@ class QLinear(nnx.Module):
         self.layer_id = int(layer_id)
         self.compute_dtype = jnp.dtype(compute_dtype)
         init = partitioned(nnx.initializers.normal(init_std), axes)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features),
-                                     jnp.dtype(param_dtype)))
+        self.kernel = nnx.Param(
+            init(rngs.params(), (in_features, out_features), jnp.dtype(param_dtype))
+        )
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         layer_key = None if key is None else jax.random.fold_in(key, self.layer_id)
         cdt = self.compute_dtype
         dot_general = make_dot_general(self.recipe, key=layer_key, operand_dtype=cdt)
         x = x.astype(cdt)
-        return dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
-                           preferred_element_type=cdt)
+        return dot_general(
+            x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=cdt
+        )
 
     def __repr__(self) -> str:  # short: graphs print these a lot
-        return (f"QLinear({self.in_features}->{self.out_features}, "
-                f"recipe={recipe_name(self.recipe)!r})")
+        return (
+            f"QLinear({self.in_features}->{self.out_features}, recipe={recipe_name(self.recipe)!r})"
+        )
 
 
 class RMSNorm(nnx.Module):
     """``x / sqrt(mean(x^2) + eps) * scale`` with float32 statistics."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5,
-                 param_dtype: jnp.dtype | str = jnp.float32,
-                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-5,
+        param_dtype: jnp.dtype | str = jnp.float32,
+        compute_dtype: jnp.dtype | str = jnp.bfloat16,
+    ):
         self.eps = float(eps)
         self.compute_dtype = jnp.dtype(compute_dtype)
         init = partitioned(nnx.initializers.ones, ("norm",))
@@ -120,13 +135,19 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     """Token embedding table ``[vocab, d_model]`` (high precision, never quantized)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs, init_std: float = 0.02,
-                 param_dtype: jnp.dtype | str = jnp.float32,
-                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        *,
+        rngs: nnx.Rngs,
+        init_std: float = 0.02,
+        param_dtype: jnp.dtype | str = jnp.float32,
+        compute_dtype: jnp.dtype | str = jnp.bfloat16,
+    ):
         self.compute_dtype = jnp.dtype(compute_dtype)
         init = partitioned(nnx.initializers.normal(init_std), ("vocab", "embed"))
-        self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim),
-                                        jnp.dtype(param_dtype)))
+        self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim), jnp.dtype(param_dtype)))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int tokens ``[...]`` -> float32 ``[..., d_model]`` (the residual stream)."""
@@ -143,9 +164,16 @@ class Embed(nnx.Module):
 class LMHead(nnx.Module):
     """Untied output projection ``[d_model, vocab]``; high precision, float32 logits."""
 
-    def __init__(self, dim: int, vocab_size: int, *, rngs: nnx.Rngs, init_std: float = 0.02,
-                 param_dtype: jnp.dtype | str = jnp.float32,
-                 compute_dtype: jnp.dtype | str = jnp.bfloat16):
+    def __init__(
+        self,
+        dim: int,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        init_std: float = 0.02,
+        param_dtype: jnp.dtype | str = jnp.float32,
+        compute_dtype: jnp.dtype | str = jnp.bfloat16,
+    ):
         self.compute_dtype = jnp.dtype(compute_dtype)
         init = partitioned(nnx.initializers.normal(init_std), ("embed", "vocab"))
         self.kernel = nnx.Param(init(rngs.params(), (dim, vocab_size), jnp.dtype(param_dtype)))
@@ -161,14 +189,20 @@ def _head_matmul(x: jax.Array, w: jax.Array, cdt: jnp.dtype, *, contract: int) -
     axis ``contract``), operands in ``cdt``. The cast to ``cdt`` happens inside the bf16
     recipe's custom VJP (``operand_dtype``), as in `QLinear`, so the head's gradient is the
     float32-accumulated GEMM, not one rounded to ``cdt`` by an outside cast."""
-    return quantized_dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())), "bf16",
-                                 preferred_element_type=jnp.float32, operand_dtype=cdt)
+    return quantized_dot_general(
+        x,
+        w,
+        (((x.ndim - 1,), (contract,)), ((), ())),
+        "bf16",
+        preferred_element_type=jnp.float32,
+        operand_dtype=cdt,
+    )
 
 
 # ---------------------------------------------------------------------- RoPE
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float
-                ) -> tuple[jax.Array, jax.Array]:
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape ``[..., T, head_dim // 2]`` (float32) for integer positions.
 
     Frequencies ``theta^(-2i / head_dim)``, i < head_dim/2 (Llama / HF convention).

@@ -113,8 +113,10 @@ def _check_recipe(where: str, recipe: Any) -> RecipeLike:
     if isinstance(recipe, dict):
         recipe = Recipe.from_dict(recipe)
     if not isinstance(recipe, (str, Recipe)):
-        raise TypeError(f"{where}: recipe {recipe!r} ({type(recipe).__name__}): expected a "
-                        "recipe name (str) or a microscale.ops.Recipe")
+        raise TypeError(
+            f"{where}: recipe {recipe!r} ({type(recipe).__name__}): expected a "
+            "recipe name (str) or a microscale.ops.Recipe"
+        )
     try:
         get_recipe(recipe)
     except ValueError as e:
@@ -139,22 +141,26 @@ class PrecisionRules:
         checked = []
         for i, item in enumerate(self.rules):
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise ValueError(f"PrecisionRules.rules[{i}]={item!r}: expected a "
-                                 "(regex, recipe) pair")
+                raise ValueError(
+                    f"PrecisionRules.rules[{i}]={item!r}: expected a (regex, recipe) pair"
+                )
             pattern, recipe = item
             if not isinstance(pattern, str):
-                raise TypeError(f"PrecisionRules.rules[{i}] pattern {pattern!r}: expected a "
-                                "regex string")
+                raise TypeError(
+                    f"PrecisionRules.rules[{i}] pattern {pattern!r}: expected a regex string"
+                )
             try:
                 re.compile(pattern)
             except re.error as e:
-                raise ValueError(f"PrecisionRules.rules[{i}] pattern {pattern!r} is not a "
-                                 f"valid regex: {e}") from None
+                raise ValueError(
+                    f"PrecisionRules.rules[{i}] pattern {pattern!r} is not a valid regex: {e}"
+                ) from None
             checked.append((pattern, _check_recipe(f"PrecisionRules.rules[{i}]", recipe)))
         object.__setattr__(self, "rules", tuple(checked))
         if self.default is not None:
-            object.__setattr__(self, "default",
-                               _check_recipe("PrecisionRules.default", self.default))
+            object.__setattr__(
+                self, "default", _check_recipe("PrecisionRules.default", self.default)
+            )
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -163,9 +169,16 @@ class PrecisionRules:
         return cls(default=recipe)
 
     @classmethod
-    def for_recipe(cls, recipe: RecipeLike, n_layers: int, *, bf16_first: int = 0,
-                   bf16_last: int | None = None, high_precision: RecipeLike = "bf16",
-                   block_prefix: str = "layers") -> PrecisionRules:
+    def for_recipe(
+        cls,
+        recipe: RecipeLike,
+        n_layers: int,
+        *,
+        bf16_first: int = 0,
+        bf16_last: int | None = None,
+        high_precision: RecipeLike = "bf16",
+        block_prefix: str = "layers",
+    ) -> PrecisionRules:
         """``recipe`` everywhere except the first ``bf16_first`` and last ``bf16_last``
         blocks (paths ``"<block_prefix>.<i>.*"``), which get ``high_precision``.
 
@@ -183,13 +196,16 @@ class PrecisionRules:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}={v!r}: expected an int >= 0")
         if bf16_first + bf16_last > n_layers:
-            raise ValueError(f"bf16_first={bf16_first} + bf16_last={bf16_last} exceeds "
-                             f"n_layers={n_layers}: expected at most n_layers blocks kept "
-                             "in high precision")
+            raise ValueError(
+                f"bf16_first={bf16_first} + bf16_last={bf16_last} exceeds "
+                f"n_layers={n_layers}: expected at most n_layers blocks kept "
+                "in high precision"
+            )
         keep = sorted(set(range(bf16_first)) | set(range(n_layers - bf16_last, n_layers)))
         if quantized and keep:
-            _check_kept(str(recipe_name(recipe)), n_layers, len(keep), bf16_first, bf16_last,
-                        default)
+            _check_kept(
+                str(recipe_name(recipe)), n_layers, len(keep), bf16_first, bf16_last, default
+            )
         rules: tuple[tuple[str, RecipeLike], ...] = ()
         if keep:
             alts = "|".join(str(i) for i in keep)
@@ -222,8 +238,10 @@ class PrecisionRules:
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
-        return {"rules": [[p, _recipe_json(r)] for p, r in self.rules],
-                "default": _recipe_json(self.default)}
+        return {
+            "rules": [[p, _recipe_json(r)] for p, r in self.rules],
+            "default": _recipe_json(self.default),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrecisionRules:
@@ -231,15 +249,18 @@ class PrecisionRules:
             raise TypeError(f"PrecisionRules.from_dict expected a dict, got {type(d).__name__}")
         unknown = sorted(set(d) - {"rules", "default"})
         if unknown:
-            raise ValueError(f"PrecisionRules: unknown key(s) {unknown}; expected 'rules' "
-                             "and/or 'default'")
+            raise ValueError(
+                f"PrecisionRules: unknown key(s) {unknown}; expected 'rules' and/or 'default'"
+            )
         rules = d.get("rules", [])
         if not isinstance(rules, (list, tuple)):
-            raise TypeError(f"PrecisionRules 'rules'={rules!r}: expected a list of "
-                            "[regex, recipe] pairs")
-        return cls(rules=tuple(tuple(r) if isinstance(r, (list, tuple)) else r
-                               for r in rules),
-                   default=d.get("default", "bf16"))
+            raise TypeError(
+                f"PrecisionRules 'rules'={rules!r}: expected a list of [regex, recipe] pairs"
+            )
+        return cls(
+            rules=tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in rules),
+            default=d.get("default", "bf16"),
+        )
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -262,6 +283,7 @@ class PrecisionRules:
 
 
 # ---------------------------------------------------------------------- graph helpers
+
 
 def path_str(parts: tuple[Any, ...]) -> str:
     """('layers', 0, 'attn', 'q_proj') -> 'layers.0.attn.q_proj'."""
@@ -300,8 +322,11 @@ def assignments(model: Any, rules: PrecisionRules | None = None) -> dict[str, st
 def _current_recipe(node: Any) -> RecipeLike | None:
     if isinstance(node, QLinear):
         return node.recipe
-    fn = getattr(node, "einsum_op", None) if isinstance(node, _FLAX_EINSUM) else \
-        getattr(node, "dot_general", None)
+    fn = (
+        getattr(node, "einsum_op", None)
+        if isinstance(node, _FLAX_EINSUM)
+        else getattr(node, "dot_general", None)
+    )
     return getattr(fn, "microscale_recipe", None)
 
 
@@ -321,11 +346,13 @@ def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str
         if recipe is None:
             continue
         if get_recipe(recipe).delayed:
-            raise ValueError(f"layer {path!r}: recipe {recipe_name(recipe)!r} uses delayed "
-                             "scaling, whose amax history is per-layer state that precision "
-                             "rules do not carry (microscale train uses current scaling). "
-                             "For your own model, pass microscale.ops.delayed."
-                             "DelayedScalingDot(...) as the layer's dot_general")
+            raise ValueError(
+                f"layer {path!r}: recipe {recipe_name(recipe)!r} uses delayed "
+                "scaling, whose amax history is per-layer state that precision "
+                "rules do not carry (microscale train uses current scaling). "
+                "For your own model, pass microscale.ops.delayed."
+                "DelayedScalingDot(...) as the layer's dot_general"
+            )
         if isinstance(node, QLinear):
             node.recipe = recipe
             node.layer_id = path_id(path)
@@ -341,8 +368,7 @@ def apply_rules(model: Any, rules: PrecisionRules, *, seed: int = 0) -> dict[str
     return out
 
 
-def late_switch(rules: PrecisionRules, bf16: Literal["all", "forward"] = "all"
-                ) -> PrecisionRules:
+def late_switch(rules: PrecisionRules, bf16: Literal["all", "forward"] = "all") -> PrecisionRules:
     """Rules for the late high-precision phase (paper, Appendix D); ``bf16`` names what runs
     in bf16.
 
@@ -361,35 +387,45 @@ def late_switch(rules: PrecisionRules, bf16: Literal["all", "forward"] = "all"
 def _map_quantized(rules: PrecisionRules, fn) -> PrecisionRules:
     """``rules`` with every quantizing recipe replaced by ``fn(Recipe, as_written)``; layers
     left unassigned (None) or in a non-quantizing recipe are kept as written."""
+
     def convert(recipe: RecipeLike | None) -> RecipeLike | None:
         if recipe is None:
             return None
         r = get_recipe(recipe)
         return fn(r, recipe) if r.quantized else recipe
 
-    return PrecisionRules(rules=tuple((p, convert(r)) for p, r in rules.rules),  # type: ignore[misc]
-                          default=convert(rules.default))
+    return PrecisionRules(
+        rules=tuple((p, convert(r)) for p, r in rules.rules),  # type: ignore[misc]
+        default=convert(rules.default),
+    )
 
 
-def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int,
-                default: bool) -> None:
+def _check_kept(name: str, n_layers: int, kept: int, first: int, last: int, default: bool) -> None:
     """Refuse a *default* that quantizes no block; warn when half or more stay in BF16."""
-    what = (f"recipe {name!r} on {n_layers} block(s) keeps {kept} in bf16 "
-            f"(bf16_first={first}, bf16_last={last}"
-            + (", the default: last 15%, at least 1)" if default else ")"))
+    what = (
+        f"recipe {name!r} on {n_layers} block(s) keeps {kept} in bf16 "
+        f"(bf16_first={first}, bf16_last={last}"
+        + (", the default: last 15%, at least 1)" if default else ")")
+    )
     if kept == n_layers:
         if default:
-            raise ValueError(f"{what}, so no block would be quantized: set bf16_last=0 "
-                             "(precision.bf16_last=0) to quantize every block, or use more "
-                             "layers")
+            raise ValueError(
+                f"{what}, so no block would be quantized: set bf16_last=0 "
+                "(precision.bf16_last=0) to quantize every block, or use more "
+                "layers"
+            )
         warnings.warn(f"{what}: no block is quantized", UserWarning, stacklevel=3)
     elif 2 * kept >= n_layers:
-        warnings.warn(f"{what}: only {n_layers - kept} of {n_layers} blocks are quantized",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{what}: only {n_layers - kept} of {n_layers} blocks are quantized",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
-def quantized_blocks(assign: dict[str, RecipeLike | None], block_prefix: str = "layers"
-                     ) -> tuple[list[int], list[int]]:
+def quantized_blocks(
+    assign: dict[str, RecipeLike | None], block_prefix: str = "layers"
+) -> tuple[list[int], list[int]]:
     """(blocks with a quantized linear, blocks without one) of ``{path: recipe}`` (a
     preset name or a Recipe, e.g. `assignments` or `PrecisionRules.resolve`); a block is
     ``"<block_prefix>.<i>"``."""
@@ -401,8 +437,7 @@ def quantized_blocks(assign: dict[str, RecipeLike | None], block_prefix: str = "
             i = int(m.group(1))
             q = name is not None and get_recipe(name).quantized
             blocks[i] = blocks.get(i, False) or q
-    return ([i for i in sorted(blocks) if blocks[i]],
-            [i for i in sorted(blocks) if not blocks[i]])
+    return ([i for i in sorted(blocks) if blocks[i]], [i for i in sorted(blocks) if not blocks[i]])
 
 
 def default_bf16_last(n_layers: int) -> int:
@@ -411,9 +446,9 @@ def default_bf16_last(n_layers: int) -> int:
     return max(1, math.floor(0.15 * n_layers + 0.5))
 
 
-def rules_for_training(rules: PrecisionRules,
-                       bf16: Literal["backward", "nothing", "as_written"] = "backward"
-                       ) -> PrecisionRules:
+def rules_for_training(
+    rules: PrecisionRules, bf16: Literal["backward", "nothing", "as_written"] = "backward"
+) -> PrecisionRules:
     """How a rule set (e.g. the allocation ``microscale quantize`` searched) trains;
     ``bf16`` names what of each quantized recipe runs in bf16.
 
@@ -429,8 +464,7 @@ def rules_for_training(rules: PrecisionRules,
     if bf16 == "as_written":
         return rules
     if bf16 not in ("backward", "nothing"):
-        raise ValueError(f"rules bf16={bf16!r}: expected 'backward', 'nothing' or "
-                         "'as_written'")
+        raise ValueError(f"rules bf16={bf16!r}: expected 'backward', 'nothing' or 'as_written'")
 
     def convert(r: Recipe, recipe: RecipeLike) -> RecipeLike:
         backward_quantized = r.forward_only() != r
@@ -442,7 +476,9 @@ def rules_for_training(rules: PrecisionRules,
         try:
             return get_recipe(fmt).name
         except ValueError:
-            raise ValueError(f"recipe {r.name!r}: no full training recipe for its format "
-                             f"{fmt!r} (expected a preset named like the format)") from None
+            raise ValueError(
+                f"recipe {r.name!r}: no full training recipe for its format "
+                f"{fmt!r} (expected a preset named like the format)"
+            ) from None
 
     return _map_quantized(rules, convert)

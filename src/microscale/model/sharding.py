@@ -62,10 +62,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from microscale.model.rules import path_str
 
-__all__ = ["LOGICAL_AXES", "MESH_AXES", "Replicated", "activation_sharding", "batch_axes",
-           "constrain",
-           "logical_to_mesh_rules",
-           "logical_to_mesh_spec", "param_logical_axes", "partition_specs", "var_logical_axes"]
+__all__ = [
+    "LOGICAL_AXES",
+    "MESH_AXES",
+    "Replicated",
+    "activation_sharding",
+    "batch_axes",
+    "constrain",
+    "logical_to_mesh_rules",
+    "logical_to_mesh_spec",
+    "param_logical_axes",
+    "partition_specs",
+    "var_logical_axes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +119,8 @@ def logical_to_mesh_rules() -> LogicalRules:
 
 
 _ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
-    "microscale_activation_mesh", default=None)
+    "microscale_activation_mesh", default=None
+)
 
 
 @contextlib.contextmanager
@@ -168,10 +178,15 @@ def _rule_axes(rule) -> tuple[str, ...]:
     return (rule,) if isinstance(rule, str) else tuple(rule)
 
 
-def logical_to_mesh_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
-                         mesh: Mesh | Mapping[str, int] | None = None,
-                         rules: LogicalRules | Mapping | None = None, *, where: str = "",
-                         replicated: list[Replicated] | None = None) -> PartitionSpec:
+def logical_to_mesh_spec(
+    axes: Sequence[str | None] | None,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | Mapping[str, int] | None = None,
+    rules: LogicalRules | Mapping | None = None,
+    *,
+    where: str = "",
+    replicated: list[Replicated] | None = None,
+) -> PartitionSpec:
     """The ``PartitionSpec`` of one array from its logical axis names (the one mapping
     used by the trainer, ``microscale plan`` and `partition_specs`).
 
@@ -193,16 +208,22 @@ def logical_to_mesh_spec(axes: Sequence[str | None] | None, shape: Sequence[int]
     if not axes:
         return PartitionSpec()
     if shape is not None and len(axes) != len(shape):
-        raise ValueError(f"{where or 'array'}: logical axes {tuple(axes)} do not match shape "
-                         f"{tuple(shape)}")
+        raise ValueError(
+            f"{where or 'array'}: logical axes {tuple(axes)} do not match shape {tuple(shape)}"
+        )
     sizes = None if mesh is None else dict(mesh.shape if hasattr(mesh, "shape") else mesh)
     used: set[str] = set()
     out: list[Any] = []
 
     def skip(i: int, name: str, asked: tuple[str, ...], reason: str) -> None:
-        rec = Replicated(where=where, dim=i, name=name,
-                         size=None if shape is None else int(shape[i]), axes=asked,
-                         reason=reason)
+        rec = Replicated(
+            where=where,
+            dim=i,
+            name=name,
+            size=None if shape is None else int(shape[i]),
+            axes=asked,
+            reason=reason,
+        )
         log.info("replicated: %s", rec)
         if replicated is not None:
             replicated.append(rec)
@@ -212,8 +233,7 @@ def logical_to_mesh_spec(axes: Sequence[str | None] | None, shape: Sequence[int]
             out.append(None)
             continue
         if name not in table:
-            skip(i, name, (), f"no mesh rule for logical axis {name!r} (rules for "
-                              f"{sorted(table)})")
+            skip(i, name, (), f"no mesh rule for logical axis {name!r} (rules for {sorted(table)})")
             out.append(None)
             continue
         asked = _rule_axes(table[name])
@@ -223,13 +243,23 @@ def logical_to_mesh_spec(axes: Sequence[str | None] | None, shape: Sequence[int]
         if sizes is not None:
             keep = [a for a in keep if a in sizes and sizes[a] > 1]
         if not keep and (again or missing):
-            skip(i, name, asked, f"mesh axis {again} already shards an earlier dimension"
-                 if again else f"the mesh has no axis {missing}")
+            skip(
+                i,
+                name,
+                asked,
+                f"mesh axis {again} already shards an earlier dimension"
+                if again
+                else f"the mesh has no axis {missing}",
+            )
         if keep and sizes is not None and shape is not None:
             n = math.prod(sizes[a] for a in keep)
             if shape[i] % n:
-                skip(i, name, asked, f"length {shape[i]} is not divisible by mesh axes "
-                                     f"{tuple(keep)} (size {n})")
+                skip(
+                    i,
+                    name,
+                    asked,
+                    f"length {shape[i]} is not divisible by mesh axes {tuple(keep)} (size {n})",
+                )
                 keep = []
         used.update(keep)
         out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
@@ -252,9 +282,13 @@ def param_logical_axes(model: Any) -> dict[str, tuple[str | None, ...] | None]:
     return out
 
 
-def partition_specs(tree: Any, rules: LogicalRules | None = None, *,
-                    mesh: Mesh | Mapping[str, int] | None = None,
-                    replicated: list[Replicated] | None = None) -> Any:
+def partition_specs(
+    tree: Any,
+    rules: LogicalRules | None = None,
+    *,
+    mesh: Mesh | Mapping[str, int] | None = None,
+    replicated: list[Replicated] | None = None,
+) -> Any:
     """Mesh ``PartitionSpec``\\ s for a model or an ``nnx.State`` (same tree structure as
     ``nnx.state(model)``; unannotated leaves are replicated), by `logical_to_mesh_spec`.
     With ``mesh`` (a ``Mesh`` or ``{axis: size}``) each variable's shape is checked
@@ -266,9 +300,16 @@ def partition_specs(tree: Any, rules: LogicalRules | None = None, *,
     def spec(path, x):
         if isinstance(x, nnx.Variable):
             shape = None if mesh is None else x.get_value().shape
-            return x.replace(logical_to_mesh_spec(
-                var_logical_axes(x), shape, mesh, rules, where=path_str(path),
-                replicated=replicated))
+            return x.replace(
+                logical_to_mesh_spec(
+                    var_logical_axes(x),
+                    shape,
+                    mesh,
+                    rules,
+                    where=path_str(path),
+                    replicated=replicated,
+                )
+            )
         return PartitionSpec()
 
     return nnx.from_flat_state([(p, spec(p, v)) for p, v in nnx.to_flat_state(state)])

@@ -64,13 +64,27 @@ from microscale.model.sharding import constrain
 # Logical axes of the activations (microscale.model.sharding maps them to the mesh).
 RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
 
-__all__ = ["BLOCK_LINEARS", "FUSED_LINEARS", "MLP", "Attention", "Block", "Transformer",
-           "causal_attention", "fused_groups", "linear_paths"]
+__all__ = [
+    "BLOCK_LINEARS",
+    "FUSED_LINEARS",
+    "MLP",
+    "Attention",
+    "Block",
+    "Transformer",
+    "causal_attention",
+    "fused_groups",
+    "linear_paths",
+]
 
 # The seven linear layers of a block, by their path inside it, in model order.
 BLOCK_LINEARS: tuple[str, ...] = (
-    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "attn.q_proj",
+    "attn.k_proj",
+    "attn.v_proj",
+    "attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
 )
 # The one table of fused linears: {group path inside a block: its members}. Inference
 # engines (vLLM, TensorRT-LLM, llama.cpp) run each group as one GEMM, so its members share
@@ -100,8 +114,7 @@ def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
     return out
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0
-                     ) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0) -> jax.Array:
     """Causal GQA. q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]`` with H % KV == 0 and the
     last T of S positions being the queries (S == T in training). Returns ``[B, T, H, hd]``
     in q's dtype. Scores and softmax in float32.
@@ -121,8 +134,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0
     qs = qs.reshape(b, n, chunk, h, hd).swapaxes(0, 1)
     starts = jnp.arange(n) * chunk + (s - t)
     heads = ("act_batch", "act_length", "act_heads", None)
-    one = jax.checkpoint(lambda qc, start: constrain(
-        _attention(constrain(qc, heads), k, v, start), heads))
+    one = jax.checkpoint(
+        lambda qc, start: constrain(_attention(constrain(qc, heads), k, v, start), heads)
+    )
     out = jax.lax.map(lambda a: one(*a), (qs, starts))  # [n, B, chunk, H, hd]
     return out.swapaxes(0, 1).reshape(b, n * chunk, h, hd)[:, :t]
 
@@ -134,7 +148,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, start) -> jax.Array:
     g = h // kv
     qg = q.reshape(b, t, kv, g, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
+    scores = scores * (hd**-0.5)
     q_pos = jnp.arange(t)[:, None] + start
     mask = q_pos >= jnp.arange(s)[None, :]  # [T, S]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
@@ -143,11 +157,27 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, start) -> jax.Array:
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
-def _linear(cfg: ModelConfig, path: str, din: int, dout: int, axes, *, rngs: nnx.Rngs,
-            std: float | None = None) -> QLinear:
-    return QLinear(din, dout, rngs=rngs, recipe="bf16", layer_id=path_id(path), axes=axes,
-                   init_std=cfg.init_std if std is None else std,
-                   param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+def _linear(
+    cfg: ModelConfig,
+    path: str,
+    din: int,
+    dout: int,
+    axes,
+    *,
+    rngs: nnx.Rngs,
+    std: float | None = None,
+) -> QLinear:
+    return QLinear(
+        din,
+        dout,
+        rngs=rngs,
+        recipe="bf16",
+        layer_id=path_id(path),
+        axes=axes,
+        init_std=cfg.init_std if std is None else std,
+        param_dtype=cfg.param_dtype,
+        compute_dtype=cfg.compute_dtype,
+    )
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -161,20 +191,33 @@ class Attention(nnx.Module):
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attention_chunk = cfg.attention_chunk
-        self.q_proj = _linear(cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd,
-                              ("embed", "heads"), rngs=rngs)
-        self.k_proj = _linear(cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd,
-                              ("embed", "kv_heads"), rngs=rngs)
-        self.v_proj = _linear(cfg, f"{prefix}.v_proj", d, cfg.n_kv_heads * hd,
-                              ("embed", "kv_heads"), rngs=rngs)
-        self.o_proj = _linear(cfg, f"{prefix}.o_proj", cfg.n_heads * hd, d,
-                              ("heads", "embed"), rngs=rngs, std=_out_std(cfg))
+        self.q_proj = _linear(
+            cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd, ("embed", "heads"), rngs=rngs
+        )
+        self.k_proj = _linear(
+            cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), rngs=rngs
+        )
+        self.v_proj = _linear(
+            cfg, f"{prefix}.v_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), rngs=rngs
+        )
+        self.o_proj = _linear(
+            cfg,
+            f"{prefix}.o_proj",
+            cfg.n_heads * hd,
+            d,
+            ("heads", "embed"),
+            rngs=rngs,
+            std=_out_std(cfg),
+        )
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
-                 key: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         b, t, _ = x.shape
-        heads, kv = ("act_batch", "act_length", "act_heads", None), (
-            "act_batch", "act_length", "act_kv_heads", None)
+        heads, kv = (
+            ("act_batch", "act_length", "act_heads", None),
+            ("act_batch", "act_length", "act_kv_heads", None),
+        )
         q = _proj(self.q_proj, x, key).reshape(b, t, self.n_heads, self.head_dim)
         k = _proj(self.k_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = _proj(self.v_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -192,8 +235,9 @@ class MLP(nnx.Module):
         d, f = cfg.d_model, cfg.d_ff
         self.gate_proj = _linear(cfg, f"{prefix}.gate_proj", d, f, ("embed", "mlp"), rngs=rngs)
         self.up_proj = _linear(cfg, f"{prefix}.up_proj", d, f, ("embed", "mlp"), rngs=rngs)
-        self.down_proj = _linear(cfg, f"{prefix}.down_proj", f, d, ("mlp", "embed"),
-                                 rngs=rngs, std=_out_std(cfg))
+        self.down_proj = _linear(
+            cfg, f"{prefix}.down_proj", f, d, ("mlp", "embed"), rngs=rngs, std=_out_std(cfg)
+        )
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         hidden = ("act_batch", "act_length", "act_mlp")
@@ -208,15 +252,17 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
         prefix = f"layers.{index}"
-        norm: dict[str, Any] = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
-                    compute_dtype=cfg.compute_dtype)
+        norm: dict[str, Any] = dict(
+            eps=cfg.norm_eps, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype
+        )
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(cfg, f"{prefix}.attn", rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg, f"{prefix}.mlp", rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
-                 key: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         x = constrain(x, RESIDUAL)
         h = x + self.attn(self.attn_norm(x), cos, sin, key=key).astype(x.dtype)
         return constrain(h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype), RESIDUAL)
@@ -247,8 +293,10 @@ REMAT_POLICIES = {
     # the residual the MLP norm reads); memory between full and save_dots
     "minimal": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_hidden"),
 }
-_RUN = {name: _run_block if policy is None else nnx.remat(_run_block, policy=policy)
-        for name, policy in REMAT_POLICIES.items()}
+_RUN = {
+    name: _run_block if policy is None else nnx.remat(_run_block, policy=policy)
+    for name, policy in REMAT_POLICIES.items()
+}
 
 
 # ---------------------------------------------------------------------- scanned layers
@@ -267,8 +315,15 @@ _RUN = {name: _run_block if policy is None else nnx.remat(_run_block, policy=pol
 
 def _projections(block: Block) -> list[QLinear]:
     """The block's seven projections, in a fixed order."""
-    return [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.attn.o_proj,
-            block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj]
+    return [
+        block.attn.q_proj,
+        block.attn.k_proj,
+        block.attn.v_proj,
+        block.attn.o_proj,
+        block.mlp.gate_proj,
+        block.mlp.up_proj,
+        block.mlp.down_proj,
+    ]
 
 
 def scan_segments(layers) -> list[list[int]]:
@@ -313,21 +368,35 @@ class Transformer(nnx.Module):
     every layer bf16. Change later with ``model.set_rules(rules)``.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
-                 rules: PrecisionRules | None = None):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, rules: PrecisionRules | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"Transformer: config={config!r}: expected a ModelConfig")
         self.config = config
         cfg = config
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, init_std=cfg.init_std,
-                           param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        self.embed = Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            rngs=rngs,
+            init_std=cfg.init_std,
+            param_dtype=cfg.param_dtype,
+            compute_dtype=cfg.compute_dtype,
+        )
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
-                                  compute_dtype=cfg.compute_dtype)
+        self.final_norm = RMSNorm(
+            cfg.d_model,
+            eps=cfg.norm_eps,
+            param_dtype=cfg.param_dtype,
+            compute_dtype=cfg.compute_dtype,
+        )
         if not cfg.tie_embeddings:
-            self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, rngs=rngs,
-                                  init_std=cfg.init_std, param_dtype=cfg.param_dtype,
-                                  compute_dtype=cfg.compute_dtype)
+            self.lm_head = LMHead(
+                cfg.d_model,
+                cfg.vocab_size,
+                rngs=rngs,
+                init_std=cfg.init_std,
+                param_dtype=cfg.param_dtype,
+                compute_dtype=cfg.compute_dtype,
+            )
         self.rules = rules if rules is not None else PrecisionRules(default="bf16")
         apply_rules(self, self.rules)
 
@@ -341,8 +410,9 @@ class Transformer(nnx.Module):
         """Every projection in ``recipe`` (no per-layer exceptions)."""
         return self.set_rules(PrecisionRules(default=recipe))
 
-    def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, key: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """tokens ``[B, T]`` int -> float32 logits ``[B, T, vocab]``.
 
         ``key``: PRNG key for stochastic rounding / per-step randomness of the recipes.
@@ -350,8 +420,9 @@ class Transformer(nnx.Module):
         """
         return self.logits(self.features(tokens, key=key, positions=positions))
 
-    def features(self, tokens: jax.Array, *, key: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def features(
+        self, tokens: jax.Array, *, key: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """tokens ``[B, T]`` -> the final-normed residual stream ``[B, T, d_model]``, the
         input of the LM head (`logits`)."""
         cfg = self.config
@@ -359,8 +430,9 @@ class Transformer(nnx.Module):
             raise ValueError(f"Transformer: tokens shape {tokens.shape}: expected [batch, seq]")
         t = tokens.shape[1]
         if t > cfg.max_seq_len:
-            raise ValueError(f"Transformer: sequence length {t} exceeds "
-                             f"max_seq_len={cfg.max_seq_len}")
+            raise ValueError(
+                f"Transformer: sequence length {t} exceeds max_seq_len={cfg.max_seq_len}"
+            )
         if positions is None:
             positions = jnp.arange(t)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
@@ -372,15 +444,17 @@ class Transformer(nnx.Module):
             return self.final_norm(x)
         for seg in scan_segments(self.layers):
             blocks = [self.layers[i] for i in seg]
-            x = (run(blocks[0], x, cos, sin, key) if len(blocks) == 1
-                 else _scan_blocks(blocks, x, cos, sin, key, str(cfg.remat)))
+            x = (
+                run(blocks[0], x, cos, sin, key)
+                if len(blocks) == 1
+                else _scan_blocks(blocks, x, cos, sin, key, str(cfg.remat))
+            )
         return self.final_norm(x)
 
     def logits(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """The LM head: ``[B, T, d_model]`` -> float32 logits ``[B, T, vocab]``. ``head``:
         its weight as `gathered_head` returned it (default: the parameter)."""
-        logits = (self.embed.attend(x, head) if self.config.tie_embeddings
-                  else self.lm_head(x, head))
+        logits = self.embed.attend(x, head) if self.config.tie_embeddings else self.lm_head(x, head)
         return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
     def gathered_head(self) -> jax.Array:

@@ -29,11 +29,25 @@ from microscale.ops.recipe import (
 )
 
 __all__ = [
-    "BF16_PARTS", "GEMMS", "RECIPES", "SLOTS", "OperandSpec", "Recipe", "RecipeLike", "cross_entropy",
+    "BF16_PARTS",
+    "GEMMS",
+    "RECIPES",
+    "SLOTS",
+    "OperandSpec",
+    "Recipe",
+    "RecipeLike",
+    "cross_entropy",
     "device_capability",
     "get_recipe",
     "init_amax_history",
-    "list_recipes", "make_dot_general", "native_supported", "operand_key", "qdot",
+    "list_recipes",
+    "make_dot_general",
+    "native_supported",
+    "operand_key",
+    "qdot",
     "quantize_operand",
-    "quantized_dot_general", "recipe_name", "resolve_backend", "token_nll",
+    "quantized_dot_general",
+    "recipe_name",
+    "resolve_backend",
+    "token_nll",
 ]

@@ -50,7 +50,7 @@ def native_supported(recipe) -> bool:
 
 
 def resolve_backend(backend: str, recipe) -> str:
-    """"auto" -> "native" or "emulated"; validates the name and native availability.
+    """ "auto" -> "native" or "emulated"; validates the name and native availability.
 
     With "native", each GEMM whose operand pair has a kernel (:func:`gemm_supported`)
     runs natively and the others are emulated; "auto" is "native" when at least one
@@ -62,9 +62,11 @@ def resolve_backend(backend: str, recipe) -> str:
     if backend == "auto":
         return "native" if any_native else "emulated"
     if backend == "native" and not any_native:
-        raise ValueError(f"backend='native' is not available for recipe {recipe.name!r} on "
-                         f"{jax.devices()[0].platform} (compute capability "
-                         f"{device_capability()}); use backend='emulated' or 'auto'")
+        raise ValueError(
+            f"backend='native' is not available for recipe {recipe.name!r} on "
+            f"{jax.devices()[0].platform} (compute capability "
+            f"{device_capability()}); use backend='emulated' or 'auto'"
+        )
     return backend
 
 
@@ -88,10 +90,14 @@ def gemm_supported(sa, sb) -> bool:
         return False
     if fa.block_size is None and fb.block_size is None:  # per-tensor FP8 (cuBLASLt)
         return cc >= (8, 9) and fa.elem_bits == fb.elem_bits == 8
-    square = all(s.block_shape is None or s.block_shape[0] == s.block_shape[1]
-                 for s in (sa, sb))
-    return (cc >= (10, 0) and square and fa.block_size == fb.block_size
-            and fa.scale_kind == fb.scale_kind and fa.elem_bits == fb.elem_bits)
+    square = all(s.block_shape is None or s.block_shape[0] == s.block_shape[1] for s in (sa, sb))
+    return (
+        cc >= (10, 0)
+        and square
+        and fa.block_size == fb.block_size
+        and fa.scale_kind == fb.scale_kind
+        and fa.elem_bits == fb.elem_bits
+    )
 
 
 def native_operand(t, spec, *, axis: int = -1, key=None):
@@ -107,7 +113,7 @@ def native_operand(t, spec, *, axis: int = -1, key=None):
         elems = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
         return elems, None, q.scales
     codes = q.codes()
-    elems = (e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes)
+    elems = e2m1_decode(codes).astype(fmt.elem_dtype) if fmt.packed else codes
     scales = q.scales
     assert scales is not None  # a block-scaled QArray has scales
     other = -2 if axis == -1 else -1
@@ -119,8 +125,9 @@ def native_operand(t, spec, *, axis: int = -1, key=None):
     return elems[..., :rows, :], scales[..., :rows, :], q.global_scale
 
 
-def native_gemm(a, sa, b, sb, *, axis_a: int = -1, axis_b: int = -1, key_a=None,
-                key_b=None) -> jax.Array:
+def native_gemm(
+    a, sa, b, sb, *, axis_a: int = -1, axis_b: int = -1, key_a=None, key_b=None
+) -> jax.Array:
     """a ``[(B,) P, C]`` x b ``[(B,) Q, C]`` -> float32 ``[(B,) P, Q]`` on the hardware's
     GEMM. ``axis_a``/``axis_b`` = -2 pass an operand as ``[(B,) C, P]`` instead."""
     ea, ca, ta = native_operand(a, sa, axis=axis_a, key=key_a)
@@ -202,8 +209,7 @@ def block_scaled_plan(lhs, rhs, out):
     out_dims = [_entry(dims[0]), _entry(dims[1])]
     if scatter is not None:
         out_dims[scatter[0] - 1] = _entry(scatter[1])
-    return ((b, _entry(dims[0]), k_e), (b, _entry(dims[1]), k_e), (b, *out_dims), psum,
-            scatter)
+    return ((b, _entry(dims[0]), k_e), (b, _entry(dims[1]), k_e), (b, *out_dims), psum, scatter)
 
 
 def _infer(mesh, arg_shapes, result_shape):
@@ -214,8 +220,7 @@ def _infer(mesh, arg_shapes, result_shape):
 
 def _partition(mesh, arg_shapes, result_shape):
     lhs, rhs = (_spec3(s.sharding) for s in arg_shapes[:2])
-    lspec, rspec, ospec, psum, scatter = block_scaled_plan(lhs, rhs,
-                                                           _spec3(result_shape.sharding))
+    lspec, rspec, ospec, psum, scatter = block_scaled_plan(lhs, rhs, _spec3(result_shape.sharding))
     k = _axes(lspec[2])
     if k:
         parts = math.prod(mesh.shape[a] for a in k)
@@ -224,7 +229,8 @@ def _partition(mesh, arg_shapes, result_shape):
             raise ValueError(
                 f"block-scaled GEMM: the contraction length {c} ({nblk} blocks of "
                 f"{c // nblk}) is split over mesh axes {k} ({parts} devices), which leaves a "
-                f"block straddling two devices; use a mesh whose {k} size divides {nblk}")
+                f"block straddling two devices; use a mesh whose {k} size divides {nblk}"
+            )
 
     def local(a, b, sa, sb):
         y = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
@@ -245,5 +251,8 @@ def block_scaled_matmul(a, b, sa, sb):
     return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
 
 
-block_scaled_matmul.def_partition(infer_sharding_from_operands=_infer, partition=_partition,
-                                  sharding_rule="b p c, b q c, b p s, b q s -> b p q")
+block_scaled_matmul.def_partition(
+    infer_sharding_from_operands=_infer,
+    partition=_partition,
+    sharding_rule="b p c, b q c, b p s, b q s -> b p q",
+)

@@ -53,25 +53,33 @@ class DelayedScalingDot(nnx.Module):
     uses it.
     """
 
-    def __init__(self, recipe: Recipe | str = "fp8_delayed", *, key=None,
-                 backend: str = "auto"):
+    def __init__(self, recipe: Recipe | str = "fp8_delayed", *, key=None, backend: str = "auto"):
         recipe = get_recipe(recipe)
         if not recipe.delayed:
-            raise ValueError(f"DelayedScalingDot needs a delayed-scaling recipe "
-                             f"(scaling='delayed', e.g. 'fp8_delayed'); {recipe.name!r} "
-                             f"uses scaling={recipe.scaling!r}")
+            raise ValueError(
+                f"DelayedScalingDot needs a delayed-scaling recipe "
+                f"(scaling='delayed', e.g. 'fp8_delayed'); {recipe.name!r} "
+                f"uses scaling={recipe.scaling!r}"
+            )
         self.recipe = recipe
         self.key = key
         self.backend = backend
         self.amax_history = AmaxHistory(init_amax_history(recipe))
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-                 preferred_element_type=None, **_ignored):
+    def __call__(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_ignored
+    ):
         del precision
-        return quantized_dot_general(lhs, rhs, dimension_numbers, self.recipe, key=self.key,
-                                     preferred_element_type=preferred_element_type,
-                                     backend=self.backend,
-                                     amax_history=self.amax_history[...])
+        return quantized_dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            self.recipe,
+            key=self.key,
+            preferred_element_type=preferred_element_type,
+            backend=self.backend,
+            amax_history=self.amax_history[...],
+        )
 
 
 def overwrite_amax_histories(model, grads) -> None:

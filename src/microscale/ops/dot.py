@@ -84,12 +84,22 @@ def _rotate(t: jax.Array, spec: OperandSpec, axis: int, seed: int) -> jax.Array:
 
 def _check_key(spec: OperandSpec, key, slot: str) -> None:
     if spec.stochastic and key is None:
-        raise ValueError(f"operand {slot!r} uses stochastic rounding: pass key=jax.random.key(...) "
-                         "(derive one per step and layer with jax.random.fold_in)")
+        raise ValueError(
+            f"operand {slot!r} uses stochastic rounding: pass key=jax.random.key(...) "
+            "(derive one per step and layer with jax.random.fold_in)"
+        )
 
 
-def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=None,
-                     hadamard_seed: int = 0, slot: str = "operand", amax=None):
+def quantize_operand(
+    t: jax.Array,
+    spec: OperandSpec,
+    *,
+    axis: int = -1,
+    key=None,
+    hadamard_seed: int = 0,
+    slot: str = "operand",
+    amax=None,
+):
     """One GEMM operand -> (bf16 values, f32 tensor scale).
 
     ``axis`` (-1 or -2) is the contraction axis: blocks, the Hadamard transform and
@@ -108,8 +118,9 @@ def quantize_operand(t: jax.Array, spec: OperandSpec, *, axis: int = -1, key=Non
 def _quantize_rotated(t, spec: OperandSpec, axis: int, key, slot: str, amax):
     """:func:`quantize_operand` of an operand already rotated by :func:`_rotate`."""
     _check_key(spec, key, slot)
-    return quantize_dequantize(t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE,
-                               amax=amax)
+    return quantize_dequantize(
+        t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE, amax=amax
+    )
 
 
 def _scaled(y: jax.Array, *scales) -> jax.Array:
@@ -178,8 +189,7 @@ def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b:
 
 def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:
     # Delayed scaling runs emulated: the native operand path derives its own scales.
-    return (backend == "native" and not recipe.delayed
-            and gemm_supported(*recipe.gemms()[gemm]))
+    return backend == "native" and not recipe.delayed and gemm_supported(*recipe.gemms()[gemm])
 
 
 def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: int = -1):
@@ -267,13 +277,18 @@ _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 
 # ---- general dimension numbers -> canonical 2-D / batched GEMM ---------------------------
 
+
 def _canonical_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
     (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (tuple(int(a) % n for a in axes) for axes, n in
-                      ((lc, lhs_ndim), (rc, rhs_ndim), (lb, lhs_ndim), (rb, rhs_ndim)))
+    lc, rc, lb, rb = (
+        tuple(int(a) % n for a in axes)
+        for axes, n in ((lc, lhs_ndim), (rc, rhs_ndim), (lb, lhs_ndim), (rb, rhs_ndim))
+    )
     if len(lc) != len(rc) or len(lb) != len(rb):
-        raise ValueError(f"dimension_numbers {dimension_numbers!r}: contracting and batch "
-                         "dims must pair up between lhs and rhs")
+        raise ValueError(
+            f"dimension_numbers {dimension_numbers!r}: contracting and batch "
+            "dims must pair up between lhs and rhs"
+        )
     lf = tuple(a for a in range(lhs_ndim) if a not in lc + lb)
     rf = tuple(a for a in range(rhs_ndim) if a not in rc + rb)
     return lc, rc, lb, rb, lf, rf
@@ -290,23 +305,38 @@ def init_amax_history(recipe: Recipe | str) -> jax.Array:
 def _check_history(recipe: Recipe, amax_history):
     if not recipe.delayed:
         if amax_history is not None:
-            raise ValueError(f"recipe {recipe.name!r} uses current scaling; amax_history "
-                             "applies only to delayed-scaling recipes (e.g. 'fp8_delayed')")
+            raise ValueError(
+                f"recipe {recipe.name!r} uses current scaling; amax_history "
+                "applies only to delayed-scaling recipes (e.g. 'fp8_delayed')"
+            )
         return None
     if amax_history is None:
-        raise ValueError(f"recipe {recipe.name!r} uses delayed scaling: pass amax_history="
-                         "(init_amax_history(recipe), or the DelayedScaling module in "
-                         "microscale.ops.delayed, which carries it)")
+        raise ValueError(
+            f"recipe {recipe.name!r} uses delayed scaling: pass amax_history="
+            "(init_amax_history(recipe), or the DelayedScaling module in "
+            "microscale.ops.delayed, which carries it)"
+        )
     want = (len(SLOTS), int(recipe.amax_history_len))
     if tuple(jnp.shape(amax_history)) != want:
-        raise ValueError(f"amax_history has shape {tuple(jnp.shape(amax_history))}; recipe "
-                         f"{recipe.name!r} expects {want} (operand slots x amax_history_len)")
+        raise ValueError(
+            f"amax_history has shape {tuple(jnp.shape(amax_history))}; recipe "
+            f"{recipe.name!r} expects {want} (operand slots x amax_history_len)"
+        )
     return jnp.asarray(amax_history, jnp.float32)
 
 
-def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "nvfp4", *,
-                          key=None, preferred_element_type=None, backend: str = "auto",
-                          amax_history=None, operand_dtype=None) -> jax.Array:
+def quantized_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    recipe: Recipe | str = "nvfp4",
+    *,
+    key=None,
+    preferred_element_type=None,
+    backend: str = "auto",
+    amax_history=None,
+    operand_dtype=None,
+) -> jax.Array:
     """``jax.lax.dot_general`` whose three GEMMs (forward and both gradients) follow
     ``recipe``. lhs plays X (activations), rhs plays W (weights). Any dimension numbers:
     operands are transposed/reshaped to ``[B, M, K] x [B, K, N]`` and back.
@@ -327,8 +357,10 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
     lc, rc, lb, rb, lf, rf = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
     for a, b in zip(lc + lb, rc + rb, strict=True):
         if lhs.shape[a] != rhs.shape[b]:
-            raise ValueError(f"dot_general: lhs dim {a} (size {lhs.shape[a]}) does not match "
-                             f"rhs dim {b} (size {rhs.shape[b]})")
+            raise ValueError(
+                f"dot_general: lhs dim {a} (size {lhs.shape[a]}) does not match "
+                f"rhs dim {b} (size {rhs.shape[b]})"
+            )
     bsz, m, k = (math.prod(lhs.shape[a] for a in axes) for axes in (lb, lf, lc))
     n = math.prod(rhs.shape[a] for a in rf)
     lead = (bsz,) if lb else ()
@@ -343,15 +375,23 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, recipe: Recipe | str = "n
     x = x.reshape(lead + (m, k))
     w = w.reshape(lead + (k, n))
     operand_dtype = None if operand_dtype is None else jnp.dtype(operand_dtype)
-    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), operand_dtype, x, w, key,
-                 amax_history)
-    out_shape = (tuple(lhs.shape[a] for a in lb) + tuple(lhs.shape[a] for a in lf)
-                 + tuple(rhs.shape[a] for a in rf))
+    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), operand_dtype, x, w, key, amax_history)
+    out_shape = (
+        tuple(lhs.shape[a] for a in lb)
+        + tuple(lhs.shape[a] for a in lf)
+        + tuple(rhs.shape[a] for a in rf)
+    )
     return y.reshape(out_shape)
 
 
-def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
-                     amax_history=None, operand_dtype=None):
+def make_dot_general(
+    recipe: Recipe | str = "nvfp4",
+    *,
+    key=None,
+    backend: str = "auto",
+    amax_history=None,
+    operand_dtype=None,
+):
     """A drop-in for ``jax.lax.dot_general`` (``flax.nnx.Linear(dot_general=...)``).
 
     ``precision`` is ignored (the recipe decides); ``preferred_element_type`` sets the
@@ -368,22 +408,38 @@ def make_dot_general(recipe: Recipe | str = "nvfp4", *, key=None, backend: str =
     backend = resolve_backend(backend, recipe)  # fail early on a bad name
     _check_history(recipe, amax_history)
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, **_ignored):
+    def dot_general(
+        lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_ignored
+    ):
         del precision
-        return quantized_dot_general(lhs, rhs, dimension_numbers, recipe, key=key,
-                                     preferred_element_type=preferred_element_type,
-                                     backend=backend, amax_history=amax_history,
-                                     operand_dtype=operand_dtype)
+        return quantized_dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            recipe,
+            key=key,
+            preferred_element_type=preferred_element_type,
+            backend=backend,
+            amax_history=amax_history,
+            operand_dtype=operand_dtype,
+        )
 
     dot_general.recipe = recipe  # type: ignore[attr-defined]
     return dot_general
 
 
-def qdot(x, w, recipe: Recipe | str = "nvfp4", *, key=None, backend: str = "auto",
-         amax_history=None, operand_dtype=None):
+def qdot(
+    x,
+    w,
+    recipe: Recipe | str = "nvfp4",
+    *,
+    key=None,
+    backend: str = "auto",
+    amax_history=None,
+    operand_dtype=None,
+):
     """``Y = X @ W`` for X ``[..., K]`` and W ``[K, N]`` with the recipe's three GEMMs."""
     x = jnp.asarray(x)
-    return make_dot_general(recipe, key=key, backend=backend, amax_history=amax_history,
-                            operand_dtype=operand_dtype)(
-        x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    return make_dot_general(
+        recipe, key=key, backend=backend, amax_history=amax_history, operand_dtype=operand_dtype
+    )(x, w, (((x.ndim - 1,), (0,)), ((), ())))

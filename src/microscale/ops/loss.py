@@ -20,7 +20,8 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Negative log-likelihood (nats) of each integer target under float32 ``logits``
     ``[..., vocab]``: shape ``targets.shape``."""
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets.astype(jnp.int32))
+        logits.astype(jnp.float32), targets.astype(jnp.int32)
+    )
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -63,8 +63,11 @@ from microscale.formats import FormatSpec, get_format
 Rounding = Literal["nearest", "stochastic"]
 Scaling = Literal["current", "delayed"]
 # (lhs slot, rhs slot) of each GEMM.
-SLOT_PAIRS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"),
-              "wgrad": ("wgrad_x", "wgrad_dy")}
+SLOT_PAIRS = {
+    "fprop": ("fprop_x", "fprop_w"),
+    "dgrad": ("dgrad_dy", "dgrad_w"),
+    "wgrad": ("wgrad_x", "wgrad_dy"),
+}
 GEMMS = tuple(SLOT_PAIRS)
 SLOTS = tuple(slot for pair in SLOT_PAIRS.values() for slot in pair)
 
@@ -89,24 +92,30 @@ class OperandSpec:
     def __post_init__(self):
         spec = get_format(self.format)  # raises on unknown names
         if self.rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"unknown rounding {self.rounding!r}; "
-                             "expected 'nearest' or 'stochastic'")
+            raise ValueError(
+                f"unknown rounding {self.rounding!r}; expected 'nearest' or 'stochastic'"
+            )
         if self.block_shape is not None:
             bs = tuple(int(b) for b in self.block_shape)
             object.__setattr__(self, "block_shape", bs)
             if len(bs) != 2 or min(bs) < 1:
-                raise ValueError(f"block_shape={self.block_shape!r}: expected None or "
-                                 "(along contraction, along the other axis), both >= 1")
+                raise ValueError(
+                    f"block_shape={self.block_shape!r}: expected None or "
+                    "(along contraction, along the other axis), both >= 1"
+                )
             if spec.block_size is None or bs[0] != spec.block_size:
-                raise ValueError(f"block_shape={bs!r} does not fit format {self.format!r}: "
-                                 f"its block size is {spec.block_size} (expected "
-                                 f"({spec.block_size}, n) or None)")
+                raise ValueError(
+                    f"block_shape={bs!r} does not fit format {self.format!r}: "
+                    f"its block size is {spec.block_size} (expected "
+                    f"({spec.block_size}, n) or None)"
+                )
         h = self.hadamard
         if h is not None and (int(h) < 2 or int(h) & (int(h) - 1)):
             raise ValueError(f"hadamard={h!r}: expected None or a power of two >= 2 (e.g. 16)")
         if self.scale_rounding not in (None, "floor", "ceil"):
-            raise ValueError(f"unknown scale_rounding {self.scale_rounding!r}; "
-                             "expected None, 'floor' or 'ceil'")
+            raise ValueError(
+                f"unknown scale_rounding {self.scale_rounding!r}; expected None, 'floor' or 'ceil'"
+            )
 
     @property
     def spec(self) -> FormatSpec:
@@ -139,8 +148,13 @@ class OperandSpec:
         bs = self.block_shape
         if bs is not None and axis == -1:
             bs = bs[::-1]
-        return dict(axis=axis, rounding=self.rounding, key=key if self.stochastic else None,
-                    block_shape=bs, scale_rounding=self.scale_rounding)
+        return dict(
+            axis=axis,
+            rounding=self.rounding,
+            key=key if self.stochastic else None,
+            block_shape=bs,
+            scale_rounding=self.scale_rounding,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -212,30 +226,45 @@ class Recipe:
     def __post_init__(self):
         for slot in SLOTS:
             if not isinstance(getattr(self, slot), OperandSpec):
-                raise TypeError(f"Recipe.{slot} must be an OperandSpec, "
-                                f"got {type(getattr(self, slot)).__name__}")
+                raise TypeError(
+                    f"Recipe.{slot} must be an OperandSpec, "
+                    f"got {type(getattr(self, slot)).__name__}"
+                )
         if self.scaling not in ("current", "delayed"):
-            raise ValueError(f"recipe {self.name!r}: unknown scaling {self.scaling!r}; "
-                             "expected 'current' or 'delayed'")
+            raise ValueError(
+                f"recipe {self.name!r}: unknown scaling {self.scaling!r}; "
+                "expected 'current' or 'delayed'"
+            )
         if self.amax_compute not in ("max", "most_recent"):
-            raise ValueError(f"recipe {self.name!r}: unknown amax_compute "
-                             f"{self.amax_compute!r}; expected 'max' or 'most_recent'")
+            raise ValueError(
+                f"recipe {self.name!r}: unknown amax_compute "
+                f"{self.amax_compute!r}; expected 'max' or 'most_recent'"
+            )
         if int(self.amax_history_len) < 1:
-            raise ValueError(f"recipe {self.name!r}: amax_history_len="
-                             f"{self.amax_history_len!r}; expected an int >= 1")
+            raise ValueError(
+                f"recipe {self.name!r}: amax_history_len="
+                f"{self.amax_history_len!r}; expected an int >= 1"
+            )
         if self.scaling == "delayed":
-            bad = [slot for slot, s in self.operands().items()
-                   if s.quantized and not s.spec.has_tensor_scale]
+            bad = [
+                slot
+                for slot, s in self.operands().items()
+                if s.quantized and not s.spec.has_tensor_scale
+            ]
             if bad:
-                raise ValueError(f"recipe {self.name!r}: delayed scaling needs a per-tensor "
-                                 f"scale on every quantized operand; {bad} use "
-                                 f"{sorted({getattr(self, b).format for b in bad})}, which "
-                                 "have block scales only")
+                raise ValueError(
+                    f"recipe {self.name!r}: delayed scaling needs a per-tensor "
+                    f"scale on every quantized operand; {bad} use "
+                    f"{sorted({getattr(self, b).format for b in bad})}, which "
+                    "have block scales only"
+                )
         for gemm, (a, b) in self.gemms().items():
             if a.hadamard != b.hadamard:
-                raise ValueError(f"recipe {self.name!r}: the two {gemm} operands need the same "
-                                 f"hadamard size (got {a.hadamard} and {b.hadamard}); the "
-                                 "rotation only cancels when both sides are rotated")
+                raise ValueError(
+                    f"recipe {self.name!r}: the two {gemm} operands need the same "
+                    f"hadamard size (got {a.hadamard} and {b.hadamard}); the "
+                    "rotation only cancels when both sides are rotated"
+                )
 
     def gemms(self) -> dict[str, tuple[OperandSpec, OperandSpec]]:
         """{gemm: (lhs spec, rhs spec)} in the order fprop, dgrad, wgrad."""
@@ -268,10 +297,13 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "hadamard_seed": self.hadamard_seed,
-                             "scaling": self.scaling,
-                             "amax_history_len": self.amax_history_len,
-                             "amax_compute": self.amax_compute}
+        d: dict[str, Any] = {
+            "name": self.name,
+            "hadamard_seed": self.hadamard_seed,
+            "scaling": self.scaling,
+            "amax_history_len": self.amax_history_len,
+            "amax_compute": self.amax_compute,
+        }
         d.update({slot: spec.to_dict() for slot, spec in self.operands().items()})
         return d
 
@@ -291,32 +323,67 @@ class Recipe:
         return cls(name="bf16")
 
     @classmethod
-    def fp8(cls, *, grad_format: str = "fp8_e5m2", scaling: Scaling = "current",
-            amax_history_len: int = 16, name: str = "fp8") -> Recipe:
+    def fp8(
+        cls,
+        *,
+        grad_format: str = "fp8_e5m2",
+        scaling: Scaling = "current",
+        amax_history_len: int = 16,
+        name: str = "fp8",
+    ) -> Recipe:
         """Per-tensor scaling (current, or delayed with an amax history): E4M3 forward,
         ``grad_format`` for dY."""
         fwd = OperandSpec(format="fp8_e4m3")
         grad = OperandSpec(format=grad_format)
-        return cls(name=name, fprop_x=fwd, fprop_w=fwd, dgrad_dy=grad, dgrad_w=fwd,
-                   wgrad_x=fwd, wgrad_dy=grad, scaling=scaling,
-                   amax_history_len=amax_history_len)
+        return cls(
+            name=name,
+            fprop_x=fwd,
+            fprop_w=fwd,
+            dgrad_dy=grad,
+            dgrad_w=fwd,
+            wgrad_x=fwd,
+            wgrad_dy=grad,
+            scaling=scaling,
+            amax_history_len=amax_history_len,
+        )
 
     @classmethod
-    def mx(cls, fmt: str, *, rht: int | None = None, stochastic_rounding: bool = False,
-           fwd_only: bool = False, name: str | None = None) -> Recipe:
+    def mx(
+        cls,
+        fmt: str,
+        *,
+        rht: int | None = None,
+        stochastic_rounding: bool = False,
+        fwd_only: bool = False,
+        name: str | None = None,
+    ) -> Recipe:
         """An MX format (1x32 blocks, E8M0 scales) in all three GEMMs; optionally a
         Hadamard of size ``rht`` on the wgrad operands and SR on dY (Tseng et al.)."""
         fwd = OperandSpec(format=fmt)
         dy = OperandSpec(format=fmt, rounding="stochastic" if stochastic_rounding else "nearest")
         wx = OperandSpec(format=fmt, hadamard=rht)
         wdy = dataclasses.replace(dy, hadamard=rht)
-        r = cls(name=name or fmt, fprop_x=fwd, fprop_w=fwd, dgrad_dy=dy, dgrad_w=fwd,
-                wgrad_x=wx, wgrad_dy=wdy)
+        r = cls(
+            name=name or fmt,
+            fprop_x=fwd,
+            fprop_w=fwd,
+            dgrad_dy=dy,
+            dgrad_w=fwd,
+            wgrad_x=wx,
+            wgrad_dy=wdy,
+        )
         return r.forward_only() if fwd_only else r
 
     @classmethod
-    def nvfp4(cls, *, rht: bool = True, stochastic_rounding: bool = True,
-              weight_2d: bool = True, fwd_only: bool = False, name: str = "nvfp4") -> Recipe:
+    def nvfp4(
+        cls,
+        *,
+        rht: bool = True,
+        stochastic_rounding: bool = True,
+        weight_2d: bool = True,
+        fwd_only: bool = False,
+        name: str = "nvfp4",
+    ) -> Recipe:
         """NVIDIA's NVFP4 training recipe (docs/design.md#the-three-gemms), each element
         switchable."""
         fmt = "nvfp4"
@@ -326,10 +393,15 @@ class Recipe:
         w = OperandSpec(format=fmt, block_shape=(block, block) if weight_2d else None)
         sr: Rounding = "stochastic" if stochastic_rounding else "nearest"
         h = block if rht else None
-        r = cls(name=name, fprop_x=x, fprop_w=w,
-                dgrad_dy=OperandSpec(format=fmt, rounding=sr), dgrad_w=w,
-                wgrad_x=OperandSpec(format=fmt, hadamard=h),
-                wgrad_dy=OperandSpec(format=fmt, rounding=sr, hadamard=h))
+        r = cls(
+            name=name,
+            fprop_x=x,
+            fprop_w=w,
+            dgrad_dy=OperandSpec(format=fmt, rounding=sr),
+            dgrad_w=w,
+            wgrad_x=OperandSpec(format=fmt, hadamard=h),
+            wgrad_dy=OperandSpec(format=fmt, rounding=sr, hadamard=h),
+        )
         return r.forward_only() if fwd_only else r
 
     def forward_only(self) -> Recipe:
@@ -348,8 +420,9 @@ class Recipe:
         parts = (bf16,) if isinstance(bf16, str) else tuple(bf16)
         bad = [p for p in parts if p not in BF16_PARTS]
         if bad or not parts:
-            raise ValueError(f"Recipe.derive(bf16={bf16!r}): expected one or more of "
-                             f"{list(BF16_PARTS)}")
+            raise ValueError(
+                f"Recipe.derive(bf16={bf16!r}): expected one or more of {list(BF16_PARTS)}"
+            )
         base, _, had = self.name.partition(DERIVED_MARK)
         named = set(parts) | set(had.split("_") if had else ())
         slots = {slot for p in parts for slot in BF16_PARTS[p]}
@@ -380,8 +453,7 @@ def _presets() -> dict[str, Recipe]:
         Recipe.nvfp4(stochastic_rounding=False, name="nvfp4_no_sr"),
         Recipe.nvfp4(weight_2d=False, name="nvfp4_1d"),
         Recipe.nvfp4(fwd_only=True, name="nvfp4_fwd_only"),
-        Recipe.nvfp4(rht=False, stochastic_rounding=False, weight_2d=False,
-                     name="nvfp4_rne_1d"),
+        Recipe.nvfp4(rht=False, stochastic_rounding=False, weight_2d=False, name="nvfp4_rne_1d"),
         Recipe.mx("mxfp4"),
         Recipe.mx("mxfp4", rht=32, stochastic_rounding=True, name="mxfp4_rht_sr"),
     ]
@@ -414,5 +486,7 @@ def get_recipe(recipe: str | Recipe | dict) -> Recipe:
         return Recipe.from_dict(recipe)
     if isinstance(recipe, str) and recipe in RECIPES:
         return RECIPES[recipe]
-    raise ValueError(f"unknown recipe {recipe!r}; expected one of {list_recipes()}, "
-                     "a Recipe or a Recipe.to_dict() dict")
+    raise ValueError(
+        f"unknown recipe {recipe!r}; expected one of {list_recipes()}, "
+        "a Recipe or a Recipe.to_dict() dict"
+    )

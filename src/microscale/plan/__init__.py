@@ -15,6 +15,17 @@ from microscale.plan.hlo import HloModule
 from microscale.plan.roofline import recipe_step_time, roofline
 from microscale.plan.run import check_config, largest_microbatch, plan, shape_memory
 
-__all__ = ["ACCELERATORS", "Accelerator", "HloModule", "check_config", "compile_in_subprocess",
-           "compile_step", "get_accelerator", "largest_microbatch", "plan", "recipe_step_time", "roofline",
-           "shape_memory"]
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "HloModule",
+    "check_config",
+    "compile_in_subprocess",
+    "compile_step",
+    "get_accelerator",
+    "largest_microbatch",
+    "plan",
+    "recipe_step_time",
+    "roofline",
+    "shape_memory",
+]

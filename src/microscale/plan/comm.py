@@ -110,42 +110,78 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
 
     # ZeRO-3 over fsdp
     add("fsdp: gather block weights, forward", "all-gather", block * pb / T, F, M)
-    add("fsdp: gather embedding (and tied head), forward", "all-gather",
-        table * pb / T, F, M * (2 if m.tie_embeddings else 1))
+    add(
+        "fsdp: gather embedding (and tied head), forward",
+        "all-gather",
+        table * pb / T,
+        F,
+        M * (2 if m.tie_embeddings else 1),
+    )
     if head:
         add("fsdp: gather LM head, forward + input gradient", "all-gather", head * pb / T, F, M)
     add("fsdp: gather block weights, backward", "all-gather", block * pb / T, F, M)
-    regathered = {"none": 0, "save_dots": 0, "full": block - down,  # GEMMs recomputed
-                  "minimal": block - down}[m.remat]
+    regathered = {
+        "none": 0,
+        "save_dots": 0,
+        "full": block - down,  # GEMMs recomputed
+        "minimal": block - down,
+    }[m.remat]
     if regathered:
-        add(f"fsdp: gather block weights, remat {m.remat} (the recomputed GEMMs')",
-            "all-gather", regathered * pb / T, F, M)
+        add(
+            f"fsdp: gather block weights, remat {m.remat} (the recomputed GEMMs')",
+            "all-gather",
+            regathered * pb / T,
+            F,
+            M,
+        )
     add("fsdp: reduce-scatter gradients (float32)", "reduce-scatter", sharded * 4 / T, F, M)
-    add("data: all-reduce gradient shards (float32)", "all-reduce", sharded * 4 / (T * F),
-        D, M)
-    add("data x fsdp: all-reduce replicated gradients (norms)", "all-reduce", norms * 4,
-        D * F, M)
+    add("data: all-reduce gradient shards (float32)", "all-reduce", sharded * 4 / (T * F), D, M)
+    add("data x fsdp: all-reduce replicated gradients (norms)", "all-reduce", norms * 4, D * F, M)
     # Megatron tensor parallelism
     act = tm * d * 4
     o_again = m.remat in ("full", "minimal")
     if cfg.data.seq_len % T:  # the residual stays whole on each tensor rank
-        add("tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
+        add(
+            "tensor: all-reduce block activations (o/down forward, q/k/v and gate/up "
             "input gradients" + (", remat o_proj" if o_again else "") + ")",
-            "all-reduce", act, T, M * L * (4 + o_again))
+            "all-reduce",
+            act,
+            T,
+            M * L * (4 + o_again),
+        )
     else:  # sequence parallelism: each all-reduce is a reduce-scatter + an all-gather
         regather = {"none": 0, "save_dots": 0, "full": 2, "minimal": 2}[m.remat]
-        add("tensor (sequence parallel): all-gather block inputs (q/k/v and gate/up "
+        add(
+            "tensor (sequence parallel): all-gather block inputs (q/k/v and gate/up "
             "forward, o/down input gradients" + (", remat" if regather else "") + ")",
-            "all-gather", act, T, M * L * (4 + regather))
-        add("tensor (sequence parallel): reduce-scatter block outputs (o/down forward, "
+            "all-gather",
+            act,
+            T,
+            M * L * (4 + regather),
+        )
+        add(
+            "tensor (sequence parallel): reduce-scatter block outputs (o/down forward, "
             "q/k/v and gate/up input gradients" + (", remat o_proj" if o_again else "") + ")",
-            "reduce-scatter", act, T, M * L * (4 + o_again))
-    add("tensor: all-reduce vocab-parallel embedding lookup and LM head input gradient",
-        "all-reduce", act, T, 2 * M)
+            "reduce-scatter",
+            act,
+            T,
+            M * L * (4 + o_again),
+        )
+    add(
+        "tensor: all-reduce vocab-parallel embedding lookup and LM head input gradient",
+        "all-reduce",
+        act,
+        T,
+        2 * M,
+    )
     by_kind = {k: sum(b for _, kk, b in rows if kk == k) for k in KINDS}
     total = sum(by_kind.values())
-    return {"rows": rows, "by_kind": by_kind, "total": total,
-            "cpu_total": total + by_kind["reduce-scatter"]}
+    return {
+        "rows": rows,
+        "by_kind": by_kind,
+        "total": total,
+        "cpu_total": total + by_kind["reduce-scatter"],
+    }
 
 
 def matmul_flops(cfg, devices: int) -> float:
@@ -157,9 +193,12 @@ def matmul_flops(cfg, devices: int) -> float:
     flops = m.flops_per_token(t) * tokens
     d, hd, L = m.d_model, m.head_dim, m.n_layers
     q_kv = d * (m.n_heads * hd) + d * (m.n_kv_heads * hd) * 2
-    params, attn = {"none": (0, 0), "save_dots": (0, 4),  # recomputed GEMM params, attn
-                    "full": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 4),
-                    "minimal": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 2)}[m.remat]
+    params, attn = {
+        "none": (0, 0),
+        "save_dots": (0, 4),  # recomputed GEMM params, attn
+        "full": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 4),
+        "minimal": (q_kv + d * (m.n_heads * hd) + 2 * d * m.d_ff, 2),
+    }[m.remat]
     if 0 < m.attention_chunk < t and m.remat != "minimal":
         attn += 2  # chunked attention recomputes its scores Q K^T in the backward
     head = 2 * d * m.vocab_size if 0 < m.loss_chunk < t else 0  # chunked loss: logits again

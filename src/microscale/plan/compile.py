@@ -45,8 +45,9 @@ def _heartbeat(done, t0: float, every: float = 30.0) -> None:
         _say("still compiling", t0)
 
 
-def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
-                 verbose: bool = True) -> dict[str, Any]:
+def compile_step(
+    cfg, *, lower_only: bool = False, hlo_path: str | None = None, verbose: bool = True
+) -> dict[str, Any]:
     """Lower (and unless ``lower_only``, compile) the train step of ``cfg`` (a
     :class:`~microscale.train.TrainConfig`) on this process's devices; the result is a
     JSON-able dict (see module doc). Raises what tracing/lowering raises."""
@@ -67,21 +68,32 @@ def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
     micro = cfg.data.batch_size // accum
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if micro % dp:
-        raise ValueError(f"data.batch_size / data.grad_accum = {micro} is not divisible by the "
-                         f"data-parallel ways mesh.data * mesh.fsdp = {dp}")
+        raise ValueError(
+            f"data.batch_size / data.grad_accum = {micro} is not divisible by the "
+            f"data-parallel ways mesh.data * mesh.fsdp = {dp}"
+        )
     batch_sh = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
-    step = make_train_step(st.graphdefs["main"], st.tx, lr_schedule(cfg.optim, cfg.steps),
-                           seed=cfg.seed, param_shardings=st.param_shardings,
-                           opt_shardings=st.opt_shardings, batch_sharding=batch_sh)
-    batch = jax.ShapeDtypeStruct((accum, micro, cfg.data.seq_len + 1), jnp.int32,
-                                 sharding=batch_sh)
+    step = make_train_step(
+        st.graphdefs["main"],
+        st.tx,
+        lr_schedule(cfg.optim, cfg.steps),
+        seed=cfg.seed,
+        param_shardings=st.param_shardings,
+        opt_shardings=st.opt_shardings,
+        batch_sharding=batch_sh,
+    )
+    batch = jax.ShapeDtypeStruct((accum, micro, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sh)
     if verbose:
         _say(f"lowering the train step on mesh {dict(mesh.shape)}", t0)
-    lowered = step.lower(st.params, st.opt_state, st.rest, batch,
-                         jax.ShapeDtypeStruct((), jnp.int32))
-    out: dict[str, Any] = {"mesh": dict(mesh.shape), "devices": int(mesh.size),
-                           "lower_s": time.perf_counter() - t0,
-                           "replicated": [str(r) for r in st.replicated]}
+    lowered = step.lower(
+        st.params, st.opt_state, st.rest, batch, jax.ShapeDtypeStruct((), jnp.int32)
+    )
+    out: dict[str, Any] = {
+        "mesh": dict(mesh.shape),
+        "devices": int(mesh.size),
+        "lower_s": time.perf_counter() - t0,
+        "replicated": [str(r) for r in st.replicated],
+    }
     if lower_only:
         return out
     if verbose:
@@ -96,8 +108,10 @@ def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
         done.set()
     out["compile_s"] = time.perf_counter() - t1
     mem = compiled.memory_analysis()
-    m = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
-         for k in ("argument", "output", "alias", "temp", "generated_code")}
+    m = {
+        k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias", "temp", "generated_code")
+    }
     m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
     out["memory"] = m
     cost = compiled.cost_analysis()
@@ -116,9 +130,15 @@ def compile_step(cfg, *, lower_only: bool = False, hlo_path: str | None = None,
     return out
 
 
-def compile_in_subprocess(cfg, devices: int, *, lower_only: bool = False,
-                          hlo_path: str | None = None, timeout: float | None = None,
-                          verbose: bool = True) -> dict[str, Any]:
+def compile_in_subprocess(
+    cfg,
+    devices: int,
+    *,
+    lower_only: bool = False,
+    hlo_path: str | None = None,
+    timeout: float | None = None,
+    verbose: bool = True,
+) -> dict[str, Any]:
     """`compile_step` in a fresh ``python`` with ``devices`` simulated CPU devices.
 
     Returns its result dict, or ``{"error": message, "phase": ...}`` when the step does
@@ -130,13 +150,24 @@ def compile_in_subprocess(cfg, devices: int, *, lower_only: bool = False,
     with tempfile.TemporaryDirectory(prefix="microscale-plan-") as tmp:
         cfg_path, res_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
         dump_yaml(cfg, cfg_path)
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=" ".join(flags + [
-                       f"--xla_force_host_platform_device_count={int(devices)}"]))
-        cmd = [sys.executable, "-c", "import sys; from microscale.plan.compile import _main; "
-               "raise SystemExit(_main(sys.argv[1:]))", str(cfg_path), str(res_path)]
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={int(devices)}"]),
+        )
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from microscale.plan.compile import _main; "
+            "raise SystemExit(_main(sys.argv[1:]))",
+            str(cfg_path),
+            str(res_path),
+        ]
         if lower_only:
             cmd.append("--lower-only")
         if hlo_path:
@@ -144,14 +175,21 @@ def compile_in_subprocess(cfg, devices: int, *, lower_only: bool = False,
         if not verbose:
             cmd.append("--quiet")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
-                              stderr=None if verbose else subprocess.PIPE, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=None if verbose else subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+        )
         if not res_path.exists():
             tail = (proc.stderr or "")[-2000:] if not verbose else ""
-            raise RuntimeError(f"the compile process exited with code {proc.returncode} "
-                               f"after {time.perf_counter() - t0:.0f}s without a result "
-                               f"(out of memory or killed?) {tail}")
+            raise RuntimeError(
+                f"the compile process exited with code {proc.returncode} "
+                f"after {time.perf_counter() - t0:.0f}s without a result "
+                f"(out of memory or killed?) {tail}"
+            )
         return json.loads(res_path.read_text())
 
 
@@ -177,4 +215,3 @@ def _main(argv: list[str]) -> int:
         res = {"error": f"{type(e).__name__}: {e}", "phase": phase}
     atomic_write_text(a.result, json.dumps(res))
     return 0
-

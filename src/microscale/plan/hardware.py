@@ -52,36 +52,66 @@ class Accelerator:
         return self.peak_flops.get(int(bits))
 
 
-ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator(name="h100", label="H100 SXM", peak_flops={16: 989 * T, 8: 1979 * T},
-                hbm_bytes=80e9, hbm_bw=3.35e12, link_bw=450e9,
-                source="NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 "
-                       "1,979 / FP8 3,958 TFLOPS with sparsity, 80 GB, 3.35 TB/s, NVLink "
-                       "900 GB/s"),
-    Accelerator(name="h200", label="H200 SXM", peak_flops={16: 989 * T, 8: 1979 * T},
-                hbm_bytes=141e9, hbm_bw=4.8e12, link_bw=450e9,
-                source="NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 "
-                       "1,979 / FP8 3,958 TFLOPS with sparsity, 141 GB, 4.8 TB/s, NVLink "
-                       "900 GB/s"),
-    Accelerator(name="b200", label="B200 (HGX, 1000 W)",
-                peak_flops={16: 2250 * T, 8: 4500 * T, 4: 9000 * T},
-                hbm_bytes=180e9, hbm_bw=8e12, link_bw=900e9,
-                source="NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx), "
-                       "8 GPUs: FP4 144 / FP8 72 / BF16 36 PFLOPS with sparsity, 1.44 TB "
-                       "HBM3e, 64 TB/s; NVLink 5 1.8 TB/s per GPU"),
-    Accelerator(name="gb200", label="GB200 (NVL72)",
-                peak_flops={16: 2500 * T, 8: 5000 * T, 4: 10000 * T},
-                hbm_bytes=186e9, hbm_bw=8e12, link_bw=900e9,
-                source="NVIDIA GB200 NVL72 specifications (nvidia.com/en-us/data-center/"
-                       "gb200-nvl72), 72 GPUs: FP4 1,440 / FP8 720 / BF16 360 PFLOPS with "
-                       "sparsity, 13.4 TB HBM3e, 576 TB/s; NVLink 5 1.8 TB/s per GPU"),
-    Accelerator(name="gb300", label="GB300 (NVL72, Blackwell Ultra)",
-                peak_flops={16: 2500 * T, 8: 5000 * T, 4: 15000 * T},
-                hbm_bytes=279e9, hbm_bw=8e12, link_bw=900e9,
-                source="NVIDIA GB300 NVL72 specifications (nvidia.com/en-us/data-center/"
-                       "gb300-nvl72), 72 GPUs: FP4 1,080 PFLOPS dense, FP8 720 / BF16 360 "
-                       "PFLOPS with sparsity, 20 TB HBM3e, 576 TB/s"),
-)}
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator(
+            name="h100",
+            label="H100 SXM",
+            peak_flops={16: 989 * T, 8: 1979 * T},
+            hbm_bytes=80e9,
+            hbm_bw=3.35e12,
+            link_bw=450e9,
+            source="NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 "
+            "1,979 / FP8 3,958 TFLOPS with sparsity, 80 GB, 3.35 TB/s, NVLink "
+            "900 GB/s",
+        ),
+        Accelerator(
+            name="h200",
+            label="H200 SXM",
+            peak_flops={16: 989 * T, 8: 1979 * T},
+            hbm_bytes=141e9,
+            hbm_bw=4.8e12,
+            link_bw=450e9,
+            source="NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 "
+            "1,979 / FP8 3,958 TFLOPS with sparsity, 141 GB, 4.8 TB/s, NVLink "
+            "900 GB/s",
+        ),
+        Accelerator(
+            name="b200",
+            label="B200 (HGX, 1000 W)",
+            peak_flops={16: 2250 * T, 8: 4500 * T, 4: 9000 * T},
+            hbm_bytes=180e9,
+            hbm_bw=8e12,
+            link_bw=900e9,
+            source="NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx), "
+            "8 GPUs: FP4 144 / FP8 72 / BF16 36 PFLOPS with sparsity, 1.44 TB "
+            "HBM3e, 64 TB/s; NVLink 5 1.8 TB/s per GPU",
+        ),
+        Accelerator(
+            name="gb200",
+            label="GB200 (NVL72)",
+            peak_flops={16: 2500 * T, 8: 5000 * T, 4: 10000 * T},
+            hbm_bytes=186e9,
+            hbm_bw=8e12,
+            link_bw=900e9,
+            source="NVIDIA GB200 NVL72 specifications (nvidia.com/en-us/data-center/"
+            "gb200-nvl72), 72 GPUs: FP4 1,440 / FP8 720 / BF16 360 PFLOPS with "
+            "sparsity, 13.4 TB HBM3e, 576 TB/s; NVLink 5 1.8 TB/s per GPU",
+        ),
+        Accelerator(
+            name="gb300",
+            label="GB300 (NVL72, Blackwell Ultra)",
+            peak_flops={16: 2500 * T, 8: 5000 * T, 4: 15000 * T},
+            hbm_bytes=279e9,
+            hbm_bw=8e12,
+            link_bw=900e9,
+            source="NVIDIA GB300 NVL72 specifications (nvidia.com/en-us/data-center/"
+            "gb300-nvl72), 72 GPUs: FP4 1,080 PFLOPS dense, FP8 720 / BF16 360 "
+            "PFLOPS with sparsity, 20 TB HBM3e, 576 TB/s",
+        ),
+    )
+}
 
 
 def get_accelerator(name: str) -> Accelerator:

@@ -25,19 +25,42 @@ from collections import defaultdict
 
 __all__ = ["COLLECTIVES", "HloModule", "shape_bytes"]
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-               "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_DTYPE_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-               "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32,
-               "f64": 64, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e8m0fnu": 8,
-               "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f4e2m1fn": 4, "c64": 64, "c128": 128,
-               "token": 0}
+_DTYPE_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "f8e4m3fn": 8,
+    "f8e5m2": 8,
+    "f8e4m3": 8,
+    "f8e8m0fnu": 8,
+    "f8e4m3fnuz": 8,
+    "f8e5m2fnuz": 8,
+    "f4e2m1fn": 4,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
-                     r"=%?([\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+)
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
@@ -64,7 +87,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
             depth += ch == "("
             depth -= ch == ")"
             if depth == 0:
-                return rest[:i + 1], rest[i + 1:].lstrip()
+                return rest[: i + 1], rest[i + 1 :].lstrip()
     shape, _, tail = rest.partition(" ")
     return shape, tail
 
@@ -149,8 +172,9 @@ class HloModule:
         "elements" compares programs that move the same values in different dtypes: XLA:CPU
         widens float4/float8 operands of a collective to float16, which a GPU moves as
         they are."""
-        out = {k: {"count": 0.0, "bytes": 0.0, "payload": 0.0, "elements": 0.0}
-               for k in COLLECTIVES}
+        out = {
+            k: {"count": 0.0, "bytes": 0.0, "payload": 0.0, "elements": 0.0} for k in COLLECTIVES
+        }
         for m, shape, op, tail in self._instructions():
             kind = op[:-6] if op.endswith("-start") else op
             if kind not in COLLECTIVES:
@@ -162,9 +186,13 @@ class HloModule:
             else:
                 size, elems = shape_bytes(shape), sum(math.prod(d) for _, d in arrays)
             n = max(_group_size(tail, self.n_devices), 1)
-            factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-                      "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
-                      "collective-permute": 1}[kind]
+            factor = {
+                "all-gather": (n - 1) / n,
+                "reduce-scatter": n - 1,
+                "all-reduce": 2 * (n - 1) / n,
+                "all-to-all": (n - 1) / n,
+                "collective-permute": 1,
+            }[kind]
             rec = out[kind]
             rec["count"] += m
             rec["bytes"] += m * size * factor
@@ -195,7 +223,7 @@ class HloModule:
             for _, shape, op, tail in instrs:
                 if op != "dot":
                     continue
-                args = tail[tail.index("(") + 1:].split(")", 1)[0]
+                args = tail[tail.index("(") + 1 :].split(")", 1)[0]
                 lhs = args.split(",")[0].strip()
                 lhs_arrays = _arrays(lhs) or _arrays(shapes.get(lhs.lstrip("%"), ""))
                 c = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", tail)

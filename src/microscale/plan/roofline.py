@@ -52,10 +52,15 @@ __all__ = ["LinearShape", "linear_shapes", "recipe_step_time", "roofline"]
 COMPUTE_BYTES = 2  # bf16 activations / gradients / operand inputs
 TERMS = ("gemm", "quantize", "attention", "lm_head", "elementwise", "optimizer")
 # Which tensor each operand slot reads, and its element count in terms of (M, K, N).
-_SLOT_TENSOR = {"fprop_x": "X", "wgrad_x": "X", "fprop_w": "W", "dgrad_w": "W",
-                "dgrad_dy": "dY", "wgrad_dy": "dY"}
-_TENSOR_SIZE = {"X": lambda m, k, n: m * k, "W": lambda m, k, n: k * n,
-                "dY": lambda m, k, n: m * n}
+_SLOT_TENSOR = {
+    "fprop_x": "X",
+    "wgrad_x": "X",
+    "fprop_w": "W",
+    "dgrad_w": "W",
+    "dgrad_dy": "dY",
+    "wgrad_dy": "dY",
+}
+_TENSOR_SIZE = {"X": lambda m, k, n: m * k, "W": lambda m, k, n: k * n, "dY": lambda m, k, n: m * n}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +117,14 @@ def _quantize_bytes(recipe, m: int, k: int, n: int, *, fused: bool) -> tuple[flo
         if not spec.quantized:
             continue
         tensor = _SLOT_TENSOR[slot]
-        twin = next((s for s in served if _SLOT_TENSOR[s] == tensor and ops[s] == spec
-                     and spec.transpose_invariant), None)
+        twin = next(
+            (
+                s
+                for s in served
+                if _SLOT_TENSOR[s] == tensor and ops[s] == spec and spec.transpose_invariant
+            ),
+            None,
+        )
         if twin is not None:
             continue
         served.add(slot)
@@ -133,9 +144,15 @@ def _quantize_bytes(recipe, m: int, k: int, n: int, *, fused: bool) -> tuple[flo
     return read + write, flops
 
 
-def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *,
-                     linears: list[LinearShape] | None = None,
-                     fused: bool = False) -> dict[str, Any]:
+def recipe_step_time(
+    cfg,
+    mesh: dict[str, int],
+    acc: Accelerator,
+    recipe: str,
+    *,
+    linears: list[LinearShape] | None = None,
+    fused: bool = False,
+) -> dict[str, Any]:
     """Per-device step time terms (seconds) of ``cfg`` (a TrainConfig) trained with
     ``recipe`` (its precision rules: ``cfg.precision``) on ``acc``.
     ``{"terms": {...}, "total": s, "supported": bool, "missing": [...]}``; an
@@ -161,8 +178,11 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
                 missing.add(bits)
                 continue
             m, k, n = tokens, lin.k, lin.n
-            a_el, b_el = {"fprop": (m * k, k * n), "dgrad": (m * n, k * n),
-                          "wgrad": (k * m, m * n)}[gemm]
+            a_el, b_el = {
+                "fprop": (m * k, k * n),
+                "dgrad": (m * n, k * n),
+                "wgrad": (k * m, m * n),
+            }[gemm]
             nbytes = (a_el * sa.spec.bits_per_element + b_el * sb.spec.bits_per_element) / 8
             nbytes += {"fprop": m * n, "dgrad": m * k, "wgrad": k * n}[gemm] * COMPUTE_BYTES
             t = max(2.0 * m * k * n / peak, nbytes / acc.hbm_bw)
@@ -187,22 +207,31 @@ def recipe_step_time(cfg, mesh: dict[str, int], acc: Accelerator, recipe: str, *
     local_params += (v * d * (1 if model.tie_embeddings else 2)) / (dp * tp)
     terms["optimizer"] = local_params * (28 + 8 * cfg.data.grad_accum) / acc.hbm_bw
     supported = not missing
-    return {"recipe": recipe, "terms": terms, "supported": supported,
-            "missing_bits": sorted(missing),
-            "total": sum(terms.values()) if supported else None,
-            "tokens_per_device": tokens}
+    return {
+        "recipe": recipe,
+        "terms": terms,
+        "supported": supported,
+        "missing_bits": sorted(missing),
+        "total": sum(terms.values()) if supported else None,
+        "tokens_per_device": tokens,
+    }
 
 
-def roofline(cfg, mesh: dict[str, int], acc: Accelerator,
-             recipes: tuple[str, ...] = ("bf16", "fp8", "nvfp4"), *,
-             comm_bytes: float | None = None, model=None) -> dict[str, Any]:
+def roofline(
+    cfg,
+    mesh: dict[str, int],
+    acc: Accelerator,
+    recipes: tuple[str, ...] = ("bf16", "fp8", "nvfp4"),
+    *,
+    comm_bytes: float | None = None,
+    model=None,
+) -> dict[str, Any]:
     """Step-time terms of each recipe, and the speed-up of the last recipe over each other
     one: total, GEMMs only, and with fused (one read per tensor) quantization. ``model``:
     the abstract Transformer of ``cfg.model`` if already built."""
     linears = linear_shapes(cfg.model, mesh, model)
     rows = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears) for r in recipes}
-    fused = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears, fused=True)
-             for r in recipes}
+    fused = {r: recipe_step_time(cfg, mesh, acc, r, linears=linears, fused=True) for r in recipes}
     target = recipes[-1]
     ratios: dict[str, dict[str, float] | None] = {}
     for base in recipes[:-1]:
@@ -214,12 +243,17 @@ def roofline(cfg, mesh: dict[str, int], acc: Accelerator,
             "step": a["total"] / b["total"],
             "gemm_only": a["terms"]["gemm"] / b["terms"]["gemm"],
             "step_fused_quantize": fused[base]["total"] / fused[target]["total"],
-            "step_without_quantize": ((a["total"] - a["terms"]["quantize"])
-                                      / (b["total"] - b["terms"]["quantize"])),
+            "step_without_quantize": (
+                (a["total"] - a["terms"]["quantize"]) / (b["total"] - b["terms"]["quantize"])
+            ),
         }
-    out: dict[str, Any] = {"accelerator": acc.name, "recipes": rows, "fused": fused,
-                           "target": target,
-           "speedup": ratios}
+    out: dict[str, Any] = {
+        "accelerator": acc.name,
+        "recipes": rows,
+        "fused": fused,
+        "target": target,
+        "speedup": ratios,
+    }
     if comm_bytes is not None:
         out["comm_s"] = comm_bytes / acc.link_bw
     return out

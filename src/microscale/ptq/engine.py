@@ -70,11 +70,17 @@ class ActQuant:
     palette: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        fm = tuple(sorted((str(p), str(f)) for p, f in dict(self.formats).items()
-                          if get_format(f).quantized))
+        fm = tuple(
+            sorted(
+                (str(p), str(f)) for p, f in dict(self.formats).items() if get_format(f).quantized
+            )
+        )
         object.__setattr__(self, "formats", fm)
-        pal = tuple(sorted({f for _, f in fm})) if self.palette is None else \
-            tuple(f for f in self.palette if get_format(f).quantized)
+        pal = (
+            tuple(sorted({f for _, f in fm}))
+            if self.palette is None
+            else tuple(f for f in self.palette if get_format(f).quantized)
+        )
         missing = sorted({f for _, f in fm} - set(pal))
         if missing:
             raise ValueError(f"ActQuant: format(s) {missing} are not in palette {pal}")
@@ -85,19 +91,27 @@ class ActQuant:
                 raise ValueError(f"ActQuant: no static amax for layer(s) {lack}")
 
     @classmethod
-    def matching(cls, assignment: Mapping[str, str], amax: Mapping[str, float] | None = None,
-                 palette: tuple[str, ...] | None = None) -> ActQuant:
+    def matching(
+        cls,
+        assignment: Mapping[str, str],
+        amax: Mapping[str, float] | None = None,
+        palette: tuple[str, ...] | None = None,
+    ) -> ActQuant:
         """Inputs in the same format as each layer's weight (bf16 layers: untouched)."""
-        return cls(formats=tuple(assignment.items()),
-                   amax=None if amax is None else dict(amax), palette=palette)
+        return cls(
+            formats=tuple(assignment.items()),
+            amax=None if amax is None else dict(amax),
+            palette=palette,
+        )
 
     def static_key(self) -> tuple:
         return (self.palette, self.amax is None)
 
 
 def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
-    vals, scale = quantize_dequantize(x, fmt, axis=-1, amax=amax, dtype=jnp.float32,
-                                      with_global_scale=True)
+    vals, scale = quantize_dequantize(
+        x, fmt, axis=-1, amax=amax, dtype=jnp.float32, with_global_scale=True
+    )
     del scale
     return vals.astype(x.dtype)
 
@@ -114,15 +128,18 @@ class Engine:
         without_remat(work)
         self.paths: list[str] = tappable_paths(work)
         if not self.paths:
-            raise ValueError("Engine: the model has no linear layer with a 2-D kernel "
-                             "(QLinear / nnx.Linear) to quantize")
+            raise ValueError(
+                "Engine: the model has no linear layer with a 2-D kernel "
+                "(QLinear / nnx.Linear) to quantize"
+            )
         self.graphdef, params, self.rest = nnx.split(work, nnx.Param, ...)  # type: ignore[misc]
         self.params: dict = nnx.to_pure_dict(params)
         self._kernel_keys = self._find_kernels(params)
         self.loss_fn: LossFn = loss_fn or next_token_loss
         self._jit_cache: dict[Any, Callable] = {}
-        self.kernels: dict[str, jax.Array] = {p: self._get(self.params, k)
-                                              for p, k in self._kernel_keys.items()}
+        self.kernels: dict[str, jax.Array] = {
+            p: self._get(self.params, k) for p, k in self._kernel_keys.items()
+        }
         self.numel = {p: int(np.prod(k.shape)) for p, k in self.kernels.items()}
         # Parameters that are not candidate kernels (embeddings, norms, LM head).
         total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
@@ -155,8 +172,10 @@ class Engine:
             key = self._kernel_keys[path]
             ref = self.kernels[path]
             if tuple(value.shape) != tuple(ref.shape):
-                raise ValueError(f"kernel for {path!r} has shape {tuple(value.shape)}; "
-                                 f"expected {tuple(ref.shape)}")
+                raise ValueError(
+                    f"kernel for {path!r} has shape {tuple(value.shape)}; "
+                    f"expected {tuple(ref.shape)}"
+                )
             node = out
             for k in key[:-1]:
                 node[k] = dict(node[k])
@@ -180,7 +199,8 @@ class Engine:
             if palette:
                 a = None if amax is None else amax[path]
                 branches = [lambda v, _a: v] + [
-                    (lambda v, a_, f=f: _qact(v, f, a_)) for f in palette]
+                    (lambda v, a_, f=f: _qact(v, f, a_)) for f in palette
+                ]
                 x = jax.lax.switch(sel[path], branches, x, a)
             return call(x)
 
@@ -192,8 +212,9 @@ class Engine:
             return (), None, None
         chosen = dict(act.formats)
         assert act.palette is not None  # ActQuant always carries its palette
-        sel = {p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0)
-               for p in self.paths}
+        sel = {
+            p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0) for p in self.paths
+        }
         amax = None
         if act.amax is not None:
             amax = {p: jnp.float32(act.amax.get(p, 1.0)) for p in self.paths}
@@ -208,12 +229,19 @@ class Engine:
                 model = self._model(params)
                 with intercept_linears(model, self._act_hook(palette, sel, amax)):
                     return self.loss_fn(model, tokens)
+
             return jax.jit(f)
 
         return self._cached(("loss", static), build)
 
-    def batch_losses(self, params: dict, batches, act: ActQuant | None = None, *,
-                     progress: Callable[[], None] | None = None) -> np.ndarray:
+    def batch_losses(
+        self,
+        params: dict,
+        batches,
+        act: ActQuant | None = None,
+        *,
+        progress: Callable[[], None] | None = None,
+    ) -> np.ndarray:
         """The loss of each batch (float64 ``[n]``; for paired comparisons); ``progress``
         is called after each batch."""
         fn = self._loss_jit(act)
@@ -231,8 +259,9 @@ class Engine:
         """Mean loss over ``batches`` (int32 ``[n, rows, seq + 1]`` or a list of batches)."""
         return float(np.mean(self.batch_losses(params, batches, act)))
 
-    def input_amax(self, batches, *, progress: Callable[[], None] | None = None
-                   ) -> dict[str, float]:
+    def input_amax(
+        self, batches, *, progress: Callable[[], None] | None = None
+    ) -> dict[str, float]:
         """``max |X_l|`` over ``batches`` of every linear layer's input (float32);
         ``progress`` is called after each batch."""
 
@@ -248,6 +277,7 @@ class Engine:
                 with intercept_linears(model, hook):
                     self.loss_fn(model, tokens)
                 return seen
+
             return jax.jit(f)
 
         fn = self._cached(("amax",), build)
@@ -259,10 +289,14 @@ class Engine:
                 progress()
         return out
 
-    def input_hessians(self, batches, *, act_format: str | None = None,
-                       act_amax: Mapping[str, float] | None = None,
-                       progress: Callable[[], None] | None = None
-                       ) -> dict[str, np.ndarray]:
+    def input_hessians(
+        self,
+        batches,
+        *,
+        act_format: str | None = None,
+        act_amax: Mapping[str, float] | None = None,
+        progress: Callable[[], None] | None = None,
+    ) -> dict[str, np.ndarray]:
         """``H_l = 2 X_l^T X_l / n`` (float64 ``[in, in]``) of every linear layer's input
         over ``batches`` (``n``: tokens), GPTQ's Hessian of the layer's output error. Layers
         that read the same input (q/k/v, gate/up) share one array. ``progress`` is called
@@ -274,8 +308,11 @@ class Engine:
         output error of the GEMM that runs: ``||Q_f(X) W - Q_f(X) W_q||``."""
         if act_format is not None and not get_format(act_format).quantized:
             act_format = None  # an unquantized input format reads X itself
-        amax = None if act_amax is None or act_format is None else \
-            {p: jnp.float32(act_amax[p]) for p in self.paths}
+        amax = (
+            None
+            if act_amax is None or act_format is None
+            else {p: jnp.float32(act_amax[p]) for p in self.paths}
+        )
 
         def build():
             def f(params, tokens, amax):
@@ -295,6 +332,7 @@ class Engine:
                     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
                     grams[p] = x2.T @ x2
                 return grams
+
             return jax.jit(f)
 
         fn = self._cached(("hessian", act_format, amax is None), build)
@@ -349,6 +387,7 @@ class Engine:
                 _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
                 (g,) = vjp(jnp.float32(1.0))
                 return xs, g
+
             return jax.jit(f)
 
         return self._cached(("capture",), build)
@@ -373,22 +412,32 @@ class Engine:
                 else:
                     dy = x32 @ cand
                 gp = g.astype(jnp.float32)
-                lin = jnp.sum(gp * dy)                          # first order
+                lin = jnp.sum(gp * dy)  # first order
                 tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
-                n_tok = np.prod(gp.shape[:-1])                  # loss terms
-                return jnp.stack([
-                    jnp.sum(jnp.square(gp * dy)),               # diagonal Fisher
-                    lin, tok, lin + 0.5 * n_tok * tok])         # Taylor estimate
+                n_tok = np.prod(gp.shape[:-1])  # loss terms
+                return jnp.stack(
+                    [
+                        jnp.sum(jnp.square(gp * dy)),  # diagonal Fisher
+                        lin,
+                        tok,
+                        lin + 0.5 * n_tok * tok,
+                    ]
+                )  # Taylor estimate
+
             return jax.jit(f)
 
         return self._cached(("terms", act_fmt, from_qarray), build)
 
-    def grad_terms(self, batches, deltas: Mapping[str, Mapping[str, Any]],
-                   act_formats: Mapping[str, bool] | None = None,
-                   act_amax: Mapping[str, float] | None = None,
-                   quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
-                   *, progress: Callable[[], None] | None = None,
-                   ) -> dict[str, dict[str, dict[str, float]]]:
+    def grad_terms(
+        self,
+        batches,
+        deltas: Mapping[str, Mapping[str, Any]],
+        act_formats: Mapping[str, bool] | None = None,
+        act_amax: Mapping[str, float] | None = None,
+        quantized_kernels: Mapping[str, Mapping[str, jax.Array]] | None = None,
+        *,
+        progress: Callable[[], None] | None = None,
+    ) -> dict[str, dict[str, dict[str, float]]]:
         """Taylor terms ``{term: {path: {format: sum over batches}}}`` with ``g = dL/dY``
         of the batch's mean loss and ``dY`` the output change of the layer in the format:
 
@@ -415,8 +464,7 @@ class Engine:
         """
         fmts = tuple(deltas)
         act_formats = dict(act_formats or {})
-        use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized
-                        for f in fmts)
+        use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized for f in fmts)
         capture = self._capture_jit()
         amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
         terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
@@ -445,12 +493,15 @@ class Engine:
 
     def ref_logp(self, tokens) -> jax.Array:
         """Log-probabilities ``[rows, seq, vocab]`` of the reference model on one batch."""
+
         def build():
             return jax.jit(lambda params, t: _next_token_logp(self._model(params), t))
+
         return self._cached(("logp",), build)(self.params, jnp.asarray(tokens))
 
-    def kl_and_loss(self, params: dict, tokens, ref_logp, act: ActQuant | None = None
-                    ) -> tuple[float, float]:
+    def kl_and_loss(
+        self, params: dict, tokens, ref_logp, act: ActQuant | None = None
+    ) -> tuple[float, float]:
         """``(KL(p_ref || p_params), loss)`` on one batch (means over tokens)."""
         static = None if act is None else act.static_key()
         palette = () if act is None else act.palette
@@ -463,6 +514,7 @@ class Engine:
                 logp = jax.nn.log_softmax(logits, axis=-1)
                 kl = jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1).mean()
                 return kl, cross_entropy(logits, tokens[:, 1:])
+
             return jax.jit(f)
 
         fn = self._cached(("kl", static), build)

@@ -78,15 +78,23 @@ def inverse_hessian_factor(hessian, damp: float = 0.01) -> tuple[np.ndarray, np.
     try:
         r = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
     except np.linalg.LinAlgError:
-        raise ValueError(f"gptq: the damped Hessian is not positive definite (damp={damp}); "
-                         "raise damp") from None
+        raise ValueError(
+            f"gptq: the damped Hessian is not positive definite (damp={damp}); raise damp"
+        ) from None
     upper = scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False)
     return upper, dead
 
 
-def gptq_quantize(w_t, hessian, fmt: str | FormatSpec, *, amax=None,
-                  four_over_six: bool = False, damp: float = 0.01, block: int = 128
-                  ) -> QArray:
+def gptq_quantize(
+    w_t,
+    hessian,
+    fmt: str | FormatSpec,
+    *,
+    amax=None,
+    four_over_six: bool = False,
+    damp: float = 0.01,
+    block: int = 128,
+) -> QArray:
     """GPTQ-quantize ``w_t [out, in]`` along ``in`` (axis -1) given the layer's input
     Hessian ``[in, in]`` (module doc). ``amax``: tensor amax for formats with a tensor
     scale (default ``max|w_t|``); ``four_over_six``: per-block 4/6 scale choice (E4M3
@@ -99,12 +107,16 @@ def gptq_quantize(w_t, hessian, fmt: str | FormatSpec, *, amax=None,
         raise ValueError(f"gptq: expected a 2-D [out, in] weight, got shape {w.shape}")
     n_in = w.shape[1]
     if tuple(np.shape(hessian)) != (n_in, n_in):
-        raise ValueError(f"gptq: hessian has shape {tuple(np.shape(hessian))}; the weight "
-                         f"[out, in] = {tuple(w.shape)} needs [{n_in}, {n_in}]")
+        raise ValueError(
+            f"gptq: hessian has shape {tuple(np.shape(hessian))}; the weight "
+            f"[out, in] = {tuple(w.shape)} needs [{n_in}, {n_in}]"
+        )
     group = spec.block_size or 16  # per-tensor scales: any group (columns unrolled per group)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block % group:
-        raise ValueError(f"gptq: block={block!r}: expected a positive multiple of the format's "
-                         f"block size {group}")
+        raise ValueError(
+            f"gptq: block={block!r}: expected a positive multiple of the format's "
+            f"block size {group}"
+        )
     if not spec.quantized:
         return quantize(w, spec, axis=-1)
     upper, dead = inverse_hessian_factor(hessian, damp)
@@ -113,17 +125,35 @@ def gptq_quantize(w_t, hessian, fmt: str | FormatSpec, *, amax=None,
     pad = -n_in % block
     u = np.pad(upper, ((0, pad), (0, pad)))
     u[np.arange(n_in, n_in + pad), np.arange(n_in, n_in + pad)] = 1.0
-    vals, scales = _gptq_loop(jnp.pad(w, ((0, 0), (0, pad))), jnp.asarray(u, jnp.float32),
-                              a if spec.has_tensor_scale else None, spec=spec,
-                              four6=bool(four_over_six), block=block, group=group)
-    template = quantize(w, spec, axis=-1, amax=a if spec.has_tensor_scale else None,
-                        four_over_six=bool(four_over_six))
+    vals, scales = _gptq_loop(
+        jnp.pad(w, ((0, 0), (0, pad))),
+        jnp.asarray(u, jnp.float32),
+        a if spec.has_tensor_scale else None,
+        spec=spec,
+        four6=bool(four_over_six),
+        block=block,
+        group=group,
+    )
+    template = quantize(
+        w,
+        spec,
+        axis=-1,
+        amax=a if spec.has_tensor_scale else None,
+        four_over_six=bool(four_over_six),
+    )
     if spec.block_size is not None:
         assert template.scales is not None  # a block-scaled QArray
         n_blocks = template.scales.shape[-1]
         stored = jax.lax.bitcast_convert_type(scales[:, :n_blocks], template.scales.dtype)
-        template = QArray(template.data, stored, template.global_scale, template.spec,
-                          template.axis, template.shape, template.block_shape)
+        template = QArray(
+            template.data,
+            stored,
+            template.global_scale,
+            template.spec,
+            template.axis,
+            template.shape,
+            template.block_shape,
+        )
     return requantize(vals[:, :n_in], template)
 
 
@@ -162,9 +192,9 @@ def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: 
                 scales = jax.lax.dynamic_update_slice(scales, raw, (0, (i1 + g0) // group))
             qs, errs = [], []
             for ci in range(group):  # static: unrolled
-                qj = requantize_values(g, fixed)[:, ci:ci + 1]
-                err = (g[:, ci:ci + 1] - qj) / ugg[ci, ci]
-                g = g - err * ugg[ci:ci + 1, :]  # U upper triangular: earlier columns kept
+                qj = requantize_values(g, fixed)[:, ci : ci + 1]
+                err = (g[:, ci : ci + 1] - qj) / ugg[ci, ci]
+                g = g - err * ugg[ci : ci + 1, :]  # U upper triangular: earlier columns kept
                 qs.append(qj)
                 errs.append(err)
             eg = jnp.concatenate(errs, axis=1)
@@ -174,8 +204,9 @@ def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: 
             return w1, q1, e1, scales
 
         zeros = jnp.zeros_like(w1)
-        _, q1, e1, scales = jax.lax.fori_loop(0, block // group, one_group,
-                                              (w1, zeros, zeros, scales))
+        _, q1, e1, scales = jax.lax.fori_loop(
+            0, block // group, one_group, (w1, zeros, zeros, scales)
+        )
         q = jax.lax.dynamic_update_slice(q, q1, (0, i1))
         # the block's errors onto every later column (earlier ones: U is zero there)
         w = w - e1 @ jax.lax.dynamic_slice(u, (i1, 0), (block, kp))

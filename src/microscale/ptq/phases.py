@@ -50,8 +50,13 @@ def peak_rss_gb() -> float:
 class Phases:
     """Per-phase ``timings`` (seconds) and ``peak_rss_gb`` (GiB), with progress output."""
 
-    def __init__(self, log: Callable[[str], None] | None = None, *, show: bool = True,
-                 prefix: str = "quantize"):
+    def __init__(
+        self,
+        log: Callable[[str], None] | None = None,
+        *,
+        show: bool = True,
+        prefix: str = "quantize",
+    ):
         # Message sink for plain progress lines (None: silent).
         self.log = log
         # Show progress at all (a bar on a terminal, else lines through log).
@@ -62,8 +67,9 @@ class Phases:
         self.peak_rss_scope = "phase"
 
     @contextlib.contextmanager
-    def phase(self, name: str, total: int | None = None, unit: str = "batch"
-              ) -> Iterator[Callable[..., None]]:
+    def phase(
+        self, name: str, total: int | None = None, unit: str = "batch"
+    ) -> Iterator[Callable[..., None]]:
         """Time ``name``; yields ``tick(n=1)`` that advances its progress by ``n``."""
         if not _reset_peak():
             self.peak_rss_scope = "process"
@@ -73,8 +79,14 @@ class Phases:
         if self.show and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc=f"{self.prefix} {name}", unit=unit, leave=False,
-                       dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(
+                total=total,
+                desc=f"{self.prefix} {name}",
+                unit=unit,
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         step = max(1, total // 10) if total else 10  # plain lines: ~10 per phase
         units = unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
 
@@ -85,8 +97,9 @@ class Phases:
                 bar.update(n)
             elif self.log is not None and self.show and (done % step < n or done == total):
                 of = f"/{total}" if total else ""
-                self.log(f"{self.prefix}: {name} {done}{of} {units} "
-                         f"({time.perf_counter() - t0:.0f}s)")
+                self.log(
+                    f"{self.prefix}: {name} {done}{of} {units} ({time.perf_counter() - t0:.0f}s)"
+                )
 
         try:
             yield tick

@@ -78,8 +78,16 @@ from microscale.ptq.weights import (
     supports_four_over_six,
 )
 
-__all__ = ["DEFAULT_FORMATS", "GGUF_CANDIDATES", "QuantizeConfig", "QuantizeResult",
-           "allocation_rules", "heuristic_allocation", "ptq_recipe", "quantize_model"]
+__all__ = [
+    "DEFAULT_FORMATS",
+    "GGUF_CANDIDATES",
+    "QuantizeConfig",
+    "QuantizeResult",
+    "allocation_rules",
+    "heuristic_allocation",
+    "ptq_recipe",
+    "quantize_model",
+]
 
 DEFAULT_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
 # What ggml / llama.cpp runs natively (microscale.export.gguf), for --target gguf.
@@ -154,32 +162,41 @@ class QuantizeConfig:
 
     def __post_init__(self):
         b = self.budget
-        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) \
-                or b <= 0:
-            raise ValueError(f"QuantizeConfig.budget={b!r}: expected a positive number of "
-                             "bits per weight element (e.g. 4.8)")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) or b <= 0:
+            raise ValueError(
+                f"QuantizeConfig.budget={b!r}: expected a positive number of "
+                "bits per weight element (e.g. 4.8)"
+            )
         object.__setattr__(self, "formats", _check_format_list("formats", self.formats))
-        object.__setattr__(self, "uniform_formats",
-                           _check_format_list("uniform_formats", self.uniform_formats))
+        object.__setattr__(
+            self, "uniform_formats", _check_format_list("uniform_formats", self.uniform_formats)
+        )
         _check_format_list("heuristic", self.heuristic)
         if len(self.heuristic) != 2:
-            raise ValueError(f"QuantizeConfig.heuristic={self.heuristic!r}: expected "
-                             "(high format, low format)")
+            raise ValueError(
+                f"QuantizeConfig.heuristic={self.heuristic!r}: expected (high format, low format)"
+            )
         if self.method not in METHODS:
             raise ValueError(f"QuantizeConfig.method={self.method!r}: expected one of {METHODS}")
-        if isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int) \
-                or self.calib_tokens < 1:
-            raise ValueError(f"QuantizeConfig.calib_tokens={self.calib_tokens!r}: expected a "
-                             "positive int")
+        if (
+            isinstance(self.calib_tokens, bool)
+            or not isinstance(self.calib_tokens, int)
+            or self.calib_tokens < 1
+        ):
+            raise ValueError(
+                f"QuantizeConfig.calib_tokens={self.calib_tokens!r}: expected a positive int"
+            )
         if self.solver not in ("auto", "dp", "milp"):
-            raise ValueError(f"QuantizeConfig.solver={self.solver!r}: expected 'auto', 'dp' or "
-                             "'milp'")
+            raise ValueError(
+                f"QuantizeConfig.solver={self.solver!r}: expected 'auto', 'dp' or 'milp'"
+            )
         for name in ("groups", "pin"):
             pairs = tuple(tuple(x) for x in getattr(self, name))
             for pair in pairs:
                 if len(pair) != 2:
-                    raise ValueError(f"QuantizeConfig.{name} entry {pair!r}: expected a "
-                                     "(regex, value) pair")
+                    raise ValueError(
+                        f"QuantizeConfig.{name} entry {pair!r}: expected a (regex, value) pair"
+                    )
                 try:
                     re.compile(pair[0])
                 except re.error as e:
@@ -189,8 +206,9 @@ class QuantizeConfig:
             object.__setattr__(self, name, pairs)
         budgets = tuple(float(x) for x in self.pareto_budgets)
         if any(not (math.isfinite(x) and x > 0) for x in budgets):
-            raise ValueError(f"QuantizeConfig.pareto_budgets={self.pareto_budgets!r}: expected "
-                             "positive numbers")
+            raise ValueError(
+                f"QuantizeConfig.pareto_budgets={self.pareto_budgets!r}: expected positive numbers"
+            )
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
@@ -200,8 +218,14 @@ class QuantizeConfig:
         """Search only what llama.cpp runs natively (``GGUF_CANDIDATES``: nvfp4, mxfp4, q8_0,
         bf16 at 4.5, 4.25, 8.5 and 16 bits per weight, ggml's block sizes), with the
         heuristic's 8-bit layers in q8_0."""
-        return cls(**{"formats": GGUF_CANDIDATES, "uniform_formats": GGUF_CANDIDATES,
-                      "heuristic": ("q8_0", "nvfp4"), **overrides})
+        return cls(
+            **{
+                "formats": GGUF_CANDIDATES,
+                "uniform_formats": GGUF_CANDIDATES,
+                "heuristic": ("q8_0", "nvfp4"),
+                **overrides,
+            }
+        )
 
     @property
     def use_monotone(self) -> bool:
@@ -215,6 +239,7 @@ class QuantizeConfig:
 
 
 # ---------------------------------------------------------------------- rules
+
 
 def ptq_recipe(fmt: str, activations: bool = False) -> Recipe | str:
     """The inference recipe of a layer stored in ``fmt``: forward weights in ``fmt`` (1-D
@@ -250,6 +275,7 @@ def allocation_rules(formats: Mapping[str, str], activations: bool = False) -> P
 
 # ---------------------------------------------------------------------- allocations
 
+
 def _block_index(path: str) -> int | None:
     for part in path.split("."):
         if part.isdigit():
@@ -257,9 +283,14 @@ def _block_index(path: str) -> int | None:
     return None
 
 
-def heuristic_allocation(paths: Sequence[str], high: str, low: str, *,
-                         pinned: Mapping[str, str] | None = None,
-                         groups: Mapping[str, str] | None = None) -> dict[str, str]:
+def heuristic_allocation(
+    paths: Sequence[str],
+    high: str,
+    low: str,
+    *,
+    pinned: Mapping[str, str] | None = None,
+    groups: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The fixed heuristic: ``high`` for the first and last blocks (first integer path
     component) and for down-projections (paths ending in ``down_proj``), ``low`` for the
     rest; a group with one high member is high; pinned layers keep their format."""
@@ -280,6 +311,7 @@ def _uniform(paths: Sequence[str], fmt: str, pinned: Mapping[str, str]) -> dict[
 
 
 # ---------------------------------------------------------------------- result
+
 
 @dataclasses.dataclass(kw_only=True)
 class QuantizeResult:
@@ -328,8 +360,7 @@ class QuantizeResult:
     @property
     def val_ppl(self) -> dict[str, float]:
         """{"bf16", "uniform_<fmt>", "heuristic", "searched", ...}: validation perplexity."""
-        return {k: v["val_ppl"] for k, v in self.points.items()
-                if not k.startswith("pareto_")}
+        return {k: v["val_ppl"] for k, v in self.points.items() if not k.startswith("pareto_")}
 
     def report(self) -> dict[str, Any]:
         """The JSON report (``report.json``)."""
@@ -384,11 +415,16 @@ def _jsonable(x):
 
 # ---------------------------------------------------------------------- the run
 
+
 class _Weights:
     """Quantized kernels per (format, PTQ options), computed once per group."""
 
-    def __init__(self, engine: Engine, groups: Mapping[str, str],
-                 hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        groups: Mapping[str, str],
+        hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None,
+    ):
         self.engine = engine
         # {path: input Hessian} for GPTQ, or format -> {path: Hessian} (W4A4: the inputs
         # quantized in that format; computed when GPTQ first needs the format, the latest
@@ -425,16 +461,23 @@ class _Weights:
             self._hessians_of = (fmt, self.hessians(fmt))
         return self._hessians_of[1]
 
-    def for_assignment(self, assignment: Mapping[str, str], ptq: WeightPTQ
-                       ) -> dict[str, QuantizedWeight]:
+    def for_assignment(
+        self, assignment: Mapping[str, str], ptq: WeightPTQ
+    ) -> dict[str, QuantizedWeight]:
         return {p: self.get(f, ptq)[p] for p, f in assignment.items()}
 
 
-def quantize_model(model: Any, calib_batches, eval_batches,
-                   config: QuantizeConfig | None = None, *, loss_fn: LossFn | None = None,
-                   calibration: Mapping[str, Any] | None = None,
-                   trained: Mapping[str, str] | None = None,
-                   log: Callable[[str], None] | None = None) -> QuantizeResult:
+def quantize_model(
+    model: Any,
+    calib_batches,
+    eval_batches,
+    config: QuantizeConfig | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    calibration: Mapping[str, Any] | None = None,
+    trained: Mapping[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
 
     Long: the run's phases in order over shared state; its split into one function per
@@ -457,8 +500,10 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
     if not calib or not evals:
-        raise ValueError(f"quantize_model needs calibration and evaluation batches (got "
-                         f"{len(calib)} and {len(evals)})")
+        raise ValueError(
+            f"quantize_model needs calibration and evaluation batches (got "
+            f"{len(calib)} and {len(evals)})"
+        )
     phases = Phases(log)
     with phases.phase("setup", total=1, unit="model"):
         engine = Engine(model, loss_fn=loss_fn)
@@ -473,13 +518,17 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     if trained is not None:
         missing = sorted(set(paths) - set(trained))
         if missing:
-            raise ValueError(f"quantize_model: trained allocation has no format for "
-                             f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
-                             f"for every linear layer")
+            raise ValueError(
+                f"quantize_model: trained allocation has no format for "
+                f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
+                f"for every linear layer"
+            )
         trained = {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
     extra = engine.other_numel if cfg.count_other_params else 0
-    say(f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
-        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches")
+    say(
+        f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
+        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
+    )
 
     # 1. calibration: input amax (and GPTQ's input Hessians); weight statistics come with
     # the quantized weights.
@@ -489,8 +538,10 @@ def quantize_model(model: Any, calib_batches, eval_batches,
         static = act_amax if (cfg.activations and cfg.static_act_scales) else None
         hessians: Any = None
         if gptq and cfg.activations:  # W4A4: each format's Hessians from its inputs
+
             def hessians(fmt: str) -> dict[str, np.ndarray]:
                 return engine.input_hessians(calib, act_format=fmt, act_amax=static)
+
             tick(len(calib))
         elif gptq:
             hessians = engine.input_hessians(calib, progress=tick)
@@ -504,24 +555,42 @@ def quantize_model(model: Any, calib_batches, eval_batches,
 
     # 2. sensitivity: one capture pass per batch, each layer's candidates in turn
     with phases.phase("score", total=len(calib)) as tick:
-        raw = score(engine, calib, cand, cfg.method, activations=cfg.activations,
-                    act_amax=static, progress=tick)
+        raw = score(
+            engine,
+            calib,
+            cand,
+            cfg.method,
+            activations=cfg.activations,
+            act_amax=static,
+            progress=tick,
+        )
         scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
     del cand
-    say(f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
-        f"in {phases.timings['score_s']:.1f}s")
+    say(
+        f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
+        f"in {phases.timings['score_s']:.1f}s"
+    )
 
     # 3. search
     with phases.phase("search", total=1, unit="solve"):
-        problem = Problem(formats=cfg.formats, scores=scores, numel=engine.numel,
-                          groups=groups, pinned=pinned, extra_numel=extra)
+        problem = Problem(
+            formats=cfg.formats,
+            scores=scores,
+            numel=engine.numel,
+            groups=groups,
+            pinned=pinned,
+            extra_numel=extra,
+        )
         alloc = search(problem, cfg.budget, solver=cfg.solver)
-    say(f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
-        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms")
+    say(
+        f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
+        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
+    )
 
     # 4. evaluation
-    evaluator = _Evaluator(engine, weights, evals, cfg, static, extra,
-                           extra_formats=tuple((trained or {}).values()))
+    evaluator = _Evaluator(
+        engine, weights, evals, cfg, static, extra, extra_formats=tuple((trained or {}).values())
+    )
     with phases.phase("evaluate", total=None) as tick:
         evaluator.progress = tick
         points: dict[str, dict[str, Any]] = {}
@@ -532,13 +601,15 @@ def quantize_model(model: Any, calib_batches, eval_batches,
             points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
         heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
         points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
-        points["searched"] = evaluator.point(alloc.formats, cfg.ptq, kind="searched",
-                                             budget=cfg.budget)
+        points["searched"] = evaluator.point(
+            alloc.formats, cfg.ptq, kind="searched", budget=cfg.budget
+        )
         hb = points["heuristic"]["effective_bits"]
         try:
             at_h = search(problem, hb + 1e-9, solver=cfg.solver)
-            points["searched_at_heuristic_bits"] = evaluator.point(at_h.formats, cfg.ptq,
-                                                                   kind="searched", budget=hb)
+            points["searched_at_heuristic_bits"] = evaluator.point(
+                at_h.formats, cfg.ptq, kind="searched", budget=hb
+            )
         except ValueError:
             pass
         for b in cfg.pareto_budgets:
@@ -549,8 +620,11 @@ def quantize_model(model: Any, calib_batches, eval_batches,
                 continue
             points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
         comparisons = {}
-        refs = {"heuristic": heur, "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
-                "bf16": _uniform(paths, "bf16", {})}
+        refs = {
+            "heuristic": heur,
+            "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
+            "bf16": _uniform(paths, "bf16", {}),
+        }
         compared = {"searched": (alloc.formats, cfg.ptq)}
         if trained is not None:
             # QAT trained its weights against round-to-nearest, and export rounds so
@@ -563,11 +637,17 @@ def quantize_model(model: Any, calib_batches, eval_batches,
         for label, (assignment, ptq) in compared.items():
             for name, ref in refs.items():
                 if name in points:
-                    comparisons[f"{label} - {name}"] = evaluator.paired(assignment, ref, ptq,
-                                                                         cfg.ptq)
-    say("quantize: val ppl " + ", ".join(f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
-                                         for k, v in points.items()
-                                         if not k.startswith("pareto_")))
+                    comparisons[f"{label} - {name}"] = evaluator.paired(
+                        assignment, ref, ptq, cfg.ptq
+                    )
+    say(
+        "quantize: val ppl "
+        + ", ".join(
+            f"{k} {v['val_ppl']:.4f} @ {v['effective_bits']:.2f}b"
+            for k, v in points.items()
+            if not k.startswith("pareto_")
+        )
+    )
 
     # 5. effect of each PTQ choice
     effects: dict[str, Any] = {}
@@ -578,28 +658,51 @@ def quantize_model(model: Any, calib_batches, eval_batches,
     evaluator.progress = None
 
     return QuantizeResult(
-        config=cfg, paths=paths, numel=dict(engine.numel), groups=groups, pinned=pinned,
-        act_amax=act_amax, weight_stats=stats, scores_raw=raw, scores=scores,
-        allocation=alloc, points=points, comparisons=comparisons, ptq_effects=effects,
+        config=cfg,
+        paths=paths,
+        numel=dict(engine.numel),
+        groups=groups,
+        pinned=pinned,
+        act_amax=act_amax,
+        weight_stats=stats,
+        scores_raw=raw,
+        scores=scores,
+        allocation=alloc,
+        points=points,
+        comparisons=comparisons,
+        ptq_effects=effects,
         rules=allocation_rules(alloc.formats, cfg.activations),
         weights=weights.for_assignment(alloc.formats, cfg.ptq),
-        calibration=dict(calibration or {}, batches=len(calib),
-                         tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib))),
-        timings=phases.timings, peak_rss_gb=phases.peak_rss_gb, engine=engine)
+        calibration=dict(
+            calibration or {},
+            batches=len(calib),
+            tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib)),
+        ),
+        timings=phases.timings,
+        peak_rss_gb=phases.peak_rss_gb,
+        engine=engine,
+    )
 
 
-def _weight_stats(engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeight]]
-                  ) -> dict[str, dict[str, Any]]:
+def _weight_stats(
+    engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeight]]
+) -> dict[str, dict[str, Any]]:
     out = {}
     for p in engine.paths:
         k = np.asarray(engine.kernels[p], np.float32)
-        row: dict[str, Any] = {"amax": float(np.max(np.abs(k))),
-                               "rms": float(np.sqrt(np.mean(k * k))),
-                               "shape": list(k.shape)}
+        row: dict[str, Any] = {
+            "amax": float(np.max(np.abs(k))),
+            "rms": float(np.sqrt(np.mean(k * k))),
+            "shape": list(k.shape),
+        }
         for f, qw in cand.items():
             w = qw[p]
-            row[f] = {"rel_mse": w.rel_mse, "rel_mse_rtn": w.rel_mse_rtn,
-                      "scale_multiplier": w.scale_multiplier, "four_fraction": w.four_fraction}
+            row[f] = {
+                "rel_mse": w.rel_mse,
+                "rel_mse_rtn": w.rel_mse_rtn,
+                "scale_multiplier": w.scale_multiplier,
+                "four_fraction": w.four_fraction,
+            }
         out[p] = row
     return out
 
@@ -607,8 +710,16 @@ def _weight_stats(engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeigh
 class _Evaluator:
     """Validation loss of allocations (cached by allocation and PTQ options)."""
 
-    def __init__(self, engine: Engine, weights: _Weights, evals, cfg: QuantizeConfig,
-                 static_amax, extra_numel: int, extra_formats: Sequence[str] = ()):
+    def __init__(
+        self,
+        engine: Engine,
+        weights: _Weights,
+        evals,
+        cfg: QuantizeConfig,
+        static_amax,
+        extra_numel: int,
+        extra_formats: Sequence[str] = (),
+    ):
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
         self.extra = extra_numel
@@ -616,65 +727,103 @@ class _Evaluator:
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
-        self.palette = tuple(sorted({f for f in (*cfg.formats, *cfg.uniform_formats,
-                                                 *cfg.heuristic, *extra_formats)
-                                     if get_format(f).quantized}))
+        self.palette = tuple(
+            sorted(
+                {
+                    f
+                    for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *extra_formats)
+                    if get_format(f).quantized
+                }
+            )
+        )
 
     def loss(self, assignment: Mapping[str, str], ptq: WeightPTQ, **kw) -> float:
         return float(np.mean(self.batch_losses(assignment, ptq, **kw)))
 
-    def batch_losses(self, assignment: Mapping[str, str], ptq: WeightPTQ, *,
-                     activations: bool | None = None,
-                     amax: Mapping[str, float] | None = None) -> np.ndarray:
+    def batch_losses(
+        self,
+        assignment: Mapping[str, str],
+        ptq: WeightPTQ,
+        *,
+        activations: bool | None = None,
+        amax: Mapping[str, float] | None = None,
+    ) -> np.ndarray:
         acts = self.cfg.activations if activations is None else activations
         amax = self.static_amax if amax is None and activations is None else amax
-        key = (tuple(sorted(assignment.items())), ptq, acts,
-               None if amax is None else tuple(sorted(amax.items())))
+        key = (
+            tuple(sorted(assignment.items())),
+            ptq,
+            acts,
+            None if amax is None else tuple(sorted(amax.items())),
+        )
         if key not in self._cache:
             qw = self.weights.for_assignment(assignment, ptq)
             params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
             act = ActQuant.matching(assignment, amax, self.palette) if acts else None
-            self._cache[key] = self.engine.batch_losses(params, self.evals, act,
-                                                        progress=self.progress)
+            self._cache[key] = self.engine.batch_losses(
+                params, self.evals, act, progress=self.progress
+            )
             del params
         return self._cache[key]
 
-    def paired(self, a: Mapping[str, str], b: Mapping[str, str], ptq: WeightPTQ,
-               ptq_b: WeightPTQ | None = None) -> dict[str, float]:
+    def paired(
+        self,
+        a: Mapping[str, str],
+        b: Mapping[str, str],
+        ptq: WeightPTQ,
+        ptq_b: WeightPTQ | None = None,
+    ) -> dict[str, float]:
         """Mean per-batch loss difference ``a - b`` on the evaluation batches, its standard
         error and t = mean / se (the batches are the pairs: both see the same tokens); ``b``
         rounded with ``ptq_b`` (default: ``ptq``, as ``a``)."""
         d = self.batch_losses(a, ptq) - self.batch_losses(b, ptq if ptq_b is None else ptq_b)
         se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
         mean = float(np.mean(d))
-        return {"dloss": mean, "se": se,
-                "t": mean / se if se and math.isfinite(se) and se > 0 else float("nan"),
-                "batches": int(len(d))}
+        return {
+            "dloss": mean,
+            "se": se,
+            "t": mean / se if se and math.isfinite(se) and se > 0 else float("nan"),
+            "batches": int(len(d)),
+        }
 
-    def point(self, assignment: Mapping[str, str], ptq: WeightPTQ, *, kind: str,
-              budget: float | None = None, **kw) -> dict[str, Any]:
+    def point(
+        self,
+        assignment: Mapping[str, str],
+        ptq: WeightPTQ,
+        *,
+        kind: str,
+        budget: float | None = None,
+        **kw,
+    ) -> dict[str, Any]:
         losses = self.batch_losses(assignment, ptq, **kw)
         loss = float(np.mean(losses))
         bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
         # per-batch losses: pairs with any other point (or run) on the same batches
-        out = {"kind": kind, "effective_bits": bits,
-               **model_bits(assignment, self.engine.numel, self.engine.other_numel),
-               "val_loss": loss, "val_ppl": float(math.exp(loss)),
-               "batch_losses": [float(v) for v in losses]}
+        out = {
+            "kind": kind,
+            "effective_bits": bits,
+            **model_bits(assignment, self.engine.numel, self.engine.other_numel),
+            "val_loss": loss,
+            "val_ppl": float(math.exp(loss)),
+            "batch_losses": [float(v) for v in losses],
+        }
         if budget is not None:
             out["budget"] = budget
             out["layers"] = dict(assignment)
         return out
 
 
-def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allocation,
-                 act_amax) -> dict[str, Any]:
+def _ptq_effects(
+    ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allocation, act_amax
+) -> dict[str, Any]:
     """Validation perplexity with each PTQ choice on and off, per applicable format."""
     grid = cfg.ptq.scale_grid
-    variants = {"rtn": WeightPTQ.rtn(),
-                "mse_scale": WeightPTQ(mse_scale=True, four_over_six=False, scale_grid=grid),
-                "four_over_six": WeightPTQ(mse_scale=False, four_over_six=True),
-                "both": WeightPTQ(mse_scale=True, four_over_six=True, scale_grid=grid)}
+    variants = {
+        "rtn": WeightPTQ.rtn(),
+        "mse_scale": WeightPTQ(mse_scale=True, four_over_six=False, scale_grid=grid),
+        "four_over_six": WeightPTQ(mse_scale=False, four_over_six=True),
+        "both": WeightPTQ(mse_scale=True, four_over_six=True, scale_grid=grid),
+    }
     if cfg.ptq.method == "gptq":
         variants["gptq"] = cfg.ptq
     out: dict[str, Any] = {"weights": {}, "activations": {}}
@@ -683,14 +832,20 @@ def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allo
         tensor, four6 = spec.has_tensor_scale, supports_four_over_six(spec)
         if not (tensor or four6 or ("gptq" in variants and spec.quantized)):
             continue
-        names = ["rtn"] + (["mse_scale"] if tensor else []) + \
-            (["four_over_six"] if four6 else []) + (["both"] if tensor and four6 else []) + \
-            (["gptq"] if "gptq" in variants else [])
+        names = (
+            ["rtn"]
+            + (["mse_scale"] if tensor else [])
+            + (["four_over_six"] if four6 else [])
+            + (["both"] if tensor and four6 else [])
+            + (["gptq"] if "gptq" in variants else [])
+        )
         assign = _uniform(paths, f, pinned)
         out["weights"][f"uniform_{f}"] = {
-            n: float(math.exp(ev.loss(assign, variants[n]))) for n in names}
-    out["weights"]["searched"] = {n: float(math.exp(ev.loss(alloc.formats, v)))
-                                  for n, v in variants.items()}
+            n: float(math.exp(ev.loss(assign, variants[n]))) for n in names
+        }
+    out["weights"]["searched"] = {
+        n: float(math.exp(ev.loss(alloc.formats, v))) for n, v in variants.items()
+    }
     # W4A4 / W8A8 inputs: dynamic (per batch) vs static calibrated amax, vs weight-only.
     for f in cfg.uniform_formats:
         spec = get_format(f)
@@ -700,7 +855,6 @@ def _ptq_effects(ev: _Evaluator, cfg: QuantizeConfig, paths, pinned, alloc: Allo
         out["activations"][f"uniform_{f}"] = {
             "weight_only": float(math.exp(ev.loss(assign, cfg.ptq, activations=False))),
             "dynamic": float(math.exp(ev.loss(assign, cfg.ptq, activations=True))),
-            "static": float(math.exp(ev.loss(assign, cfg.ptq, activations=True,
-                                             amax=act_amax))),
+            "static": float(math.exp(ev.loss(assign, cfg.ptq, activations=True, amax=act_amax))),
         }
     return out

@@ -50,18 +50,29 @@ from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
 from microscale.ptq.pipeline import QuantizeResult
 
-__all__ = ["check_quantize_out", "plot_pareto", "plot_sensitivity", "read_own_checkpoint", "write_markdown",
-           "write_outputs", "write_own_checkpoint"]
+__all__ = [
+    "check_quantize_out",
+    "plot_pareto",
+    "plot_sensitivity",
+    "read_own_checkpoint",
+    "write_markdown",
+    "write_outputs",
+    "write_own_checkpoint",
+]
 
 
 def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> dict[str, Any]:
     """``result``'s weights in microscale's own layout
     (:func:`microscale.export.manifest.write_manifest`); returns a description."""
     assert result.engine is not None  # a result of quantize_model holds its engine
-    return write_manifest(out_dir, params=flat_params(result.engine.params),
-                          weights={p: result.weights[p] for p in result.paths},
-                          activations=result.config.activations, input_amax=result.act_amax,
-                          rules=result.rules.to_dict())
+    return write_manifest(
+        out_dir,
+        params=flat_params(result.engine.params),
+        weights={p: result.weights[p] for p in result.paths},
+        activations=result.config.activations,
+        input_amax=result.act_amax,
+        rules=result.rules.to_dict(),
+    )
 
 
 read_own_checkpoint = read_manifest  # the layout's reader, under the name PTQ gave it
@@ -77,17 +88,32 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
         if get_format(w.format).quantized:
             flat[f"{p}.kernel"] = w.qarray
     acts = result.config.activations
-    layers = {p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
-              for p, f in result.allocation.formats.items()}
-    res = layout.write(flat, out, config=model_config, layer_formats=layers, activations=acts,
-                       input_amax=result.act_amax if acts else None, tokenizer=tokenizer,
-                       overwrite=True)
+    layers = {
+        p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
+        for p, f in result.allocation.formats.items()
+    }
+    res = layout.write(
+        flat,
+        out,
+        config=model_config,
+        layer_formats=layers,
+        activations=acts,
+        input_amax=result.act_amax if acts else None,
+        tokenizer=tokenizer,
+        overwrite=True,
+    )
     return res.describe()
 
 
-def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_config=None,
-                  tokenizer=None, layout: str = "compressed-tensors",
-                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def write_outputs(
+    result: QuantizeResult,
+    out_dir: str | os.PathLike,
+    *,
+    model_config=None,
+    tokenizer=None,
+    layout: str = "compressed-tensors",
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Write every output file under ``out_dir`` (see the module doc); returns the report.
 
     The files are written into a temporary sibling folder that replaces ``out_dir`` only
@@ -96,8 +122,15 @@ def write_outputs(result: QuantizeResult, out_dir: str | os.PathLike, *, model_c
     with lock_folder(out_dir):
         check_quantize_out(out_dir)
         with atomic_folder(out_dir, overwrite=True) as tmp:
-            return _write_outputs(result, tmp, model_config=model_config, tokenizer=tokenizer,
-                                  layout=layout, log=log, shown=Path(out_dir))
+            return _write_outputs(
+                result,
+                tmp,
+                model_config=model_config,
+                tokenizer=tokenizer,
+                layout=layout,
+                log=log,
+                shown=Path(out_dir),
+            )
 
 
 def check_quantize_out(out_dir: str | os.PathLike) -> Path:
@@ -106,14 +139,17 @@ def check_quantize_out(out_dir: str | os.PathLike) -> Path:
     which is replaced."""
     out = check_output_dir(out_dir, what="quantize output folder")
     if out.is_dir() and any(out.iterdir()) and detect(out) is not QUANTIZE_OUTPUT:
-        raise FileExistsError(f"quantize output folder {str(out_dir)!r} is not empty and is "
-                              "not an earlier quantize output (no report.json + "
-                              "precision_rules.json); choose a new or empty folder")
+        raise FileExistsError(
+            f"quantize output folder {str(out_dir)!r} is not empty and is "
+            "not an earlier quantize output (no report.json + "
+            "precision_rules.json); choose a new or empty folder"
+        )
     return out
 
 
-def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer, layout: str,
-                   log, shown: Path) -> dict[str, Any]:
+def _write_outputs(
+    result: QuantizeResult, out: Path, *, model_config, tokenizer, layout: str, log, shown: Path
+) -> dict[str, Any]:
     say = log or (lambda _m: None)
     row = get_layout(layout)
     result.rules.save(out / "precision_rules.json")
@@ -138,12 +174,15 @@ def _write_outputs(result: QuantizeResult, out: Path, *, model_config, tokenizer
     write_markdown(report, out / "report.md")
     plot_pareto(report, out / "pareto.png")
     plot_sensitivity(report, out / "sensitivity.png")
-    say(f"quantize: wrote {shown}/{{precision_rules.json, checkpoint/, report.json, report.md, "
-        "pareto.png, sensitivity.png}")
+    say(
+        f"quantize: wrote {shown}/{{precision_rules.json, checkpoint/, report.json, report.md, "
+        "pareto.png, sensitivity.png}"
+    )
     return report
 
 
 # ---------------------------------------------------------------------- markdown
+
 
 def _fmt(x: float, nd: int = 4) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
@@ -154,8 +193,12 @@ def _ptq_name(ptq: Mapping[str, Any]) -> str:
     if ptq.get("method") == "gptq":
         return "gptq"
     mse, f6 = bool(ptq.get("mse_scale")), bool(ptq.get("four_over_six"))
-    return {(False, False): "rtn", (True, False): "mse_scale",
-            (False, True): "four_over_six", (True, True): "both"}[(mse, f6)]
+    return {
+        (False, False): "rtn",
+        (True, False): "mse_scale",
+        (False, True): "four_over_six",
+        (True, True): "both",
+    }[(mse, f6)]
 
 
 def _bits(d: Mapping[str, Any], key: str) -> str:
@@ -169,30 +212,49 @@ def _ptq_effect_lines(report: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
     eff = report.get("ptq_effects") or {}
     if eff.get("weights"):
-        lines += ["", "## PTQ choices (val ppl)", "",
-                  "Every allocation above uses the run's choice "
-                  f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
-                  "choice on its own.", "",
-                  "| allocation | rtn | mse_scale | four_over_six | both | gptq | best |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "## PTQ choices (val ppl)",
+            "",
+            "Every allocation above uses the run's choice "
+            f"({_ptq_name(report.get('ptq') or {})}); this table measures each "
+            "choice on its own.",
+            "",
+            "| allocation | rtn | mse_scale | four_over_six | both | gptq | best |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
         for label, row in eff["weights"].items():
-            cells = [_fmt(row.get(k)) if k in row else "n/a"
-                     for k in ("rtn", "mse_scale", "four_over_six", "both", "gptq")]
+            cells = [
+                _fmt(row.get(k)) if k in row else "n/a"
+                for k in ("rtn", "mse_scale", "four_over_six", "both", "gptq")
+            ]
             best = min(row, key=row.get) if row else "-"
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {best} |")
         used = _ptq_name(report.get("ptq") or {})
-        worse = [lab for lab, row in eff["weights"].items()
-                 if used in row and row[used] > row.get("rtn", row[used])]
+        worse = [
+            lab
+            for lab, row in eff["weights"].items()
+            if used in row and row[used] > row.get("rtn", row[used])
+        ]
         if worse:
-            lines += ["", f"**Note**: the run's PTQ choice ({used}) measured WORSE than "
-                      f"round-to-nearest on {', '.join(worse)}."]
+            lines += [
+                "",
+                f"**Note**: the run's PTQ choice ({used}) measured WORSE than "
+                f"round-to-nearest on {', '.join(worse)}.",
+            ]
     if eff.get("activations"):
-        lines += ["", "## Quantized inputs (W4A4 / W8A8, val ppl)", "",
-                  "| allocation | weight-only | dynamic input amax | static calibrated amax |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Quantized inputs (W4A4 / W8A8, val ppl)",
+            "",
+            "| allocation | weight-only | dynamic input amax | static calibrated amax |",
+            "|---|---:|---:|---:|",
+        ]
         for label, row in eff["activations"].items():
-            lines.append(f"| {label} | {_fmt(row['weight_only'])} | {_fmt(row['dynamic'])} | "
-                         f"{_fmt(row['static'])} |")
+            lines.append(
+                f"| {label} | {_fmt(row['weight_only'])} | {_fmt(row['dynamic'])} | "
+                f"{_fmt(row['static'])} |"
+            )
     return lines
 
 
@@ -201,54 +263,91 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     pts = report["points"]
     bf16 = pts["bf16"]["val_ppl"]
     lines = [
-        "# microscale quantize report", "",
+        "# microscale quantize report",
+        "",
         f"Budget **{report['budget']}** bits/weight; searched allocation uses "
         f"**{report['effective_bits']:.4f}** bits ({report['method']} scores, "
         f"{'W+A' if report['activations'] else 'weight-only'}, solver {report['solver']} in "
-        f"{report['solve_time_s'] * 1e3:.1f} ms). Formats: {report['counts']}.", "",
+        f"{report['solve_time_s'] * 1e3:.1f} ms). Formats: {report['counts']}.",
+        "",
         f"Bits per weight: **{_bits(report, 'linear_bits')}** in the linear layers, "
         f"**{_bits(report, 'model_bits')}** in the whole model (embeddings, norms and LM head "
-        "counted at 16 bits).", "",
-        "## Validation perplexity", "",
+        "counted at 16 bits).",
+        "",
+        "## Validation perplexity",
+        "",
         "| allocation | effective bits | linear bits | model bits | val ppl | vs bf16 |",
-        "|---|---:|---:|---:|---:|---:|"]
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for label, p in pts.items():
-        lines.append(f"| {label} | {p['effective_bits']:.3f} | {_bits(p, 'linear_bits')} | "
-                     f"{_bits(p, 'model_bits')} | {p['val_ppl']:.4f} | "
-                     f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |")
+        lines.append(
+            f"| {label} | {p['effective_bits']:.3f} | {_bits(p, 'linear_bits')} | "
+            f"{_bits(p, 'model_bits')} | {p['val_ppl']:.4f} | "
+            f"{100 * (p['val_ppl'] / bf16 - 1):+.2f}% |"
+        )
     if "trained" in pts:
-        lines += ["", "`trained`: the allocation this run trained with, rounded to nearest as "
-                  "its training forward pass and `microscale export` round it (the deployed "
-                  "model)" + ("; `trained_ptq`: the same allocation with this report's PTQ "
-                              "choices (docs/qat measures both on a QAT test bed)."
-                              if "trained_ptq" in pts else ".")]
+        lines += [
+            "",
+            "`trained`: the allocation this run trained with, rounded to nearest as "
+            "its training forward pass and `microscale export` round it (the deployed "
+            "model)"
+            + (
+                "; `trained_ptq`: the same allocation with this report's PTQ "
+                "choices (docs/qat measures both on a QAT test bed)."
+                if "trained_ptq" in pts
+                else "."
+            ),
+        ]
     comp = report.get("comparisons") or {}
     if comp:
-        lines += ["", "## Paired differences (val loss, same batches)", "",
-                  "| difference | mean dloss (nats) | std. error | t |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Paired differences (val loss, same batches)",
+            "",
+            "| difference | mean dloss (nats) | std. error | t |",
+            "|---|---:|---:|---:|",
+        ]
         for label, c in comp.items():
-            lines.append(f"| {label} | {c['dloss']:+.5f} | {_fmt(c['se'], 5)} | "
-                         f"{_fmt(c['t'], 1)} |")
-        lines += ["", "|t| < 2: the difference is within the evaluation noise of "
-                  f"{next(iter(comp.values()))['batches']} batches."]
+            lines.append(
+                f"| {label} | {c['dloss']:+.5f} | {_fmt(c['se'], 5)} | {_fmt(c['t'], 1)} |"
+            )
+        lines += [
+            "",
+            "|t| < 2: the difference is within the evaluation noise of "
+            f"{next(iter(comp.values()))['batches']} batches.",
+        ]
     lines += _ptq_effect_lines(report)
     fmts = report["formats"]
-    lines += ["", "## Layers", "",
-              "| layer | group | elements | chosen | " + " | ".join(
-                  f"score {f}" for f in fmts) + " | input amax |",
-              "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|"]
+    lines += [
+        "",
+        "## Layers",
+        "",
+        "| layer | group | elements | chosen | "
+        + " | ".join(f"score {f}" for f in fmts)
+        + " | input amax |",
+        "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|",
+    ]
     for p, f in report["layers"].items():
         sc = report["scores"].get(p, {})
         scores = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
-        lines.append(f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
-                     f"{scores} | {report['act_amax'].get(p, float('nan')):.3g} |")
+        lines.append(
+            f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
+            f"{scores} | {report['act_amax'].get(p, float('nan')):.3g} |"
+        )
     cal = report["calibration"]
-    lines += ["", f"Calibration: {cal.get('tokens')} tokens in {cal.get('batches')} batches "
-              f"from the {cal.get('split', '?')} split (seed {report['seed']}). Timings: "
-              + ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items()) + "."]
+    lines += [
+        "",
+        f"Calibration: {cal.get('tokens')} tokens in {cal.get('batches')} batches "
+        f"from the {cal.get('split', '?')} split (seed {report['seed']}). Timings: "
+        + ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items())
+        + ".",
+    ]
     if report.get("peak_rss_gb"):
-        lines[-1] += " Peak resident memory: " + ", ".join(
-            f"{k} {v:.2f} GiB" for k, v in report["peak_rss_gb"].items()) + "."
+        lines[-1] += (
+            " Peak resident memory: "
+            + ", ".join(f"{k} {v:.2f} GiB" for k, v in report["peak_rss_gb"].items())
+            + "."
+        )
     ck = report.get("checkpoint")
     if ck:
         lines.append(f"Checkpoint: `{ck['path']}` ({ck['layout']}).")
@@ -257,6 +356,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------- plots
+
 
 def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Val perplexity vs effective bits (uniform, heuristic, searched across budgets)."""
@@ -267,23 +367,42 @@ def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
 
     pts = report["points"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    curve = sorted((p["effective_bits"], p["val_ppl"]) for k, p in pts.items()
-                   if p["kind"] == "searched")
+    curve = sorted(
+        (p["effective_bits"], p["val_ppl"]) for k, p in pts.items() if p["kind"] == "searched"
+    )
     if curve:
         xs, ys = zip(*curve, strict=True)
         ax.plot(xs, ys, "-o", color="tab:blue", label="searched (budgets)", zorder=2)
     s = pts["searched"]
-    ax.plot([s["effective_bits"]], [s["val_ppl"]], "*", ms=16, color="tab:blue",
-            label=f"searched @ {report['budget']}", zorder=3)
+    ax.plot(
+        [s["effective_bits"]],
+        [s["val_ppl"]],
+        "*",
+        ms=16,
+        color="tab:blue",
+        label=f"searched @ {report['budget']}",
+        zorder=3,
+    )
     uniform = [(k, p) for k, p in pts.items() if p["kind"] == "uniform"]
     for i, (label, p) in enumerate(sorted(uniform, key=lambda kp: kp[1]["effective_bits"])):
         ax.plot([p["effective_bits"]], [p["val_ppl"]], "s", ms=8, zorder=3)
-        ax.annotate(label.replace("uniform_", ""), (p["effective_bits"], p["val_ppl"]),
-                    textcoords="offset points", xytext=(6, 4 if i % 2 == 0 else -11),
-                    fontsize=8)
+        ax.annotate(
+            label.replace("uniform_", ""),
+            (p["effective_bits"], p["val_ppl"]),
+            textcoords="offset points",
+            xytext=(6, 4 if i % 2 == 0 else -11),
+            fontsize=8,
+        )
     h = pts["heuristic"]
-    ax.plot([h["effective_bits"]], [h["val_ppl"]], "D", ms=8, color="tab:red",
-            label="heuristic (first/last + down in FP8)", zorder=3)
+    ax.plot(
+        [h["effective_bits"]],
+        [h["val_ppl"]],
+        "D",
+        ms=8,
+        color="tab:red",
+        label="heuristic (first/last + down in FP8)",
+        zorder=3,
+    )
     ax.axhline(pts["bf16"]["val_ppl"], color="gray", ls="--", lw=1, label="bf16")
     ax.set_xlabel("effective bits per weight")
     ax.set_ylabel("validation perplexity")
@@ -302,16 +421,19 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
     fmts = [f for f in report["formats"] if get_format(f).quantized]
     layers = list(report["layers"])
     sc = report["scores_raw"]
-    vals = np.array([[sc[p][f] if p in sc else np.nan for f in fmts] for p in layers],
-                    np.float64)
+    vals = np.array([[sc[p][f] if p in sc else np.nan for f in fmts] for p in layers], np.float64)
     fig, ax = plt.subplots(figsize=(2.2 + 1.1 * len(fmts), 1.2 + 0.22 * len(layers)))
     signed = bool(np.nanmin(vals) < 0) if np.isfinite(vals).any() else False
     if signed:  # loss changes of either sign: symmetric log scale around 0
         from matplotlib.colors import SymLogNorm
 
         top = float(np.nanmax(np.abs(vals))) or 1.0
-        im = ax.imshow(vals, aspect="auto", cmap="coolwarm",
-                       norm=SymLogNorm(linthresh=top * 1e-3, vmin=-top, vmax=top))
+        im = ax.imshow(
+            vals,
+            aspect="auto",
+            cmap="coolwarm",
+            norm=SymLogNorm(linthresh=top * 1e-3, vmin=-top, vmax=top),
+        )
         label = f"{report['method']} score (loss change, symlog)"
     else:
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -31,21 +31,26 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
         return None
     path = Path(run_dir) / "precision_rules.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} is missing: the run trained with an "
-                                "allocation (precision.kind=rules or sensitivity) and "
-                                "records it there")
+        raise FileNotFoundError(
+            f"{str(path)!r} is missing: the run trained with an "
+            "allocation (precision.kind=rules or sensitivity) and "
+            "records it there"
+        )
     layers = resolve_layers(train_cfg.model, PrecisionRules.load(path))
     return {p: lq.weights for p, lq in layers.items()}
 
 
-def calibration_windows(tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows: int,
-                        seed: int, start: int = 0) -> np.ndarray | None:
+def calibration_windows(
+    tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows: int, seed: int, start: int = 0
+) -> np.ndarray | None:
     """``ceil(n_tokens / (rows * seq_len))`` batches ``[n, rows, seq_len + 1]`` of windows at
     distinct random offsets (``numpy`` PCG64 seeded by ``seed``) in ``tokens[start:]``,
     or None when that region holds fewer windows than needed."""
     if n_tokens < 1 or seq_len < 1 or rows < 1:
-        raise ValueError(f"calibration_windows: n_tokens={n_tokens}, seq_len={seq_len}, "
-                         f"rows={rows}: expected positive ints")
+        raise ValueError(
+            f"calibration_windows: n_tokens={n_tokens}, seq_len={seq_len}, "
+            f"rows={rows}: expected positive ints"
+        )
     n_batches = max(1, math.ceil(n_tokens / (rows * seq_len)))
     need = n_batches * rows
     region = np.asarray(tokens)[start:]
@@ -54,5 +59,5 @@ def calibration_windows(tokens: np.ndarray, *, n_tokens: int, seq_len: int, rows
         return None
     rng = np.random.default_rng(seed)
     starts = rng.choice(n_starts, size=need, replace=False)
-    out = np.stack([region[s:s + seq_len + 1] for s in starts.tolist()]).astype(np.int32)
+    out = np.stack([region[s : s + seq_len + 1] for s in starts.tolist()]).astype(np.int32)
     return out.reshape(n_batches, rows, seq_len + 1)

@@ -48,9 +48,16 @@ import numpy as np
 from microscale.formats import get_format
 from microscale.model import FUSED_LINEARS
 
-__all__ = ["DEFAULT_GROUPS", "Allocation", "Problem", "brute_force", "effective_bits",
-           "model_bits",
-           "group_layers", "search"]
+__all__ = [
+    "DEFAULT_GROUPS",
+    "Allocation",
+    "Problem",
+    "brute_force",
+    "effective_bits",
+    "model_bits",
+    "group_layers",
+    "search",
+]
 
 
 def _group_pattern(name: str, members: Sequence[str]) -> tuple[str, str]:
@@ -58,7 +65,7 @@ def _group_pattern(name: str, members: Sequence[str]) -> tuple[str, str]:
     (their common suffix factored out, e.g. ``(q|k|v)_proj``), the group's last name."""
     leaves = [m.rsplit(".", 1)[-1] for m in members]
     suffix = os.path.commonprefix([leaf[::-1] for leaf in leaves])[::-1]
-    stems = "|".join(re.escape(leaf[:len(leaf) - len(suffix)]) for leaf in leaves)
+    stems = "|".join(re.escape(leaf[: len(leaf) - len(suffix)]) for leaf in leaves)
     return rf"(.*)\.({stems}){re.escape(suffix)}", r"\1." + name.rsplit(".", 1)[-1]
 
 
@@ -67,14 +74,16 @@ def _group_pattern(name: str, members: Sequence[str]) -> tuple[str, str]:
 # name, so HF paths (``model.layers.3.self_attn.q_proj``) group too. Paths that match
 # nothing are groups of their own.
 DEFAULT_GROUPS: tuple[tuple[str, str], ...] = tuple(
-    _group_pattern(name, members) for name, members in FUSED_LINEARS.items())
+    _group_pattern(name, members) for name, members in FUSED_LINEARS.items()
+)
 
 # Largest dynamic-programming table (groups x capacity units) before switching to MILP.
 _DP_MAX_CELLS = 40_000_000
 
 
-def group_layers(paths: Sequence[str],
-                 patterns: Sequence[tuple[str, str]] = DEFAULT_GROUPS) -> dict[str, str]:
+def group_layers(
+    paths: Sequence[str], patterns: Sequence[tuple[str, str]] = DEFAULT_GROUPS
+) -> dict[str, str]:
     """{layer path: group name}. The first pattern that fully matches a path names its
     group by ``re.fullmatch(...).expand(template)``; unmatched paths are their own group."""
     out = {}
@@ -92,8 +101,13 @@ def _bits(fmt: str) -> Fraction:
     return Fraction(get_format(fmt).bits_per_element)
 
 
-def effective_bits(assignment: Mapping[str, str], numel: Mapping[str, int], *,
-                   extra_numel: int = 0, extra_bits: float = 16.0) -> float:
+def effective_bits(
+    assignment: Mapping[str, str],
+    numel: Mapping[str, int],
+    *,
+    extra_numel: int = 0,
+    extra_bits: float = 16.0,
+) -> float:
     """Average stored bits per weight element of ``assignment`` ({layer: format})."""
     missing = sorted(set(assignment) - set(numel))
     if missing:
@@ -106,14 +120,22 @@ def effective_bits(assignment: Mapping[str, str], numel: Mapping[str, int], *,
     return float(bits / total)
 
 
-def model_bits(assignment: Mapping[str, str], numel: Mapping[str, int], other_numel: int,
-               *, other_bits: float = 16.0) -> dict[str, float]:
+def model_bits(
+    assignment: Mapping[str, str],
+    numel: Mapping[str, int],
+    other_numel: int,
+    *,
+    other_bits: float = 16.0,
+) -> dict[str, float]:
     """Both averages a report names: ``linear_bits``, the stored bits per weight of the
     linear layers of ``assignment``, and ``model_bits``, of the whole model, whose other
     ``other_numel`` parameters (embeddings, norms, LM head) are stored at ``other_bits``."""
-    return {"linear_bits": effective_bits(assignment, numel),
-            "model_bits": effective_bits(assignment, numel, extra_numel=other_numel,
-                                         extra_bits=other_bits)}
+    return {
+        "linear_bits": effective_bits(assignment, numel),
+        "model_bits": effective_bits(
+            assignment, numel, extra_numel=other_numel, extra_bits=other_bits
+        ),
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,14 +211,17 @@ class Problem:
                 raise ValueError(f"Problem.scores[{p!r}] lacks format(s) {miss}")
             bad = [f for f in self.formats if not math.isfinite(float(row[f]))]
             if bad:
-                raise ValueError(f"Problem.scores[{p!r}] is not finite for {bad}: "
-                                 f"{ {f: row[f] for f in bad} }")
+                raise ValueError(
+                    f"Problem.scores[{p!r}] is not finite for {bad}: { {f: row[f] for f in bad} }"
+                )
         if self.groups is not None:
             miss = [p for p in layers if p not in self.groups]
             if miss:
                 raise ValueError(f"Problem.groups lacks layer(s) {miss}")
 
-    def group_options(self) -> tuple[list[str], list[list[str]], list[list[tuple[str, Fraction, float]]]]:
+    def group_options(
+        self,
+    ) -> tuple[list[str], list[list[str]], list[list[tuple[str, Fraction, float]]]]:
         """(group names, members per group, options per group as (format, exact bits,
         score)) in first-appearance order of the layers."""
         groups = self.groups or {p: p for p in self.numel}
@@ -213,14 +238,18 @@ class Problem:
             mem = members[g]
             pins = {self.pinned[p] for p in mem if p in self.pinned}
             if len(pins) > 1:
-                raise ValueError(f"group {g!r} has members pinned to different formats "
-                                 f"{sorted(pins)}: a group shares one format")
+                raise ValueError(
+                    f"group {g!r} has members pinned to different formats "
+                    f"{sorted(pins)}: a group shares one format"
+                )
             fmts = sorted(pins) if pins else list(self.formats)
             n = sum(int(self.numel[p]) for p in mem)
             opts = []
             for f in fmts:
-                score = sum(float(self.scores[p][f]) if p in self.scores and f in
-                            self.scores[p] else 0.0 for p in mem)
+                score = sum(
+                    float(self.scores[p][f]) if p in self.scores and f in self.scores[p] else 0.0
+                    for p in mem
+                )
                 opts.append((f, _bits(f) * n, score))
             options.append(opts)
         return names, [members[g] for g in names], options
@@ -242,12 +271,16 @@ def _result(problem: Problem, members, options, idx, budget, solver, t0) -> Allo
     fmts = _expand(members, choice)
     ordered = {p: fmts[p] for p in problem.numel}
     score = sum(options[g][i][2] for g, i in enumerate(idx))
-    return Allocation(formats=ordered,
-                      effective_bits=effective_bits(ordered, problem.numel,
-                                                    extra_numel=problem.extra_numel,
-                                                    extra_bits=problem.extra_bits),
-                      total_score=float(score), budget=budget, solver=solver,
-                      solve_time_s=time.perf_counter() - t0)
+    return Allocation(
+        formats=ordered,
+        effective_bits=effective_bits(
+            ordered, problem.numel, extra_numel=problem.extra_numel, extra_bits=problem.extra_bits
+        ),
+        total_score=float(score),
+        budget=budget,
+        solver=solver,
+        solve_time_s=time.perf_counter() - t0,
+    )
 
 
 def _integer_costs(problem: Problem, options, budget: float):
@@ -264,8 +297,11 @@ def _integer_costs(problem: Problem, options, budget: float):
     denom = math.lcm(*(x.denominator for x in fracs))
     ints = [[int(c * denom) for c in row] for row in rel]
     cap = capacity * denom
-    g = math.gcd(*(c for row in ints for c in row if c)) if any(
-        c for row in ints for c in row) else 1
+    g = (
+        math.gcd(*(c for row in ints for c in row if c))
+        if any(c for row in ints for c in row)
+        else 1
+    )
     ints = [[c // g for c in row] for row in ints]
     return ints, math.floor(cap / g), g
 
@@ -290,9 +326,11 @@ def search(problem: Problem, budget: float, *, solver: str = "auto") -> Allocati
     _, members, options = problem.group_options()
     costs, cap, _ = _integer_costs(problem, options, budget)
     if costs is None:
-        raise ValueError(f"budget {budget} bits/element is below the cheapest allocation "
-                         f"({_min_bits(problem, options):.4f} bits/element: every layer in its "
-                         "cheapest allowed format)")
+        raise ValueError(
+            f"budget {budget} bits/element is below the cheapest allocation "
+            f"({_min_bits(problem, options):.4f} bits/element: every layer in its "
+            "cheapest allowed format)"
+        )
     scores = [[s for _, _, s in opts] for opts in options]
     if solver == "auto":
         solver = "dp" if len(options) * (cap + 1) <= _DP_MAX_CELLS else "milp"
@@ -355,16 +393,23 @@ def _solve_milp(costs: list[list[int]], scores: list[list[float]], cap: int) -> 
     obj = s_arr + 1e-9 * cost_arr / c_scale
     onehot = np.zeros((len(sizes), n))
     for g, (s0, k) in enumerate(zip(start, sizes, strict=True)):
-        onehot[g, s0:s0 + k] = 1.0
+        onehot[g, s0 : s0 + k] = 1.0
     bound = float(cap)
     for _ in range(20):
-        cons = [LinearConstraint(onehot, 1.0, 1.0),
-                LinearConstraint(cost_arr[None, :] / c_scale, -np.inf, bound / c_scale)]
-        res = milp(obj, constraints=cons, integrality=np.ones(n), bounds=Bounds(0, 1),
-                   options={"mip_rel_gap": 0.0})
+        cons = [
+            LinearConstraint(onehot, 1.0, 1.0),
+            LinearConstraint(cost_arr[None, :] / c_scale, -np.inf, bound / c_scale),
+        ]
+        res = milp(
+            obj,
+            constraints=cons,
+            integrality=np.ones(n),
+            bounds=Bounds(0, 1),
+            options={"mip_rel_gap": 0.0},
+        )
         if res.x is None:
             raise ValueError(f"MILP found no feasible allocation ({res.message})")
-        idx = [int(np.argmax(res.x[s0:s0 + k])) for s0, k in zip(start, sizes, strict=True)]
+        idx = [int(np.argmax(res.x[s0 : s0 + k])) for s0, k in zip(start, sizes, strict=True)]
         used = sum(costs[g][i] for g, i in enumerate(idx))
         if used <= cap:
             return idx
@@ -377,8 +422,9 @@ def brute_force(problem: Problem, budget: float) -> Allocation:
     t0 = time.perf_counter()
     _, members, options = problem.group_options()
     n_total = problem.total_numel()
-    limit = Fraction(repr(float(budget))) * n_total - Fraction(problem.extra_bits) * \
-        problem.extra_numel
+    limit = (
+        Fraction(repr(float(budget))) * n_total - Fraction(problem.extra_bits) * problem.extra_numel
+    )
     best, best_key = None, None
     for idx in itertools.product(*(range(len(o)) for o in options)):
         cost = sum(options[g][i][1] for g, i in enumerate(idx))
@@ -389,6 +435,8 @@ def brute_force(problem: Problem, budget: float) -> Allocation:
         if best_key is None or key < best_key:
             best, best_key = idx, key
     if best is None:
-        raise ValueError(f"budget {budget} bits/element is below the cheapest allocation "
-                         f"({_min_bits(problem, options):.4f})")
+        raise ValueError(
+            f"budget {budget} bits/element is below the cheapest allocation "
+            f"({_min_bits(problem, options):.4f})"
+        )
     return _result(problem, members, options, list(best), float(budget), "brute_force", t0)

@@ -55,8 +55,15 @@ from microscale.formats import get_format
 from microscale.ptq.engine import ActQuant, Engine
 from microscale.ptq.weights import QuantizedWeight
 
-__all__ = ["METHODS", "SIGNED_METHODS", "gradient_scores", "kl_loss_scores", "monotone",
-           "score", "taylor_scores"]
+__all__ = [
+    "METHODS",
+    "SIGNED_METHODS",
+    "gradient_scores",
+    "kl_loss_scores",
+    "monotone",
+    "score",
+    "taylor_scores",
+]
 
 METHODS = ("taylor", "gradient", "kl", "loss")
 # Methods whose scores are signed loss changes (a format may *lower* the loss).
@@ -65,34 +72,54 @@ SIGNED_METHODS = ("taylor", "loss")
 QWeights = Mapping[str, Mapping[str, QuantizedWeight]]  # {format: {path: weight}}
 
 
-def _grad_terms(engine: Engine, batches, qweights: QWeights, activations: bool,
-                act_amax: Mapping[str, float] | None, progress=None
-                ) -> dict[str, dict[str, dict[str, float]]]:
+def _grad_terms(
+    engine: Engine,
+    batches,
+    qweights: QWeights,
+    activations: bool,
+    act_amax: Mapping[str, float] | None,
+    progress=None,
+) -> dict[str, dict[str, dict[str, float]]]:
     """The Taylor terms of every quantized candidate, streamed layer by layer from the
     candidates' QArrays (no dequantized copy of every layer in every format is held).
     An unquantized format (bf16: ``bf16(W) - bf16(W) = 0``) has every term exactly 0."""
     quantized = [f for f in qweights if get_format(f).quantized]
     cands = {f: {p: qweights[f][p].qarray for p in engine.paths} for f in quantized}
-    terms = engine.grad_terms(batches, cands, act_formats={f: activations for f in quantized},
-                              act_amax=act_amax, progress=progress)
+    terms = engine.grad_terms(
+        batches,
+        cands,
+        act_formats={f: activations for f in quantized},
+        act_amax=act_amax,
+        progress=progress,
+    )
     for rows in terms.values():
         for p, row in rows.items():
             rows[p] = {f: row.get(f, 0.0) for f in qweights}
     return terms
 
 
-def gradient_scores(engine: Engine, batches, qweights: QWeights, *,
-                    activations: bool = False,
-                    act_amax: Mapping[str, float] | None = None, progress=None
-                    ) -> dict[str, dict[str, float]]:
+def gradient_scores(
+    engine: Engine,
+    batches,
+    qweights: QWeights,
+    *,
+    activations: bool = False,
+    act_amax: Mapping[str, float] | None = None,
+    progress=None,
+) -> dict[str, dict[str, float]]:
     """Fisher scores ``{path: {format: s}}`` (see the module doc)."""
     return _grad_terms(engine, batches, qweights, activations, act_amax, progress)["fisher"]
 
 
-def taylor_scores(engine: Engine, batches, qweights: QWeights, *,
-                  activations: bool = False,
-                  act_amax: Mapping[str, float] | None = None, progress=None
-                  ) -> dict[str, dict[str, float]]:
+def taylor_scores(
+    engine: Engine,
+    batches,
+    qweights: QWeights,
+    *,
+    activations: bool = False,
+    act_amax: Mapping[str, float] | None = None,
+    progress=None,
+) -> dict[str, dict[str, float]]:
     """Second-order Taylor estimates of the mean loss change ``{path: {format: dL}}``
     (signed; first-order term included; see the module doc), averaged over batches."""
     batches = list(batches)
@@ -101,10 +128,15 @@ def taylor_scores(engine: Engine, batches, qweights: QWeights, *,
     return {p: {f: v / n for f, v in row.items()} for p, row in terms.items()}
 
 
-def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
-                   activations: bool = False,
-                   act_amax: Mapping[str, float] | None = None, progress=None
-                   ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def kl_loss_scores(
+    engine: Engine,
+    batches,
+    qweights: QWeights,
+    *,
+    activations: bool = False,
+    act_amax: Mapping[str, float] | None = None,
+    progress=None,
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """``(kl, loss increase)`` scores ``{path: {format: s}}``, summed over batches, with one
     forward pass per (layer, format, batch); ``progress`` is called after each batch."""
     kl = {p: {f: 0.0 for f in qweights} for p in engine.paths}
@@ -118,8 +150,11 @@ def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
                 params = engine.with_kernels({p: qw[p].values})
                 act = None
                 if quant_in:  # only this layer's input; same palette -> one compile
-                    act = ActQuant(formats=((p, f),), palette=(f,),
-                                   amax=None if act_amax is None else dict(act_amax))
+                    act = ActQuant(
+                        formats=((p, f),),
+                        palette=(f,),
+                        amax=None if act_amax is None else dict(act_amax),
+                    )
                 k, nll = engine.kl_and_loss(params, b, ref, act)
                 kl[p][f] += k
                 dloss[p][f] += nll - base
@@ -128,8 +163,9 @@ def kl_loss_scores(engine: Engine, batches, qweights: QWeights, *,
     return kl, dloss
 
 
-def monotone(scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
-             ) -> dict[str, dict[str, float]]:
+def monotone(
+    scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
+) -> dict[str, dict[str, float]]:
     """``s'_lf = min {s_lg : bits(g) <= bits(f)}`` per layer (see the module doc)."""
     bits = {f: get_format(f).bits_per_element for f in formats}
     out = {}
@@ -138,9 +174,16 @@ def monotone(scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
     return out
 
 
-def score(engine: Engine, batches, qweights: QWeights, method: str = "gradient", *,
-          activations: bool = False, act_amax: Mapping[str, float] | None = None,
-          progress: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+def score(
+    engine: Engine,
+    batches,
+    qweights: QWeights,
+    method: str = "gradient",
+    *,
+    activations: bool = False,
+    act_amax: Mapping[str, float] | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, dict[str, float]]:
     """Raw (uncorrected) scores of ``method`` ("taylor", "gradient", "kl" or "loss");
     ``progress`` is called after each calibration batch."""
     if method not in METHODS:

@@ -44,13 +44,15 @@ _ACTIVE: dict[int, tuple[str, Hook]] = {}
 
 def _tapped_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
+
         def __call__(self, x, *args, **kwargs):
             entry = _ACTIVE.get(id(self))
             if entry is None:
                 raise RuntimeError(
                     f"a tapped {cls.__name__} was called outside its intercept_linears block "
                     "or through a transform that copies modules (nnx.remat / nnx.scan); "
-                    "turn block remat off while tapping (quantize.tap.without_remat)")
+                    "turn block remat off while tapping (quantize.tap.without_remat)"
+                )
             path, hook = entry
             return hook(path, lambda v: cls.__call__(self, v, *args, **kwargs), x)
 
@@ -91,6 +93,5 @@ def intercept_linears(model: Any, hook: Hook, paths: set[str] | None = None) -> 
 def without_remat(model: Any) -> None:
     """Turn off microscale's per-block remat on ``model`` (in place; a model you own)."""
     cfg = getattr(model, "config", None)
-    if (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
-            and getattr(cfg, "remat", False)):
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) and getattr(cfg, "remat", False):
         model.config = dataclasses.replace(cfg, remat=False)

@@ -56,8 +56,15 @@ import numpy as np
 from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize, tensor_amax
 from microscale.ptq.gptq import gptq_quantize
 
-__all__ = ["WEIGHT_METHODS", "QuantizedWeight", "WeightPTQ", "four_over_six", "quantize_group",
-           "quantize_weight", "supports_four_over_six"]
+__all__ = [
+    "WEIGHT_METHODS",
+    "QuantizedWeight",
+    "WeightPTQ",
+    "four_over_six",
+    "quantize_group",
+    "quantize_weight",
+    "supports_four_over_six",
+]
 
 
 # WeightPTQ.method values.
@@ -92,20 +99,33 @@ class WeightPTQ:
     def __post_init__(self):
         grid = tuple(float(c) for c in self.scale_grid)
         if not grid or any(not (np.isfinite(c) and c > 0) for c in grid):
-            raise ValueError(f"WeightPTQ.scale_grid={self.scale_grid!r}: expected positive "
-                             "finite multipliers")
+            raise ValueError(
+                f"WeightPTQ.scale_grid={self.scale_grid!r}: expected positive finite multipliers"
+            )
         object.__setattr__(self, "scale_grid", grid)
         if self.method not in WEIGHT_METHODS:
-            raise ValueError(f"WeightPTQ.method={self.method!r}: expected one of "
-                             f"{list(WEIGHT_METHODS)}")
-        if not (isinstance(self.gptq_damp, int | float) and np.isfinite(self.gptq_damp)
-                and self.gptq_damp >= 0):
-            raise ValueError(f"WeightPTQ.gptq_damp={self.gptq_damp!r}: expected a finite "
-                             "fraction >= 0 (e.g. 0.01)")
-        if isinstance(self.gptq_block, bool) or not isinstance(self.gptq_block, int) \
-                or self.gptq_block < 1 or self.gptq_block % 32:
-            raise ValueError(f"WeightPTQ.gptq_block={self.gptq_block!r}: expected a positive "
-                             "multiple of 32 (every block format's block size divides it)")
+            raise ValueError(
+                f"WeightPTQ.method={self.method!r}: expected one of {list(WEIGHT_METHODS)}"
+            )
+        if not (
+            isinstance(self.gptq_damp, int | float)
+            and np.isfinite(self.gptq_damp)
+            and self.gptq_damp >= 0
+        ):
+            raise ValueError(
+                f"WeightPTQ.gptq_damp={self.gptq_damp!r}: expected a finite "
+                "fraction >= 0 (e.g. 0.01)"
+            )
+        if (
+            isinstance(self.gptq_block, bool)
+            or not isinstance(self.gptq_block, int)
+            or self.gptq_block < 1
+            or self.gptq_block % 32
+        ):
+            raise ValueError(
+                f"WeightPTQ.gptq_block={self.gptq_block!r}: expected a positive "
+                "multiple of 32 (every block format's block size divides it)"
+            )
 
     @classmethod
     def rtn(cls) -> WeightPTQ:
@@ -127,9 +147,11 @@ def four_over_six(x, fmt: str | FormatSpec = "nvfp4", *, amax=None) -> QArray:
     """
     spec = get_format(fmt)
     if not supports_four_over_six(spec):
-        raise ValueError(f"four_over_six needs E2M1 elements with E4M3 block scales; format "
-                         f"{spec.name!r} has elem_bits={spec.elem_bits}, "
-                         f"scale_kind={spec.scale_kind!r}")
+        raise ValueError(
+            f"four_over_six needs E2M1 elements with E4M3 block scales; format "
+            f"{spec.name!r} has elem_bits={spec.elem_bits}, "
+            f"scale_kind={spec.scale_kind!r}"
+        )
     x = jnp.asarray(x, jnp.float32)
     if x.ndim != 2:
         raise ValueError(f"four_over_six expects a 2-D [rows, K] array, got shape {x.shape}")
@@ -173,16 +195,18 @@ class QuantizedWeight:
         return dequantize(self.qarray).T
 
 
-def quantize_weight(kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
-                    hessian=None) -> QuantizedWeight:
+def quantize_weight(
+    kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessian=None
+) -> QuantizedWeight:
     """Quantize a linear kernel ``[in, out]`` along ``in`` with the PTQ choices of ``ptq``
     (default: :class:`WeightPTQ` ()); ``hessian`` ``[in, in]`` of its input for GPTQ.
     Deterministic."""
     return quantize_group([kernel], fmt, ptq, None if hessian is None else [hessian])[0]
 
 
-def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
-                   hessians=None) -> list[QuantizedWeight]:
+def quantize_group(
+    kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessians=None
+) -> list[QuantizedWeight]:
     """Quantize the kernels of one fused group (q/k/v or gate/up: one GEMM in an engine)
     with ONE tensor amax, as deployment requires: ``c * max_i amax(|W_i|)``, where the MSE
     search picks ``c`` for the least summed error of the members. Formats without a
@@ -196,13 +220,14 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
         raise ValueError("quantize_group: no kernels")
     gptq = ptq.method == "gptq" and spec.quantized
     if gptq and (hessians is None or len(hessians) != len(ws)):
-        raise ValueError(f"quantize_group: WeightPTQ.method='gptq' needs one input Hessian "
-                         f"per kernel ({len(ws)}), got "
-                         f"{'none' if hessians is None else len(hessians)}")
+        raise ValueError(
+            f"quantize_group: WeightPTQ.method='gptq' needs one input Hessian "
+            f"per kernel ({len(ws)}), got "
+            f"{'none' if hessians is None else len(hessians)}"
+        )
     for w in ws:
         if w.ndim != 2:
-            raise ValueError(f"quantize_weight expects 2-D [in, out] kernels, got shape "
-                             f"{w.shape}")
+            raise ValueError(f"quantize_weight expects 2-D [in, out] kernels, got shape {w.shape}")
     wts = [w.T for w in ws]
     norms = [max(float(jnp.sum(jnp.square(t))), 1e-30) for t in wts]
     if not spec.quantized:
@@ -211,8 +236,16 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
             q = quantize(t, spec, axis=-1)
             vals = dequantize(q).T
             err = float(jnp.sum(jnp.square(vals - w))) / n
-            out.append(QuantizedWeight(format=spec.name, qarray=q, amax=None,
-                                       scale_multiplier=1.0, rel_mse=err, rel_mse_rtn=err))
+            out.append(
+                QuantizedWeight(
+                    format=spec.name,
+                    qarray=q,
+                    amax=None,
+                    scale_multiplier=1.0,
+                    rel_mse=err,
+                    rel_mse_rtn=err,
+                )
+            )
         return out
     tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
@@ -235,18 +268,31 @@ def quantize_group(kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None,
     out = []
     for i, (t, e, e0, n) in enumerate(zip(wts, best, rtn, norms, strict=True)):
         if gptq:
-            q = gptq_quantize(t, hessians[i], spec, amax=amax if tensor else None,
-                              four_over_six=four6, damp=ptq.gptq_damp, block=ptq.gptq_block)
+            q = gptq_quantize(
+                t,
+                hessians[i],
+                spec,
+                amax=amax if tensor else None,
+                four_over_six=four6,
+                damp=ptq.gptq_damp,
+                block=ptq.gptq_block,
+            )
             e = float(jnp.sum(jnp.square(dequantize(q) - t)))
         else:
             q = _quantize_t(t, spec, amax, four6)
         frac = 0.0
         if four6 and not gptq:
             rtn_scales = quantize(t, spec, axis=-1, amax=amax).scales
-            frac = float(jnp.mean(
-                (q.scales != rtn_scales).astype(jnp.float32)))  # type: ignore[union-attr]
-        out.append(QuantizedWeight(format=spec.name, qarray=q,
-                                   amax=float(amax) if tensor else None,
-                                   scale_multiplier=best_c, rel_mse=e / n, rel_mse_rtn=e0 / n,
-                                   four_fraction=frac))
+            frac = float(jnp.mean((q.scales != rtn_scales).astype(jnp.float32)))  # type: ignore[union-attr]
+        out.append(
+            QuantizedWeight(
+                format=spec.name,
+                qarray=q,
+                amax=float(amax) if tensor else None,
+                scale_multiplier=best_c,
+                rel_mse=e / n,
+                rel_mse_rtn=e0 / n,
+                four_fraction=frac,
+            )
+        )
     return out

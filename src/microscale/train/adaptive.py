@@ -75,20 +75,27 @@ def _fraction(paths, numel, is_bf16) -> float:
     return sum(numel[p] for p in paths if is_bf16(p)) / total
 
 
-def allocate_bf16(scores: Mapping[str, Mapping[str, float]], numel: Mapping[str, int],
-                  groups: Mapping[str, str], low: str, fraction: float) -> list[str]:
+def allocate_bf16(
+    scores: Mapping[str, Mapping[str, float]],
+    numel: Mapping[str, int],
+    groups: Mapping[str, str],
+    low: str,
+    fraction: float,
+) -> list[str]:
     """The layers kept in bf16: least total score of {``low``, bf16} per group with at most
     ``fraction`` of the weight elements (= linear FLOPs) in bf16 (exact knapsack)."""
     bits = float(get_format(low).bits_per_element)
     hi = float(get_format("bf16").bits_per_element)
     budget = bits + (hi - bits) * fraction + 1e-9
-    alloc = search(Problem(formats=(low, "bf16"), scores=scores, numel=numel, groups=groups),
-                   budget)
+    alloc = search(
+        Problem(formats=(low, "bf16"), scores=scores, numel=numel, groups=groups), budget
+    )
     return [p for p in scores if alloc.formats[p] == "bf16"]
 
 
-def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[PrecisionRules,
-                                                                          dict[str, Any]]:
+def choose_bf16_layers(
+    model: Any, cfg, train_tokens: np.ndarray
+) -> tuple[PrecisionRules, dict[str, Any]]:
     """``(rules, record)`` for the rest of the run (see the module doc). ``model``: the
     warmed-up model; ``train_tokens``: the training split (1-D token ids)."""
     t0 = time.perf_counter()
@@ -105,12 +112,19 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
     frac = a.bf16_flops
     if frac is None:
         frac = _fraction(paths, numel, set(pos_layers).__contains__)
-    calib = calibration_windows(train_tokens, n_tokens=a.calib_tokens, seq_len=cfg.data.seq_len,
-                                rows=cfg.data.batch_size // cfg.data.grad_accum, seed=cfg.seed)
+    calib = calibration_windows(
+        train_tokens,
+        n_tokens=a.calib_tokens,
+        seq_len=cfg.data.seq_len,
+        rows=cfg.data.batch_size // cfg.data.grad_accum,
+        seed=cfg.seed,
+    )
     if calib is None:
-        raise ValueError(f"precision.sensitivity.calib_tokens={a.calib_tokens}: the training "
-                         f"split is too short for that many windows of seq_len="
-                         f"{cfg.data.seq_len}")
+        raise ValueError(
+            f"precision.sensitivity.calib_tokens={a.calib_tokens}: the training "
+            f"split is too short for that many windows of seq_len="
+            f"{cfg.data.seq_len}"
+        )
     rtn = WeightPTQ.rtn()
     cand = {f: {p: quantize_weight(engine.kernels[p], f, rtn) for p in paths} for f in formats}
     raw = score(engine, list(calib), cand, a.method, activations=a.activations)
@@ -118,10 +132,14 @@ def choose_bf16_layers(model: Any, cfg, train_tokens: np.ndarray) -> tuple[Preci
     groups = group_layers(paths, _BLOCK_GROUPS if a.granularity == "block" else DEFAULT_GROUPS)
     chosen = allocate_bf16(scores, numel, groups, low, frac)
     record = {
-        "policy": "sensitivity", "method": a.method, "format": low,
-        "granularity": a.granularity, "budget_bf16_flops": frac,
+        "policy": "sensitivity",
+        "method": a.method,
+        "format": low,
+        "granularity": a.granularity,
+        "budget_bf16_flops": frac,
         "bf16_flops": _fraction(paths, numel, set(chosen).__contains__),
-        "bf16_layers": chosen, "positional_bf16_layers": pos_layers,
+        "bf16_layers": chosen,
+        "positional_bf16_layers": pos_layers,
         # loss increase of the recipe's format over bf16, per layer
         "scores": {p: scores[p][low] - scores[p]["bf16"] for p in paths},
         "calib_tokens": int(calib.shape[0] * calib.shape[1] * (calib.shape[2] - 1)),

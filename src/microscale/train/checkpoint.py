@@ -81,10 +81,12 @@ def host_leaves(tree) -> dict[str, np.ndarray]:
 
 def abstract_like(tree):
     """``ShapeDtypeStruct`` leaves (with the arrays' shardings) for an orbax restore target."""
+
     def leaf(x):
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         return x
+
     return jax.tree.map(leaf, tree)
 
 
@@ -102,8 +104,9 @@ class Checkpointer:
             # when the manager opens; finished steps are never touched.
             cleanup_tmp_directories=True,
         )
-        self._mgr = ocp.CheckpointManager(self.directory, options=opts,
-                                          item_names=("state", "meta"))
+        self._mgr = ocp.CheckpointManager(
+            self.directory, options=opts, item_names=("state", "meta")
+        )
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -122,8 +125,13 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             return
         meta = {**meta, "checksums": crc32_many(host_leaves(state))}
-        self._mgr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self._mgr.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` (None: latest) into the structure/shardings of ``target``,
@@ -133,18 +141,26 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint under {self.directory}")
         if step not in self.all_steps():
-            raise FileNotFoundError(f"no checkpoint step {step} under {self.directory}; "
-                                    f"available steps: {self.all_steps()}")
+            raise FileNotFoundError(
+                f"no checkpoint step {step} under {self.directory}; "
+                f"available steps: {self.all_steps()}"
+            )
         where = f"checkpoint {self.directory / str(step)}"
         self._check_shapes(step, target, where)
         silence_checkpoint_reader_noise()
         try:
-            out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_like(target)),
-                meta=ocp.args.JsonRestore()))
+            out = self._mgr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_like(target)),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-            raise CheckpointCorruptError(f"{where} cannot be restored (a damaged, truncated "
-                                         f"or missing file): {root_cause(e)}") from e
+            raise CheckpointCorruptError(
+                f"{where} cannot be restored (a damaged, truncated "
+                f"or missing file): {root_cause(e)}"
+            ) from e
         meta = dict(out["meta"] or {})
         sums = meta.pop("checksums", None)
         host = host_leaves(out["state"])
@@ -169,26 +185,36 @@ class Checkpointer:
                 handler.close()
         except Exception:  # noqa: BLE001 - damaged metadata: restore() names it
             return
-        stored = {".".join(tree_path_parts(p)): tuple(getattr(v, "shape", ()))
-                  for p, v in jax.tree_util.tree_flatten_with_path(getattr(meta, "tree", meta))[0]}
-        wanted = {".".join(tree_path_parts(p)): tuple(np.shape(v))
-                  for p, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+        stored = {
+            ".".join(tree_path_parts(p)): tuple(getattr(v, "shape", ()))
+            for p, v in jax.tree_util.tree_flatten_with_path(getattr(meta, "tree", meta))[0]
+        }
+        wanted = {
+            ".".join(tree_path_parts(p)): tuple(np.shape(v))
+            for p, v in jax.tree_util.tree_flatten_with_path(target)[0]
+        }
         if not stored:
             return
         names = sorted(wanted, key=lambda k: not k.startswith("params."))  # weights first
-        diff = [f"{k} stored {stored[k]}, configured {wanted[k]}" for k in names
-                if k in stored and stored[k] != wanted[k]]
+        diff = [
+            f"{k} stored {stored[k]}, configured {wanted[k]}"
+            for k in names
+            if k in stored and stored[k] != wanted[k]
+        ]
         diff += [f"{k} configured but not stored" for k in names if k not in stored]
         diff += [f"{k} stored but not configured" for k in stored if k not in wanted]
         if diff:
             more = f" (and {len(diff) - 4} more)" if len(diff) > 4 else ""
             raise CheckpointMismatchError(
                 f"{where} holds a model of another shape than its config: "
-                + "; ".join(diff[:4]) + more + ". Was config.yaml edited after training?")
+                + "; ".join(diff[:4])
+                + more
+                + ". Was config.yaml edited after training?"
+            )
 
-    def restore_newest_intact(self, target: Any, *, upto: int | None = None,
-                              say: Callable[[str], None] = print
-                              ) -> tuple[Any, dict[str, Any], int] | None:
+    def restore_newest_intact(
+        self, target: Any, *, upto: int | None = None, say: Callable[[str], None] = print
+    ) -> tuple[Any, dict[str, Any], int] | None:
         """Restore the newest step (at most ``upto``) that passes :meth:`restore`'s
         checks; damaged newer steps are moved to ``../damaged-checkpoints/`` (kept for
         inspection, out of the way of later saves) and reported through ``say``. None
@@ -222,8 +248,10 @@ class Checkpointer:
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)}: its "
-                                         f"metadata cannot be read: {root_cause(e)}") from e
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory / str(step)}: its "
+                f"metadata cannot be read: {root_cause(e)}"
+            ) from e
         meta = dict(out["meta"] or {})
         meta.pop("checksums", None)
         return meta

@@ -36,8 +36,16 @@ from microscale.train.precision import (
     upgrade_legacy_keys,
 )
 
-__all__ = ["LateSwitchConfig", "MeshConfig", "OptimConfig", "PrecisionConfig",
-           "SensitivityConfig", "TrainConfig", "list_presets", "preset_yaml"]
+__all__ = [
+    "LateSwitchConfig",
+    "MeshConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "SensitivityConfig",
+    "TrainConfig",
+    "list_presets",
+    "preset_yaml",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,9 +170,14 @@ class TrainConfig:
     tensorboard: bool = True
 
     # Top-level shorthands accepted by apply_overrides (CLI): alias -> dotted key.
-    _aliases = {"batch_size": "data.batch_size", "seq_len": "data.seq_len",
-                "grad_accum": "data.grad_accum", "eval_batches": "data.eval_batches",
-                "corpus": "data.corpus", "lr": "optim.lr"}
+    _aliases = {
+        "batch_size": "data.batch_size",
+        "seq_len": "data.seq_len",
+        "grad_accum": "data.grad_accum",
+        "eval_batches": "data.eval_batches",
+        "corpus": "data.corpus",
+        "lr": "optim.lr",
+    }
     # Keys before the precision sub-config, read (with a deprecation message) for one
     # release: deprecated dotted key -> upgraded by _upgrade into precision.* keys.
     _legacy_keys = LEGACY_KEYS
@@ -178,21 +191,27 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected an int >= 0")
         if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
-                             f"{self.model.max_seq_len}: lower seq_len or raise max_seq_len")
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}: lower seq_len or raise max_seq_len"
+            )
         recipe = get_recipe(self.recipe)  # raises with the known names
         for spec in recipe.operands().values():
             b = spec.spec.block_size
             if b is None:
                 continue
             m = self.model
-            for name, dim in (("d_model", m.d_model), ("d_ff", m.d_ff),
-                              ("n_heads * head_dim", m.n_heads * m.head_dim),
-                              ("n_kv_heads * head_dim", m.n_kv_heads * m.head_dim)):
+            for name, dim in (
+                ("d_model", m.d_model),
+                ("d_ff", m.d_ff),
+                ("n_heads * head_dim", m.n_heads * m.head_dim),
+                ("n_kv_heads * head_dim", m.n_kv_heads * m.head_dim),
+            ):
                 if dim % b:
                     raise ValueError(
                         f"recipe {self.recipe!r} quantizes in blocks of {b}, but model "
-                        f"{name}={dim} is not a multiple of {b}")
+                        f"{name}={dim} is not a multiple of {b}"
+                    )
         self._check_precision(recipe.quantized)
         if self.init_step is not None and self.init_from is None:
             raise ValueError(f"init_step={self.init_step} needs init_from=PATH")
@@ -204,11 +223,14 @@ class TrainConfig:
         its own are in :class:`PrecisionConfig`."""
         p = self.precision
         if p.spec.needs_quantized and not quantized:
-            raise ValueError(f"precision.kind={p.kind!r} needs a quantized recipe, got "
-                             f"recipe={self.recipe!r}")
+            raise ValueError(
+                f"precision.kind={p.kind!r} needs a quantized recipe, got recipe={self.recipe!r}"
+            )
         if p.warmup_fraction > 0 and not quantized:
-            raise ValueError(f"precision.warmup={p.warmup_fraction} (an all-bf16 warm-up) "
-                             f"needs a quantized recipe, got recipe={self.recipe!r}")
+            raise ValueError(
+                f"precision.warmup={p.warmup_fraction} (an all-bf16 warm-up) "
+                f"needs a quantized recipe, got recipe={self.recipe!r}"
+            )
         if not p.spec.reads_file:
             try:
                 self.precision_rules()  # bf16_first/bf16_last against n_layers
@@ -216,9 +238,11 @@ class TrainConfig:
                 raise ValueError(f"precision: {e}") from None
         warm = self.warmup_steps
         if warm and warm >= self.switch_step:
-            raise ValueError(f"precision.warmup={p.warmup_fraction} leaves no step between "
-                             f"the bf16 warm-up ({warm} steps) and the late switch at step "
-                             f"{self.switch_step}")
+            raise ValueError(
+                f"precision.warmup={p.warmup_fraction} leaves no step between "
+                f"the bf16 warm-up ({warm} steps) and the late switch at step "
+                f"{self.switch_step}"
+            )
 
     # ------------------------------------------------------------------ derived
     def precision_rules(self) -> PrecisionRules:
@@ -258,59 +282,87 @@ class TrainConfig:
     def tiny(cls) -> TrainConfig:
         """~1.7M params, byte-level stdlib, 614k tokens; sized for a CPU, val loss far below
         the unigram entropy for bf16 and nvfp4 alike (benchmarks/timings.md)."""
-        return cls(model=ModelConfig.tiny(),
-                   data=DataConfig(seq_len=128, batch_size=16, eval_batches=8),
-                   optim=OptimConfig(lr=3e-3, warmup_steps=30),
-                   steps=300, eval_every=25, log_every=10)
+        return cls(
+            model=ModelConfig.tiny(),
+            data=DataConfig(seq_len=128, batch_size=16, eval_batches=8),
+            optim=OptimConfig(lr=3e-3, warmup_steps=30),
+            steps=300,
+            eval_every=25,
+            log_every=10,
+        )
 
     @classmethod
     def small(cls) -> TrainConfig:
         """~25M params; sized for one GPU."""
-        return cls(model=ModelConfig.small(),
-                   data=DataConfig(seq_len=512, batch_size=32, eval_batches=16),
-                   optim=OptimConfig(lr=1.5e-3, warmup_steps=100),
-                   steps=2000, eval_every=250, log_every=20, checkpoint_every=500)
+        return cls(
+            model=ModelConfig.small(),
+            data=DataConfig(seq_len=512, batch_size=32, eval_batches=16),
+            optim=OptimConfig(lr=1.5e-3, warmup_steps=100),
+            steps=2000,
+            eval_every=250,
+            log_every=20,
+            checkpoint_every=500,
+        )
 
     @classmethod
     def gpt2_124m(cls) -> TrainConfig:
         """GPT-2 small scale; one GPU or more (data parallel by default)."""
-        return cls(model=ModelConfig.gpt2_124m(),
-                   data=DataConfig(seq_len=1024, batch_size=256, grad_accum=4,
-                                   eval_batches=32),
-                   optim=OptimConfig(lr=6e-4, warmup_steps=700, schedule="wsd"),
-                   steps=20000, eval_every=1000, log_every=50, checkpoint_every=1000,
-                   keep_checkpoints=3)
+        return cls(
+            model=ModelConfig.gpt2_124m(),
+            data=DataConfig(seq_len=1024, batch_size=256, grad_accum=4, eval_batches=32),
+            optim=OptimConfig(lr=6e-4, warmup_steps=700, schedule="wsd"),
+            steps=20000,
+            eval_every=1000,
+            log_every=50,
+            checkpoint_every=1000,
+            keep_checkpoints=3,
+        )
 
     @classmethod
     def llama_1b(cls) -> TrainConfig:
         """Llama 3.2 1B shape; FSDP over all devices."""
-        return cls(model=ModelConfig.llama_1b(),
-                   data=DataConfig(seq_len=2048, batch_size=512, grad_accum=4,
-                                   eval_batches=32),
-                   optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
-                   steps=100000, eval_every=2000, log_every=100, checkpoint_every=2000,
-                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=1))
+        return cls(
+            model=ModelConfig.llama_1b(),
+            data=DataConfig(seq_len=2048, batch_size=512, grad_accum=4, eval_batches=32),
+            optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
+            steps=100000,
+            eval_every=2000,
+            log_every=100,
+            checkpoint_every=2000,
+            keep_checkpoints=3,
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        )
 
     @classmethod
     def llama_8b(cls) -> TrainConfig:
         """Llama 3.1 8B shape; FSDP over all devices (add mesh.tensor for > 64 chips)."""
-        return cls(model=ModelConfig.llama_8b(),
-                   data=DataConfig(seq_len=4096, batch_size=512, grad_accum=8,
-                                   eval_batches=32),
-                   optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
-                   steps=200000, eval_every=2000, log_every=100, checkpoint_every=1000,
-                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=1))
+        return cls(
+            model=ModelConfig.llama_8b(),
+            data=DataConfig(seq_len=4096, batch_size=512, grad_accum=8, eval_batches=32),
+            optim=OptimConfig(lr=3e-4, warmup_steps=2000, schedule="wsd"),
+            steps=200000,
+            eval_every=2000,
+            log_every=100,
+            checkpoint_every=1000,
+            keep_checkpoints=3,
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        )
 
     @classmethod
     def llama_70b(cls) -> TrainConfig:
         """Llama 3.1 70B shape: 4M-token batches of 8k sequences, FSDP x 8-way tensor
         parallelism (set mesh.fsdp; ``microscale plan`` before a cluster run)."""
-        return cls(model=ModelConfig.llama_70b(),
-                   data=DataConfig(seq_len=8192, batch_size=512, grad_accum=8,
-                                   eval_batches=32),
-                   optim=OptimConfig(lr=1.5e-4, warmup_steps=2000, schedule="wsd"),
-                   steps=500000, eval_every=2000, log_every=100, checkpoint_every=1000,
-                   keep_checkpoints=3, mesh=MeshConfig(data=1, fsdp=-1, tensor=8))
+        return cls(
+            model=ModelConfig.llama_70b(),
+            data=DataConfig(seq_len=8192, batch_size=512, grad_accum=8, eval_batches=32),
+            optim=OptimConfig(lr=1.5e-4, warmup_steps=2000, schedule="wsd"),
+            steps=500000,
+            eval_every=2000,
+            log_every=100,
+            checkpoint_every=1000,
+            keep_checkpoints=3,
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=8),
+        )
 
     @classmethod
     def preset(cls, name: str) -> TrainConfig:
@@ -329,6 +381,8 @@ def preset_yaml(name: str) -> str:
     """The YAML text of a preset (what ``microscale/configs/<name>.yaml`` holds)."""
     cfg = TrainConfig.preset(name)
     key = name.strip().lower().replace("-", "_")
-    return (f"# microscale TrainConfig preset {key!r}: a serialization of TrainConfig.{key}().\n"
-            "# Copy and edit it, then: microscale train --config my.yaml [key=value ...]\n"
-            + to_yaml(cfg))
+    return (
+        f"# microscale TrainConfig preset {key!r}: a serialization of TrainConfig.{key}().\n"
+        "# Copy and edit it, then: microscale train --config my.yaml [key=value ...]\n"
+        + to_yaml(cfg)
+    )

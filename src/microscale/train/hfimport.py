@@ -50,8 +50,9 @@ __all__ = ["import_hf"]
 _SEQ_LEN = 256  # data.seq_len of the run (at most the model's context)
 
 
-def import_hf(folder: str | os.PathLike, out: str | os.PathLike, *,
-              say: Callable[[str], None] | None = None) -> dict[str, Any]:
+def import_hf(
+    folder: str | os.PathLike, out: str | os.PathLike, *, say: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Write run folder ``out`` holding HF folder ``folder``'s model; returns the summary
     (also ``out/summary.json``). ``out`` must not exist."""
     from microscale.data import DataConfig, check_vocab_fits, load_tokenizer
@@ -59,11 +60,14 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, *,
     from microscale.export.tokenizer import TOKENIZER_FILES
     from microscale.train.config import TrainConfig
 
-    src = check_input_dir(folder, what="", expected="an HF Llama folder (config.json, "
-                          "*.safetensors, tokenizer.json)")
+    src = check_input_dir(
+        folder, what="", expected="an HF Llama folder (config.json, *.safetensors, tokenizer.json)"
+    )
     if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected an HF Llama "
-                                "folder (config.json, *.safetensors, tokenizer.json)")
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no config.json; expected an HF Llama "
+            "folder (config.json, *.safetensors, tokenizer.json)"
+        )
     out = check_output_dir(out, what="--out").absolute()
     if out.exists():
         raise FileExistsError(f"--out {str(out)!r} already exists; choose a new folder")
@@ -72,14 +76,21 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, *,
     except ValueError as e:
         raise ValueError(f"{src / 'config.json'}: {e}") from None
     if not (src / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{str(folder)!r} has no tokenizer.json; a run needs the "
-                                "model's own tokenizer")
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no tokenizer.json; a run needs the model's own tokenizer"
+        )
     tok = load_tokenizer(src / "tokenizer.json")
-    check_vocab_fits(tok.vocab_size, model.vocab_size,
-                     what=f"the tokenizer {str(src / 'tokenizer.json')!r}")
-    cfg = TrainConfig(model=model, data=DataConfig(
-        tokenizer=str(out / "tokenizer.json"), seq_len=min(_SEQ_LEN, model.max_seq_len)),
-        init_from=str(src.absolute()), out=str(out))
+    check_vocab_fits(
+        tok.vocab_size, model.vocab_size, what=f"the tokenizer {str(src / 'tokenizer.json')!r}"
+    )
+    cfg = TrainConfig(
+        model=model,
+        data=DataConfig(
+            tokenizer=str(out / "tokenizer.json"), seq_len=min(_SEQ_LEN, model.max_seq_len)
+        ),
+        init_from=str(src.absolute()),
+        out=str(out),
+    )
     say = say or (lambda _: None)
     with lock_folder(out), atomic_folder(out) as tmp:
         for name in TOKENIZER_FILES:
@@ -89,10 +100,16 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, *,
         cfg.precision_rules().save(tmp / "precision_rules.json")
         say(f"import: reading the weights of {src}")
         init = _save_step0(cfg, src, tmp / "checkpoints")
-        summary = {"status": "imported", "steps": 0, "tokens": 0,
-                   "params": model.num_params(), "init_from": init.to_dict(),
-                   "out": str(out), "config": to_dict(cfg),
-                   "microscale_version": __version__}
+        summary = {
+            "status": "imported",
+            "steps": 0,
+            "tokens": 0,
+            "params": model.num_params(),
+            "init_from": init.to_dict(),
+            "out": str(out),
+            "config": to_dict(cfg),
+            "microscale_version": __version__,
+        }
         atomic_write_json(tmp / "summary.json", summary)
     say(f"import: {model.num_params():,} parameters ({init.note}) -> {out}")
     return summary
@@ -110,10 +127,20 @@ def _save_step0(cfg, src: Path, directory: Path):
     params = _init_params(cfg, st, weights, init)
     del weights
     opt_state = jax.jit(st.tx.init, out_shardings=st.opt_shardings)(params)
-    meta = {"step": 0, "data_step": 0, "tokens": 0, "nonfinite_total": 0,
-            "nonfinite_streak": 0, "phase": "main", "train_time_s": 0.0,
-            "recipe": cfg.recipe, "microscale_version": __version__,
-            "init_from": init.to_dict(), "bf16_allocation": None, "config": to_dict(cfg)}
+    meta = {
+        "step": 0,
+        "data_step": 0,
+        "tokens": 0,
+        "nonfinite_total": 0,
+        "nonfinite_streak": 0,
+        "phase": "main",
+        "train_time_s": 0.0,
+        "recipe": cfg.recipe,
+        "microscale_version": __version__,
+        "init_from": init.to_dict(),
+        "bf16_allocation": None,
+        "config": to_dict(cfg),
+    }
     with Checkpointer(directory, async_save=False) as ck:
         ck.save(0, {"params": params, "opt_state": opt_state}, meta)
     return init

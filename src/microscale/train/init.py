@@ -46,20 +46,43 @@ from microscale.model import ModelConfig
 from microscale.train.config import TrainConfig
 from microscale.train.state import load_checkpoint
 
-__all__ = ["InitSource", "adopt_source_model", "check_init_shapes", "load_init_weights",
-           "quantize_calibration", "quantized_run", "resolve_config", "source_kind", "source_model"]
+__all__ = [
+    "InitSource",
+    "adopt_source_model",
+    "check_init_shapes",
+    "load_init_weights",
+    "quantize_calibration",
+    "quantized_run",
+    "resolve_config",
+    "source_kind",
+    "source_model",
+]
 
 # ModelConfig fields that decide parameter shapes (named in the mismatch hint).
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                 "tie_embeddings")
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "tie_embeddings",
+)
 # Fields that define the source model beyond its shapes: an override may not change them.
 _MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "norm_eps")
 # config.json's names of those fields (and of max_seq_len), for messages.
-_HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size",
-             "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-             "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
-             "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
-             "norm_eps": "rms_norm_eps", "max_seq_len": "max_position_embeddings"}
+_HF_NAMES = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "tie_embeddings": "tie_word_embeddings",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "max_seq_len": "max_position_embeddings",
+}
 # Mismatches named in check_init_shapes' error (the rest are counted).
 _SHOWN = 4
 
@@ -94,8 +117,7 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 # What a model source folder may be (the expected part of the errors).
-SOURCE_KINDS = ("a microscale run folder, a `microscale quantize` output or an HF Llama "
-                "folder")
+SOURCE_KINDS = "a microscale run folder, a `microscale quantize` output or an HF Llama folder"
 
 
 def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
@@ -117,10 +139,12 @@ def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
 def _not_a_model_folder(path: str | os.PathLike, *, what: str) -> ValueError:
     """The error for a folder that is none of the three model-folder kinds."""
     shown = f"{what}{'' if not what or what.endswith('=') else ' '}{str(path)!r}"
-    return ValueError(f"{shown} is not a model folder: expected a microscale "
-                      "run (config.yaml + checkpoints/), a `microscale quantize` output "
-                      "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
-                      "(config.json + *.safetensors)")
+    return ValueError(
+        f"{shown} is not a model folder: expected a microscale "
+        "run (config.yaml + checkpoints/), a `microscale quantize` output "
+        "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
+        "(config.json + *.safetensors)"
+    )
 
 
 def quantize_calibration(path: str | os.PathLike) -> dict[str, Any]:
@@ -148,24 +172,35 @@ def _from_packed(path: Path) -> tuple[dict[str, np.ndarray], ModelConfig | None]
     """Dequantized float weights of a quantize output's model (its layout's ``read``)."""
     kind = detect(path)
     if not isinstance(kind, Layout):
-        raise FileNotFoundError(f"{str(path)!r}: no config.json or manifest.json (expected the "
-                                "checkpoint/ folder that microscale quantize writes)")
+        raise FileNotFoundError(
+            f"{str(path)!r}: no config.json or manifest.json (expected the "
+            "checkpoint/ folder that microscale quantize writes)"
+        )
     return kind.read(path)
 
 
-def load_init_weights(source: str | os.PathLike, *, step: int | None = None
-                      ) -> tuple[dict[str, np.ndarray], InitSource]:
+def load_init_weights(
+    source: str | os.PathLike, *, step: int | None = None
+) -> tuple[dict[str, np.ndarray], InitSource]:
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
     path = check_input_dir(source, what="init_from=", expected=SOURCE_KINDS)
     kind = detect(path)
     if kind is RUN:
         flat, got, model = _from_run(path, step)
-        return flat, InitSource(path=str(source), kind="run", step=got, weights="master",
-                                model=model, note=f"master weights of step {got} of {path}")
+        return flat, InitSource(
+            path=str(source),
+            kind="run",
+            step=got,
+            weights="master",
+            model=model,
+            note=f"master weights of step {got} of {path}",
+        )
     if step is not None:
-        raise ValueError(f"init_step={step} applies to a run folder, but init_from="
-                         f"{str(source)!r} is not one (no config.yaml + checkpoints/)")
+        raise ValueError(
+            f"init_step={step} applies to a run folder, but init_from="
+            f"{str(source)!r} is not one (no config.yaml + checkpoints/)"
+        )
     if kind is QUANTIZE_OUTPUT:
         run_dir, run_step = quantized_run(path)
         why = "the report names no source run"
@@ -179,30 +214,48 @@ def load_init_weights(source: str | os.PathLike, *, step: int | None = None
                     why = f"step {run_step} of its source run {run_dir!r} is gone"
                 else:
                     return flat, InitSource(
-                        path=str(source), kind="quantize", step=got, weights="master",
-                        model=model, note=f"master weights of step {got} of {run}, the run "
-                                          f"{path} quantized")
+                        path=str(source),
+                        kind="quantize",
+                        step=got,
+                        weights="master",
+                        model=model,
+                        note=f"master weights of step {got} of {run}, the run {path} quantized",
+                    )
         packed = quantize_output_model(path)
         flat, packed_model = _from_packed(packed)
         return flat, InitSource(
-            path=str(source), kind="quantize", step=None, weights="dequantized",
+            path=str(source),
+            kind="quantize",
+            step=None,
+            weights="dequantized",
             model=packed_model,
             note=f"dequantized weights of {packed} ({why}): training starts "
-                 "from the quantized model, not from its master weights")
+            "from the quantized model, not from its master weights",
+        )
     if isinstance(kind, Layout) and kind.hf_folder:
         ck = read_checkpoint(path, dequantize=True)
         is_packed = kind.quantized
-        return ({k: np.asarray(v) for k, v in ck.params.items()},
-                InitSource(path=str(source), kind="hf", step=None,
-                           weights="dequantized" if is_packed else "master", model=ck.config,
-                           note=f"{ck.layout} weights of {path}"
-                                + (" (dequantized: the folder holds packed weights)"
-                                   if is_packed else "")))
+        return (
+            {k: np.asarray(v) for k, v in ck.params.items()},
+            InitSource(
+                path=str(source),
+                kind="hf",
+                step=None,
+                weights="dequantized" if is_packed else "master",
+                model=ck.config,
+                note=f"{ck.layout} weights of {path}"
+                + (" (dequantized: the folder holds packed weights)" if is_packed else ""),
+            ),
+        )
     raise _not_a_model_folder(path, what="init_from=")
 
 
-def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],
-                      source: InitSource, model: ModelConfig) -> None:
+def check_init_shapes(
+    weights: Mapping[str, Any],
+    expected: Mapping[str, tuple[int, ...]],
+    source: InitSource,
+    model: ModelConfig,
+) -> None:
     """Raise one ``ValueError`` counting every missing, unexpected or mis-shaped parameter:
     the source's differing model fields first (the cause), then the first few parameters."""
     problems = []
@@ -210,25 +263,35 @@ def check_init_shapes(weights: Mapping[str, Any], expected: Mapping[str, tuple[i
         if name not in weights:
             problems.append(f"{name} is missing (expected shape {tuple(shape)})")
         elif tuple(np.shape(weights[name])) != tuple(shape):
-            problems.append(f"{name} has shape {tuple(np.shape(weights[name]))}, the config "
-                            f"expects {tuple(shape)}")
-    problems += [f"{name} is not a parameter of this model" for name in weights
-                 if name not in expected]
+            problems.append(
+                f"{name} has shape {tuple(np.shape(weights[name]))}, the config "
+                f"expects {tuple(shape)}"
+            )
+    problems += [
+        f"{name} is not a parameter of this model" for name in weights if name not in expected
+    ]
     if not problems:
         return
     hint = ""
     if source.model is not None:
-        diff = [f"model.{f}={getattr(source.model, f)} (config: {getattr(model, f)})"
-                for f in _SHAPE_FIELDS if getattr(source.model, f) != getattr(model, f)]
+        diff = [
+            f"model.{f}={getattr(source.model, f)} (config: {getattr(model, f)})"
+            for f in _SHAPE_FIELDS
+            if getattr(source.model, f) != getattr(model, f)
+        ]
         if diff:
             hint = "the source has " + ", ".join(diff) + "; "
     more = len(problems) - _SHOWN
-    raise ValueError(f"init_from={source.path!r} does not fit the model config: {hint}"
-                     f"{len(problems)} mismatch(es): " + "; ".join(problems[:_SHOWN])
-                     + (f"; and {more} more" if more > 0 else ""))
+    raise ValueError(
+        f"init_from={source.path!r} does not fit the model config: {hint}"
+        f"{len(problems)} mismatch(es): "
+        + "; ".join(problems[:_SHOWN])
+        + (f"; and {more} more" if more > 0 else "")
+    )
 
 
 # ---------------------------------------------------------------------- the source's model
+
 
 def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, str] | None:
     """``(model config, tokenizer file or None, where the config was read)`` of an
@@ -266,23 +329,35 @@ def adopt_source_model(cfg, overridden: set[str]):
         return cfg
     src, tok, where = found
     hf = where.endswith("config.json")
-    keys = {f.name for f in dataclasses.fields(ModelConfig)} if "model" in overridden else {
-        k.removeprefix("model.") for k in overridden if k.startswith("model.")}
+    keys = (
+        {f.name for f in dataclasses.fields(ModelConfig)}
+        if "model" in overridden
+        else {k.removeprefix("model.") for k in overridden if k.startswith("model.")}
+    )
     for f in sorted(keys):
         mine, theirs = getattr(cfg.model, f), getattr(src, f)
         if (f in _MODEL_FIELDS and mine != theirs) or (f == "max_seq_len" and mine > theirs):
             name = _HF_NAMES[f] if hf else f"model.{f}"
-            raise ValueError(f"model.{f}={mine} contradicts init_from={cfg.init_from!r}: "
-                             f"{where} has {name}={theirs} (the model is taken from "
-                             "init_from; drop the override)")
+            raise ValueError(
+                f"model.{f}={mine} contradicts init_from={cfg.init_from!r}: "
+                f"{where} has {name}={theirs} (the model is taken from "
+                "init_from; drop the override)"
+            )
     # The source's model; how it runs (remat, chunks, dtypes) stays the config's.
-    model = cfg.model.replace(**{f: getattr(src, f) for f in (
-        *_MODEL_FIELDS, "max_seq_len", "dim_multiple") if f not in keys})
+    model = cfg.model.replace(
+        **{
+            f: getattr(src, f)
+            for f in (*_MODEL_FIELDS, "max_seq_len", "dim_multiple")
+            if f not in keys
+        }
+    )
     data = cfg.data
     if "data.tokenizer" not in overridden:
         if tok is None and hf:  # the preset's byte tokenizer would fit and be wrong
-            raise ValueError(f"init_from={cfg.init_from!r} has no tokenizer.json; name the "
-                             "model's own tokenizer with data.tokenizer=PATH")
+            raise ValueError(
+                f"init_from={cfg.init_from!r} has no tokenizer.json; name the "
+                "model's own tokenizer with data.tokenizer=PATH"
+            )
         if tok is not None:
             data = dataclasses.replace(data, tokenizer=str(tok.absolute()))
     if "data.seq_len" not in overridden and data.seq_len > model.max_seq_len:
@@ -292,8 +367,10 @@ def adopt_source_model(cfg, overridden: set[str]):
 
 # ------------------------------------------------------------------ resolving a config
 
-def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
-                   overrides: Sequence[str] | dict = ()) -> TrainConfig:
+
+def resolve_config(
+    config: str | os.PathLike | TrainConfig = "tiny", overrides: Sequence[str] | dict = ()
+) -> TrainConfig:
     """A preset name or YAML path (or a TrainConfig), then ``key=value`` overrides.
 
     With ``init_from``, the model and tokenizer are the source's (overrides that contradict
@@ -316,8 +393,11 @@ def resolve_config(config: str | os.PathLike | TrainConfig = "tiny",
     cfg = apply_overrides(cfg, overrides)
     if cfg.init_from is None:
         return cfg
-    items = list(overrides) if isinstance(overrides, dict) else [
-        k for k, _ in parse_overrides(overrides)]
+    items = (
+        list(overrides)
+        if isinstance(overrides, dict)
+        else [k for k, _ in parse_overrides(overrides)]
+    )
     try:
         return adopt_source_model(cfg, {TrainConfig._aliases.get(k, k) for k in items})
     except (ValueError, TypeError) as e:

@@ -84,8 +84,17 @@ from microscale.train.step import make_eval_step, make_train_step
 __all__ = ["TrainingAborted", "default_out", "enable_compilation_cache", "train"]
 
 # Config fields that must not change when resuming (they define the run).
-_RUN_DEFINING = ("model", "data", "optim", "recipe", "precision", "init_from", "init_step",
-                 "seed", "steps")
+_RUN_DEFINING = (
+    "model",
+    "data",
+    "optim",
+    "recipe",
+    "precision",
+    "init_from",
+    "init_step",
+    "seed",
+    "steps",
+)
 
 
 class TrainingAborted(RuntimeError):
@@ -134,19 +143,24 @@ def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
     if not path.exists():
         return
     old = load_yaml(TrainConfig, path)
-    diff = [(k, a, b) for k in _RUN_DEFINING
-            for k, a, b in _leaf_diff(k, to_dict(old).get(k), to_dict(cfg).get(k))]
+    diff = [
+        (k, a, b)
+        for k in _RUN_DEFINING
+        for k, a, b in _leaf_diff(k, to_dict(old).get(k), to_dict(cfg).get(k))
+    ]
     if diff:
         shown = ", ".join(f"{k}={b!r} (the run has {a!r})" for k, a, b in diff[:8])
         more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
         raise ValueError(
             f"resume=true but {len(diff)} run-defining setting(s) differ from {path}: "
             f"{shown}{more}. A resumed run must keep them (only cadence, mesh and output "
-            "options may change); use a new out= for a different run")
+            "options may change); use a new out= for a different run"
+        )
 
 
 def _init_params(cfg: TrainConfig, st: _State, weights: dict, src):
     """``weights`` (of ``init_from``) checked against the model, sharded like ``st.params``."""
+
     def name(path) -> str:
         return ".".join(str(getattr(k, "key", k)) for k in path)
 
@@ -175,9 +189,13 @@ def _quant_stats(model) -> dict[str, dict[str, float]]:
 # ----------------------------------------------------------------------------- train
 
 
-def train(cfg: TrainConfig, *, progress: bool = True,
-          callbacks: Sequence[Callable[[dict], None]] | None = None,
-          label: str | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    *,
+    progress: bool = True,
+    callbacks: Sequence[Callable[[dict], None]] | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
     """Train ``cfg`` to completion (or resume it); return the summary dict.
 
     ``progress``: a tqdm bar on a terminal, plain periodic lines otherwise (False: quiet).
@@ -204,8 +222,9 @@ def train(cfg: TrainConfig, *, progress: bool = True,
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         try:
-            return _train_locked(cfg, out, t_start=t_start, progress=progress,
-                                 callbacks=callbacks, label=label)
+            return _train_locked(
+                cfg, out, t_start=t_start, progress=progress, callbacks=callbacks, label=label
+            )
         except BaseException:
             if created and jax.process_index() == 0:
                 _remove_unstarted(out)
@@ -213,8 +232,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
 
 
 # What a run writes before it starts logging: a folder holding only these was never a run.
-_STARTUP_FILES = frozenset({"config.yaml", "precision_rules.json", "tokenizer.json",
-                            "checkpoints"})
+_STARTUP_FILES = frozenset({"config.yaml", "precision_rules.json", "tokenizer.json", "checkpoints"})
 
 
 def _remove_unstarted(out: Path) -> None:
@@ -227,15 +245,17 @@ def _remove_unstarted(out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool, callbacks,
-                  label) -> dict[str, Any]:
+def _train_locked(
+    cfg: TrainConfig, out: Path, *, t_start: float, progress: bool, callbacks, label
+) -> dict[str, Any]:
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
     try:
         latest = ckpt.latest_step()
         if latest is not None and not cfg.resume:
             raise FileExistsError(
                 f"{out} already holds checkpoints (latest step {latest}); pass resume=true "
-                "to continue that run, or choose another out=")
+                "to continue that run, or choose another out="
+            )
         if cfg.resume:
             _check_resume_compatible(out, cfg)
         if cfg.resume and latest is not None:
@@ -244,8 +264,16 @@ def _train_locked(cfg: TrainConfig, out: Path, *, t_start: float, progress: bool
                 summary = read_json(done, what="run summary")
                 if summary.get("status") == "completed":
                     return summary
-        return _run_start(cfg, out, ckpt, latest if cfg.resume else None, t_start=t_start,
-                          progress=progress, callbacks=callbacks, label=label or cfg.recipe)
+        return _run_start(
+            cfg,
+            out,
+            ckpt,
+            latest if cfg.resume else None,
+            t_start=t_start,
+            progress=progress,
+            callbacks=callbacks,
+            label=label or cfg.recipe,
+        )
     finally:
         ckpt.close()
 
@@ -267,8 +295,9 @@ class Phases:
     @classmethod
     def of_run(cls, cfg: TrainConfig, graphdefs: dict[str, Any]) -> Phases:
         """The phases of ``cfg`` (``graphdefs``: the phases its state was built with)."""
-        return cls(warmup_end=cfg.warmup_steps,
-                   late_start=cfg.switch_step if "late" in graphdefs else None)
+        return cls(
+            warmup_end=cfg.warmup_steps, late_start=cfg.switch_step if "late" in graphdefs else None
+        )
 
     def of(self, step: int) -> str:
         """The phase that trains batch ``step`` (0-based)."""
@@ -319,10 +348,13 @@ class Clock:
     def resumed(cls, meta: dict[str, Any], *, t_start: float, start: int) -> Clock:
         """The clock of a run starting at ``start``; ``meta``: its checkpoint's metadata
         (empty for a fresh run)."""
-        return cls(t_start=t_start, step=start,
-                   nonfinite_total=int(meta.get("nonfinite_total", 0)),
-                   streak=int(meta.get("nonfinite_streak", 0)),
-                   train_time=float(meta.get("train_time_s", 0.0)))
+        return cls(
+            t_start=t_start,
+            step=start,
+            nonfinite_total=int(meta.get("nonfinite_total", 0)),
+            streak=int(meta.get("nonfinite_streak", 0)),
+            train_time=float(meta.get("train_time_s", 0.0)),
+        )
 
     def tick(self, now: float, tokens: int, *, compiling: bool) -> None:
         """A step was read back at ``now``: the time since the previous one is training
@@ -395,17 +427,36 @@ def compile_programs(st: _State) -> Programs:
     inject = bool(cfg.inject_nonfinite_steps)
     train_fns, eval_fns = {}, {}
     for ph, g in st.graphdefs.items():
-        train_fns[ph] = make_train_step(g, st.tx, schedule, seed=cfg.seed, inject=inject,
-                                        param_shardings=st.param_shardings,
-                                        opt_shardings=st.opt_shardings,
-                                        batch_sharding=NamedSharding(mesh, _BATCH_SPEC))
-        eval_fns[ph] = make_eval_step(g, seed=cfg.seed, param_shardings=st.param_shardings,
-                                      batch_sharding=NamedSharding(mesh, _EVAL_SPEC))
+        train_fns[ph] = make_train_step(
+            g,
+            st.tx,
+            schedule,
+            seed=cfg.seed,
+            inject=inject,
+            param_shardings=st.param_shardings,
+            opt_shardings=st.opt_shardings,
+            batch_sharding=NamedSharding(mesh, _BATCH_SPEC),
+        )
+        eval_fns[ph] = make_eval_step(
+            g,
+            seed=cfg.seed,
+            param_shardings=st.param_shardings,
+            batch_sharding=NamedSharding(mesh, _EVAL_SPEC),
+        )
     return Programs(train=train_fns, eval=eval_fns)
 
 
-def evaluate(eval_step: Callable, params, rest, val_batches: Mapping[str, Sequence], graphdef, *,
-             step: int, tokens: int, phase: str) -> dict[str, Any]:
+def evaluate(
+    eval_step: Callable,
+    params,
+    rest,
+    val_batches: Mapping[str, Sequence],
+    graphdef,
+    *,
+    step: int,
+    tokens: int,
+    phase: str,
+) -> dict[str, Any]:
     """The ``"eval"`` record of ``params`` at ``step``: the mean loss of every eval set's
     fixed batches (``eval_step``: :func:`~microscale.train.step.make_eval_step` of
     ``graphdef``), each batch's loss, and the weight-quantization statistics of the model
@@ -417,11 +468,18 @@ def evaluate(eval_step: Callable, params, rest, val_batches: Mapping[str, Sequen
         losses[name] = float(np.mean(vals))
         per_batch[name] = vals
     model = nnx.merge(graphdef, nnx.State(params), rest)
-    return {"kind": "eval", "step": step, "tokens": tokens, "phase": phase,
-            "val_loss": losses["val"], "val_ppl": math.exp(min(losses["val"], 50.0)),
-            "val_losses": losses, "val_batch_losses": per_batch,
-            "quant": _quant_stats(model),
-            "eval_time_s": time.perf_counter() - t0}
+    return {
+        "kind": "eval",
+        "step": step,
+        "tokens": tokens,
+        "phase": phase,
+        "val_loss": losses["val"],
+        "val_ppl": math.exp(min(losses["val"], 50.0)),
+        "val_losses": losses,
+        "val_batch_losses": per_batch,
+        "quant": _quant_stats(model),
+        "eval_time_s": time.perf_counter() - t0,
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -446,9 +504,18 @@ class RunFacts:
     data: dict[str, Any]
 
 
-def write_summary(path: Path | None, status: str, *, facts: RunFacts, clock: Clock,
-                  last_eval: dict | None, precision: dict[str, str | None], init_source: dict | None,
-                  allocation: dict | None, **extra) -> dict[str, Any]:
+def write_summary(
+    path: Path | None,
+    status: str,
+    *,
+    facts: RunFacts,
+    clock: Clock,
+    last_eval: dict | None,
+    precision: dict[str, str | None],
+    init_source: dict | None,
+    allocation: dict | None,
+    **extra,
+) -> dict[str, Any]:
     """The run's summary (``status``: "completed" or "aborted"; ``extra``: more keys),
     written atomically to ``path`` unless it is None, and returned.
 
@@ -553,14 +620,30 @@ class _Run:
         return nnx.merge(self.st.graphdefs[phase], nnx.State(self.params), self.st.rest)
 
 
-def _run_start(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None, *,
-               t_start: float, progress: bool, callbacks, label: str) -> dict[str, Any]:
+def _run_start(
+    cfg: TrainConfig,
+    out: Path,
+    ckpt: Checkpointer,
+    resume_from: int | None,
+    *,
+    t_start: float,
+    progress: bool,
+    callbacks,
+    label: str,
+) -> dict[str, Any]:
     """One start of the run in ``out``: prepare, log the start, train, summarize."""
     run, meta = _prepare(cfg, out, ckpt, resume_from)
     clock = Clock.resumed(meta, t_start=t_start, start=run.start)
-    run.logger = MetricsLogger(out, total_steps=cfg.steps, start_step=run.start,
-                               progress=progress, tensorboard=cfg.tensorboard, main=run.main,
-                               callbacks=callbacks, description=label)
+    run.logger = MetricsLogger(
+        out,
+        total_steps=cfg.steps,
+        start_step=run.start,
+        progress=progress,
+        tensorboard=cfg.tensorboard,
+        main=run.main,
+        callbacks=callbacks,
+        description=label,
+    )
     try:
         _announce(run)
         _load_eval_sets(run)
@@ -573,8 +656,9 @@ def _run_start(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int
     return _finish(run, clock, progress=progress)
 
 
-def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None
-             ) -> tuple[_Run, dict[str, Any]]:
+def _prepare(
+    cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None
+) -> tuple[_Run, dict[str, Any]]:
     """The run's files, data, mesh, model and compiled steps, and its weights: restored
     from the checkpoint at or before ``resume_from``, those of ``init_from``, or fresh.
     Returns the run and the restored checkpoint's metadata (empty when none was)."""
@@ -585,11 +669,16 @@ def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int |
     if cfg.init_from is not None and resume_from is None:
         init = load_init_weights(cfg.init_from, step=cfg.init_step)
     data = load_data(cfg.data)
-    check_vocab_fits(data.vocab_size, cfg.model.vocab_size,
-                     what=f"data.tokenizer={cfg.data.tokenizer!r}" if data.tokenizer else
-                     f"data.corpus={cfg.data.corpus!r}")
-    batcher = data.train_batcher(process_index=jax.process_index(),
-                                 process_count=jax.process_count())
+    check_vocab_fits(
+        data.vocab_size,
+        cfg.model.vocab_size,
+        what=f"data.tokenizer={cfg.data.tokenizer!r}"
+        if data.tokenizer
+        else f"data.corpus={cfg.data.corpus!r}",
+    )
+    batcher = data.train_batcher(
+        process_index=jax.process_index(), process_count=jax.process_count()
+    )
     if main and data.tokenizer is not None:
         data.save_tokenizer(out / "tokenizer.json")
     mesh = build_mesh(cfg.mesh)
@@ -597,18 +686,36 @@ def _prepare(cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int |
     st = build_state(cfg, mesh)
     if not cfg.precision.spec.chosen_in_run:
         _save_rules(st, out, main)  # a sensitivity-chosen allocation is saved once chosen
-    run = _Run(cfg=cfg, out=out, main=main, data=data, batcher=batcher, st=st, ckpt=ckpt,
-               programs=compile_programs(st), phases=Phases.of_run(cfg, st.graphdefs),
-               params=st.params, opt_state=st.opt_state, start=0, init_source=None,
-               allocation=None)
+    run = _Run(
+        cfg=cfg,
+        out=out,
+        main=main,
+        data=data,
+        batcher=batcher,
+        st=st,
+        ckpt=ckpt,
+        programs=compile_programs(st),
+        phases=Phases.of_run(cfg, st.graphdefs),
+        params=st.params,
+        opt_state=st.opt_state,
+        start=0,
+        init_source=None,
+        allocation=None,
+    )
     restored = None
     if resume_from is not None:
         restored = ckpt.restore_newest_intact(
-            {"params": run.params, "opt_state": run.opt_state}, upto=resume_from,
-            say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True))
+            {"params": run.params, "opt_state": run.opt_state},
+            upto=resume_from,
+            say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True),
+        )
         if restored is None:
-            print(f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
-                  "starting from step 0", file=sys.stderr, flush=True)
+            print(
+                f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
+                "starting from step 0",
+                file=sys.stderr,
+                flush=True,
+            )
     meta: dict[str, Any] = {}
     if restored is not None:
         state, meta, _ = restored
@@ -632,11 +739,15 @@ def _check_divisible(cfg: TrainConfig, mesh) -> None:
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.data.batch_size // cfg.data.grad_accum
     eval_rows = cfg.data.eval_batch_size or cfg.data.batch_size
-    for what, rows in (("data.batch_size / data.grad_accum", micro),
-                       ("data.eval_batch_size (or batch_size)", eval_rows)):
+    for what, rows in (
+        ("data.batch_size / data.grad_accum", micro),
+        ("data.eval_batch_size (or batch_size)", eval_rows),
+    ):
         if rows % dp:
-            raise ValueError(f"{what} = {rows} is not divisible by the data-parallel ways "
-                             f"mesh.data * mesh.fsdp = {dp}")
+            raise ValueError(
+                f"{what} = {rows} is not divisible by the data-parallel ways "
+                f"mesh.data * mesh.fsdp = {dp}"
+            )
 
 
 def _save_rules(st: _State, out: Path, main: bool) -> None:
@@ -651,25 +762,32 @@ def _announce(run: _Run) -> None:
     """The start's first records and messages: init_from, the precision, the resume."""
     cfg, logger, start = run.cfg, run.logger, run.start
     if run.init_source is not None and not start:
-        logger.log({"kind": "event", "event": "init_from", "step": 0,
-                    "source": run.init_source})
+        logger.log({"kind": "event", "event": "init_from", "step": 0, "source": run.init_source})
         logger.message(f"init_from: {run.init_source['note']}")
     # recipes, not names: a rules file may hold custom recipes (QAT on a quantize output)
     warm_step = run.phases.warmup_end
     start_rules = run.st.rules["warmup" if start < warm_step else "main"]
-    q_blocks, hp_blocks = quantized_blocks({
-        p: start_rules.resolve(p) for p, _ in iter_linears(run.model("main"))})
-    logger.log({"kind": "event", "event": "precision", "step": start,
-                "quantized_blocks": q_blocks, "high_precision_blocks": hp_blocks})
+    q_blocks, hp_blocks = quantized_blocks(
+        {p: start_rules.resolve(p) for p, _ in iter_linears(run.model("main"))}
+    )
+    logger.log(
+        {
+            "kind": "event",
+            "event": "precision",
+            "step": start,
+            "quantized_blocks": q_blocks,
+            "high_precision_blocks": hp_blocks,
+        }
+    )
     what = cfg.recipe if cfg.precision.rules is None else f"rules {cfg.precision.rules}"
     if start < warm_step:
         what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
-    logger.message(f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
-                   f"blocks quantized" + (f"; blocks {hp_blocks} in high precision"
-                                          if hp_blocks else ""))
+    logger.message(
+        f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
+        f"blocks quantized" + (f"; blocks {hp_blocks} in high precision" if hp_blocks else "")
+    )
     if start:
-        logger.log({"kind": "event", "event": "resume", "step": start,
-                    "tokens": start * run.tps})
+        logger.log({"kind": "event", "event": "resume", "step": start, "tokens": start * run.tps})
         logger.message(f"resumed from {run.out / 'checkpoints'} at step {start}")
 
 
@@ -677,16 +795,25 @@ def _load_eval_sets(run: _Run) -> None:
     """The fixed validation batches of every eval set onto the devices, and the facts the
     summary reports."""
     data, mesh = run.data, run.st.mesh
-    val_sets = {name: data.val_batches(name, process_index=jax.process_index(),
-                                       process_count=jax.process_count())
-                for name in data.eval_sets()}
-    run.val = {name: [shard_batch(mesh, b, _EVAL_SPEC) for b in arr]
-               for name, arr in val_sets.items()}
-    run.facts = RunFacts(cfg=run.cfg, out=run.out, n_params=run.cfg.model.num_params(),
-                         corpus_hash=data.corpus.content_hash,
-                         entropy={name: data.unigram_entropy(name) for name in val_sets},
-                         late_switch_step=run.phases.late_start, mesh_shape=dict(mesh.shape),
-                         data={k: v for k, v in data.describe().items() if k != "config"})
+    val_sets = {
+        name: data.val_batches(
+            name, process_index=jax.process_index(), process_count=jax.process_count()
+        )
+        for name in data.eval_sets()
+    }
+    run.val = {
+        name: [shard_batch(mesh, b, _EVAL_SPEC) for b in arr] for name, arr in val_sets.items()
+    }
+    run.facts = RunFacts(
+        cfg=run.cfg,
+        out=run.out,
+        n_params=run.cfg.model.num_params(),
+        corpus_hash=data.corpus.content_hash,
+        entropy={name: data.unigram_entropy(name) for name in val_sets},
+        late_switch_step=run.phases.late_start,
+        mesh_shape=dict(mesh.shape),
+        data={k: v for k, v in data.describe().items() if k != "config"},
+    )
 
 
 def _choose_allocation(run: _Run, step: int) -> None:
@@ -699,13 +826,16 @@ def _choose_allocation(run: _Run, step: int) -> None:
     run.st.set_main_rules(rules)
     run.programs = compile_programs(run.st)
     _save_rules(run.st, run.out, run.main)
-    run.logger.log({"kind": "event", "event": "bf16_allocation", "tokens": step * run.tps,
-                    **allocation})
-    run.logger.message(f"step {step}: {allocation['method']} sensitivity keeps "
-                       f"{len(allocation['bf16_layers'])} layers in bf16 "
-                       f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
-                       f"{allocation['budget_bf16_flops']:.1%}): "
-                       + (", ".join(allocation["bf16_layers"]) or "none"))
+    run.logger.log(
+        {"kind": "event", "event": "bf16_allocation", "tokens": step * run.tps, **allocation}
+    )
+    run.logger.message(
+        f"step {step}: {allocation['method']} sensitivity keeps "
+        f"{len(allocation['bf16_layers'])} layers in bf16 "
+        f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
+        f"{allocation['budget_bf16_flops']:.1%}): "
+        + (", ".join(allocation["bf16_layers"]) or "none")
+    )
 
 
 def _train_steps(run: _Run, clock: Clock) -> None:
@@ -714,8 +844,11 @@ def _train_steps(run: _Run, clock: Clock) -> None:
     the device), and at once before a phase change, an evaluation or a checkpoint."""
     cfg = run.cfg
     clock.win_t0 = time.perf_counter()
-    if (cfg.precision.spec.chosen_in_run and run.allocation is None
-            and run.start >= run.phases.warmup_end):
+    if (
+        cfg.precision.spec.chosen_in_run
+        and run.allocation is None
+        and run.start >= run.phases.warmup_end
+    ):
         _choose_allocation(run, run.start)  # resumed from the checkpoint taken just before
     if run.start == 0 and cfg.eval_every:
         _evaluate(run, 0)
@@ -723,8 +856,9 @@ def _train_steps(run: _Run, clock: Clock) -> None:
     compiling = {run.start, cfg.switch_step, run.phases.warmup_end}
     pending: tuple[int, dict] | None = None  # (batch index, metrics) not read back yet
     clock.t_prev = time.perf_counter()
-    with run.batcher.iterate(run.start, cfg.steps - run.start, prefetch=cfg.data.prefetch,
-                             microbatches=True) as it:
+    with run.batcher.iterate(
+        run.start, cfg.steps - run.start, prefetch=cfg.data.prefetch, microbatches=True
+    ) as it:
         for idx, batch in it:
             phase = run.phases.of(idx)
             if phase != run.phase:
@@ -732,8 +866,13 @@ def _train_steps(run: _Run, clock: Clock) -> None:
                     _read_back(run, clock, *pending, compiling=compiling)
                     pending = None
                 _change_phase(run, clock, phase, idx)
-            args = [run.params, run.opt_state, run.st.rest,
-                    shard_batch(run.st.mesh, batch, _BATCH_SPEC), jnp.int32(idx)]
+            args = [
+                run.params,
+                run.opt_state,
+                run.st.rest,
+                shard_batch(run.st.mesh, batch, _BATCH_SPEC),
+                jnp.int32(idx),
+            ]
             if cfg.inject_nonfinite_steps:
                 args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
             run.params, run.opt_state, m = run.programs.train[phase](*args)
@@ -742,8 +881,9 @@ def _train_steps(run: _Run, clock: Clock) -> None:
             pending = (idx, m)
             step = idx + 1
             do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
-            do_ckpt = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-                       ) or step == cfg.steps
+            do_ckpt = (
+                cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+            ) or step == cfg.steps
             if do_eval or do_ckpt:
                 _read_back(run, clock, *pending, compiling=compiling)
                 pending = None
@@ -751,8 +891,11 @@ def _train_steps(run: _Run, clock: Clock) -> None:
                 if do_eval:
                     _evaluate(run, step)
                 if do_ckpt:
-                    run.ckpt.save(step, {"params": run.params, "opt_state": run.opt_state},
-                                  checkpoint_meta(run, clock, step))
+                    run.ckpt.save(
+                        step,
+                        {"params": run.params, "opt_state": run.opt_state},
+                        checkpoint_meta(run, clock, step),
+                    )
                 clock.pause(time.perf_counter() - t0)
         if pending is not None:
             _read_back(run, clock, *pending, compiling=compiling)
@@ -767,21 +910,29 @@ def _change_phase(run: _Run, clock: Clock, phase: str, idx: int) -> None:
         _choose_allocation(run, idx)
         clock.pause(time.perf_counter() - t0)
     elif run.phase == "warmup":  # a warm-up before fixed rules: those rules from here
-        logger.log({"kind": "event", "event": "warmup_end", "step": idx,
-                    "tokens": idx * run.tps})
-        logger.message(f"step {idx}: bf16 warm-up over; {cfg.recipe} with "
-                       "the positional bf16 blocks")
+        logger.log({"kind": "event", "event": "warmup_end", "step": idx, "tokens": idx * run.tps})
+        logger.message(
+            f"step {idx}: bf16 warm-up over; {cfg.recipe} with the positional bf16 blocks"
+        )
     run.phase = phase
     if phase == "late":
-        logger.log({"kind": "event", "event": "late_switch", "step": idx,
-                    "tokens": idx * run.tps, "bf16": cfg.precision.late.bf16})
-        logger.message(f"step {idx}: late switch to high precision "
-                       f"(bf16: {cfg.precision.late.bf16}) for the last "
-                       f"{cfg.steps - idx} steps")
+        logger.log(
+            {
+                "kind": "event",
+                "event": "late_switch",
+                "step": idx,
+                "tokens": idx * run.tps,
+                "bf16": cfg.precision.late.bf16,
+            }
+        )
+        logger.message(
+            f"step {idx}: late switch to high precision "
+            f"(bf16: {cfg.precision.late.bf16}) for the last "
+            f"{cfg.steps - idx} steps"
+        )
 
 
-def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *,
-               compiling: set[int]) -> None:
+def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *, compiling: set[int]) -> None:
     """Account for batch ``idx``'s ``metrics`` (fetched from the device now): the clock,
     a non-finite event (:class:`_Abort` after too many in a row), the progress display and,
     every ``log_every`` steps, a ``"train"`` record."""
@@ -794,29 +945,57 @@ def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *,
     finite = bool(m["finite"])
     clock.count(step, loss, finite=finite, keep=max(cfg.log_every, 10))
     if not finite:
-        logger.log({"kind": "event", "event": "nonfinite", "step": step, "loss": loss,
-                    "grad_norm": gnorm, "streak": clock.streak,
-                    "total": clock.nonfinite_total})
-        logger.message(f"step {step}: non-finite loss/gradient (loss={loss}, "
-                       f"grad_norm={gnorm}); update skipped ({clock.streak} in a row)")
+        logger.log(
+            {
+                "kind": "event",
+                "event": "nonfinite",
+                "step": step,
+                "loss": loss,
+                "grad_norm": gnorm,
+                "streak": clock.streak,
+                "total": clock.nonfinite_total,
+            }
+        )
+        logger.message(
+            f"step {step}: non-finite loss/gradient (loss={loss}, "
+            f"grad_norm={gnorm}); update skipped ({clock.streak} in a row)"
+        )
         if clock.streak >= cfg.max_nonfinite_in_a_row:
             raise _Abort(step)
     clock.win_tokens += run.tps
     logger.progress(step)
     if step % cfg.log_every == 0 or step == cfg.steps:
         loss_avg, rate = clock.end_window(now)
-        logger.log({"kind": "train", "step": step, "loss": loss, "loss_avg": loss_avg,
-                    "lr": lr, "grad_norm": gnorm, "tokens": step * run.tps,
-                    "tokens_per_s": rate, "nonfinite": clock.nonfinite_total,
-                    "phase": run.phases.of(idx), "time": now - clock.t_start})
+        logger.log(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "loss_avg": loss_avg,
+                "lr": lr,
+                "grad_norm": gnorm,
+                "tokens": step * run.tps,
+                "tokens_per_s": rate,
+                "nonfinite": clock.nonfinite_total,
+                "phase": run.phases.of(idx),
+                "time": now - clock.t_start,
+            }
+        )
         logger.progress(step, loss=loss, tokens_per_s=rate, lr=lr)
 
 
 def _evaluate(run: _Run, step: int) -> dict[str, Any]:
     """:func:`evaluate` at ``step`` in the current phase, logged and displayed."""
-    rec = evaluate(run.programs.eval[run.phase], run.params, run.st.rest, run.val,
-                   run.st.graphdefs[run.phase], step=step, tokens=step * run.tps,
-                   phase=run.phase)
+    rec = evaluate(
+        run.programs.eval[run.phase],
+        run.params,
+        run.st.rest,
+        run.val,
+        run.st.graphdefs[run.phase],
+        step=step,
+        tokens=step * run.tps,
+        phase=run.phase,
+    )
     run.logger.log(rec)
     run.logger.progress(step, val_loss=rec["val_loss"], force=True)
     run.last_eval = rec
@@ -827,20 +1006,35 @@ def checkpoint_meta(run: _Run, clock: Clock, step: int) -> dict[str, Any]:
     """The metadata saved with the checkpoint of ``step``: what an exact resume needs
     besides the weights (the counters, the phase, the allocation) and the config."""
     cfg = run.cfg
-    return {"step": step, "data_step": step, "tokens": step * run.tps,
-            "nonfinite_total": clock.nonfinite_total, "nonfinite_streak": clock.streak,
-            "phase": run.phases.of(step), "train_time_s": clock.train_time,
-            "recipe": cfg.recipe, "microscale_version": __version__,
-            "init_from": run.init_source, "bf16_allocation": run.allocation,
-            "config": to_dict(cfg)}
+    return {
+        "step": step,
+        "data_step": step,
+        "tokens": step * run.tps,
+        "nonfinite_total": clock.nonfinite_total,
+        "nonfinite_streak": clock.streak,
+        "phase": run.phases.of(step),
+        "train_time_s": clock.train_time,
+        "recipe": cfg.recipe,
+        "microscale_version": __version__,
+        "init_from": run.init_source,
+        "bf16_allocation": run.allocation,
+        "config": to_dict(cfg),
+    }
 
 
 def _summary(run: _Run, clock: Clock, status: str, **extra) -> dict[str, Any]:
     """:func:`write_summary` of ``run`` (written by the main process only)."""
-    return write_summary(run.out / "summary.json" if run.main else None, status,
-                         facts=run.facts, clock=clock, last_eval=run.last_eval,
-                         precision=assignments(run.model("main")),
-                         init_source=run.init_source, allocation=run.allocation, **extra)
+    return write_summary(
+        run.out / "summary.json" if run.main else None,
+        status,
+        facts=run.facts,
+        clock=clock,
+        last_eval=run.last_eval,
+        precision=assignments(run.model("main")),
+        init_source=run.init_source,
+        allocation=run.allocation,
+        **extra,
+    )
 
 
 def _abort(run: _Run, clock: Clock, step: int) -> None:
@@ -849,13 +1043,18 @@ def _abort(run: _Run, clock: Clock, step: int) -> None:
     cfg, out, logger = run.cfg, run.out, run.logger
     run.ckpt.wait()  # an asynchronous save of the last good step finishes first
     good = run.ckpt.latest_step()
-    msg = (f"training aborted at step {step}: {cfg.max_nonfinite_in_a_row} non-finite "
-           f"losses/gradients in a row (max_nonfinite_in_a_row="
-           f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
-           + (f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
-              "(resume=true continues from it). " if good is not None else
-              "No checkpoint was saved before the failure. ")
-           + "Try a lower optim.lr, more bf16 blocks (precision.bf16_last=...) or another recipe.")
+    msg = (
+        f"training aborted at step {step}: {cfg.max_nonfinite_in_a_row} non-finite "
+        f"losses/gradients in a row (max_nonfinite_in_a_row="
+        f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
+        + (
+            f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
+            "(resume=true continues from it). "
+            if good is not None
+            else "No checkpoint was saved before the failure. "
+        )
+        + "Try a lower optim.lr, more bf16 blocks (precision.bf16_last=...) or another recipe."
+    )
     logger.log({"kind": "event", "event": "abort", "step": step, "message": msg})
     logger.message(msg)
     logger.close()
@@ -876,9 +1075,12 @@ def _finish(run: _Run, clock: Clock, *, progress: bool) -> dict[str, Any]:
     if run.main and progress:
         ent = run.facts.entropy["val"]
         val = summary["final_val_loss"]
-        print(f"done: {run.cfg.recipe} val_loss {val:.4f} (unigram entropy {ent:.4f}), "
-              f"{summary['tokens']:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tok/s, "
-              f"{format_duration(summary['wall_time_s'])} -> {run.out}", flush=True)
+        print(
+            f"done: {run.cfg.recipe} val_loss {val:.4f} (unigram entropy {ent:.4f}), "
+            f"{summary['tokens']:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tok/s, "
+            f"{format_duration(summary['wall_time_s'])} -> {run.out}",
+            flush=True,
+        )
     return summary
 
 

@@ -54,8 +54,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from microscale.model import MESH_AXES, logical_to_mesh_rules
 
-__all__ = ["AXES", "BATCH_AXES", "build_mesh", "maybe_initialize_distributed",
-           "resolve_mesh_shape", "shard_batch"]
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "build_mesh",
+    "maybe_initialize_distributed",
+    "resolve_mesh_shape",
+    "shard_batch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,13 @@ BATCH_AXES = dict(logical_to_mesh_rules())["batch"]
 
 # Environment variables that mean "several processes were launched together".
 _MULTI_HOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
-_WORLD_SIZE_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE",
-                   "JAX_NUM_PROCESSES")
+_WORLD_SIZE_ENV = (
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "WORLD_SIZE",
+    "JAX_NUM_PROCESSES",
+)
 
 _initialized = False
 
@@ -94,8 +105,11 @@ def maybe_initialize_distributed(mesh_cfg) -> bool:
         return False
     kwargs = {}
     if explicit:
-        kwargs = dict(coordinator_address=mesh_cfg.coordinator_address,
-                      num_processes=mesh_cfg.num_processes, process_id=mesh_cfg.process_id)
+        kwargs = dict(
+            coordinator_address=mesh_cfg.coordinator_address,
+            num_processes=mesh_cfg.num_processes,
+            process_id=mesh_cfg.process_id,
+        )
     try:
         jax.distributed.initialize(**kwargs)
     except RuntimeError as e:
@@ -106,8 +120,12 @@ def maybe_initialize_distributed(mesh_cfg) -> bool:
                 "mesh.num_processes=N mesh.process_id=I; mesh.distributed=off runs single-host."
             ) from e
     _initialized = True
-    log.info("jax.distributed: process %d of %d, %d global devices",
-             jax.process_index(), jax.process_count(), jax.device_count())
+    log.info(
+        "jax.distributed: process %d of %d, %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -118,13 +136,17 @@ def resolve_mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
     fixed = math.prod(s for s in sizes if s != -1)
     if free:
         if n_devices % fixed:
-            raise ValueError(f"mesh {tuple(sizes)}: {n_devices} devices are not divisible by "
-                             f"the fixed axes' product {fixed}")
+            raise ValueError(
+                f"mesh {tuple(sizes)}: {n_devices} devices are not divisible by "
+                f"the fixed axes' product {fixed}"
+            )
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes) > n_devices:
-        raise ValueError(f"mesh data*fsdp*tensor = {sizes[0]}*{sizes[1]}*{sizes[2]} = "
-                         f"{math.prod(sizes)} but only {n_devices} devices are available; set "
-                         f"the sizes to multiply to {n_devices} (or one of them to -1)")
+        raise ValueError(
+            f"mesh data*fsdp*tensor = {sizes[0]}*{sizes[1]}*{sizes[2]} = "
+            f"{math.prod(sizes)} but only {n_devices} devices are available; set "
+            f"the sizes to multiply to {n_devices} (or one of them to -1)"
+        )
     return tuple(sizes)
 
 
@@ -141,14 +163,15 @@ def build_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
         by_id = {d.id: d for d in devices}
         missing = [i for i in ids if i not in by_id]
         if missing:
-            raise ValueError(f"mesh.device_ids {list(ids)}: no device with id(s) {missing}; "
-                             f"available ids: {sorted(by_id)}")
+            raise ValueError(
+                f"mesh.device_ids {list(ids)}: no device with id(s) {missing}; "
+                f"available ids: {sorted(by_id)}"
+            )
         devices = [by_id[i] for i in ids]
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
     n = math.prod(shape)
     if n < len(devices):
-        log.warning("mesh %s uses %d of %d devices; the others stay idle", shape, n,
-                    len(devices))
+        log.warning("mesh %s uses %d of %d devices; the others stay idle", shape, n, len(devices))
         devices = devices[:n]
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 

@@ -57,8 +57,9 @@ __all__ = ["MetricsLogger", "format_duration", "weight_quant_stats"]
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _stats(w, spec, block_shape, scale_rounding):
     shape = w.shape
-    q = quantize(w.astype(jnp.float32), spec, axis=-2, block_shape=block_shape,
-                 scale_rounding=scale_rounding)
+    q = quantize(
+        w.astype(jnp.float32), spec, axis=-2, block_shape=block_shape, scale_rounding=scale_rounding
+    )
     codes = q.codes()
     elems = jnp.abs(e2m1_decode(codes) if spec.packed else codes.astype(jnp.float32))
     if spec.block_size is None:  # one scale per tensor
@@ -94,8 +95,9 @@ def weight_quant_stats(kernel: jax.Array, operand) -> dict[str, float] | None:
     if not spec.quantized:
         return None
     # (along, other) is already array order for a [K, N] weight contracted on K.
-    z, s, u = np.asarray(jax.device_get(_stats(kernel, spec, operand.block_shape,
-                                               operand.scale_rounding)))
+    z, s, u = np.asarray(
+        jax.device_get(_stats(kernel, spec, operand.block_shape, operand.scale_rounding))
+    )
     return {"zero": float(z), "saturated": float(s), "scale_underflow": float(u)}
 
 
@@ -146,10 +148,19 @@ class MetricsLogger:
     callbacks run everywhere.
     """
 
-    def __init__(self, out: str | os.PathLike, *, total_steps: int, start_step: int = 0,
-                 progress: bool = True, tensorboard: bool = True, main: bool = True,
-                 callbacks: Sequence[Callable[[dict], None]] | None = None,
-                 description: str = "train", stream=None):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        tensorboard: bool = True,
+        main: bool = True,
+        callbacks: Sequence[Callable[[dict], None]] | None = None,
+        description: str = "train",
+        stream=None,
+    ):
         self.out = Path(out)
         self.total = int(total_steps)
         self.main = main
@@ -176,15 +187,23 @@ class MetricsLogger:
                 SummaryWriter = _summary_writer_cls()
                 self._tb = SummaryWriter(logdir=str(self.out / "tb"), flush_secs=30)
             except Exception as e:  # a broken optional import must not stop training
-                print(f"warning: TensorBoard logging disabled ({type(e).__name__}: {e})",
-                      file=sys.stderr)
+                print(
+                    f"warning: TensorBoard logging disabled ({type(e).__name__}: {e})",
+                    file=sys.stderr,
+                )
                 self._tb = None
         is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         if progress and is_tty:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=self.total, initial=start_step, desc=description,
-                             unit="step", dynamic_ncols=True, file=self.stream)
+            self._bar = tqdm(
+                total=self.total,
+                initial=start_step,
+                desc=description,
+                unit="step",
+                dynamic_ncols=True,
+                file=self.stream,
+            )
         self._plain = progress and not is_tty
 
     def _truncate_after(self, step: int) -> None:
@@ -236,9 +255,16 @@ class MetricsLogger:
                     tb.add_scalar(f"quant/{k}/{layer}", v, step)
 
     # ------------------------------------------------------------------ progress
-    def progress(self, step: int, *, loss: float | None = None, val_loss: float | None = None,
-                 tokens_per_s: float | None = None, lr: float | None = None,
-                 force: bool = False) -> None:
+    def progress(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        val_loss: float | None = None,
+        tokens_per_s: float | None = None,
+        lr: float | None = None,
+        force: bool = False,
+    ) -> None:
         """Advance the bar to ``step`` (TTY) or print a plain line (at most every 5 s
         unless ``force``). Values given once stay displayed until replaced."""
         if not self.main:

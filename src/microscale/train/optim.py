@@ -36,7 +36,9 @@ def lr_schedule(optim, total_steps: int) -> Callable[[jax.Array | int], jax.Arra
     warm = int(optim.warmup_steps)
     total = max(int(total_steps), 1)
     kind = optim.schedule
-    decay_start = warm if kind == "cosine" else max(warm, int(round(total * (1 - optim.decay_fraction))))
+    decay_start = (
+        warm if kind == "cosine" else max(warm, int(round(total * (1 - optim.decay_fraction))))
+    )
 
     def fn(step):
         s = jnp.asarray(step, jnp.float32)
@@ -64,9 +66,11 @@ def make_optimizer(optim) -> optax.GradientTransformation:
     parts = []
     if optim.grad_clip and optim.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(float(optim.grad_clip)))
-    parts.append(optax.scale_by_adam(b1=float(optim.betas[0]), b2=float(optim.betas[1]),
-                                     eps=float(optim.eps)))
+    parts.append(
+        optax.scale_by_adam(
+            b1=float(optim.betas[0]), b2=float(optim.betas[1]), eps=float(optim.eps)
+        )
+    )
     if optim.weight_decay:
-        parts.append(optax.add_decayed_weights(float(optim.weight_decay),
-                                               mask=weight_decay_mask))
+        parts.append(optax.add_decayed_weights(float(optim.weight_decay), mask=weight_decay_mask))
     return optax.chain(*parts)

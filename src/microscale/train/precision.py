@@ -38,8 +38,14 @@ from typing import Any, Literal
 from microscale.model import BF16_LAYOUTS, PrecisionRules, rules_for_training
 from microscale.ptq.sensitivity import METHODS
 
-__all__ = ["PRECISION_KINDS", "LateSwitchConfig", "PrecisionConfig", "PrecisionKind",
-           "SensitivityConfig", "upgrade_legacy_keys"]
+__all__ = [
+    "PRECISION_KINDS",
+    "LateSwitchConfig",
+    "PrecisionConfig",
+    "PrecisionKind",
+    "SensitivityConfig",
+    "upgrade_legacy_keys",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,8 +63,7 @@ class LateSwitchConfig:
         if not 0 <= self.fraction < 1:
             raise ValueError(f"precision.late.fraction={self.fraction}: expected in [0, 1)")
         if self.bf16 not in ("all", "forward"):
-            raise ValueError(f"precision.late.bf16={self.bf16!r}: expected 'all' or "
-                             "'forward'")
+            raise ValueError(f"precision.late.bf16={self.bf16!r}: expected 'all' or 'forward'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,17 +85,23 @@ class SensitivityConfig:
 
     def __post_init__(self):
         if self.bf16_flops is not None and not 0 <= self.bf16_flops < 1:
-            raise ValueError(f"precision.sensitivity.bf16_flops={self.bf16_flops}: expected "
-                             "None or a fraction in [0, 1)")
+            raise ValueError(
+                f"precision.sensitivity.bf16_flops={self.bf16_flops}: expected "
+                "None or a fraction in [0, 1)"
+            )
         if self.method not in METHODS:
-            raise ValueError(f"precision.sensitivity.method={self.method!r}: expected one "
-                             f"of {METHODS}")
+            raise ValueError(
+                f"precision.sensitivity.method={self.method!r}: expected one of {METHODS}"
+            )
         if self.calib_tokens < 1:
-            raise ValueError(f"precision.sensitivity.calib_tokens={self.calib_tokens}: "
-                             "expected an int >= 1")
+            raise ValueError(
+                f"precision.sensitivity.calib_tokens={self.calib_tokens}: expected an int >= 1"
+            )
         if self.granularity not in ("layer", "block"):
-            raise ValueError(f"precision.sensitivity.granularity={self.granularity!r}: "
-                             "expected 'layer' or 'block'")
+            raise ValueError(
+                f"precision.sensitivity.granularity={self.granularity!r}: "
+                "expected 'layer' or 'block'"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,21 +167,25 @@ class PrecisionConfig:
 
     def __post_init__(self):
         if self.kind not in PRECISION_KINDS:
-            raise ValueError(f"precision.kind={self.kind!r}: expected one of "
-                             f"{list(PRECISION_KINDS)}")
+            raise ValueError(
+                f"precision.kind={self.kind!r}: expected one of {list(PRECISION_KINDS)}"
+            )
         spec = self.spec
         for f in dataclasses.fields(self):
             if f.name in ("kind", "late") or f.name in spec.fields:
                 continue
             value, default = getattr(self, f.name), _default(f)
             if value != default:
-                raise ValueError(f"precision.{f.name}={_show(value)} is not read by "
-                                 f"precision.kind={self.kind!r} (it reads: "
-                                 f"{', '.join(spec.fields) or 'no other key'}); leave it at "
-                                 f"{_show(default)}")
+                raise ValueError(
+                    f"precision.{f.name}={_show(value)} is not read by "
+                    f"precision.kind={self.kind!r} (it reads: "
+                    f"{', '.join(spec.fields) or 'no other key'}); leave it at "
+                    f"{_show(default)}"
+                )
         if self.warmup is not None and not 0 <= self.warmup < 1:
-            raise ValueError(f"precision.warmup={self.warmup}: expected None or a fraction "
-                             "in [0, 1)")
+            raise ValueError(
+                f"precision.warmup={self.warmup}: expected None or a fraction in [0, 1)"
+            )
         if spec.check is not None:
             spec.check(self)
 
@@ -201,8 +216,9 @@ def _show(v: Any) -> str:
 
 
 def _position_rules(p: PrecisionConfig, recipe: str, n_layers: int) -> PrecisionRules:
-    return PrecisionRules.for_recipe(recipe, n_layers, bf16_first=p.bf16_first,
-                                     bf16_last=p.bf16_last)
+    return PrecisionRules.for_recipe(
+        recipe, n_layers, bf16_first=p.bf16_first, bf16_last=p.bf16_last
+    )
 
 
 def _check_position(p: PrecisionConfig) -> None:
@@ -220,8 +236,10 @@ def _layout_rules(p: PrecisionConfig, recipe: str, n_layers: int) -> PrecisionRu
 
 def _check_layout(p: PrecisionConfig) -> None:
     if p.layout not in BF16_LAYOUTS:
-        raise ValueError(f"precision.layout={p.layout!r}: precision.kind='layout' needs one "
-                         f"of {sorted(BF16_LAYOUTS)}")
+        raise ValueError(
+            f"precision.layout={p.layout!r}: precision.kind='layout' needs one "
+            f"of {sorted(BF16_LAYOUTS)}"
+        )
 
 
 def _rules_rules(p: PrecisionConfig, recipe: str, n_layers: int) -> PrecisionRules:
@@ -235,55 +253,97 @@ def _rules_rules(p: PrecisionConfig, recipe: str, n_layers: int) -> PrecisionRul
 
 def _check_rules(p: PrecisionConfig) -> None:
     if not p.rules:
-        raise ValueError("precision.kind='rules' needs precision.rules=PATH (a "
-                         "PrecisionRules JSON, e.g. a quantize output's precision_rules.json)")
+        raise ValueError(
+            "precision.kind='rules' needs precision.rules=PATH (a "
+            "PrecisionRules JSON, e.g. a quantize output's precision_rules.json)"
+        )
     if p.rules_bf16 not in ("backward", "nothing", "as_written"):
-        raise ValueError(f"precision.rules_bf16={p.rules_bf16!r}: expected 'backward', "
-                         "'nothing' or 'as_written'")
+        raise ValueError(
+            f"precision.rules_bf16={p.rules_bf16!r}: expected 'backward', 'nothing' or 'as_written'"
+        )
 
 
 def _check_sensitivity(p: PrecisionConfig) -> None:
     _check_position(p)
     if p.warmup_fraction <= 0:
-        raise ValueError(f"precision.warmup={p.warmup}: precision.kind='sensitivity' "
-                         "measures after a bf16 warm-up; expected a fraction in (0, 1)")
+        raise ValueError(
+            f"precision.warmup={p.warmup}: precision.kind='sensitivity' "
+            "measures after a bf16 warm-up; expected a fraction in (0, 1)"
+        )
 
 
 # One row a kind: what precision.kind accepts (docs/training.md, "Precision").
-PRECISION_KINDS: dict[str, PrecisionKind] = {k.name: k for k in (
-    PrecisionKind(name="position", description="the first bf16_first and last bf16_last "
-                  "blocks in bf16", fields=("bf16_first", "bf16_last", "warmup"),
-                  main_rules=_position_rules, check=_check_position),
-    PrecisionKind(name="layout", description="a named (first, last) layout of bf16 blocks",
-                  fields=("layout", "warmup"), main_rules=_layout_rules,
-                  check=_check_layout),
-    PrecisionKind(name="rules", description="a PrecisionRules JSON, e.g. for QAT",
-                  fields=("rules", "rules_bf16"), main_rules=_rules_rules,
-                  check=_check_rules, reads_file=True, own_allocation=True),
-    PrecisionKind(name="sensitivity", description="measured sensitivity picks the bf16 "
-                  "layers after a bf16 warm-up", fields=("bf16_first", "bf16_last", "warmup",
-                                                         "sensitivity"),
-                  main_rules=_position_rules, check=_check_sensitivity, default_warmup=0.1,
-                  needs_quantized=True, chosen_in_run=True, own_allocation=True),
-)}
+PRECISION_KINDS: dict[str, PrecisionKind] = {
+    k.name: k
+    for k in (
+        PrecisionKind(
+            name="position",
+            description="the first bf16_first and last bf16_last blocks in bf16",
+            fields=("bf16_first", "bf16_last", "warmup"),
+            main_rules=_position_rules,
+            check=_check_position,
+        ),
+        PrecisionKind(
+            name="layout",
+            description="a named (first, last) layout of bf16 blocks",
+            fields=("layout", "warmup"),
+            main_rules=_layout_rules,
+            check=_check_layout,
+        ),
+        PrecisionKind(
+            name="rules",
+            description="a PrecisionRules JSON, e.g. for QAT",
+            fields=("rules", "rules_bf16"),
+            main_rules=_rules_rules,
+            check=_check_rules,
+            reads_file=True,
+            own_allocation=True,
+        ),
+        PrecisionKind(
+            name="sensitivity",
+            description="measured sensitivity picks the bf16 layers after a bf16 warm-up",
+            fields=("bf16_first", "bf16_last", "warmup", "sensitivity"),
+            main_rules=_position_rules,
+            check=_check_sensitivity,
+            default_warmup=0.1,
+            needs_quantized=True,
+            chosen_in_run=True,
+            own_allocation=True,
+        ),
+    )
+}
 
 
 # ----------------------------------------------------------------------------- old keys
 
 # Old top-level key -> its key under precision (values unchanged).
-_MOVED = {"bf16_first": "bf16_first", "bf16_last": "bf16_last",
-          "late_switch.fraction": "late.fraction",
-          **{f"adaptive.{f.name}": f"sensitivity.{f.name}"
-             for f in dataclasses.fields(SensitivityConfig)}}
+_MOVED = {
+    "bf16_first": "bf16_first",
+    "bf16_last": "bf16_last",
+    "late_switch.fraction": "late.fraction",
+    **{
+        f"adaptive.{f.name}": f"sensitivity.{f.name}" for f in dataclasses.fields(SensitivityConfig)
+    },
+}
 # adaptive.warmup_fraction's default (bf16_policy sensitivity and position_warmup).
 _OLD_WARMUP = 0.1
 # Old keys whose values are renamed into the one vocabulary (what runs in bf16).
-_RENAMED = {"rules_mode": ("rules_bf16", {"forward": "backward", "full": "nothing",
-                                          "as_written": "as_written"}),
-            "late_switch.mode": ("late.bf16", {"full": "all", "fwd_only": "forward"})}
+_RENAMED = {
+    "rules_mode": (
+        "rules_bf16",
+        {"forward": "backward", "full": "nothing", "as_written": "as_written"},
+    ),
+    "late_switch.mode": ("late.bf16", {"full": "all", "fwd_only": "forward"}),
+}
 # The old keys: these, the two above, and the ones that choose a kind.
-LEGACY_KEYS = (*_MOVED, *_RENAMED, "bf16_layout", "rules", "bf16_policy",
-               "adaptive.warmup_fraction")
+LEGACY_KEYS = (
+    *_MOVED,
+    *_RENAMED,
+    "bf16_layout",
+    "rules",
+    "bf16_policy",
+    "adaptive.warmup_fraction",
+)
 
 
 def _is_none(v: Any) -> bool:
@@ -323,18 +383,25 @@ def upgrade_legacy_keys(old: Mapping[str, Any]) -> dict[str, Any]:
     elif policy != "position":
         new["kind"] = f"bf16_policy={policy}"  # fails, listing the kinds
     if old:
-        moves = "; ".join(f"{k} -> {_NEW_NAME.get(k, 'precision.' + _MOVED.get(k, k))}"
-                          for k in old)
-        warnings.warn(f"deprecated config keys (read for one more release): {moves}. "
-                      "`microscale train --config FILE --print-config` prints a config file "
-                      "in the new keys", FutureWarning, stacklevel=3)
+        moves = "; ".join(
+            f"{k} -> {_NEW_NAME.get(k, 'precision.' + _MOVED.get(k, k))}" for k in old
+        )
+        warnings.warn(
+            f"deprecated config keys (read for one more release): {moves}. "
+            "`microscale train --config FILE --print-config` prints a config file "
+            "in the new keys",
+            FutureWarning,
+            stacklevel=3,
+        )
     return {f"precision.{k}": v for k, v in new.items()}
 
 
 # What the deprecation message says of the old keys that do not simply move.
 _NEW_NAME = {
-    **{k: f"precision.{to} ({', '.join(f'{a}->{b}' for a, b in names.items())})"
-       for k, (to, names) in _RENAMED.items()},
+    **{
+        k: f"precision.{to} ({', '.join(f'{a}->{b}' for a, b in names.items())})"
+        for k, (to, names) in _RENAMED.items()
+    },
     "bf16_layout": "precision.kind=layout precision.layout=NAME",
     "rules": "precision.kind=rules precision.rules=PATH",
     "bf16_policy": "precision.kind=sensitivity (position_warmup: precision.warmup=FRACTION)",

@@ -36,8 +36,13 @@ def _param_shardings(abs_params: nnx.State, mesh, replicated: list | None = None
     """Pure-dict tree of NamedShardings from the parameters' logical axes; dimensions
     left replicated (not divisible, no rule) are appended to ``replicated``."""
     specs = partition_specs(abs_params, mesh=mesh, replicated=replicated)
-    return nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())),
-                                         specs, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return nnx.to_pure_dict(
+        jax.tree.map(
+            lambda v: v.replace(NamedSharding(mesh, v.get_value())),
+            specs,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
 
 
 @dataclasses.dataclass
@@ -112,8 +117,9 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
     tx = make_optimizer(cfg.optim)
     params_abs, _ = jax.eval_shape(init_fn)
     abs_opt = jax.eval_shape(tx.init, params_abs)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abs_opt, p_sh,
-                                   transform_non_params=lambda _: replicated)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, abs_opt, p_sh, transform_non_params=lambda _: replicated
+    )
     if abstract:
         with_sh = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
         params = jax.tree.map(with_sh, params_abs, p_sh)
@@ -122,14 +128,25 @@ def build_state(cfg: TrainConfig, mesh=None, *, abstract: bool = False) -> _Stat
     else:
         params, rest = init_fn()
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    return _State(cfg=cfg, mesh=mesh, graphdefs=graphdefs, rules=rules,
-                  rest=nnx.State(rest), params=params, opt_state=opt_state, tx=tx,
-                  param_shardings=p_sh, opt_shardings=opt_sh, replicated=unsharded,
-                  abs_model=abs_model)
+    return _State(
+        cfg=cfg,
+        mesh=mesh,
+        graphdefs=graphdefs,
+        rules=rules,
+        rest=nnx.State(rest),
+        params=params,
+        opt_state=opt_state,
+        tx=tx,
+        param_shardings=p_sh,
+        opt_shardings=opt_sh,
+        replicated=unsharded,
+        abs_model=abs_model,
+    )
 
 
-def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
-                    phase: str | None = None):
+def load_checkpoint(
+    run_dir: str | os.PathLike, step: int | None = None, *, phase: str | None = None
+):
     """``(model, cfg, meta)`` from a run folder's checkpoint (latest by default).
 
     The model is a :class:`~microscale.model.Transformer` with the restored float32
@@ -153,8 +170,7 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, *,
     return model, cfg, meta
 
 
-def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig,
-                        path: Path) -> None:
+def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig, path: Path) -> None:
     """Raise :class:`CheckpointMismatchError` naming each ``model.*`` key on which the
     config a checkpoint was saved with (its metadata) and ``path`` disagree. Settings the
     checkpoint predates (absent from its metadata) are not compared."""
@@ -172,12 +188,14 @@ def _check_stored_model(ck: Checkpointer, step: int | None, cfg: TrainConfig,
         shown = ", ".join(f"{k}={b!r} (the checkpoint has {a!r})" for k, a, b in diff)
         raise CheckpointMismatchError(
             f"{path} does not describe the model in its checkpoint: {shown}. Was it edited "
-            "after training? Restore the checkpoint's values")
+            "after training? Restore the checkpoint's values"
+        )
 
 
 def _leaf_diff(key: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     """``(dotted key, old, new)`` for every differing leaf of two plain-data values."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in dict.fromkeys([*a, *b])
-                for d in _leaf_diff(f"{key}.{k}", a.get(k), b.get(k))]
+        return [
+            d for k in dict.fromkeys([*a, *b]) for d in _leaf_diff(f"{key}.{k}", a.get(k), b.get(k))
+        ]
     return [] if a == b else [(key, a, b)]

@@ -94,9 +94,14 @@ def lm_loss(model, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array
         with activation_sharding(None):  # the batch axes are manual here
             return jax.lax.psum(summed(x, targets, head), axes)
 
-    total = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, PartitionSpec()),
-                          out_specs=PartitionSpec(), axis_names=set(axes),
-                          check_vma=False)(x, targets, head)
+    total = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec, spec, PartitionSpec()),
+        out_specs=PartitionSpec(),
+        axis_names=set(axes),
+        check_vma=False,
+    )(x, targets, head)
     return total / (x.shape[0] * t)
 
 
@@ -110,9 +115,17 @@ def _mesh(sharding):
     return None if sharding is None else getattr(sharding, "mesh", None)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, seed: int,
-                    inject: bool = False, param_shardings=None, opt_shardings=None,
-                    batch_sharding=None):
+def make_train_step(
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule,
+    *,
+    seed: int,
+    inject: bool = False,
+    param_shardings=None,
+    opt_shardings=None,
+    batch_sharding=None,
+):
     """``step(params, opt_state, rest, batch, step[, poison]) -> (params, opt_state, metrics)``.
 
     ``batch``: int32 ``[grad_accum, micro, seq_len + 1]``; ``step``: int32 scalar (0-based
@@ -123,12 +136,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, see
 
     def step_fn(params, opt_state, rest, batch, step, poison=None):
         key = step_key(seed, step)
-        grad_fn = jax.value_and_grad(functools.partial(_loss_fn, graphdef,
-                                                       mesh=_mesh(batch_sharding)))
+        grad_fn = jax.value_and_grad(
+            functools.partial(_loss_fn, graphdef, mesh=_mesh(batch_sharding))
+        )
         n_micro = batch.shape[0]
         if n_micro == 1:
             loss, grads = grad_fn(params, rest, batch[0], key)
         else:
+
             def micro(carry, xs):
                 g_acc, l_acc = carry
                 tokens, i = xs
@@ -138,7 +153,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, see
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             (grads, loss), _ = jax.lax.scan(
-                micro, (zeros, jnp.float32(0.0)), (batch, jnp.arange(n_micro)))
+                micro, (zeros, jnp.float32(0.0)), (batch, jnp.arange(n_micro))
+            )
             grads = jax.tree.map(lambda g: g / n_micro, grads)
             loss = loss / n_micro
         if poison is not None:
@@ -151,8 +167,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, *, see
         keep = lambda new, old: jnp.where(finite, new, old)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt, opt_state)
-        metrics = {"loss": loss.astype(jnp.float32), "grad_norm": grad_norm.astype(jnp.float32),
-                   "lr": lr, "finite": finite}
+        metrics = {
+            "loss": loss.astype(jnp.float32),
+            "grad_norm": grad_norm.astype(jnp.float32),
+            "lr": lr,
+            "finite": finite,
+        }
         return params, opt_state, metrics
 
     in_sh: tuple | None = None
@@ -174,8 +194,9 @@ def make_eval_step(graphdef, *, seed: int, param_shardings=None, batch_sharding=
     key_id = 2**31 - 1
 
     def eval_fn(params, rest, batch):
-        return _loss_fn(graphdef, params, rest, batch, step_key(seed, key_id),
-                        mesh=_mesh(batch_sharding))
+        return _loss_fn(
+            graphdef, params, rest, batch, step_key(seed, key_id), mesh=_mesh(batch_sharding)
+        )
 
     in_sh = None
     if param_shardings is not None:

@@ -20,5 +20,10 @@ from microscale.workflows.quantize import (
     quantize_run,
 )
 
-__all__ = ["MODEL_DEFAULT_CORPUS", "MODEL_EVAL_BATCHES", "MODEL_ROWS", "MODEL_SEQ_LEN",
-           "quantize_run"]
+__all__ = [
+    "MODEL_DEFAULT_CORPUS",
+    "MODEL_EVAL_BATCHES",
+    "MODEL_ROWS",
+    "MODEL_SEQ_LEN",
+    "quantize_run",
+]

@@ -63,8 +63,14 @@ from microscale.train.init import (
     source_model,
 )
 
-__all__ = ["MODEL_DEFAULT_CORPUS", "MODEL_EVAL_BATCHES", "MODEL_ROWS", "MODEL_SEQ_LEN",
-           "QuantizeRunConfig", "quantize_run"]
+__all__ = [
+    "MODEL_DEFAULT_CORPUS",
+    "MODEL_EVAL_BATCHES",
+    "MODEL_ROWS",
+    "MODEL_SEQ_LEN",
+    "QuantizeRunConfig",
+    "quantize_run",
+]
 
 
 # A model folder (HF, or a quantize output without its run): the text without --corpus,
@@ -102,11 +108,17 @@ class QuantizeRunConfig:
                 raise ValueError(f"{name}={v!r}: expected an integer >= {lo} or none")
 
 
-def quantize_run(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                 config: QuantizeConfig | None = None, *, corpus: str | None = None,
-                 step: int | None = None, eval_batches: int | None = None,
-                 layout: str = "compressed-tensors",
-                 log: Callable[[str], None] | None = None) -> QuantizeResult:
+def quantize_run(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: QuantizeConfig | None = None,
+    *,
+    corpus: str | None = None,
+    step: int | None = None,
+    eval_batches: int | None = None,
+    layout: str = "compressed-tensors",
+    log: Callable[[str], None] | None = None,
+) -> QuantizeResult:
     """Quantize a training run, an HF Llama folder or a quantize output's model (see the
     module doc). Returns the result.
 
@@ -121,26 +133,46 @@ def quantize_run(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     kind = source_kind(path, what="--checkpoint")
     if step is not None and kind != "run":
         what = "an HF folder" if kind == "hf" else "a quantize output"
-        raise ValueError(f"--step {step} applies to a training run folder, but --checkpoint "
-                         f"{str(checkpoint)!r} is {what}")
+        raise ValueError(
+            f"--step {step} applies to a training run folder, but --checkpoint "
+            f"{str(checkpoint)!r} is {what}"
+        )
     check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
     row = get_layout(layout)  # an unknown name: refused before any work
     if kind == "quantize":
         run = _live_source_run(path)
         if run is not None:
             if log:
-                log(f"quantize: {path} is a quantize output of step {run[1]} of {run[0]}, "
-                    "which still exists: quantizing that run's master weights")
+                log(
+                    f"quantize: {path} is a quantize output of step {run[1]} of {run[0]}, "
+                    "which still exists: quantizing that run's master weights"
+                )
             path, step, kind = run[0], run[1], "run"
     tok_file = _tokenizer_file(path, kind)
     if row.check_tokenizer is not None and tok_file is not None:
         row.check_tokenizer(tok_file)  # one the layout cannot store: refused now
     with lock_folder(out_dir):
         if kind == "run":
-            return _quantize_run(path, out_dir, cfg, corpus=corpus, step=step,
-                                 eval_batches=eval_batches, layout=layout, log=log)
-        return _quantize_folder(path, kind, out_dir, cfg, corpus=corpus,
-                                eval_batches=eval_batches, layout=layout, log=log)
+            return _quantize_run(
+                path,
+                out_dir,
+                cfg,
+                corpus=corpus,
+                step=step,
+                eval_batches=eval_batches,
+                layout=layout,
+                log=log,
+            )
+        return _quantize_folder(
+            path,
+            kind,
+            out_dir,
+            cfg,
+            corpus=corpus,
+            eval_batches=eval_batches,
+            layout=layout,
+            log=log,
+        )
 
 
 def _live_source_run(path: Path) -> tuple[Path, int | None] | None:
@@ -166,42 +198,67 @@ def _tokenizer_file(path: Path, kind: str) -> Path | None:
     return tok if tok.is_file() else None
 
 
-def _quantize_folder(path: Path, kind: str, out_dir, cfg: QuantizeConfig, *, corpus,
-                     eval_batches, layout, log) -> QuantizeResult:
+def _quantize_folder(
+    path: Path, kind: str, out_dir, cfg: QuantizeConfig, *, corpus, eval_batches, layout, log
+) -> QuantizeResult:
     """An HF folder, or a quantize output whose run is gone: weights, the folder's own
     tokenizer and ``corpus`` (default :data:`MODEL_DEFAULT_CORPUS`)."""
     say = log or (lambda _: None)
     found = source_model(path)
     if found is None:
-        raise ValueError(f"--checkpoint {str(path)!r}: no config.json describes its model (a "
-                         "quantize output in microscale's own layout whose run is gone)")
+        raise ValueError(
+            f"--checkpoint {str(path)!r}: no config.json describes its model (a "
+            "quantize output in microscale's own layout whose run is gone)"
+        )
     model_cfg, _, where = found
     tok = _tokenizer_file(path, kind)
     if tok is None:
-        raise FileNotFoundError(f"--checkpoint {str(path)!r} has no tokenizer.json"
-                                f"{' in checkpoint/' if kind == 'quantize' else ''}; "
-                                "quantize tokenizes the calibration text with the model's own "
-                                "tokenizer")
+        raise FileNotFoundError(
+            f"--checkpoint {str(path)!r} has no tokenizer.json"
+            f"{' in checkpoint/' if kind == 'quantize' else ''}; "
+            "quantize tokenizes the calibration text with the model's own "
+            "tokenizer"
+        )
     if corpus is None:
         recorded = _recorded_corpus(path) if kind == "quantize" else None
         corpus = recorded or MODEL_DEFAULT_CORPUS
-        say(f"quantize: no --corpus: calibrating and evaluating on {corpus!r}"
-            + (" (the corpus the report names)" if recorded else
-               " (the Python standard library's sources, no download); pass --corpus "
-               "FOLDER|FILE.jsonl for text of the model's own domain"))
+        say(
+            f"quantize: no --corpus: calibrating and evaluating on {corpus!r}"
+            + (
+                " (the corpus the report names)"
+                if recorded
+                else " (the Python standard library's sources, no download); pass --corpus "
+                "FOLDER|FILE.jsonl for text of the model's own domain"
+            )
+        )
     say(f"quantize: reading the weights of {path} ({where})")
     flat, init = load_init_weights(path)
     model = build_model(model_cfg, flat)
     del flat
-    data_cfg = DataConfig(corpus=corpus, heldout="none", tokenizer=str(tok.absolute()),
-                          seq_len=min(MODEL_SEQ_LEN, model_cfg.max_seq_len),
-                          batch_size=MODEL_ROWS,
-                          eval_batches=int(eval_batches or MODEL_EVAL_BATCHES))
-    source = {"source": {"kind": kind, "path": str(path), "weights": init.weights,
-                         "note": init.note}}
-    return _calibrate_and_quantize(model, model_cfg, data_cfg, out_dir, cfg, source=source,
-                                   trained=None, tokenizer=tok, what=f"the tokenizer {tok}",
-                                   layout=layout, log=log)
+    data_cfg = DataConfig(
+        corpus=corpus,
+        heldout="none",
+        tokenizer=str(tok.absolute()),
+        seq_len=min(MODEL_SEQ_LEN, model_cfg.max_seq_len),
+        batch_size=MODEL_ROWS,
+        eval_batches=int(eval_batches or MODEL_EVAL_BATCHES),
+    )
+    source = {
+        "source": {"kind": kind, "path": str(path), "weights": init.weights, "note": init.note}
+    }
+    return _calibrate_and_quantize(
+        model,
+        model_cfg,
+        data_cfg,
+        out_dir,
+        cfg,
+        source=source,
+        trained=None,
+        tokenizer=tok,
+        what=f"the tokenizer {tok}",
+        layout=layout,
+        log=log,
+    )
 
 
 def _recorded_corpus(path: Path) -> str | None:
@@ -209,8 +266,9 @@ def _recorded_corpus(path: Path) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches,
-                  layout, log) -> QuantizeResult:
+def _quantize_run(
+    run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches, layout, log
+) -> QuantizeResult:
     model, train_cfg, meta = load_checkpoint(run_dir, step)
     data_cfg = train_cfg.data
     if corpus is not None:
@@ -219,39 +277,72 @@ def _quantize_run(run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, 
         data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
     tok_file = run_dir / "tokenizer.json"  # with its tokenizer_config.json, if any
     return _calibrate_and_quantize(
-        model, train_cfg.model, data_cfg, out_dir, cfg,
+        model,
+        train_cfg.model,
+        data_cfg,
+        out_dir,
+        cfg,
         source={"run_dir": str(run_dir), "step": meta.get("step")},
         trained=trained_allocation(run_dir, train_cfg),
         tokenizer=tok_file if tok_file.is_file() else None,
-        what=f"the tokenizer of {run_dir}", layout=layout, log=log)
+        what=f"the tokenizer of {run_dir}",
+        layout=layout,
+        log=log,
+    )
 
 
-def _calibrate_and_quantize(model, model_cfg, data_cfg, out_dir, cfg: QuantizeConfig, *,
-                            source: dict[str, Any], trained, tokenizer, what: str, layout,
-                            log) -> QuantizeResult:
+def _calibrate_and_quantize(
+    model,
+    model_cfg,
+    data_cfg,
+    out_dir,
+    cfg: QuantizeConfig,
+    *,
+    source: dict[str, Any],
+    trained,
+    tokenizer,
+    what: str,
+    layout,
+    log,
+) -> QuantizeResult:
     """Load ``data_cfg``'s corpus, cut evaluation and calibration windows, quantize, write."""
     data = load_data(data_cfg)
-    check_vocab_fits(data.vocab_size, model_cfg.vocab_size,
-                     what=what if data.tokenizer else f"corpus {data_cfg.corpus!r}")
+    check_vocab_fits(
+        data.vocab_size,
+        model_cfg.vocab_size,
+        what=what if data.tokenizer else f"corpus {data_cfg.corpus!r}",
+    )
     evals = data.val_batches("val")
     rows, seq = evals.shape[1], evals.shape[2] - 1
     val_tokens = data.eval_sets()["val"]
     used = evals.shape[0] * rows * seq + 1  # evaluation windows start at k * seq_len
-    calib = calibration_windows(val_tokens, n_tokens=cfg.calib_tokens, seq_len=seq,
-                                rows=rows, seed=cfg.seed, start=used)
+    calib = calibration_windows(
+        val_tokens, n_tokens=cfg.calib_tokens, seq_len=seq, rows=rows, seed=cfg.seed, start=used
+    )
     desc: dict[str, Any] = {"split": "val", "offset": used, "corpus": data_cfg.corpus}
     if calib is None:
-        calib = calibration_windows(data.corpus.train, n_tokens=cfg.calib_tokens, seq_len=seq,
-                                    rows=rows, seed=cfg.seed)
-        desc = {"split": "train", "offset": 0, "corpus": data_cfg.corpus,
-                "note": "val split too short for disjoint calibration windows"}
+        calib = calibration_windows(
+            data.corpus.train, n_tokens=cfg.calib_tokens, seq_len=seq, rows=rows, seed=cfg.seed
+        )
+        desc = {
+            "split": "train",
+            "offset": 0,
+            "corpus": data_cfg.corpus,
+            "note": "val split too short for disjoint calibration windows",
+        }
         if calib is None:
-            raise ValueError(f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
-                             f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens")
+            raise ValueError(
+                f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
+                f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens"
+            )
     desc.update(source, tokenizer=data_cfg.tokenizer, seed=cfg.seed)
-    result = quantize_model(model, calib, evals, cfg, calibration=desc, trained=trained,
-                            log=log)
-    write_outputs(result, out_dir, model_config=model_cfg,
-                  tokenizer=tokenizer if tokenizer is not None else data.tokenizer,
-                  layout=layout, log=log)
+    result = quantize_model(model, calib, evals, cfg, calibration=desc, trained=trained, log=log)
+    write_outputs(
+        result,
+        out_dir,
+        model_config=model_cfg,
+        tokenizer=tokenizer if tokenizer is not None else data.tokenizer,
+        layout=layout,
+        log=log,
+    )
     return result
