@@ -502,20 +502,14 @@ def _check_arrays(
     return len(got)
 
 
-def _check_step(item: _Item, step: _Progress) -> FileReport:
-    """One orbax step folder of ``train/checkpoint.py`` (see the module doc): arrays are
-    restored into numpy a batch at a time (a failed batch again one array at a time, to
-    name the damaged one), hashed, checked finite and dropped."""
-    import jax
-    import orbax.checkpoint as ocp
+def _is_array(m: Any) -> bool:
+    """Whether an orbax metadata leaf describes an array."""
+    return hasattr(m, "shape") and hasattr(m, "dtype")
 
-    kind = "orbax checkpoint"
-    state = item.path.absolute() / _STATE  # orbax resolves relative paths elsewhere
-    problems: list[Problem] = []
-    sums = _read_meta_checksums(item.path, problems)
-    by_parts = {_keystr_parts(k): k for k in (sums or {})}
-    is_arr = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")  # noqa: E731
-    ckptr = ocp.PyTreeCheckpointer()
+
+def _orbax_tree(ckptr, state: Path) -> tuple[Any, str]:
+    """The array metadata tree of an orbax step's ``state`` (None when unreadable) and
+    what is wrong when it is None."""
     try:
         tree = getattr(ckptr.metadata(state).item_metadata, "tree", None)
         why = (
@@ -528,36 +522,62 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
             f"its array metadata cannot be read (a damaged, truncated or "
             f"missing file): {root_cause(e)}",
         )
+    return tree, why
+
+
+def _restore_selected(ckptr, state: Path, tree: Any, selected: list) -> dict:
+    """The arrays of ``selected`` (``(path, metadata)`` pairs) restored into numpy, keyed
+    by tree path; every other array is skipped (a placeholder)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    chosen = {p for p, _ in selected}
+
+    def pick(make):
+        return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if _is_array(m) else m
+
+    out = ckptr.restore(
+        state,
+        args=ocp.args.PyTreeRestore(
+            item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=_is_array),
+            restore_args=jax.tree_util.tree_map_with_path(
+                pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree, is_leaf=_is_array
+            ),
+        ),
+    )
+    return {
+        p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0] if p in chosen
+    }
+
+
+def _check_step(item: _Item, step: _Progress) -> FileReport:
+    """One orbax step folder of ``train/checkpoint.py`` (see the module doc): arrays are
+    restored into numpy a batch at a time (a failed batch again one array at a time, to
+    name the damaged one), hashed, checked finite and dropped."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    kind = "orbax checkpoint"
+    state = item.path.absolute() / _STATE  # orbax resolves relative paths elsewhere
+    problems: list[Problem] = []
+    sums = _read_meta_checksums(item.path, problems)
+    by_parts = {_keystr_parts(k): k for k in (sums or {})}
+    ckptr = ocp.PyTreeCheckpointer()
+    tree, why = _orbax_tree(ckptr, state)
     if tree is None:
         problems.append(Problem(None, f"{state}: {why}"))
         return FileReport(item.path, kind, 0, 0, sums is not None, tuple(problems))
     leaves = [
         (p, m)
-        for p, m in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_arr)[0]
-        if is_arr(m)
+        for p, m in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array)[0]
+        if _is_array(m)
     ]
 
     def name_of(path) -> str:
         return by_parts.get(tree_path_parts(path), jax.tree_util.keystr(path))
 
     def restore(selected: list) -> dict:
-        chosen = {p for p, _ in selected}
-
-        def pick(make):
-            return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if is_arr(m) else m
-
-        out = ckptr.restore(
-            state,
-            args=ocp.args.PyTreeRestore(
-                item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=is_arr),
-                restore_args=jax.tree_util.tree_map_with_path(
-                    pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree, is_leaf=is_arr
-                ),
-            ),
-        )
-        return {
-            p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0] if p in chosen
-        }
+        return _restore_selected(ckptr, state, tree, selected)
 
     batches = _batches(leaves)
     seen: set[tuple[str, ...]] = set()

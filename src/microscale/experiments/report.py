@@ -182,61 +182,49 @@ def _timings(out: Path) -> dict[str, Any]:
     }
 
 
-def write_report(cfg: CompareConfig) -> dict[str, Any]:
-    """Collect the run folders into ``summary.json``, ``report.md`` and the two plots."""
-    out = Path(cfg.out)
-    dirs = cfg.run_dirs()
-    per_seed: dict[str, dict[int, dict]] = {r: {} for r in cfg.runs}
-    for (name, seed), d in dirs.items():
-        p = d / "summary.json"
-        if not p.exists():
-            raise FileNotFoundError(
-                f"run {name!r} (seed {seed}) has no summary at {p}; re-run compare"
-            )
-        per_seed[name][seed] = json.loads(p.read_text())
-
-    comparisons = {
-        f"{r}_vs_{ref}": compare_pair(r, ref, per_seed) for r, ref in comparison_pairs(cfg.runs)
+def _run_summary(
+    cfg: CompareConfig, name: str, by_seed: dict[int, dict], comparisons: dict[str, Any]
+) -> dict[str, Any]:
+    """One run's row of ``summary.json``: its seed means and its gaps to bf16 and fp8."""
+    sums = list(by_seed.values())
+    val = stats.mean_ci([s.get("final_val_loss") for s in sums])
+    other: dict[str, list] = {}
+    for s in sums:
+        for k, v in (s.get("final_val_losses") or {}).items():
+            if k != "val":
+                other.setdefault(k, []).append(v)
+    r = {
+        "recipe": sums[0].get("recipe"),
+        "final_val_loss": val["mean"],
+        "final_val_loss_std": val["sd"],
+        "val_ppl": math.exp(val["mean"]) if val["mean"] is not None else None,
+        "final_train_loss": stats.mean_ci([s.get("final_train_loss") for s in sums])["mean"],
+        "heldout_losses": {k: stats.mean_ci(v)["mean"] for k, v in other.items()},
+        "tokens": sums[0].get("tokens"),
+        "tokens_per_s": stats.mean_ci([s.get("tokens_per_s") for s in sums])["mean"],
+        "status": sorted({s.get("status") for s in sums}),  # type: ignore[type-var]
+        "seeds": len(sums),
+        "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
+        "weight_bits_per_param": weight_bits_per_param(
+            cfg.run_config(name, cfg.seeds[0]), sums[0].get("precision")
+        ),
     }
-    runs: dict[str, dict[str, Any]] = {}
-    for name, by_seed in per_seed.items():
-        sums = list(by_seed.values())
-        val = stats.mean_ci([s.get("final_val_loss") for s in sums])
-        other: dict[str, list] = {}
-        for s in sums:
-            for k, v in (s.get("final_val_losses") or {}).items():
-                if k != "val":
-                    other.setdefault(k, []).append(v)
-        r = {
-            "recipe": sums[0].get("recipe"),
-            "final_val_loss": val["mean"],
-            "final_val_loss_std": val["sd"],
-            "val_ppl": math.exp(val["mean"]) if val["mean"] is not None else None,
-            "final_train_loss": stats.mean_ci([s.get("final_train_loss") for s in sums])["mean"],
-            "heldout_losses": {k: stats.mean_ci(v)["mean"] for k, v in other.items()},
-            "tokens": sums[0].get("tokens"),
-            "tokens_per_s": stats.mean_ci([s.get("tokens_per_s") for s in sums])["mean"],
-            "status": sorted({s.get("status") for s in sums}),  # type: ignore[type-var]
-            "seeds": len(sums),
-            "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
-            "weight_bits_per_param": weight_bits_per_param(
-                cfg.run_config(name, cfg.seeds[0]), sums[0].get("precision")
-            ),
-        }
-        for ref in ("bf16", "fp8"):
-            c = comparisons.get(f"{name}_vs_{ref}")
-            r[f"rel_gap_vs_{ref}"] = 0.0 if name == ref else (c["gap_mean"] if c else None)
-        c = comparisons.get(f"{name}_vs_bf16")
-        r["heldout_gap_vs_bf16"] = (
-            {k: v["gap_mean"] for k, v in c["heldout"].items()}
-            if c
-            else {k: 0.0 for k in r["heldout_losses"]}
-        )
-        runs[name] = r
+    for ref in ("bf16", "fp8"):
+        c = comparisons.get(f"{name}_vs_{ref}")
+        r[f"rel_gap_vs_{ref}"] = 0.0 if name == ref else (c["gap_mean"] if c else None)
+    c = comparisons.get(f"{name}_vs_bf16")
+    r["heldout_gap_vs_bf16"] = (
+        {k: v["gap_mean"] for k, v in c["heldout"].items()}
+        if c
+        else {k: 0.0 for k in r["heldout_losses"]}
+    )
+    return r
 
-    first = per_seed[cfg.runs[0]][cfg.seeds[0]]
+
+def _setup(cfg: CompareConfig, first: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The ``setup`` section of ``summary.json``, from the config and the first run's summary."""
     b = cfg.base
-    setup = {
+    return {
         "model": to_dict(b.model),
         "params": first.get("params"),
         "tokens": first.get("tokens"),
@@ -260,6 +248,29 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
         "machine": _machine(),
         "numerics": numerics_fingerprint("compare"),
     }
+
+
+def write_report(cfg: CompareConfig) -> dict[str, Any]:
+    """Collect the run folders into ``summary.json``, ``report.md`` and the two plots."""
+    out = Path(cfg.out)
+    dirs = cfg.run_dirs()
+    per_seed: dict[str, dict[int, dict]] = {r: {} for r in cfg.runs}
+    for (name, seed), d in dirs.items():
+        p = d / "summary.json"
+        if not p.exists():
+            raise FileNotFoundError(
+                f"run {name!r} (seed {seed}) has no summary at {p}; re-run compare"
+            )
+        per_seed[name][seed] = json.loads(p.read_text())
+
+    comparisons = {
+        f"{r}_vs_{ref}": compare_pair(r, ref, per_seed) for r, ref in comparison_pairs(cfg.runs)
+    }
+    runs = {
+        name: _run_summary(cfg, name, by_seed, comparisons) for name, by_seed in per_seed.items()
+    }
+
+    setup = _setup(cfg, per_seed[cfg.runs[0]][cfg.seeds[0]], out)
     summary = {"runs": runs, "comparisons": comparisons, "setup": setup}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     _plots(out, {name: {s: _curves(dirs[(name, s)]) for s in cfg.seeds} for name in cfg.runs})
@@ -279,8 +290,8 @@ def _gap_cell(c: dict | None) -> str:
     return f"{c['gap_mean']:+.2f} ± {c['gap_half_width']:.2f}%"
 
 
-def render_markdown(summary: dict[str, Any]) -> str:
-    runs, comps, setup = summary["runs"], summary["comparisons"], summary["setup"]
+def _results_table(runs: dict[str, Any], comps: dict[str, Any]) -> list[str]:
+    """The report's title and its table: one row per run, gaps paired per seed."""
     heldout_names = sorted({k for r in runs.values() for k in r["heldout_losses"]})
     head = (
         [
@@ -314,30 +325,13 @@ def render_markdown(summary: dict[str, Any]) -> str:
             row.append(_fmt(r["heldout_gap_vs_bf16"].get(k), "+.2f", "%"))
         row += [_fmt(r["tokens_per_s"], ",.0f"), _fmt(r["weight_bits_per_param"], ".2f")]
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _setup_lines(setup: dict[str, Any]) -> list[str]:
+    """The report's setup bullets: model, evaluation, data, seeds, time, machine, code."""
     m, t = setup["machine"], setup["timings"]
-    lines += [
-        "",
-        "Gaps are paired per seed (same initialisation and data order) and given as "
-        "mean ± the 95% Student-t half-width over seeds; val loss is the seed mean ± sd.",
-        "",
-        "## Verdicts",
-        "",
-        *[f"- {c['verdict']}" for c in comps.values()],
-        "",
-        "## Resolution",
-        "",
-        *resolution(summary),
-        "",
-        "## Against the paper",
-        "",
-        *paper_table(comps),
-        "",
-        "![convergence](convergence.png)",
-        "",
-        "![gap to bf16](gap.png)",
-        "",
-        "## Setup",
-        "",
+    return [
         f"- model: {setup['params']:,} parameters (d_model {setup['model']['d_model']}, "
         f"{setup['model']['n_layers']} layers, {setup['model']['n_heads']} heads), "
         f"{setup['steps']} steps x {setup['batch_size']} x {setup['seq_len']} tokens = "
@@ -361,6 +355,36 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"{m['cpu_count']} CPU cores, jax {m['jax']}; NVFP4 GEMM backend: "
         f"{m['backend_nvfp4']}",
         fingerprint_line(setup.get("numerics")),
+    ]
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    runs, comps, setup = summary["runs"], summary["comparisons"], summary["setup"]
+    lines = _results_table(runs, comps)
+    lines += [
+        "",
+        "Gaps are paired per seed (same initialisation and data order) and given as "
+        "mean ± the 95% Student-t half-width over seeds; val loss is the seed mean ± sd.",
+        "",
+        "## Verdicts",
+        "",
+        *[f"- {c['verdict']}" for c in comps.values()],
+        "",
+        "## Resolution",
+        "",
+        *resolution(summary),
+        "",
+        "## Against the paper",
+        "",
+        *paper_table(comps),
+        "",
+        "![convergence](convergence.png)",
+        "",
+        "![gap to bf16](gap.png)",
+        "",
+        "## Setup",
+        "",
+        *_setup_lines(setup),
         "",
         "## Reading",
         "",

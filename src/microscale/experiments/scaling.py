@@ -163,6 +163,42 @@ def write_scaling_report(cfg: ScalingConfig) -> dict[str, Any]:
     return summary
 
 
+def _size_row(name: str, v: dict[str, Any], keys: list[str]) -> list[str]:
+    """One size's row: its parameters, steps, tokens, reference loss and each gap's CI."""
+    loss = v["ref_val_loss"]
+    row = [
+        name,
+        f"{v['params']:,}",
+        str(v["steps"]),
+        f"{v['tokens']:,}",
+        "—" if loss is None else f"{loss:.3f} ({v['ref_run']})",
+    ]
+    for k in keys:
+        c = v["comparisons"].get(k)
+        if c is None or c["gap_mean"] is None:
+            row.append("—")
+        elif c["gap_ci95"] is None:
+            row.append(f"{c['gap_mean']:+.2f}% (1 seed)")
+        else:
+            row.append(f"{c['gap_mean']:+.2f}% ({c['gap_ci95'][0]:+.2f}...{c['gap_ci95'][1]:+.2f})")
+    return row
+
+
+def _trend_lines(trends: dict[str, dict]) -> list[str]:
+    """One bullet per trend: slope per decade of parameters and the 12B extrapolation."""
+    out = []
+    for k, t in trends.items():
+        f, p = t["fit"], t["at_paper_size"]
+        lo, hi = f["slope_ci95"]
+        out.append(
+            f"- `{k}`: the gap {t['direction']} with size: slope {f['slope']:+.2f} "
+            f"points per decade of parameters (95% CI {lo:+.2f} to {hi:+.2f}, "
+            f"{f['n_points']} size x seed points). Extrapolated to 12B parameters: "
+            f"{p['gap']:+.1f}% (95% CI {p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f})."
+        )
+    return out
+
+
 def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
     sizes, trends = summary["sizes"], summary["trends"]
     keys = [
@@ -181,26 +217,7 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for name, v in sizes.items():
-        loss = v["ref_val_loss"]
-        row = [
-            name,
-            f"{v['params']:,}",
-            str(v["steps"]),
-            f"{v['tokens']:,}",
-            "—" if loss is None else f"{loss:.3f} ({v['ref_run']})",
-        ]
-        for k in keys:
-            c = v["comparisons"].get(k)
-            if c is None or c["gap_mean"] is None:
-                row.append("—")
-            elif c["gap_ci95"] is None:
-                row.append(f"{c['gap_mean']:+.2f}% (1 seed)")
-            else:
-                row.append(
-                    f"{c['gap_mean']:+.2f}% ({c['gap_ci95'][0]:+.2f}...{c['gap_ci95'][1]:+.2f})"
-                )
-        lines.append("| " + " | ".join(row) + " |")
+    lines += ["| " + " | ".join(_size_row(name, v, keys)) + " |" for name, v in sizes.items()]
     ent = next(iter(sizes.values()))["unigram_entropy"]
     if ent:
         lines += [
@@ -212,15 +229,7 @@ def render_scaling(cfg: ScalingConfig, summary: dict[str, Any]) -> str:
     cpu = sum(v["timings"]["cpu_s"] for v in sizes.values())
     wall = sum(v["timings"]["wall_s"] for v in sizes.values())
     lines += ["", "## Trend", ""]
-    for k, t in trends.items():
-        f, p = t["fit"], t["at_paper_size"]
-        lo, hi = f["slope_ci95"]
-        lines.append(
-            f"- `{k}`: the gap {t['direction']} with size: slope {f['slope']:+.2f} "
-            f"points per decade of parameters (95% CI {lo:+.2f} to {hi:+.2f}, "
-            f"{f['n_points']} size x seed points). Extrapolated to 12B parameters: "
-            f"{p['gap']:+.1f}% (95% CI {p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f})."
-        )
+    lines += _trend_lines(trends)
     if "nvfp4_vs_fp8" in trends or "nvfp4_vs_bf16" in trends:
         lines.append(
             "- The paper: NVFP4 about 1-1.5% above FP8 at 12B parameters and 10T "

@@ -258,8 +258,65 @@ def _place_tensors(
     return data_start, tensors
 
 
-def _parse(buf, path: Path, size: int) -> GGUFHeader:
+def _read_kv(c: _Cursor, n_kv: int) -> dict[str, GGUFValue]:
+    """The metadata table: each key once, strings decoded only where microscale reads them."""
+    kv: dict[str, GGUFValue] = {}
+    for i in range(n_kv):
+        begin = c.pos
+        _, key = c.string(f"metadata entry {i} key")
+        assert key is not None  # decoded
+        if key in kv:
+            raise c.fail(f"metadata key {key!r} appears twice", begin)
+        vtype = c.u32(f"type of {key!r}")
+        vbegin = c.pos
+        value = None
+        if vtype == _STRING:
+            vbegin, value = c.string(
+                f"value of {key!r}",
+                decode=key.startswith("microscale.") or key == "general.alignment",
+            )
+        elif vtype in _SCALAR_SIZES:
+            c.skip_value(vtype, f"value of {key!r}")
+            if vtype == _UINT32:
+                value = struct.unpack_from("<I", c.buf, vbegin)[0]
+        else:
+            c.skip_value(vtype, f"value of {key!r}")
+        kv[key] = GGUFValue(vtype, begin, vbegin, c.pos, value)
+    return kv
+
+
+def _read_tensor_infos(c: _Cursor, n_tensors: int) -> list[tuple]:
+    """The tensor table: ``(name, ggml type, type name, shape, offset, nbytes)`` per tensor,
+    with each row length checked against its type's block."""
     qtypes, qsizes = _gguf_types()
+    infos = []
+    for i in range(n_tensors):
+        start = c.pos
+        _, name = c.string(f"tensor {i} name")
+        assert name is not None  # decoded
+        n_dims = c.u32(f"tensor {name!r} dimension count")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise c.fail(f"tensor {name!r}: {n_dims} dimensions, expected 1 to {_MAX_DIMS}", start)
+        shape = tuple(c.u64(f"tensor {name!r} shape") for _ in range(n_dims))
+        t = c.u32(f"tensor {name!r} type")
+        try:
+            qtype = qtypes(t)
+            block, type_size = qsizes[qtype]
+        except (ValueError, KeyError):
+            raise c.fail(f"tensor {name!r}: unknown ggml type {t}", start) from None
+        offset = c.u64(f"tensor {name!r} offset")
+        n = int(np.prod(shape, dtype=object))
+        if shape[0] % block:
+            raise c.fail(
+                f"tensor {name!r}: row length {shape[0]} is not a multiple of "
+                f"{qtype.name}'s block of {block}",
+                start,
+            )
+        infos.append((name, t, qtype.name, shape, offset, n // block * type_size))
+    return infos
+
+
+def _parse(buf, path: Path, size: int) -> GGUFHeader:
     c = _Cursor(buf, path)
     try:
         if bytes(buf[c.take(4, "magic") : 4]) != _MAGIC:
@@ -280,54 +337,8 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
                 f"file's {size} bytes",
                 8,
             )
-        kv: dict[str, GGUFValue] = {}
-        for i in range(n_kv):
-            begin = c.pos
-            _, key = c.string(f"metadata entry {i} key")
-            assert key is not None  # decoded
-            if key in kv:
-                raise c.fail(f"metadata key {key!r} appears twice", begin)
-            vtype = c.u32(f"type of {key!r}")
-            vbegin = c.pos
-            value = None
-            if vtype == _STRING:
-                vbegin, value = c.string(
-                    f"value of {key!r}",
-                    decode=key.startswith("microscale.") or key == "general.alignment",
-                )
-            elif vtype in _SCALAR_SIZES:
-                c.skip_value(vtype, f"value of {key!r}")
-                if vtype == _UINT32:
-                    value = struct.unpack_from("<I", buf, vbegin)[0]
-            else:
-                c.skip_value(vtype, f"value of {key!r}")
-            kv[key] = GGUFValue(vtype, begin, vbegin, c.pos, value)
-        infos = []
-        for i in range(n_tensors):
-            start = c.pos
-            _, name = c.string(f"tensor {i} name")
-            assert name is not None  # decoded
-            n_dims = c.u32(f"tensor {name!r} dimension count")
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise c.fail(
-                    f"tensor {name!r}: {n_dims} dimensions, expected 1 to {_MAX_DIMS}", start
-                )
-            shape = tuple(c.u64(f"tensor {name!r} shape") for _ in range(n_dims))
-            t = c.u32(f"tensor {name!r} type")
-            try:
-                qtype = qtypes(t)
-                block, type_size = qsizes[qtype]
-            except (ValueError, KeyError):
-                raise c.fail(f"tensor {name!r}: unknown ggml type {t}", start) from None
-            offset = c.u64(f"tensor {name!r} offset")
-            n = int(np.prod(shape, dtype=object))
-            if shape[0] % block:
-                raise c.fail(
-                    f"tensor {name!r}: row length {shape[0]} is not a multiple of "
-                    f"{qtype.name}'s block of {block}",
-                    start,
-                )
-            infos.append((name, t, qtype.name, shape, offset, n // block * type_size))
+        kv = _read_kv(c, n_kv)
+        infos = _read_tensor_infos(c, n_tensors)
         header_end = c.pos
     except struct.error as e:  # pragma: no cover - take() bounds every read
         raise c.fail(str(e)) from None
@@ -374,6 +385,9 @@ def seal_gguf_header(path: str | os.PathLike) -> str:
     return value
 
 
+_DAMAGED = "; the header is damaged"
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFCheck:
     """What :func:`check_gguf` found. ``problems``: ``(tensor name or None for the file as
@@ -385,6 +399,40 @@ class GGUFCheck:
     checked: int  # tensors compared with a stored checksum
     checksums: bool
     problems: tuple[tuple[str | None, str], ...]
+
+
+def _stored_tensor_sums(header: GGUFHeader, problems: list[tuple[str | None, str]]) -> Any:
+    """The per-tensor checksums the file stores (``{}`` when none can be read); appends to
+    ``problems`` what is wrong with the stored table itself."""
+    sums: Any = {}
+    text = header.string(CRC_TENSORS_KEY)
+    if text is not None:
+        try:
+            sums = json.loads(text)
+        except json.JSONDecodeError:
+            sums = None
+        if not (
+            isinstance(sums, dict)
+            and all(isinstance(v, str) and _HEX8.fullmatch(v) for v in sums.values())
+        ):
+            problems.append(
+                (None, f"{CRC_TENSORS_KEY!r} is not a JSON object of checksums{_DAMAGED}")
+            )
+            sums = {}
+        names = {t.name for t in header.tensors}
+        for n in sorted(set(sums) - names):
+            problems.append(
+                (
+                    None,
+                    f"a checksum is stored for tensor {n!r}, which the tensor "
+                    f"table does not list{_DAMAGED}",
+                )
+            )
+        for n in sorted(names - set(sums)) if sums else ():
+            problems.append(
+                (n, f"tensor {n!r} has no stored checksum although the file stores them{_DAMAGED}")
+            )
+    return sums
 
 
 def check_gguf(
@@ -401,16 +449,15 @@ def check_gguf(
     if not has:
         return GGUFCheck(path, len(header.tensors), 0, False, ())
     problems: list[tuple[str | None, str]] = []
-    damaged = "; the header is damaged"
     for key in (CRC_HEADER_KEY, CRC_TENSORS_KEY):
         if key not in header.kv:
             problems.append(
-                (None, f"metadata entry {key!r} is missing (the file has {sorted(has)}){damaged}")
+                (None, f"metadata entry {key!r} is missing (the file has {sorted(has)}){_DAMAGED}")
             )
         elif header.kv[key].vtype != _STRING:
-            problems.append((None, f"metadata entry {key!r} is not a string{damaged}"))
+            problems.append((None, f"metadata entry {key!r} is not a string{_DAMAGED}"))
     for key in sorted(set(has) - {CRC_HEADER_KEY, CRC_TENSORS_KEY}):
-        problems.append((None, f"unknown metadata entry {key!r}{damaged}"))
+        problems.append((None, f"unknown metadata entry {key!r}{_DAMAGED}"))
     stored_header = header.string(CRC_HEADER_KEY)
     if stored_header is not None:
         got_header = header_crc(buf, header)
@@ -424,34 +471,7 @@ def check_gguf(
                     "header is damaged",
                 )
             )
-    sums: Any = {}
-    text = header.string(CRC_TENSORS_KEY)
-    if text is not None:
-        try:
-            sums = json.loads(text)
-        except json.JSONDecodeError:
-            sums = None
-        if not (
-            isinstance(sums, dict)
-            and all(isinstance(v, str) and _HEX8.fullmatch(v) for v in sums.values())
-        ):
-            problems.append(
-                (None, f"{CRC_TENSORS_KEY!r} is not a JSON object of checksums{damaged}")
-            )
-            sums = {}
-        names = {t.name for t in header.tensors}
-        for n in sorted(set(sums) - names):
-            problems.append(
-                (
-                    None,
-                    f"a checksum is stored for tensor {n!r}, which the tensor "
-                    f"table does not list{damaged}",
-                )
-            )
-        for n in sorted(names - set(sums)) if sums else ():
-            problems.append(
-                (n, f"tensor {n!r} has no stored checksum although the file stores them{damaged}")
-            )
+    sums = _stored_tensor_sums(header, problems)
     sizes = {t.name: t.end - t.begin for t in header.tensors}
     got = crc32_many(
         {t.name: buf[t.begin : t.end] for t in header.tensors if t.name in sums},

@@ -232,6 +232,35 @@ def _read_linear(
     return q, in_scale
 
 
+def _read_params(store, cfg, layout: str, layers, static, dt) -> tuple[dict, dict]:
+    """Every parameter of ``cfg`` from ``store`` (float ones as ``dt``, quantized kernels
+    as packed QArrays) and the static input scales of the quantized linears."""
+    shapes = param_shapes(cfg)
+    params: dict[str, Any] = {}
+    input_scales: dict[str, np.float32] = {}
+    for pname, shape in shapes.items():
+        if pname.endswith(".kernel") and pname != "lm_head.kernel":
+            continue
+        hf = hf_param_name(pname)
+        hshape = shape[::-1] if pname == "lm_head.kernel" else shape
+        arr = _expect(store, hf, _FLOAT_DTYPES, (hshape,), "unquantized")
+        params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" else np.asarray(arr, dt)
+    for p in linear_paths(cfg):
+        mod, lq = hf_module(p), layers[p]
+        kn = shapes[f"{p}.kernel"]
+        if not lq.quantized:
+            arr = _expect(
+                store, f"{mod}.weight", _FLOAT_DTYPES, (kn[::-1],), f"{mod} is unquantized"
+            )
+            params[f"{p}.kernel"] = np.asarray(arr, dt).T
+            continue
+        q, s = _read_linear(store, layout, mod, lq, static[p], kn)
+        params[f"{p}.kernel"] = q
+        if s is not None:
+            input_scales[p] = s
+    return params, input_scales
+
+
 def read_checkpoint(
     path: str | os.PathLike, *, dequantize: bool = False, param_dtype: str = "float32"
 ) -> Checkpoint:
@@ -271,33 +300,9 @@ def read_checkpoint(
             raise CheckpointError(f"{path}: {e}") from None
 
     dt = np.dtype(jnp.dtype(param_dtype))
-    shapes = param_shapes(cfg)
-    params: dict[str, Any] = {}
-    input_scales: dict[str, np.float32] = {}
-    for pname, shape in shapes.items():
-        if pname.endswith(".kernel") and pname != "lm_head.kernel":
-            continue
-        hf = hf_param_name(pname)
-        hshape = shape[::-1] if pname == "lm_head.kernel" else shape
-        arr = _expect(store, hf, _FLOAT_DTYPES, (hshape,), "unquantized")
-        params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" else np.asarray(arr, dt)
-    for p in linear_paths(cfg):
-        mod, lq = hf_module(p), layers[p]
-        kn = shapes[f"{p}.kernel"]
-        if not lq.quantized:
-            arr = _expect(
-                store, f"{mod}.weight", _FLOAT_DTYPES, (kn[::-1],), f"{mod} is unquantized"
-            )
-            params[f"{p}.kernel"] = np.asarray(arr, dt).T
-            continue
-        q, s = _read_linear(store, layout, mod, lq, static[p], kn)
-        params[f"{p}.kernel"] = q
-        if s is not None:
-            input_scales[p] = s
-    if cfg.tie_embeddings:
-        store.accessed.add(
-            "lm_head.weight"
-        )  # some tied checkpoints store it anyway (HF ignores it)
+    params, input_scales = _read_params(store, cfg, layout, layers, static, dt)
+    if cfg.tie_embeddings:  # some tied checkpoints store it anyway (HF ignores it)
+        store.accessed.add("lm_head.weight")
     for name in store.names():
         if name not in store.accessed and not _HARMLESS.fullmatch(name):
             raise CheckpointError(

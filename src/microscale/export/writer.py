@@ -243,6 +243,53 @@ def check_export_out(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
     return out
 
 
+def _export_layers(cfg, layout, ck_layers, ck_scales, layer_formats, activations, input_amax):
+    """Each linear layer's quantization and input decode scales: a re-export of a
+    quantized checkpoint keeps its own unless formats or amaxes are given."""
+    if activations is None:
+        activations = input_amax is not None
+    if layout == "hf" and layer_formats is None:
+        layer_formats = "bf16"
+    if ck_layers is not None and layer_formats is None and input_amax is None:
+        layers, input_scales = ck_layers, ck_scales  # re-export: bytes and scales kept
+    else:
+        if ck_layers is not None and layer_formats is None:
+            layer_formats = {p: lq.weights for p, lq in ck_layers.items()}
+        layers = L.resolve_layers(cfg, layer_formats, activations=activations)
+        input_scales = L.input_decode_scales(cfg, layers, input_amax)
+    if layout == "hf" and any(lq.quantized for lq in layers.values()):
+        shown = sorted({str(lq) for lq in layers.values() if lq.quantized})
+        raise ValueError(
+            f"layout='hf' stores float weights only, but layers are {shown}; "
+            "choose compressed-tensors or modelopt for quantized layers"
+        )
+    return layers, input_scales
+
+
+def _export_tensors(
+    params, cfg, layers, quantized, input_scales, layout: str, np_dtype
+) -> tuple[dict[str, np.ndarray], list[list[str]]]:
+    """The output tensors under their HF names, and the groups of tensors of one quantized
+    layer (kept in one shard)."""
+    tensors: dict[str, np.ndarray] = {}
+    groups: list[list[str]] = []
+    for name, v in params.items():
+        if name.endswith(".kernel") and name != "lm_head.kernel":
+            continue
+        arr = np.asarray(jnp.asarray(v, jnp.float32)).astype(np_dtype)
+        tensors[hf_param_name(name)] = arr.T if name == "lm_head.kernel" else arr
+    for p in linear_paths(cfg):
+        lq, w = layers[p], quantized[p]
+        mod = hf_module(p)
+        if not lq.quantized:
+            tensors[f"{mod}.weight"] = np.asarray(jnp.asarray(w, jnp.float32)).T.astype(np_dtype)
+            continue
+        layer = layer_tensors(layout, mod, w, lq, input_scales.get(p))
+        tensors.update(layer)
+        groups.append(list(layer))
+    return tensors, groups
+
+
 def _export(
     model,
     out: Path,
@@ -265,43 +312,15 @@ def _export(
         tok_file, tokenizer = tokenizer, load_tokenizer(tokenizer)
     if tokenizer is not None:
         check_vocab_fits(tokenizer.vocab_size, cfg.vocab_size)
-    if activations is None:
-        activations = input_amax is not None
-    if layout == "hf" and layer_formats is None:
-        layer_formats = "bf16"
-    if ck_layers is not None and layer_formats is None and input_amax is None:
-        layers, input_scales = ck_layers, ck_scales  # re-export: bytes and scales kept
-    else:
-        if ck_layers is not None and layer_formats is None:
-            layer_formats = {p: lq.weights for p, lq in ck_layers.items()}
-        layers = L.resolve_layers(cfg, layer_formats, activations=activations)
-        input_scales = L.input_decode_scales(cfg, layers, input_amax)
-    if layout == "hf" and any(lq.quantized for lq in layers.values()):
-        shown = sorted({str(lq) for lq in layers.values() if lq.quantized})
-        raise ValueError(
-            f"layout='hf' stores float weights only, but layers are {shown}; "
-            "choose compressed-tensors or modelopt for quantized layers"
-        )
+    layers, input_scales = _export_layers(
+        cfg, layout, ck_layers, ck_scales, layer_formats, activations, input_amax
+    )
     quantized = L.quantize_linear_weights(params, cfg, layers)
 
     # Everything is computed and validated before the output folder is touched.
-    np_dtype = _DTYPES[dtype]
-    tensors: dict[str, np.ndarray] = {}
-    groups: list[list[str]] = []
-    for name, v in params.items():
-        if name.endswith(".kernel") and name != "lm_head.kernel":
-            continue
-        arr = np.asarray(jnp.asarray(v, jnp.float32)).astype(np_dtype)
-        tensors[hf_param_name(name)] = arr.T if name == "lm_head.kernel" else arr
-    for p in linear_paths(cfg):
-        lq, w = layers[p], quantized[p]
-        mod = hf_module(p)
-        if not lq.quantized:
-            tensors[f"{mod}.weight"] = np.asarray(jnp.asarray(w, jnp.float32)).T.astype(np_dtype)
-            continue
-        layer = layer_tensors(layout, mod, w, lq, input_scales.get(p))
-        tensors.update(layer)
-        groups.append(list(layer))
+    tensors, groups = _export_tensors(
+        params, cfg, layers, quantized, input_scales, layout, _DTYPES[dtype]
+    )
 
     ignore = ["lm_head", "model.embed_tokens"] + [
         hf_module(p) for p in linear_paths(cfg) if not layers[p].quantized

@@ -206,6 +206,25 @@ def _source_folder(source) -> Path:
     return model
 
 
+def _calibrate_inputs(model, config, tokenizer, data, seq_len: int, calib_batches) -> Any:
+    """Each linear layer's input amax over the calibration batches of ``data``, for
+    static activation scales."""
+    if data is None:
+        raise ValueError("--activations needs calibration data: pass --data")
+    dense = InferenceModel.from_params(
+        model.params if isinstance(model, Checkpoint) else model, config
+    )
+    batches = eval_batches(
+        data,
+        tokenizer,
+        seq_len=seq_len,
+        batch_size=8,
+        max_batches=calib_batches or CALIB_BATCHES,
+        vocab_size=config.vocab_size,
+    )
+    return collect_input_amax(dense, batches)
+
+
 def _export_run(
     source,
     out,
@@ -261,22 +280,11 @@ def _export_run(
             f"--checkpoint {str(src)!r}: neither a training run "
             "(config.yaml + checkpoints/) nor an HF model folder"
         )
-    input_amax = None
-    if activations:
-        if data is None:
-            raise ValueError("--activations needs calibration data: pass --data")
-        dense = InferenceModel.from_params(
-            model.params if isinstance(model, Checkpoint) else model, config
-        )
-        batches = eval_batches(
-            data,
-            tokenizer,
-            seq_len=seq_len,
-            batch_size=8,
-            max_batches=calib_batches or CALIB_BATCHES,
-            vocab_size=config.vocab_size,
-        )
-        input_amax = collect_input_amax(dense, batches)
+    input_amax = (
+        _calibrate_inputs(model, config, tokenizer, data, seq_len, calib_batches)
+        if activations
+        else None
+    )
     # a tokenizer.json brings its tokenizer_config.json (special tokens, chat template)
     extra = {} if embed_format is None else {"embed_format": embed_format}
     return row.write(

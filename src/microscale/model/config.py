@@ -149,6 +149,11 @@ class ModelConfig:
             v = getattr(self, name)
             if v not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected one of {_DTYPES}")
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Heads divide the width, kv heads divide heads, RoPE pairs, whole scale blocks,
+        and a parameter count some model could have."""
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"ModelConfig.d_model={self.d_model} is not divisible by "

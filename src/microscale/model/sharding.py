@@ -178,6 +178,37 @@ def _rule_axes(rule) -> tuple[str, ...]:
     return (rule,) if isinstance(rule, str) else tuple(rule)
 
 
+def _dim_mesh_axes(
+    name: str, table: Mapping, used: set[str], sizes: Mapping[str, int] | None, length: int | None
+) -> tuple[list[str], tuple[str, ...], str | None]:
+    """The mesh axes that shard one dimension named ``name``, the axes its rule asked for,
+    and why the dimension is left replicated (None when it is not, or nothing was asked)."""
+    if name not in table:
+        return [], (), f"no mesh rule for logical axis {name!r} (rules for {sorted(table)})"
+    asked = _rule_axes(table[name])
+    again = [a for a in asked if a in used]
+    keep = [a for a in asked if a not in used]
+    missing = [] if sizes is None else [a for a in keep if a not in sizes]
+    if sizes is not None:
+        keep = [a for a in keep if a in sizes and sizes[a] > 1]
+    if not keep and (again or missing):
+        why = (
+            f"mesh axis {again} already shards an earlier dimension"
+            if again
+            else f"the mesh has no axis {missing}"
+        )
+        return [], asked, why
+    if keep and sizes is not None and length is not None:
+        n = math.prod(sizes[a] for a in keep)
+        if length % n:
+            return (
+                [],
+                asked,
+                f"length {length} is not divisible by mesh axes {tuple(keep)} (size {n})",
+            )
+    return keep, asked, None
+
+
 def logical_to_mesh_spec(
     axes: Sequence[str | None] | None,
     shape: Sequence[int] | None = None,
@@ -232,35 +263,10 @@ def logical_to_mesh_spec(
         if name is None:
             out.append(None)
             continue
-        if name not in table:
-            skip(i, name, (), f"no mesh rule for logical axis {name!r} (rules for {sorted(table)})")
-            out.append(None)
-            continue
-        asked = _rule_axes(table[name])
-        again = [a for a in asked if a in used]
-        keep = [a for a in asked if a not in used]
-        missing = [] if sizes is None else [a for a in keep if a not in sizes]
-        if sizes is not None:
-            keep = [a for a in keep if a in sizes and sizes[a] > 1]
-        if not keep and (again or missing):
-            skip(
-                i,
-                name,
-                asked,
-                f"mesh axis {again} already shards an earlier dimension"
-                if again
-                else f"the mesh has no axis {missing}",
-            )
-        if keep and sizes is not None and shape is not None:
-            n = math.prod(sizes[a] for a in keep)
-            if shape[i] % n:
-                skip(
-                    i,
-                    name,
-                    asked,
-                    f"length {shape[i]} is not divisible by mesh axes {tuple(keep)} (size {n})",
-                )
-                keep = []
+        length = None if shape is None else int(shape[i])
+        keep, asked, reason = _dim_mesh_axes(name, table, used, sizes, length)
+        if reason is not None:
+            skip(i, name, asked, reason)
         used.update(keep)
         out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
     return PartitionSpec(*out)

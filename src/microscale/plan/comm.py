@@ -65,6 +65,7 @@ token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -80,19 +81,13 @@ def _ring(kind: str, size: float, n: int) -> float:
     return size * (n - 1) / n * (2 if kind == "all-reduce" else 1)
 
 
-def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
-    """``{"rows": [(what, kind, bytes)], "by_kind": {kind: bytes}, "total": bytes,
-    "cpu_total": bytes}`` per device per step for ``cfg`` (a TrainConfig) on ``mesh``
-    ({axis: size}); see the module doc for each row's reasoning. ``cpu_total`` is the
-    same volume as XLA:CPU lowers it: it has no reduce-scatter and emits an all-reduce
-    (then a slice), which moves twice the bytes, so the compiled program on simulated CPU
-    devices is held against ``cpu_total`` and a GPU's against ``total``."""
+def _zero3_rows(add: Callable[..., None], cfg, mesh: dict[str, int]) -> None:
+    """ZeRO-3 rows: fsdp weight gathers (forward, backward, remat) and gradient reductions."""
     m = cfg.model
     d, f, v, L = m.d_model, m.d_ff, m.vocab_size, m.n_layers
     hd = m.head_dim
     D, F, T = mesh["data"], mesh["fsdp"], mesh["tensor"]
     M = cfg.data.grad_accum
-    tm = cfg.data.batch_size // M * cfg.data.seq_len / (D * F)  # tokens per device
     pb = np.dtype(m.param_dtype).itemsize  # stored weight bytes
     attn = d * (m.n_heads * hd) * 2 + d * (m.n_kv_heads * hd) * 2
     block = L * (attn + 3 * d * f)  # block kernels
@@ -101,13 +96,6 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
     head = 0 if m.tie_embeddings else v * d
     norms = (2 * L + 1) * d
     sharded = block + table + head
-    rows: list[tuple[str, str, float]] = []
-
-    def add(what: str, kind: str, size: float, n: int, times: float = 1.0) -> None:
-        b = times * _ring(kind, size, n)
-        if b:
-            rows.append((what, kind, b))
-
     # ZeRO-3 over fsdp
     add("fsdp: gather block weights, forward", "all-gather", block * pb / T, F, M)
     add(
@@ -137,8 +125,16 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
     add("fsdp: reduce-scatter gradients (float32)", "reduce-scatter", sharded * 4 / T, F, M)
     add("data: all-reduce gradient shards (float32)", "all-reduce", sharded * 4 / (T * F), D, M)
     add("data x fsdp: all-reduce replicated gradients (norms)", "all-reduce", norms * 4, D * F, M)
-    # Megatron tensor parallelism
-    act = tm * d * 4
+
+
+def _tensor_rows(add: Callable[..., None], cfg, mesh: dict[str, int]) -> None:
+    """Megatron rows: block activation all-reduces (or their sequence-parallel halves) and
+    the vocab-parallel embedding and head."""
+    m = cfg.model
+    D, F, T = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    M, L = cfg.data.grad_accum, m.n_layers
+    tm = cfg.data.batch_size // M * cfg.data.seq_len / (D * F)  # tokens per device
+    act = tm * m.d_model * 4
     o_again = m.remat in ("full", "minimal")
     if cfg.data.seq_len % T:  # the residual stays whole on each tensor rank
         add(
@@ -174,6 +170,24 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
         T,
         2 * M,
     )
+
+
+def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
+    """``{"rows": [(what, kind, bytes)], "by_kind": {kind: bytes}, "total": bytes,
+    "cpu_total": bytes}`` per device per step for ``cfg`` (a TrainConfig) on ``mesh``
+    ({axis: size}); see the module doc for each row's reasoning. ``cpu_total`` is the
+    same volume as XLA:CPU lowers it: it has no reduce-scatter and emits an all-reduce
+    (then a slice), which moves twice the bytes, so the compiled program on simulated CPU
+    devices is held against ``cpu_total`` and a GPU's against ``total``."""
+    rows: list[tuple[str, str, float]] = []
+
+    def add(what: str, kind: str, size: float, n: int, times: float = 1.0) -> None:
+        b = times * _ring(kind, size, n)
+        if b:
+            rows.append((what, kind, b))
+
+    _zero3_rows(add, cfg, mesh)
+    _tensor_rows(add, cfg, mesh)
     by_kind = {k: sum(b for _, kk, b in rows if kk == k) for k in KINDS}
     total = sum(by_kind.values())
     return {

@@ -45,6 +45,33 @@ def _heartbeat(done, t0: float, every: float = 30.0) -> None:
         _say("still compiling", t0)
 
 
+def _measure(compiled, devices: int, hlo_path: str | None) -> dict[str, Any]:
+    """Memory, XLA's FLOP count, and the dot FLOPs and collectives read from the HLO of a
+    compiled step (written to ``hlo_path`` when given)."""
+    from microscale.plan.hlo import HloModule
+
+    mem = compiled.memory_analysis()
+    m = {
+        k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias", "temp", "generated_code")
+    }
+    m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_flops = float((cost or {}).get("flops", 0.0))
+    text = compiled.as_text()
+    if hlo_path:
+        Path(hlo_path).write_text(text)
+    hlo = HloModule(text, devices)
+    return {
+        "memory": m,
+        "xla_flops": xla_flops,
+        "dot_flops": hlo.dot_flops(),
+        "collectives": hlo.collectives(),
+        "unknown_trip_counts": hlo.unknown_trip_counts,
+    }
+
+
 def compile_step(
     cfg, *, lower_only: bool = False, hlo_path: str | None = None, verbose: bool = True
 ) -> dict[str, Any]:
@@ -55,7 +82,6 @@ def compile_step(
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from microscale.plan.hlo import HloModule
     from microscale.train.mesh import BATCH_AXES
     from microscale.train.optim import lr_schedule
     from microscale.train.state import build_state
@@ -107,23 +133,7 @@ def compile_step(
     finally:
         done.set()
     out["compile_s"] = time.perf_counter() - t1
-    mem = compiled.memory_analysis()
-    m = {
-        k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
-        for k in ("argument", "output", "alias", "temp", "generated_code")
-    }
-    m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
-    out["memory"] = m
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    out["xla_flops"] = float((cost or {}).get("flops", 0.0))
-    text = compiled.as_text()
-    if hlo_path:
-        Path(hlo_path).write_text(text)
-    hlo = HloModule(text, mesh.size)
-    out["dot_flops"] = hlo.dot_flops()
-    out["collectives"] = hlo.collectives()
-    out["unknown_trip_counts"] = hlo.unknown_trip_counts
+    out.update(_measure(compiled, mesh.size, hlo_path))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if verbose:
         _say(f"compiled in {out['compile_s']:.1f}s", t0)

@@ -285,21 +285,12 @@ def plan(
     return res
 
 
-def report_markdown(res: dict[str, Any]) -> str:
-    """The plan as markdown: setup, memory per device and fit, FLOPs, collectives,
-    replicated dimensions, the roofline terms and speed-ups."""
+def _memory_md(res: dict[str, Any], comp: dict[str, Any]) -> list[str]:
+    """Memory per device from the shapes beside the compiled buffers, the fit, and the
+    largest microbatch that fits."""
     acc = res["accelerator"]
-    m = res["model"]
     sh = res["shapes"]["bytes"]
-    comp = res["compiled"] or {}
     lines = [
-        f"## Plan: d_model {m['d_model']} x {m['n_layers']} layers "
-        f"({res['params'] / 1e9:.2f}B params), recipe `{res['recipe']}`, "
-        f"mesh {res['mesh']} ({res['devices']} devices), {acc['label']}",
-        "",
-        f"Global batch {res['batch']['sequences']} x {res['batch']['seq_len']} tokens "
-        f"({res['batch']['tokens']:,}), {res['batch']['grad_accum']} microbatches.",
-        "",
         "| memory per device (GB) | from shapes | compiled (XLA:CPU) |",
         "|---|---:|---:|",
     ]
@@ -340,6 +331,12 @@ def report_markdown(res: dict[str, Any]) -> str:
         ),
         "",
     ]
+    return lines
+
+
+def _compile_md(res: dict[str, Any], comp: dict[str, Any]) -> list[str]:
+    """How the compile went, and the model FLOPs beside the compiled matmul FLOPs."""
+    lines: list[str] = []
     if comp.get("error"):
         lines += [f"Compilation failed ({comp.get('phase')}): `{comp['error'][:600]}`", ""]
     elif comp:
@@ -368,6 +365,26 @@ def report_markdown(res: dict[str, Any]) -> str:
         )
         + "."
     )
+    return lines
+
+
+def report_markdown(res: dict[str, Any]) -> str:
+    """The plan as markdown: setup, memory per device and fit, FLOPs, collectives,
+    replicated dimensions, the roofline terms and speed-ups."""
+    acc = res["accelerator"]
+    m = res["model"]
+    comp = res["compiled"] or {}
+    lines = [
+        f"## Plan: d_model {m['d_model']} x {m['n_layers']} layers "
+        f"({res['params'] / 1e9:.2f}B params), recipe `{res['recipe']}`, "
+        f"mesh {res['mesh']} ({res['devices']} devices), {acc['label']}",
+        "",
+        f"Global batch {res['batch']['sequences']} x {res['batch']['seq_len']} tokens "
+        f"({res['batch']['tokens']:,}), {res['batch']['grad_accum']} microbatches.",
+        "",
+    ]
+    lines += _memory_md(res, comp)
+    lines += _compile_md(res, comp)
     lines += _collectives_md(res["analytic_collectives"], comp.get("collectives"))
     lines += [
         "",

@@ -258,6 +258,52 @@ def _ptq_effect_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _comparison_lines(report: Mapping[str, Any]) -> list[str]:
+    """The paired val-loss differences between allocations, with their standard errors."""
+    lines: list[str] = []
+    comp = report.get("comparisons") or {}
+    if comp:
+        lines += [
+            "",
+            "## Paired differences (val loss, same batches)",
+            "",
+            "| difference | mean dloss (nats) | std. error | t |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, c in comp.items():
+            lines.append(
+                f"| {label} | {c['dloss']:+.5f} | {_fmt(c['se'], 5)} | {_fmt(c['t'], 1)} |"
+            )
+        lines += [
+            "",
+            "|t| < 2: the difference is within the evaluation noise of "
+            f"{next(iter(comp.values()))['batches']} batches.",
+        ]
+    return lines
+
+
+def _layer_lines(report: Mapping[str, Any]) -> list[str]:
+    """The per-layer table: group, size, chosen format, score per format, input amax."""
+    fmts = report["formats"]
+    lines = [
+        "",
+        "## Layers",
+        "",
+        "| layer | group | elements | chosen | "
+        + " | ".join(f"score {f}" for f in fmts)
+        + " | input amax |",
+        "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|",
+    ]
+    for p, f in report["layers"].items():
+        sc = report["scores"].get(p, {})
+        scores = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
+        lines.append(
+            f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
+            f"{scores} | {report['act_amax'].get(p, float('nan')):.3g} |"
+        )
+    return lines
+
+
 def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``report.md``: summary, points, PTQ effects and the per-layer table."""
     pts = report["points"]
@@ -298,42 +344,9 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
                 else "."
             ),
         ]
-    comp = report.get("comparisons") or {}
-    if comp:
-        lines += [
-            "",
-            "## Paired differences (val loss, same batches)",
-            "",
-            "| difference | mean dloss (nats) | std. error | t |",
-            "|---|---:|---:|---:|",
-        ]
-        for label, c in comp.items():
-            lines.append(
-                f"| {label} | {c['dloss']:+.5f} | {_fmt(c['se'], 5)} | {_fmt(c['t'], 1)} |"
-            )
-        lines += [
-            "",
-            "|t| < 2: the difference is within the evaluation noise of "
-            f"{next(iter(comp.values()))['batches']} batches.",
-        ]
+    lines += _comparison_lines(report)
     lines += _ptq_effect_lines(report)
-    fmts = report["formats"]
-    lines += [
-        "",
-        "## Layers",
-        "",
-        "| layer | group | elements | chosen | "
-        + " | ".join(f"score {f}" for f in fmts)
-        + " | input amax |",
-        "|---|---|---:|---|" + "---:|" * len(fmts) + "---:|",
-    ]
-    for p, f in report["layers"].items():
-        sc = report["scores"].get(p, {})
-        scores = " | ".join(f"{sc[g]:.3g}" if g in sc else "-" for g in fmts)
-        lines.append(
-            f"| {p} | {report['groups'][p]} | {report['numel'][p]} | **{f}** | "
-            f"{scores} | {report['act_amax'].get(p, float('nan')):.3g} |"
-        )
+    lines += _layer_lines(report)
     cal = report["calibration"]
     lines += [
         "",

@@ -204,6 +204,47 @@ def quantize_weight(
     return quantize_group([kernel], fmt, ptq, None if hessian is None else [hessian])[0]
 
 
+def _float_group(ws, wts, norms, spec: FormatSpec) -> list[QuantizedWeight]:
+    """A group in a format without scales (bf16, fp16): each member rounded on its own."""
+    out = []
+    for w, t, n in zip(ws, wts, norms, strict=True):
+        q = quantize(t, spec, axis=-1)
+        vals = dequantize(q).T
+        err = float(jnp.sum(jnp.square(vals - w))) / n
+        out.append(
+            QuantizedWeight(
+                format=spec.name,
+                qarray=q,
+                amax=None,
+                scale_multiplier=1.0,
+                rel_mse=err,
+                rel_mse_rtn=err,
+            )
+        )
+    return out
+
+
+def _search_scale(wts, spec: FormatSpec, ptq: WeightPTQ, four6: bool):
+    """The group's base amax, the multiplier ``c`` of the MSE search (1.0 without it), each
+    member's squared error at ``c`` and each member's plain round-to-nearest error."""
+    base = tensor_amax(jnp.stack([tensor_amax(t) for t in wts]))
+
+    def errors(c: float, f6: bool) -> list[float]:
+        a = base * jnp.float32(c)
+        return [float(_sq_error(t, a, spec, f6)) for t in wts]
+
+    rtn = errors(1.0, False)
+    best_c, best = 1.0, errors(1.0, True) if four6 else rtn
+    if ptq.mse_scale and spec.has_tensor_scale:
+        for c in ptq.scale_grid:
+            if c == 1.0:
+                continue
+            errs = errors(c, four6)
+            if sum(errs) < sum(best):
+                best_c, best = c, errs
+    return base, best_c, best, rtn
+
+
 def quantize_group(
     kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessians=None
 ) -> list[QuantizedWeight]:
@@ -231,39 +272,10 @@ def quantize_group(
     wts = [w.T for w in ws]
     norms = [max(float(jnp.sum(jnp.square(t))), 1e-30) for t in wts]
     if not spec.quantized:
-        out = []
-        for w, t, n in zip(ws, wts, norms, strict=True):
-            q = quantize(t, spec, axis=-1)
-            vals = dequantize(q).T
-            err = float(jnp.sum(jnp.square(vals - w))) / n
-            out.append(
-                QuantizedWeight(
-                    format=spec.name,
-                    qarray=q,
-                    amax=None,
-                    scale_multiplier=1.0,
-                    rel_mse=err,
-                    rel_mse_rtn=err,
-                )
-            )
-        return out
+        return _float_group(ws, wts, norms, spec)
     tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
-    base = tensor_amax(jnp.stack([tensor_amax(t) for t in wts]))
-
-    def errors(c: float, f6: bool) -> list[float]:
-        a = base * jnp.float32(c)
-        return [float(_sq_error(t, a, spec, f6)) for t in wts]
-
-    rtn = errors(1.0, False)
-    best_c, best = 1.0, errors(1.0, True) if four6 else rtn
-    if ptq.mse_scale and tensor:
-        for c in ptq.scale_grid:
-            if c == 1.0:
-                continue
-            errs = errors(c, four6)
-            if sum(errs) < sum(best):
-                best_c, best = c, errs
+    base, best_c, best, rtn = _search_scale(wts, spec, ptq, four6)
     amax = base * jnp.float32(best_c)
     out = []
     for i, (t, e, e0, n) in enumerate(zip(wts, best, rtn, norms, strict=True)):
