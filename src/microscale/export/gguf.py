@@ -105,12 +105,12 @@ __all__ = [
 # microscale formats ggml runs natively -> GGMLQuantizationType member name.
 GGUF_FORMATS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0"}
 _FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-# Stored formats of the token embedding (and of an untied LM head): unquantized (``dtype``)
-# or a ggml type that needs no tensor scale, so llama.cpp's get_rows (the embedding lookup)
-# and the tied LM head matmul both decode it. NVFP4 is not one of them: its FP32 tensor
-# scale lives in a separate ``.scale`` tensor that llama.cpp's Llama graph applies to linear
-# layers' outputs, not to the embedding lookup.
-EMBED_FORMATS = ("bf16", "q8_0", "mxfp4")
+# Stored formats of the token embedding (and of an untied LM head): unquantized (bf16) or a
+# ggml type without a global (per-tensor) scale, so llama.cpp's get_rows (the embedding
+# lookup) and the tied LM head matmul both decode it. NVFP4 is not one of them: its FP32
+# tensor scale lives in a separate ``.scale`` tensor that llama.cpp's Llama graph applies to
+# linear layers' outputs, not to the embedding lookup.
+EMBED_FORMATS = ("bf16",) + tuple(f for f in GGUF_FORMATS if not get_format(f).has_global_scale)
 # Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
 _LINEAR_NAMES = {
     "attn.q_proj": "attn_q",
