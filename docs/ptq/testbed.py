@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "qat"))
-from measure import ci, ptq_flags, sh, train_source  # noqa: E402  (the test bed's one definition)
+from measure import add_testbed_arguments, ci, ptq_flags, sh, train_source  # noqa: E402  (the test bed's one definition)
 
 # run prefix: (label, extra quantize flags)
 RUNS = {
@@ -156,14 +156,7 @@ def table(root: Path, seeds: list[int], mode: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--root", default="runs/qat")
-    ap.add_argument("--modes", default="w,w4a4")
-    ap.add_argument(
-        "--eval-batches",
-        default="32",
-        help="validation batches of 16 x 128 tokens for every evaluation",
-    )
+    add_testbed_arguments(ap)
     a = ap.parse_args()
     root = Path(a.root)
     seeds, modes = [int(s) for s in a.seeds.split(",")], a.modes.split(",")

@@ -88,18 +88,23 @@ def ci(xs: list[float]) -> dict:
     return {"mean": c["mean"], "n": c["n"], "lo": lo, "hi": hi}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_testbed_arguments(ap: argparse.ArgumentParser) -> None:
+    """The test bed's shared options: seeds, run root, PTQ modes, evaluation batches."""
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--root", default="runs/qat")
-    ap.add_argument("--qat-fraction", type=float, default=0.1)
-    ap.add_argument("--qat-lr", default="3e-4")
     ap.add_argument("--modes", default="w,w4a4")
     ap.add_argument(
         "--eval-batches",
         default="32",
         help="validation batches of 16 x 128 tokens for every PTQ evaluation",
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_testbed_arguments(ap)
+    ap.add_argument("--qat-fraction", type=float, default=0.1)
+    ap.add_argument("--qat-lr", default="3e-4")
     a = ap.parse_args()
     root = Path(a.root)
     steps = int(next(o for o in TESTBED if o.startswith("steps=")).split("=")[1])
