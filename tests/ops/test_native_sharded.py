@@ -16,6 +16,9 @@ import pytest
 
 from microscale.ops.backend import block_scaled_plan
 
+# the module fixture compiles in a child process once per worker: one worker runs them all
+pytestmark = pytest.mark.xdist_group("native_sharded")
+
 F, T, D = "fsdp", "tensor", "data"
 
 # (case, lhs spec, rhs spec, output spec the partitioner asks for) ->

@@ -30,6 +30,9 @@ import textwrap
 
 import pytest
 
+# the module fixture compiles in a child process once per worker: one worker runs them all
+pytestmark = pytest.mark.xdist_group("plan_collectives")
+
 MODEL = [
     "model.vocab_size=512",
     "model.d_model=256",

@@ -23,6 +23,9 @@ import textwrap
 
 import pytest
 
+# the module fixture compiles in a child process once per worker: one worker runs them all
+pytestmark = pytest.mark.xdist_group("plan_native_sharding")
+
 SCRIPT = textwrap.dedent("""
     import json
     from microscale.config import apply_overrides

@@ -23,7 +23,7 @@ from flax import nnx
 from microscale.model import ModelConfig, PrecisionRules, Transformer
 from microscale.train.step import lm_loss
 
-T = 40  # positions per window (inputs); chunks of 1, 7 and 16 leave a partial last chunk
+T = 40  # positions per window (inputs); chunks of 1, 7 and T - 1 leave a partial last chunk
 
 
 def _model(tie: bool, recipe: str):
@@ -62,7 +62,7 @@ def test_chunked_loss_equals_the_whole_sequence_loss(tie, recipe):
     tokens = jax.random.randint(jax.random.key(1), (4, T + 1), 0, cfg.vocab_size)
     loss0, g0 = _loss_and_grads(model, cfg, 0, tokens)
     scale = max(np.abs(g).max() for g in g0)
-    for chunk in (1, 7, 16, T - 1, T, T + 5):
+    for chunk in (1, 7, T - 1, T, T + 5):
         loss, g = _loss_and_grads(model, cfg, chunk, tokens)
         assert abs(loss - loss0) <= 1e-6 * loss0, (chunk, loss, loss0)
         err = max(np.abs(a - b).max() for a, b in zip(g0, g, strict=True)) / scale
