@@ -224,6 +224,8 @@ def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
             "gptq",
             "--no-compile-cache",
             "-q",
+            "eval_batches=2",
+            "uniform_formats=nvfp4,mxfp4,bf16",
         ]
     )
     assert rc == 0, capsys.readouterr().err
