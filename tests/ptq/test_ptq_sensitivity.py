@@ -214,10 +214,23 @@ def test_taylor_tracks_the_measured_loss_change(engine, qweights, token_batches)
     assert big.sum() >= 3 and np.all(np.sign(est[big]) == np.sign(meas[big]))
 
 
+def _outputs(engine, params, tokens) -> dict:
+    """Every linear layer's output on ``tokens`` (used under eval_shape for shapes)."""
+    model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+    ys = {}
+
+    def hook(path, call, x):
+        ys[path] = call(x)
+        return ys[path]
+
+    with intercept_linears(model, hook):
+        next_token_loss(model, tokens)
+    return ys
+
+
 def _all_at_once_terms(engine, tokens, deltas):
     """The Taylor terms as scoring computed them before it streamed: ONE compiled
     function holding every layer's delta in every format, all ``dY`` in one program."""
-    from microscale.ptq.engine import _outputs
 
     def f(params, tokens, deltas):
         def fwd(eps):
