@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from microscale.ptq import (
+    ActQuant,
     Engine,
     WeightPTQ,
     intercept_linears,
@@ -295,3 +296,35 @@ def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_ba
             if jax.default_backend() == "cpu":  # the same XLA kernels: bit for bit
                 assert got[p][f] == want, (p, f)
             assert got[p][f] == pytest.approx(want, rel=1e-6, abs=1e-12), (p, f)
+
+
+def test_static_and_dynamic_input_scales_share_one_compile(engine, qweights, token_batches):
+    """W4A4 evaluation compiles once per palette: whether the input amax is static (the
+    calibrated one) or dynamic (each batch's own) is a traced input too, and either gives
+    the loss of quantizing every input with that amax (dynamic: ``amax=None``)."""
+    from microscale.ptq.engine import _qact
+
+    calib, _ = token_batches
+    assign = {p: "nvfp4" for p in engine.paths}
+    params = engine.with_kernels({p: qweights["nvfp4"][p].values for p in engine.paths})
+    amax = engine.input_amax(calib)
+    before = len(engine._jit_cache)
+    dynamic = engine.batch_losses(params, calib, ActQuant.matching(assign, None, ("nvfp4",)))
+    static = engine.batch_losses(params, calib, ActQuant.matching(assign, amax, ("nvfp4",)))
+    assert len(engine._jit_cache) == before + 1
+
+    @jax.jit
+    def direct(tokens, amax):
+        model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+
+        def hook(path, call, x):
+            return call(_qact(x, "nvfp4", None if amax is None else amax[path]))
+
+        with intercept_linears(model, hook):
+            return next_token_loss(model, tokens)
+
+    static_amax = {p: jnp.float32(a) for p, a in amax.items()}
+    for i, b in enumerate(calib):
+        assert dynamic[i] == pytest.approx(float(direct(b, None)), rel=1e-6)
+        assert static[i] == pytest.approx(float(direct(b, static_amax)), rel=1e-6)
+    assert not np.array_equal(dynamic, static)

@@ -57,8 +57,9 @@ class ActQuant:
     """Input (activation) quantization of the linear layers, for W4A4-style evaluation.
 
     Compiled once per ``palette`` (the formats that may occur): which layer uses which
-    palette entry, and the amax values, are traced inputs, so evaluating many allocations
-    does not recompile (``lax.switch`` runs only the selected quantizer).
+    palette entry, the amax values and whether they are static are traced inputs, so
+    evaluating many allocations, static or dynamic, does not recompile (``lax.switch``
+    runs only the selected quantizer).
     """
 
     # {layer path: format name} of the layers whose input is quantized (along features).
@@ -105,7 +106,7 @@ class ActQuant:
         )
 
     def static_key(self) -> tuple:
-        return (self.palette, self.amax is None)
+        return (self.palette,)
 
 
 def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
@@ -197,7 +198,9 @@ class Engine:
 
         def hook(path, call, x):
             if palette:
-                a = None if amax is None else amax[path]
+                # dynamic: the batch's own amax, as quantize_dequantize(amax=None) takes it
+                values, static = amax
+                a = jnp.where(static, values[path], tensor_amax(x))
                 branches = [lambda v, _a: v] + [
                     (lambda v, a_, f=f: _qact(v, f, a_)) for f in palette
                 ]
@@ -207,7 +210,8 @@ class Engine:
         return hook
 
     def _act_inputs(self, act: ActQuant | None):
-        """(static palette, traced selectors {path: int32}, traced amax {path: f32} | None)."""
+        """(static palette, traced selectors {path: int32}, traced amax: ({path: f32},
+        static bool); the values are unused when dynamic)."""
         if act is None:
             return (), None, None
         chosen = dict(act.formats)
@@ -215,10 +219,9 @@ class Engine:
         sel = {
             p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0) for p in self.paths
         }
-        amax = None
-        if act.amax is not None:
-            amax = {p: jnp.float32(act.amax.get(p, 1.0)) for p in self.paths}
-        return act.palette, sel, amax
+        given = act.amax or {}
+        amax = {p: jnp.float32(given.get(p, 1.0)) for p in self.paths}
+        return act.palette, sel, (amax, jnp.bool_(act.amax is not None))
 
     def _loss_jit(self, act: ActQuant | None) -> Callable:
         static = None if act is None else act.static_key()
@@ -363,7 +366,7 @@ class Engine:
             seen[path] = x
 
     def _score_jit(self, fmts: tuple[str, ...], use_act: tuple[bool, ...]) -> Callable:
-        """``(params, tokens, cands, amax) -> {path: [len(fmts), len(_GRAD_TERMS)]}``: the
+        """``(params, tokens, cands, amax, True) -> {path: [len(fmts), len(_GRAD_TERMS)]}``: the
         Taylor terms of every layer in every format from ONE forward and backward pass.
 
         Each layer's output passes through :func:`_probe` (an identity whose backward
@@ -373,7 +376,9 @@ class Engine:
         (one call per batch instead of one per layer and format, and no host copies)."""
 
         def build():
-            def f(params, tokens, cands, amax):
+            zero = jnp.zeros((len(fmts), len(_GRAD_TERMS)), jnp.float32)
+
+            def f(params, tokens, cands, amax, live):
                 def loss(probes):
                     model = self._model(params)
 
@@ -381,7 +386,8 @@ class Engine:
                         kernel = self._get(params, self._kernel_keys[path])
                         a = None if amax is None else amax[path]
 
-                        def terms(x, g):
+                        def layer(ops):
+                            x, g = ops
                             return jnp.stack(
                                 [
                                     _layer_terms(
@@ -391,12 +397,18 @@ class Engine:
                                 ]
                             )
 
+                        def terms(x, g):
+                            # a branch on a traced True: each layer's scoring is its own
+                            # computation, so XLA cannot hoist its g-independent part out
+                            # of it (decoding the candidates: every layer's would be live at
+                            # once, 2 GB more for SmolLM2-135M)
+                            return jax.lax.cond(live, layer, lambda _: zero, (x, g))
+
                         return _probe(terms)(call(x), x, probes[path])
 
                     with intercept_linears(model, hook):
                         return self.loss_fn(model, tokens)
 
-                zero = jnp.zeros((len(fmts), len(_GRAD_TERMS)), jnp.float32)
                 return jax.grad(loss)({p: zero for p in self.paths})
 
             return jax.jit(f)
@@ -453,7 +465,7 @@ class Engine:
         fn = self._score_jit(fmts, use_act)
         terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
         for b in batches:
-            got = jax.device_get(fn(self.params, jnp.asarray(b), cands, amax))
+            got = jax.device_get(fn(self.params, jnp.asarray(b), cands, amax, jnp.bool_(True)))
             for p in self.paths:
                 for j, f in enumerate(fmts):
                     for i, k in enumerate(_GRAD_TERMS):
