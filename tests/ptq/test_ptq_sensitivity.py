@@ -230,8 +230,8 @@ def _outputs(engine, params, tokens) -> dict:
 
 
 def _all_at_once_terms(engine, tokens, deltas):
-    """The Taylor terms as scoring computed them before it streamed: ONE compiled
-    function holding every layer's delta in every format, all ``dY`` in one program."""
+    """The Taylor terms from scratch: ONE compiled function capturing every layer's ``X``
+    and ``dL/dY`` and holding every layer's dense delta in every format."""
 
     def f(params, tokens, deltas):
         def fwd(eps):
@@ -274,9 +274,10 @@ def _all_at_once_terms(engine, tokens, deltas):
 
 @pytest.mark.parametrize("method", ["taylor", "gradient"])
 def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_batches, method):
-    """Scoring streams layer by layer from the packed candidates (one batch's activations
-    and one layer's candidates in memory); the scores are those of the one-program
-    computation that held every layer in every format at once."""
+    """Scoring computes each layer's terms inside the backward pass, decoding its packed
+    candidates there (one compiled call per batch, each layer in its own branch); the
+    scores are those of a plain computation from the captured ``X`` and ``dL/dY`` with
+    every layer's dense delta in every format."""
     calib, _ = token_batches
     deltas = {
         f: {
