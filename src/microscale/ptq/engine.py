@@ -120,7 +120,7 @@ def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
 class Engine:
     """A model prepared for calibration, scoring and evaluation (see the module doc)."""
 
-    _input_owner: dict[str, str]  # set when the capture pass is traced (_capture_jit)
+    _input_owner: dict[str, str]  # set when the Hessian pass is traced (input_hessians)
 
     def __init__(self, model: Any, *, loss_fn: LossFn | None = None):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
