@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from microscale.ptq import (
+    ActQuant,
     Engine,
     WeightPTQ,
     intercept_linears,
@@ -214,10 +215,23 @@ def test_taylor_tracks_the_measured_loss_change(engine, qweights, token_batches)
     assert big.sum() >= 3 and np.all(np.sign(est[big]) == np.sign(meas[big]))
 
 
+def _outputs(engine, params, tokens) -> dict:
+    """Every linear layer's output on ``tokens`` (used under eval_shape for shapes)."""
+    model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+    ys = {}
+
+    def hook(path, call, x):
+        ys[path] = call(x)
+        return ys[path]
+
+    with intercept_linears(model, hook):
+        next_token_loss(model, tokens)
+    return ys
+
+
 def _all_at_once_terms(engine, tokens, deltas):
-    """The Taylor terms as scoring computed them before it streamed: ONE compiled
-    function holding every layer's delta in every format, all ``dY`` in one program."""
-    from microscale.ptq.engine import _outputs
+    """The Taylor terms from scratch: ONE compiled function capturing every layer's ``X``
+    and ``dL/dY`` and holding every layer's dense delta in every format."""
 
     def f(params, tokens, deltas):
         def fwd(eps):
@@ -260,9 +274,10 @@ def _all_at_once_terms(engine, tokens, deltas):
 
 @pytest.mark.parametrize("method", ["taylor", "gradient"])
 def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_batches, method):
-    """Scoring streams layer by layer from the packed candidates (one batch's activations
-    and one layer's candidates in memory); the scores are those of the one-program
-    computation that held every layer in every format at once."""
+    """Scoring computes each layer's terms inside the backward pass, decoding its packed
+    candidates there (one compiled call per batch, each layer in its own branch); the
+    scores are those of a plain computation from the captured ``X`` and ``dL/dY`` with
+    every layer's dense delta in every format."""
     calib, _ = token_batches
     deltas = {
         f: {
@@ -282,3 +297,35 @@ def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_ba
             if jax.default_backend() == "cpu":  # the same XLA kernels: bit for bit
                 assert got[p][f] == want, (p, f)
             assert got[p][f] == pytest.approx(want, rel=1e-6, abs=1e-12), (p, f)
+
+
+def test_static_and_dynamic_input_scales_share_one_compile(engine, qweights, token_batches):
+    """W4A4 evaluation compiles once per palette: whether the input amax is static (the
+    calibrated one) or dynamic (each batch's own) is a traced input too, and either gives
+    the loss of quantizing every input with that amax (dynamic: ``amax=None``)."""
+    from microscale.ptq.engine import _qact
+
+    calib, _ = token_batches
+    assign = {p: "nvfp4" for p in engine.paths}
+    params = engine.with_kernels({p: qweights["nvfp4"][p].values for p in engine.paths})
+    amax = engine.input_amax(calib)
+    before = len(engine._jit_cache)
+    dynamic = engine.batch_losses(params, calib, ActQuant.matching(assign, None, ("nvfp4",)))
+    static = engine.batch_losses(params, calib, ActQuant.matching(assign, amax, ("nvfp4",)))
+    assert len(engine._jit_cache) == before + 1
+
+    @jax.jit
+    def direct(tokens, amax):
+        model = nnx.merge(engine.graphdef, nnx.State(params), engine.rest)
+
+        def hook(path, call, x):
+            return call(_qact(x, "nvfp4", None if amax is None else amax[path]))
+
+        with intercept_linears(model, hook):
+            return next_token_loss(model, tokens)
+
+    static_amax = {p: jnp.float32(a) for p, a in amax.items()}
+    for i, b in enumerate(calib):
+        assert dynamic[i] == pytest.approx(float(direct(b, None)), rel=1e-6)
+        assert static[i] == pytest.approx(float(direct(b, static_amax)), rel=1e-6)
+    assert not np.array_equal(dynamic, static)

@@ -57,8 +57,9 @@ class ActQuant:
     """Input (activation) quantization of the linear layers, for W4A4-style evaluation.
 
     Compiled once per ``palette`` (the formats that may occur): which layer uses which
-    palette entry, and the amax values, are traced inputs, so evaluating many allocations
-    does not recompile (``lax.switch`` runs only the selected quantizer).
+    palette entry, the amax values and whether they are static are traced inputs, so
+    evaluating many allocations, static or dynamic, does not recompile (``lax.switch``
+    runs only the selected quantizer).
     """
 
     # {layer path: format name} of the layers whose input is quantized (along features).
@@ -105,7 +106,7 @@ class ActQuant:
         )
 
     def static_key(self) -> tuple:
-        return (self.palette, self.amax is None)
+        return (self.palette,)
 
 
 def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
@@ -119,7 +120,7 @@ def _qact(x: jax.Array, fmt: str, amax) -> jax.Array:
 class Engine:
     """A model prepared for calibration, scoring and evaluation (see the module doc)."""
 
-    _input_owner: dict[str, str]  # set when the capture pass is traced (_capture_jit)
+    _input_owner: dict[str, str]  # set when the Hessian pass is traced (input_hessians)
 
     def __init__(self, model: Any, *, loss_fn: LossFn | None = None):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
@@ -197,7 +198,9 @@ class Engine:
 
         def hook(path, call, x):
             if palette:
-                a = None if amax is None else amax[path]
+                # dynamic: the batch's own amax, as quantize_dequantize(amax=None) takes it
+                values, static = amax
+                a = jnp.where(static, values[path], tensor_amax(x))
                 branches = [lambda v, _a: v] + [
                     (lambda v, a_, f=f: _qact(v, f, a_)) for f in palette
                 ]
@@ -207,7 +210,8 @@ class Engine:
         return hook
 
     def _act_inputs(self, act: ActQuant | None):
-        """(static palette, traced selectors {path: int32}, traced amax {path: f32} | None)."""
+        """(static palette, traced selectors {path: int32}, traced amax: ({path: f32},
+        static bool); the values are unused when dynamic)."""
         if act is None:
             return (), None, None
         chosen = dict(act.formats)
@@ -215,10 +219,9 @@ class Engine:
         sel = {
             p: jnp.int32(act.palette.index(chosen[p]) + 1 if p in chosen else 0) for p in self.paths
         }
-        amax = None
-        if act.amax is not None:
-            amax = {p: jnp.float32(act.amax.get(p, 1.0)) for p in self.paths}
-        return act.palette, sel, amax
+        given = act.amax or {}
+        amax = {p: jnp.float32(given.get(p, 1.0)) for p in self.paths}
+        return act.palette, sel, (amax, jnp.bool_(act.amax is not None))
 
     def _loss_jit(self, act: ActQuant | None) -> Callable:
         static = None if act is None else act.static_key()
@@ -362,71 +365,55 @@ class Engine:
         if not same:
             seen[path] = x
 
-    def _capture_jit(self) -> Callable:
-        """``(params, tokens) -> (xs, g)``: one forward and backward pass of the loss, with
-        every distinct layer input ``xs`` (layers that read the same input, q/k/v and
-        gate/up, share one entry: ``_input_owner``) and every layer's ``g = dL/dY``."""
+    def _score_jit(self, fmts: tuple[str, ...], use_act: tuple[bool, ...]) -> Callable:
+        """``(params, tokens, cands, amax, True) -> {path: [len(fmts), len(_GRAD_TERMS)]}``: the
+        Taylor terms of every layer in every format from ONE forward and backward pass.
+
+        Each layer's output passes through :func:`_probe` (an identity whose backward
+        also returns the layer's terms as the cotangent of a zero "probe"), so the terms
+        of layer ``l`` are computed inside the backward pass from ``g = dL/dY_l`` and the
+        input ``X_l`` kept for it: no layer's ``X`` or ``g`` leaves the compiled function
+        (one call per batch instead of one per layer and format, and no host copies)."""
 
         def build():
-            def f(params, tokens):
-                def fwd(eps):
+            zero = jnp.zeros((len(fmts), len(_GRAD_TERMS)), jnp.float32)
+
+            def f(params, tokens, cands, amax, live):
+                def loss(probes):
                     model = self._model(params)
-                    xs: dict[str, jax.Array] = {}
 
                     def hook(path, call, x):
-                        self._note_input(xs, path, x)
-                        y = call(x)
-                        return y + eps[path].astype(y.dtype)
+                        kernel = self._get(params, self._kernel_keys[path])
+                        a = None if amax is None else amax[path]
+
+                        def layer(ops):
+                            x, g = ops
+                            return jnp.stack(
+                                [
+                                    _layer_terms(
+                                        x, g, cands[fm][path], kernel, a, fm if on else None
+                                    )
+                                    for fm, on in zip(fmts, use_act, strict=True)
+                                ]
+                            )
+
+                        def terms(x, g):
+                            # a branch on a traced True: each layer's scoring is its own
+                            # computation, so XLA cannot hoist its g-independent part out
+                            # of it (decoding the candidates: every layer's would be live at
+                            # once, 2 GB more for SmolLM2-135M)
+                            return jax.lax.cond(live, layer, lambda _: zero, (x, g))
+
+                        return _probe(terms)(call(x), x, probes[path])
 
                     with intercept_linears(model, hook):
-                        loss = self.loss_fn(model, tokens)
-                    return loss, xs
+                        return self.loss_fn(model, tokens)
 
-                shapes = jax.eval_shape(lambda: _outputs(self, params, tokens))
-                eps = {p: jnp.zeros(s.shape, jnp.float32) for p, s in shapes.items()}
-                _, vjp, xs = jax.vjp(fwd, eps, has_aux=True)
-                (g,) = vjp(jnp.float32(1.0))
-                return xs, g
+                return jax.grad(loss)({p: zero for p in self.paths})
 
             return jax.jit(f)
 
-        return self._cached(("capture",), build)
-
-    def _terms_jit(self, act_fmt: str | None, from_qarray: bool) -> Callable:
-        """One layer's Taylor terms (:data:`_GRAD_TERMS`, stacked) in one format from its
-        captured input ``x`` and output gradient ``g``: ``dY = X dW`` (``dW = delta``, or
-        ``bf16(dequantize(q)^T) - bf16(W)`` from the candidate's QArray), or
-        ``Q_f(X) W_q - X W`` when ``act_fmt`` quantizes the input too."""
-
-        def build():
-            def f(x, g, cand, kernel, amax):
-                x32 = x.astype(jnp.float32)
-                w = kernel.astype(jnp.bfloat16).astype(jnp.float32)
-                if from_qarray:  # the values the model computes with: bf16 operands
-                    cand = dequantize(cand).T.astype(jnp.bfloat16).astype(jnp.float32)
-                    if act_fmt is None:
-                        cand = cand - w
-                if act_fmt is not None:
-                    xq = _qact(x, act_fmt, amax)
-                    dy = xq.astype(jnp.float32) @ cand - x32 @ w
-                else:
-                    dy = x32 @ cand
-                gp = g.astype(jnp.float32)
-                lin = jnp.sum(gp * dy)  # first order
-                tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
-                n_tok = np.prod(gp.shape[:-1])  # loss terms
-                return jnp.stack(
-                    [
-                        jnp.sum(jnp.square(gp * dy)),  # diagonal Fisher
-                        lin,
-                        tok,
-                        lin + 0.5 * n_tok * tok,
-                    ]
-                )  # Taylor estimate
-
-            return jax.jit(f)
-
-        return self._cached(("terms", act_fmt, from_qarray), build)
+        return self._cached(("score", fmts, use_act), build)
 
     def grad_terms(
         self,
@@ -453,11 +440,11 @@ class Engine:
         ``deltas[fmt][path]``: ``bf16(W_q) - bf16(W)`` ``[in, out]``, or the candidate
         itself as a :class:`~microscale.formats.QArray` of ``W^T`` (the export layout;
         ``dW`` is then formed from it inside the compiled function, one layer at a time).
-        One forward and one backward pass per batch capture every layer's ``X`` and
-        ``dL/dY`` (held for that batch only); ``dY = X dW`` is then one extra GEMM per layer
-        and format, computed layer by layer, so memory holds one batch's activations and
-        one layer's candidates, not every layer in every format (a lazy ``deltas`` mapping
-        streams the candidates too). With ``act_formats[fmt]`` true the input is quantized
+        One compiled forward and backward pass per batch scores every layer in every
+        format: ``dY = X dW`` is one extra GEMM per layer and format inside the backward
+        pass (:meth:`_score_jit`), with ``dW`` decoded there from the packed candidates, so
+        no dequantized copy of every layer in every format is held. With
+        ``act_formats[fmt]`` true the input is quantized
         too (W4A4-style): ``dY = Q_f(X) W_q - X W`` with ``W_q = quantized_kernels[fmt]
         [path]`` (or the QArray's values) and the static ``act_amax`` when given.
         ``progress`` is called after each batch.
@@ -465,28 +452,24 @@ class Engine:
         fmts = tuple(deltas)
         act_formats = dict(act_formats or {})
         use_act = tuple(bool(act_formats.get(f, False)) and get_format(f).quantized for f in fmts)
-        capture = self._capture_jit()
         amax = None if act_amax is None else {p: jnp.float32(act_amax[p]) for p in self.paths}
+        cands: dict[str, dict[str, Any]] = {}
+        for f, act_on in zip(fmts, use_act, strict=True):
+            cands[f] = {}
+            for p in self.paths:
+                cand = deltas[f][p]
+                if act_on and not isinstance(cand, QArray):
+                    assert quantized_kernels is not None  # given with act_formats
+                    cand = quantized_kernels[f][p]
+                cands[f][p] = cand if isinstance(cand, QArray) else jnp.asarray(cand, jnp.float32)
+        fn = self._score_jit(fmts, use_act)
         terms = {k: {p: {f: 0.0 for f in fmts} for p in self.paths} for k in _GRAD_TERMS}
         for b in batches:
-            xs, g = capture(self.params, jnp.asarray(b))
-            owner = self._input_owner  # filled when capture was traced
+            got = jax.device_get(fn(self.params, jnp.asarray(b), cands, amax, jnp.bool_(True)))
             for p in self.paths:
-                x, gp, kernel = xs[owner[p]], g[p], self.kernels[p]
-                a = None if amax is None else amax[p]
-                for f, act_on in zip(fmts, use_act, strict=True):
-                    cand = deltas[f][p]
-                    is_q = isinstance(cand, QArray)
-                    if act_on and not is_q:
-                        assert quantized_kernels is not None  # given with act_formats
-                        cand = jnp.asarray(quantized_kernels[f][p], jnp.float32)
-                    elif not is_q:
-                        cand = jnp.asarray(cand, jnp.float32)
-                    fn = self._terms_jit(f if act_on else None, is_q)
-                    got = np.asarray(jax.device_get(fn(x, gp, cand, kernel, a)))
+                for j, f in enumerate(fmts):
                     for i, k in enumerate(_GRAD_TERMS):
-                        terms[k][p][f] += float(got[i])
-            del xs, g
+                        terms[k][p][f] += float(got[p][j, i])
             if progress is not None:
                 progress()
         return terms
@@ -523,15 +506,51 @@ class Engine:
         return float(kl), float(nll)
 
 
-def _outputs(engine: Engine, params, tokens) -> dict[str, jax.Array]:
-    """Every linear layer's output on ``tokens`` (used under eval_shape for shapes)."""
-    model = engine._model(params)
-    ys = {}
+def _probe(terms: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:
+    """``tap(y, x, probe) -> y``, an identity on a layer's output ``y`` whose backward
+    passes the output cotangent ``g`` through unchanged and returns ``terms(x, g)`` (the
+    layer's input ``x``) as the cotangent of ``probe`` (zeros of that shape): the
+    gradient of the loss with respect to the probes is every layer's terms."""
 
-    def hook(path, call, x):
-        ys[path] = call(x)
-        return ys[path]
+    @jax.custom_vjp
+    def tap(y, x, probe):
+        return y
 
-    with intercept_linears(model, hook):
-        engine.loss_fn(model, tokens)
-    return ys
+    def fwd(y, x, probe):
+        return y, x
+
+    def bwd(x, g):
+        return g, jnp.zeros_like(x), terms(x, g)
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def _layer_terms(x, g, cand, kernel, amax, act_fmt: str | None) -> jax.Array:
+    """One layer's Taylor terms (:data:`_GRAD_TERMS`, stacked) in one format from its input
+    ``x`` and output gradient ``g``: ``dY = X dW`` (``dW = cand``, or
+    ``bf16(dequantize(cand)^T) - bf16(W)`` from the candidate's QArray), or
+    ``Q_f(X) W_q - X W`` when ``act_fmt`` quantizes the input too."""
+    x32 = x.astype(jnp.float32)
+    w = kernel.astype(jnp.bfloat16).astype(jnp.float32)
+    if isinstance(cand, QArray):  # the values the model computes with: bf16 operands
+        cand = dequantize(cand).T.astype(jnp.bfloat16).astype(jnp.float32)
+        if act_fmt is None:
+            cand = cand - w
+    if act_fmt is not None:
+        xq = _qact(x, act_fmt, amax)
+        dy = xq.astype(jnp.float32) @ cand - x32 @ w
+    else:
+        dy = x32 @ cand
+    gp = g.astype(jnp.float32)
+    lin = jnp.sum(gp * dy)  # first order
+    tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
+    n_tok = np.prod(gp.shape[:-1])  # loss terms
+    return jnp.stack(
+        [
+            jnp.sum(jnp.square(gp * dy)),  # diagonal Fisher
+            lin,
+            tok,
+            lin + 0.5 * n_tok * tok,  # Taylor estimate
+        ]
+    )
