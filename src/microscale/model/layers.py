@@ -109,11 +109,13 @@ class QLinear(nnx.Module):
     ) -> jax.Array:
         """``x @ kernel`` as this layer computes it, with ``kernel`` in place of its own:
         under ``shard_map``, this device's slice of it, split as ``split`` says
-        (`microscale.model.tensor_parallel`). ``out_dtype``: default ``compute_dtype``."""
+        (`microscale.model.tensor_parallel`). ``out_dtype``: default ``compute_dtype``.
+        Under a split, ``x`` keeps its dtype (cast inside the GEMM's VJP), so that its
+        gradient, a partial sum over the devices, reaches their reduction unrounded."""
         layer_key = None if key is None else jax.random.fold_in(key, self.layer_id)
         cdt = self.compute_dtype
         dot_general = make_dot_general(self.recipe, key=layer_key, operand_dtype=cdt, split=split)
-        x = x.astype(cdt)
+        x = x.astype(cdt) if split is None else x
         return dot_general(
             x,
             kernel,
