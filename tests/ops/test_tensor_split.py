@@ -87,3 +87,54 @@ def test_split_is_checked():
         TensorSplit("tensor", 1, "column")
     with pytest.raises(ValueError, match="cannot split the tokens"):
         TensorSplit("tensor", 2, "row", ("tensor",), 2)
+
+
+@pytest.mark.parametrize(
+    "fmt,kw",
+    [
+        ("nvfp4", dict(axis=-1)),
+        ("nvfp4", dict(axis=-2)),
+        ("nvfp4", dict(axis=-1, block_shape=(16, 16))),
+        ("mxfp4", dict(axis=-1)),
+        ("fp8_e5m2", dict(axis=-1)),
+    ],
+)
+def test_slices_round_as_the_whole(fmt, kw):
+    """``quantize_dequantize(slice_of=...)`` with the whole tensor's amax: stochastic
+    rounding of the slices (along either or both axes) is exactly the whole's, sliced."""
+    import jax
+    import jax.numpy as jnp
+
+    from microscale.formats import quantize_dequantize, tensor_amax
+
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)
+    key, amax = jax.random.key(3), tensor_amax(x)
+    whole = quantize_dequantize(x, fmt, rounding="stochastic", key=key, **kw)[0]
+    for pr, pc in ((4, 1), (1, 4), (2, 4)):
+        rows = []
+        for i, r in enumerate(jnp.split(x, pr, axis=0)):
+            parts = [
+                quantize_dequantize(
+                    p, fmt, rounding="stochastic", key=key, amax=amax,
+                    slice_of=((0, pr), (1, pc)), slice_index=(i, j), **kw,
+                )[0]
+                for j, p in enumerate(jnp.split(r, pc, axis=1))
+            ]  # fmt: skip
+            rows.append(jnp.concatenate(parts, axis=1))
+        assert bool((jnp.concatenate(rows, axis=0) == whole).all()), (pr, pc)
+
+
+def test_slices_are_checked():
+    import jax
+    import jax.numpy as jnp
+
+    from microscale.formats import quantize_dequantize
+
+    x = jnp.ones((48, 32), jnp.float32)
+    with pytest.raises(ValueError, match="whole blocks of 16"):
+        quantize_dequantize(
+            x[:12], "nvfp4", axis=-2, rounding="stochastic", key=jax.random.key(0),
+            slice_of=((0, 4),), slice_index=(0,),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="slice_of="):
+        quantize_dequantize(x, "nvfp4", slice_of=((5, 2),), slice_index=(0,))
