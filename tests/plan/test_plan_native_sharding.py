@@ -12,8 +12,12 @@ row-parallel weight in full onto each device (o/down: both of the weight's dims 
 axes with the activation's, and the rule then drops the weight's sharding altogether);
 microscale's rule keeps the contraction split and sums it. Each device now quantizes the
 shard it holds and gathers only the quantized fsdp shards (ZeRO-3), so the native step
-moves as many elements as the emulated one (XLA:CPU widens the float4/float8 payloads to
-float16, so bytes are compared as elements).
+moved as many elements as the emulated one did under the partitioner (XLA:CPU widens the
+float4/float8 payloads to float16, so bytes are compared as elements). The emulated step
+now runs its projections under ``shard_map`` with Megatron's collectives
+(``model.tensor_parallel``) and moves 2.1x fewer elements; the native GEMMs are not run
+that way yet (they derive their own tensor scales, which would need the ``pmax`` over the
+slices), so their excess over it is pinned as an upper bound.
 """
 
 from __future__ import annotations
@@ -83,8 +87,8 @@ def test_weights_stay_sharded(compiled, path):
 
 
 @pytest.mark.slow
-def test_native_moves_what_emulated_moves(compiled):
+def test_native_excess_over_emulated_is_bounded(compiled):
     em, na = compiled["emulated"], compiled["native"]
     total = {k: sum(v["elements"].values()) for k, v in compiled.items()}
-    assert abs(total["native"] / total["emulated"] - 1) <= 0.10, (em["elements"], na["elements"])
+    assert total["native"] <= 2.2 * total["emulated"], (em["elements"], na["elements"])
     assert na["flops"] == em["flops"]

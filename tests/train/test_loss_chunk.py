@@ -147,11 +147,16 @@ print("RESULT" + json.dumps(out))
 def test_chunked_loss_on_8_devices_equals_one_device(fake_devices):
     """data 2 x fsdp 2 x tensor 2: each data-parallel device sums its own rows' chunks
     (shard_map over the batch axes) and the head's gradient is reduced once; loss and
-    gradients equal the one-device whole-sequence loss within float rounding."""
+    gradients equal the one-device whole-sequence loss within float rounding. Gradients:
+    within a bfloat16 rounding of the residual stream's gradient (measured 3.4e-3 of the
+    largest, in the embedding's), because the tensor-parallel step sums q/k/v's (and
+    gate/up's) input gradients in float32 and rounds once, as Megatron's fused GEMM does
+    (``model.tensor_parallel``), where one device rounds each projection's to bfloat16 and
+    sums those."""
     import json
 
     out = fake_devices(SHARDED)
     res = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[6:])
     for tie, (l0, l1, err) in res.items():
         assert abs(l0 - l1) <= 1e-5 * l0, (tie, l0, l1)
-        assert err <= 2e-3, (tie, err)
+        assert err <= 5e-3, (tie, err)

@@ -187,8 +187,22 @@ def _block_view(scales: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
     )
 
 
-def _uniform(key, shape):
-    return elements.uniform_for_rounding(key, tuple(shape))  # key checked in _prepare
+def _uniform(key, shape, blocks=None, part=()):
+    """Uniforms for stochastic rounding of an array of (:func:`_blockify`-ed, with
+    ``blocks``) shape ``shape``; the key was checked in :func:`_prepare`.
+
+    ``part`` (``(axis, parts, index)`` triples, distinct axes): the array is slice
+    ``index`` of ``parts`` equal slices along each ``axis`` of a larger array (a device's
+    shard), and draws the uniforms of that array, sliced. Blockifying keeps the row-major
+    order, so the slice of the larger array's samples along the blockified ``axis`` (its
+    block-count dimension) is exactly this slice's: the shards round as the whole does."""
+    whole, starts = list(shape), [0] * len(shape)
+    for axis, parts, index in part:
+        dim = axis if blocks is None else sum(2 if b > 1 else 1 for b in blocks[:axis])
+        whole[dim] *= parts
+        starts[dim] = index * shape[dim]
+    u = elements.uniform_for_rounding(key, tuple(whole))
+    return jax.lax.dynamic_slice(u, starts, tuple(shape)) if part else u
 
 
 def _encode(
@@ -201,6 +215,7 @@ def _encode(
     scale_rounding,
     four_over_six=False,
     scale_order="te",
+    part=(),
 ):
     """Shared core of quantize / quantize_dequantize (blocks is not None).
 
@@ -212,9 +227,15 @@ def _encode(
     be rounded to the element format), the uniforms for stochastic rounding (or None),
     the block scales as float32 (blockified, broadcastable against ``y``), the same
     scales in their stored dtype (scale-array shape), the global scale (or None) and
-    the padded shape.
+    the padded shape. ``part``: the stochastic-rounding slice (:func:`_uniform`).
     """
     shape = x.shape
+    for a, _, _ in part:
+        if shape[a] % blocks[a]:
+            raise ValueError(
+                f"a slice of length {shape[a]} along axis {a} does not hold whole blocks "
+                f"of {blocks[a]}: its stochastic rounding cannot be the whole's"
+            )
     pads = [(0, -d % b) for d, b in zip(shape, blocks, strict=True)]
     if any(p for _, p in pads):
         x = jnp.pad(x, pads)
@@ -226,7 +247,7 @@ def _encode(
     # propagates). A float max/min reduction does not: XLA:CPU's vectorised float reductions
     # drop NaN on arrays past a few thousand elements. The integer max is also the faster.
     bamax = elements.abs_bits_max(xb_in, inner).astype(jnp.float32)
-    u = _uniform(key, xb.shape) if rounding == "stochastic" else None
+    u = _uniform(key, xb.shape, blocks, part) if rounding == "stochastic" else None
 
     global_scale = None
     if spec.scale_kind == "e4m3":
@@ -341,13 +362,13 @@ def tensor_amax(x) -> jax.Array:
     return elements.abs_bits_max(x, tuple(range(x.ndim))).reshape(()).astype(jnp.float32)
 
 
-def _tensor_round(x, spec: FormatSpec, rounding: str, key, amax):
+def _tensor_round(x, spec: FormatSpec, rounding: str, key, amax, part=()):
     """Per-tensor scaling: (``x / scale`` rounded to the element grid, float32; ``scale``)."""
     t_amax = tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
     scale = jnp.where(t_amax == 0, jnp.float32(1.0), t_amax / jnp.float32(spec.elem_max))
     scale = jnp.where(jnp.isfinite(t_amax), scale, jnp.float32(jnp.nan))
     xf = x.astype(jnp.float32)
-    u = _uniform(key, xf.shape) if rounding == "stochastic" else None
+    u = _uniform(key, xf.shape, None, part) if rounding == "stochastic" else None
     return _tensor_elements(xf, spec, scale, rounding, u), scale
 
 
@@ -422,6 +443,8 @@ def _quantize_dequantize(
     with_global_scale: bool = False,
     four_over_six: bool = False,
     scale_order: str = "te",
+    slice_of: tuple[tuple[int, int], ...] = (),
+    slice_index: tuple = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Fused ``quantize`` + ``dequantize`` without packing (for emulated GEMMs).
 
@@ -431,18 +454,27 @@ def _quantize_dequantize(
     to apply (NVFP4: ``global_scale``; FP8: the per-tensor scale; otherwise 1).
     With ``with_global_scale=True`` it is applied and the returned scale is 1.
     Bit-identical to ``dequantize(quantize(x, ...), dtype, with_global_scale=...)``.
+
+    ``slice_of=((axis, parts), ...)`` with one ``slice_index`` per entry (may be traced,
+    e.g. mesh axis indices under ``shard_map``): ``x`` is slice ``index`` of ``parts``
+    equal slices along each ``axis`` of a larger tensor, and stochastic rounding draws
+    that tensor's uniforms (a slice must hold whole blocks along each ``axis``). With
+    ``amax`` set to the larger tensor's, the result is exactly that slice of its result.
     """
     spec, x, axis, blocks = _prepare(x, fmt, axis, rounding, key, block_shape, scale_order)
+    part = tuple(
+        (a % x.ndim, parts, i) for (a, parts), i in zip(slice_of, slice_index, strict=True)
+    )
     one = jnp.float32(1.0)
     if not spec.quantized:
         return x.astype(spec.elem_dtype).astype(dtype), one
     if blocks is None:
-        vals, scale = _tensor_round(x, spec, rounding, key, amax)
+        vals, scale = _tensor_round(x, spec, rounding, key, amax, part)
         if with_global_scale:
             return (vals * scale).astype(dtype), one
         return vals.astype(dtype), scale
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order, part
     )
     # Round in the value domain: no codes, no packing, no float8 casts.
     vals = _round_elements(y, spec, rounding, u)
@@ -589,7 +621,7 @@ _STATIC = (
 )
 _quantize_jit = jax.jit(_quantize, static_argnames=_STATIC)
 _quantize_dequantize_jit = jax.jit(
-    _quantize_dequantize, static_argnames=_STATIC + ("dtype", "with_global_scale")
+    _quantize_dequantize, static_argnames=_STATIC + ("dtype", "with_global_scale", "slice_of")
 )
 _dequantize_jit = jax.jit(_dequantize, static_argnames=("dtype", "with_global_scale"))
 
@@ -685,6 +717,22 @@ def quantize(
     )
 
 
+def _check_slices(x, slice_of, slice_index) -> tuple[tuple[int, int], ...]:
+    """``slice_of`` normalised (hashable, axes >= 0); raises on a malformed one."""
+    nd = jnp.ndim(x)
+    try:
+        out = tuple((int(a) % max(nd, 1), int(p)) for a, p in slice_of)
+        ok = all(p >= 1 and -nd <= int(a) < nd for a, p in slice_of)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or len(slice_index) != len(slice_of) or len({a for a, _ in out}) != len(out):
+        raise ValueError(
+            f"slice_of={slice_of!r}, slice_index={slice_index!r}: expected (axis, parts) "
+            f"pairs on distinct axes of x (rank {nd}), parts >= 1, one index each"
+        )
+    return out
+
+
 @functools.wraps(_quantize_dequantize)
 def quantize_dequantize(
     x,
@@ -700,9 +748,12 @@ def quantize_dequantize(
     with_global_scale=False,
     four_over_six=False,
     scale_order="te",
+    slice_of=(),
+    slice_index=(),
 ):
     spec, axis, block_shape, dtype = _static_args(x, fmt, axis, block_shape, dtype)
     _check_key_amax(x, key, amax)
+    slice_of = _check_slices(x, slice_of, slice_index)
     return _quantize_dequantize_jit(
         x,
         spec,
@@ -716,6 +767,8 @@ def quantize_dequantize(
         with_global_scale=bool(with_global_scale),
         four_over_six=bool(four_over_six),
         scale_order=scale_order,
+        slice_of=slice_of,
+        slice_index=slice_index,
     )
 
 

@@ -42,6 +42,7 @@ from flax.core import meta
 
 from microscale.ops import (
     RecipeLike,
+    TensorSplit,
     get_recipe,
     make_dot_general,
     quantized_dot_general,
@@ -95,12 +96,31 @@ class QLinear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        return self.matmul(x, self.kernel[...], key=key)
+
+    def matmul(
+        self,
+        x: jax.Array,
+        kernel: jax.Array,
+        *,
+        key: jax.Array | None = None,
+        split: TensorSplit | None = None,
+        out_dtype: jnp.dtype | None = None,
+    ) -> jax.Array:
+        """``x @ kernel`` as this layer computes it, with ``kernel`` in place of its own:
+        under ``shard_map``, this device's slice of it, split as ``split`` says
+        (`microscale.model.tensor_parallel`). ``out_dtype``: default ``compute_dtype``.
+        Under a split, ``x`` keeps its dtype (cast inside the GEMM's VJP), so that its
+        gradient, a partial sum over the devices, reaches their reduction unrounded."""
         layer_key = None if key is None else jax.random.fold_in(key, self.layer_id)
         cdt = self.compute_dtype
-        dot_general = make_dot_general(self.recipe, key=layer_key, operand_dtype=cdt)
-        x = x.astype(cdt)
+        dot_general = make_dot_general(self.recipe, key=layer_key, operand_dtype=cdt, split=split)
+        x = x.astype(cdt) if split is None else x
         return dot_general(
-            x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=cdt
+            x,
+            kernel,
+            (((x.ndim - 1,), (0,)), ((), ())),
+            preferred_element_type=cdt if out_dtype is None else out_dtype,
         )
 
     def __repr__(self) -> str:  # short: graphs print these a lot

@@ -66,6 +66,7 @@ __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "Replicated",
+    "activation_mesh",
     "activation_sharding",
     "batch_axes",
     "constrain",
@@ -133,6 +134,11 @@ def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
         yield
     finally:
         _ACTIVATION_MESH.reset(token)
+
+
+def activation_mesh() -> Mesh | None:
+    """The mesh of the surrounding :func:`activation_sharding` (None outside one)."""
+    return _ACTIVATION_MESH.get()
 
 
 def batch_axes() -> tuple[Mesh | None, tuple[str, ...]]:

@@ -60,6 +60,7 @@ from microscale.model.config import ModelConfig
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
 from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path_id
 from microscale.model.sharding import constrain
+from microscale.model.tensor_parallel import column_parallel, row_parallel
 
 # Logical axes of the activations (microscale.model.sharding maps them to the mesh).
 RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
@@ -218,14 +219,15 @@ class Attention(nnx.Module):
             ("act_batch", "act_length", "act_heads", None),
             ("act_batch", "act_length", "act_kv_heads", None),
         )
-        q = _proj(self.q_proj, x, key).reshape(b, t, self.n_heads, self.head_dim)
-        k = _proj(self.k_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = _proj(self.v_proj, x, key).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = _column(self, ("q_proj", "k_proj", "v_proj"), x, key)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         q, k, v = constrain(q, heads), constrain(k, kv), constrain(v, kv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = constrain(causal_attention(q, k, v, chunk=self.attention_chunk), heads)
         o = checkpoint_name(o.reshape(b, t, self.n_heads * self.head_dim), "attn_out")
-        return constrain(_proj(self.o_proj, o, key), RESIDUAL)
+        return constrain(_row(self.o_proj, o, key), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -241,10 +243,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         hidden = ("act_batch", "act_length", "act_mlp")
-        g = constrain(_proj(self.gate_proj, x, key), hidden)
-        u = constrain(_proj(self.up_proj, x, key), hidden)
+        g, u = (constrain(y, hidden) for y in _column(self, ("gate_proj", "up_proj"), x, key))
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-        return constrain(_proj(self.down_proj, checkpoint_name(h, "mlp_hidden"), key), RESIDUAL)
+        return constrain(_row(self.down_proj, checkpoint_name(h, "mlp_hidden"), key), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -268,9 +269,17 @@ class Block(nnx.Module):
         return constrain(h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype), RESIDUAL)
 
 
-def _proj(layer: QLinear, x: jax.Array, key) -> jax.Array:
-    """A projection's output, named "proj" for the ``save_dots`` remat policy."""
-    return checkpoint_name(layer(x, key=key), "proj")
+def _column(module: nnx.Module, names: tuple[str, ...], x: jax.Array, key) -> list[jax.Array]:
+    """The outputs of ``module``'s column-parallel projections ``names`` on the block input
+    ``x`` (one tensor-parallel group: `tensor_parallel.column_parallel`), each named "proj"
+    for the ``save_dots`` remat policy."""
+    layers = [getattr(module, n) for n in names]
+    return [checkpoint_name(y, "proj") for y in column_parallel(layers, x, RESIDUAL, key=key)]
+
+
+def _row(layer: QLinear, x: jax.Array, key) -> jax.Array:
+    """A row-parallel projection's output (`tensor_parallel.row_parallel`), named "proj"."""
+    return checkpoint_name(row_parallel(layer, x, RESIDUAL, key=key), "proj")
 
 
 def _run_block(block: Block, x, cos, sin, key):

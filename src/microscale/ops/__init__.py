@@ -7,6 +7,7 @@ whose forward GEMM and both gradient GEMMs quantize their operands as the
 
 from microscale.ops.backend import device_capability, native_supported, resolve_backend
 from microscale.ops.dot import (
+    TensorSplit,
     init_amax_history,
     make_dot_general,
     operand_key,
@@ -36,6 +37,7 @@ __all__ = [
     "OperandSpec",
     "Recipe",
     "RecipeLike",
+    "TensorSplit",
     "cross_entropy",
     "device_capability",
     "get_recipe",

@@ -35,12 +35,41 @@ index in :data:`~microscale.ops.recipe.SLOTS`); the same key gives the same resu
 The Hadamard sign vector comes from ``recipe.hadamard_seed`` (fixed, not per step).
 A key is required only when an operand with stochastic rounding is actually computed
 (for NVFP4: in the backward pass), so ``key=None`` is fine for inference.
+
+Tensor parallelism (``split``, a :class:`TensorSplit`): the call runs under ``shard_map``
+on one device's slices of a Megatron layer split ``P`` ways over a mesh axis, with every
+position of its sequences local (the caller gathers the sequence-parallel activation
+first) and its sequences split over the data axes, and computes exactly the slices of the
+unsplit layer's three GEMMs:
+
+* column-parallel (q/k/v, gate/up): W ``[K, N/P]``, X ``[M, K]`` (this device's tokens).
+  Y's columns are local GEMMs; dX is a partial sum over the N slices (the caller
+  reduce-scatters it, the transpose of its gather).
+* row-parallel (o, down): X ``[M, K/P]``, W ``[K/P, N]``, dY ``[M, N]``. dX's columns
+  are local; Y is a partial sum over the K slices (the caller reduce-scatters it along the
+  sequence, in float32).
+
+dW is a partial sum over the token slices either way. A weight whose other side is split
+too (``weight_gather``, ZeRO-3 over fsdp) is all-gathered before the forward GEMM and
+again for dgrad, and dW is reduce-scattered back in float32; ``shard_map`` sums it over
+the data axis. Quantization stays the unsplit layer's, so no quantized operand is
+gathered: a split operand (W; dY when column-parallel; X when row-parallel; every
+activation and gradient along M) is cut along N, K or M, which its blocks either run
+along (a slice holds whole blocks: required) or across, so every block is local, and the
+Hadamard rotation along M runs in whole chunks (likewise required). What is not local is
+the per-tensor amax behind NVFP4's and FP8's tensor scale, ``max|t| = max_p max|t_p|``:
+one float32 ``pmax`` per split operand; and the stochastic-rounding uniforms, which are
+indexed by position in the whole operand, so a slice draws the whole operand's uniforms,
+sliced (``formats.quantize_dequantize(slice_of=...)``). The result equals the unsplit
+call's up to the order of the partial sums (``tests/ops/test_tensor_split.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +86,70 @@ from microscale.ops.backend import gemm_supported, native_gemm, resolve_backend
 from microscale.ops.recipe import SLOT_PAIRS, SLOTS, OperandSpec, Recipe, get_recipe
 
 COMPUTE = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """A tensor-parallel call's split (module doc): ``kind`` "column" or "row", over mesh
+    axis ``axis`` of size ``parts``; the tokens (M) split over the mesh axes ``tokens``
+    (major first, ``token_parts`` in all), under ``shard_map`` with all of them manual."""
+
+    axis: str
+    parts: int
+    kind: Literal["column", "row"]
+    tokens: tuple[str, ...] = ()
+    token_parts: int = 1
+    # (dim of W [K, N], mesh axes, their size): W arrives split along them too and is
+    # all-gathered before its GEMMs, in the forward and again in the backward, and dW
+    # reduce-scattered back (ZeRO-3 over fsdp). Needs a 2-D rhs contracted on its dim 0.
+    weight_gather: tuple[tuple[int, str | tuple[str, ...], int], ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in _SPLIT_DIMS:
+            raise ValueError(f"TensorSplit kind {self.kind!r}: expected 'column' or 'row'")
+        if int(self.parts) < 2 or int(self.token_parts) < 1:
+            raise ValueError(
+                f"TensorSplit parts={self.parts!r}, token_parts={self.token_parts!r}: "
+                "expected parts >= 2 and token_parts >= 1"
+            )
+        if self.axis in self.tokens:
+            raise ValueError(f"TensorSplit: mesh axis {self.axis!r} cannot split the tokens too")
+
+
+# The split dimension of each operand slot as it is quantized (module doc; canonical
+# layouts below): column-parallel cuts N, row-parallel K. Unlisted slots are whole.
+_SPLIT_DIMS: dict[str, dict[str, int]] = {
+    "column": {"fprop_w": -1, "dgrad_dy": -1, "dgrad_w": -1, "wgrad_dy": -1},
+    "row": {"fprop_x": -1, "fprop_w": -2, "dgrad_w": -2, "wgrad_x": -2},
+}
+# The token (M) dimension of each activation and gradient slot as it is quantized.
+_TOKEN_DIMS = {"fprop_x": -2, "dgrad_dy": -2, "wgrad_x": -1, "wgrad_dy": -2}
+
+
+def _gather_w(w, split: TensorSplit | None):
+    """W gathered along ``split.weight_gather`` (ZeRO-3)."""
+    for dim, axes, _ in () if split is None else split.weight_gather:
+        w = jax.lax.all_gather(w, axes, axis=dim % w.ndim, tiled=True)
+    return w
+
+
+def _scatter_dw(dw, split: TensorSplit | None):
+    """dW summed over the devices of ``split.weight_gather`` and split back as W came."""
+    for dim, axes, _ in () if split is None else split.weight_gather[::-1]:
+        dw = jax.lax.psum_scatter(dw, axes, scatter_dimension=dim % dw.ndim, tiled=True)
+    return dw
+
+
+def _slices(split: TensorSplit | None, slot: str) -> list[tuple[int, int, tuple[str, ...]]]:
+    """``(dim, parts, mesh axes)`` of each split dimension of ``slot``'s operand."""
+    if split is None:
+        return []
+    out: list[tuple[int, int, tuple[str, ...]]] = []
+    if slot in _SPLIT_DIMS[split.kind]:
+        out.append((_SPLIT_DIMS[split.kind][slot], split.parts, (split.axis,)))
+    if slot in _TOKEN_DIMS and split.tokens:
+        out.append((_TOKEN_DIMS[slot], split.token_parts, split.tokens))
+    return out
 
 
 def operand_key(key, slot: str):
@@ -115,11 +208,22 @@ def quantize_operand(
     return _quantize_rotated(_rotate(t, spec, axis, hadamard_seed), spec, axis, key, slot, amax)
 
 
-def _quantize_rotated(t, spec: OperandSpec, axis: int, key, slot: str, amax):
-    """:func:`quantize_operand` of an operand already rotated by :func:`_rotate`."""
+def _quantize_rotated(t, spec: OperandSpec, axis: int, key, slot: str, amax, split=None):
+    """:func:`quantize_operand` of an operand already rotated by :func:`_rotate`; with a
+    :class:`TensorSplit`, ``t`` is this device's slice of ``slot``'s operand (module doc)."""
     _check_key(spec, key, slot)
+    cuts = _slices(split, slot) if spec.quantized else []
+    part: dict = {}
+    if cuts and spec.spec.has_tensor_scale and amax is None:
+        # max|t| = the max over the slices of theirs: the unsplit operand's tensor scale
+        amax = jax.lax.pmax(tensor_amax(t), tuple(a for _, _, names in cuts for a in names))
+    if cuts and spec.stochastic:
+        part = dict(
+            slice_of=tuple((d, n) for d, n, _ in cuts),
+            slice_index=tuple(jax.lax.axis_index(names) for _, _, names in cuts),
+        )
     return quantize_dequantize(
-        t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE, amax=amax
+        t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE, amax=amax, **part
     )
 
 
@@ -192,10 +296,11 @@ def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:
     return backend == "native" and not recipe.delayed and gemm_supported(*recipe.gemms()[gemm])
 
 
-def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: int = -1):
-    """Quantize the operand of ``slot`` (:func:`quantize_operand`). With an amax history
-    (delayed scaling) its tensor scale comes from the history, and the history row with
-    this step's amax pushed in front goes to ``updates[slot]``."""
+def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: int = -1, split=None):
+    """Quantize the operand of ``slot`` (:func:`quantize_operand`; ``split``: see
+    :func:`_quantize_rotated`). With an amax history (delayed scaling) its tensor scale
+    comes from the history, and the history row with this step's amax pushed in front
+    goes to ``updates[slot]``."""
     spec = getattr(recipe, slot)
     t = _rotate(t, spec, axis, recipe.hadamard_seed)
     amax = None
@@ -203,7 +308,7 @@ def _operand(recipe: Recipe, slot: str, t, key, history, updates: dict, axis: in
         row = history[SLOTS.index(slot)]
         amax = tensor_amax(row) if recipe.amax_compute == "max" else row[0]
         updates[slot] = jnp.concatenate([tensor_amax(t)[None], row[:-1]])
-    return _quantize_rotated(t, spec, axis, operand_key(key, slot), slot, amax)
+    return _quantize_rotated(t, spec, axis, operand_key(key, slot), slot, amax, split)
 
 
 def _new_history(history, updates: dict):
@@ -213,59 +318,70 @@ def _new_history(history, updates: dict):
     return jnp.stack([updates.get(slot, history[i]) for i, slot in enumerate(SLOTS)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qmatmul(recipe: Recipe, backend: str, out_dtype, operand_dtype, x, w, key, history):
-    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, operand_dtype, x, w, key, history)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _qmatmul(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, x, w, key, history):
+    y, _ = _qmatmul_fwd(recipe, backend, out_dtype, operand_dtype, split, x, w, key, history)
     return y
 
 
-def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, x, w, key, history):
+def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, x, w, key, history):
     # Cotangent dtypes must match the primals: carry them as zero-size arrays. The cast to
     # ``operand_dtype`` happens here, inside the VJP, so the float32-accumulated gradients
     # reach float32 primals (master weights) without a round trip through bf16.
     tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    w_res = w  # a split weight is kept as it came and gathered again in the backward
+    w = _gather_w(w, split)
     if operand_dtype is not None:
         x, w = x.astype(operand_dtype), w.astype(operand_dtype)
-    w_res = w
+        w_res = w if split is None or not split.weight_gather else w_res
     updates: dict = {}
     if _use_native(recipe, backend, "fprop"):
         y = _native_gemm(recipe, "fprop", x, w, key, axis_b=-2)
     else:
-        xq, sx = _operand(recipe, "fprop_x", x, key, history, updates)
-        wq, sw = _operand(recipe, "fprop_w", w, key, history, updates, axis=-2)
+        xq, sx = _operand(recipe, "fprop_x", x, key, history, updates, split=split)
+        wq, sw = _operand(recipe, "fprop_w", w, key, history, updates, axis=-2, split=split)
         y = _scaled(_gemm(xq, wq, -2), sx, sw)
         # dgrad reuses fprop's quantized W when quantizing along N gives the same values
         # (16x16 tiles, per-tensor scale, bf16): DESIGN's "same quantized W".
-        if recipe.reuses_fprop_w and not _use_native(recipe, backend, "dgrad"):
+        gathered = split is not None and split.weight_gather
+        if recipe.reuses_fprop_w and not _use_native(recipe, backend, "dgrad") and not gathered:
             w_res = (wq, sw)
     return y.astype(out_dtype), (x, w_res, key, tags, history, updates)
 
 
-def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, res, dy):
+def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, res, dy):
     x, w_res, key, (x_tag, w_tag), history, updates = res
     updates = dict(updates)
+    if split is not None and split.weight_gather:
+        # Gathered again, as ZeRO-3 does. XLA may merge this gather with the forward's
+        # (CSE; XLA:CPU does, through optimization barriers too), holding the gathered
+        # weight from the forward to here unless remat recomputes the forward.
+        w_res = _gather_w(w_res, split)
+        w_res = w_res if operand_dtype is None else w_res.astype(operand_dtype)
     # dgrad: dX = dY W^T, contracting N.
     if _use_native(recipe, backend, "dgrad"):
         dx = _native_gemm(recipe, "dgrad", dy, w_res, key)
     else:
-        dyq, sdy = _operand(recipe, "dgrad_dy", dy, key, history, updates)
+        dyq, sdy = _operand(recipe, "dgrad_dy", dy, key, history, updates, split=split)
         if isinstance(w_res, tuple):
             wq, sw = w_res
             if "fprop_w" in updates:  # the same W (quantized with fprop's scale): same amax
                 row = history[SLOTS.index("dgrad_w")]
                 updates["dgrad_w"] = jnp.concatenate([updates["fprop_w"][:1], row[:-1]])
         else:
-            wq, sw = _operand(recipe, "dgrad_w", w_res, key, history, updates)
+            wq, sw = _operand(recipe, "dgrad_w", w_res, key, history, updates, split=split)
         dx = _scaled(_gemm(dyq, wq), sdy, sw)
     # wgrad: dW = X^T dY, contracting M (tokens).
     if _use_native(recipe, backend, "wgrad"):
         dw = _native_gemm(recipe, "wgrad", _t(x), dy, key, axis_b=-2)
     else:
-        xqt, sx = _operand(recipe, "wgrad_x", _t(x), key, history, updates)
-        dyq2, sdy2 = _operand(recipe, "wgrad_dy", dy, key, history, updates, axis=-2)
-        if recipe.wgrad_x.hadamard or recipe.wgrad_dy.hadamard:
+        xqt, sx = _operand(recipe, "wgrad_x", _t(x), key, history, updates, split=split)
+        dyq2, sdy2 = _operand(recipe, "wgrad_dy", dy, key, history, updates, axis=-2, split=split)
+        # (shard_alike cannot reach across shard_map's manual boundary: not under a split)
+        if (recipe.wgrad_x.hadamard or recipe.wgrad_dy.hadamard) and split is None:
             xqt, dyq2 = _keep_sharding(xqt, _t(x)), _keep_sharding(dyq2, dy)
         dw = _scaled(_gemm(xqt, dyq2, -2), sx, sdy2)
+    dw = _scatter_dw(dw, split)
     dkey = None if key is None else np.zeros(jnp.shape(key), jax.dtypes.float0)
     # The history's "gradient" is its next value (overwrite-with-gradient; see
     # microscale.ops.delayed): the only way state leaves a custom VJP's backward pass.
@@ -336,6 +452,7 @@ def quantized_dot_general(
     backend: str = "auto",
     amax_history=None,
     operand_dtype=None,
+    split: TensorSplit | None = None,
 ) -> jax.Array:
     """``jax.lax.dot_general`` whose three GEMMs (forward and both gradients) follow
     ``recipe``. lhs plays X (activations), rhs plays W (weights). Any dimension numbers:
@@ -348,21 +465,31 @@ def quantized_dot_general(
     ``operand_dtype`` (e.g. bfloat16): both operands are cast to it *inside* the custom
     VJP, before quantization. The gradients keep the operands' own dtypes, so a float32
     master weight passed as ``rhs`` receives the float32-accumulated wgrad (Transformer
-    Engine's FP32 main grads) instead of one rounded to bf16 by an outside cast."""
+    Engine's FP32 main grads) instead of one rounded to bf16 by an outside cast.
+
+    ``split``: one device's slices of a tensor-parallel layer under ``shard_map`` (module
+    doc); the emulated backend with current scaling only."""
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)
     amax_history = _check_history(recipe, amax_history)
+    if split is not None and (recipe.delayed or backend == "native"):
+        raise ValueError(
+            f"split={split!r} needs the emulated backend and current scaling; got "
+            f"backend {backend!r} and recipe {recipe.name!r}"
+            + (" (delayed scaling)" if recipe.delayed else "")
+        )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
     lc, rc, lb, rb, lf, rf = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
+    rshape = _gathered_shape(rhs, rc, split)
     for a, b in zip(lc + lb, rc + rb, strict=True):
-        if lhs.shape[a] != rhs.shape[b]:
+        if lhs.shape[a] != rshape[b]:
             raise ValueError(
                 f"dot_general: lhs dim {a} (size {lhs.shape[a]}) does not match "
-                f"rhs dim {b} (size {rhs.shape[b]})"
+                f"rhs dim {b} (size {rshape[b]})"
             )
     bsz, m, k = (math.prod(lhs.shape[a] for a in axes) for axes in (lb, lf, lc))
-    n = math.prod(rhs.shape[a] for a in rf)
+    k_w, n_w = (math.prod(rhs.shape[a] for a in axes) for axes in (rc, rf))
     lead = (bsz,) if lb else ()
     x = jnp.transpose(lhs, lb + lf + lc) if lb + lf + lc != tuple(range(lhs.ndim)) else lhs
     if rb + rc + rf != tuple(range(rhs.ndim)):
@@ -373,15 +500,32 @@ def quantized_dot_general(
     else:
         w = rhs
     x = x.reshape(lead + (m, k))
-    w = w.reshape(lead + (k, n))
+    w = w.reshape(lead + (k_w, n_w))
     operand_dtype = None if operand_dtype is None else jnp.dtype(operand_dtype)
-    y = _qmatmul(recipe, backend, jnp.dtype(out_dtype), operand_dtype, x, w, key, amax_history)
+    y = _qmatmul(
+        recipe, backend, jnp.dtype(out_dtype), operand_dtype, split, x, w, key, amax_history
+    )
     out_shape = (
         tuple(lhs.shape[a] for a in lb)
         + tuple(lhs.shape[a] for a in lf)
-        + tuple(rhs.shape[a] for a in rf)
+        + tuple(rshape[a] for a in rf)
     )
     return y.reshape(out_shape)
+
+
+def _gathered_shape(rhs, rc: tuple[int, ...], split: TensorSplit | None) -> tuple[int, ...]:
+    """The shape of ``rhs`` once ``split.weight_gather`` has gathered it."""
+    shape = list(rhs.shape)
+    if split is None or not split.weight_gather:
+        return tuple(shape)
+    if rhs.ndim != 2 or rc != (0,):
+        raise ValueError(
+            f"split.weight_gather needs a 2-D rhs [K, N] contracted on dim 0; got rhs shape "
+            f"{tuple(rhs.shape)} contracted on {rc}"
+        )
+    for dim, _, parts in split.weight_gather:
+        shape[dim] *= parts
+    return tuple(shape)
 
 
 def make_dot_general(
@@ -391,14 +535,16 @@ def make_dot_general(
     backend: str = "auto",
     amax_history=None,
     operand_dtype=None,
+    split: TensorSplit | None = None,
 ):
     """A drop-in for ``jax.lax.dot_general`` (``flax.nnx.Linear(dot_general=...)``).
 
     ``precision`` is ignored (the recipe decides); ``preferred_element_type`` sets the
     output dtype. ``key`` feeds stochastic rounding (required when the recipe uses it
     and a gradient is taken); ``backend`` is "auto", "emulated" or "native";
-    ``amax_history`` feeds delayed scaling and ``operand_dtype`` casts the operands
-    inside the VJP (see :func:`quantized_dot_general`). A flax ``nnx.Linear`` with
+    ``amax_history`` feeds delayed scaling, ``operand_dtype`` casts the operands
+    inside the VJP and ``split`` marks a tensor-parallel slice (see
+    :func:`quantized_dot_general`). A flax ``nnx.Linear`` with
     ``dtype=bfloat16`` casts its kernel itself, before this is called, so its kernel
     gradient is bf16-rounded; microscale's ``QLinear`` passes the float32 kernel and
     ``operand_dtype`` instead.
@@ -422,6 +568,7 @@ def make_dot_general(
             backend=backend,
             amax_history=amax_history,
             operand_dtype=operand_dtype,
+            split=split,
         )
 
     dot_general.recipe = recipe  # type: ignore[attr-defined]
