@@ -70,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KINDS", "analytic_collectives", "matmul_flops"]
+__all__ = ["KINDS", "analytic_collectives", "cpu_volume", "matmul_flops"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -196,6 +196,16 @@ def analytic_collectives(cfg, mesh: dict[str, int]) -> dict[str, Any]:
         "total": total,
         "cpu_total": total + by_kind["reduce-scatter"],
     }
+
+
+def cpu_volume(analytic: dict[str, Any], compiled_by_kind: dict[str, float]) -> float:
+    """The analytic volume as one compiled XLA:CPU program lowers it: the partitioner's
+    reduce-scatters become all-reduces on XLA:CPU (twice the bytes), while one written out
+    under ``shard_map`` stays a reduce-scatter; so each analytic reduce-scatter byte the
+    program does not keep as a reduce-scatter counts twice (``cpu_total`` when it keeps
+    none, ``total`` when it keeps them all)."""
+    kept = min(analytic["by_kind"]["reduce-scatter"], compiled_by_kind.get("reduce-scatter", 0.0))
+    return analytic["cpu_total"] - kept
 
 
 def matmul_flops(cfg, devices: int) -> float:

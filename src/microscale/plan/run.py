@@ -41,6 +41,7 @@ from typing import Any
 
 from microscale.files import atomic_write_json, atomic_write_text, check_output_dir
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
+from microscale.plan.comm import cpu_volume
 from microscale.plan.hardware import Accelerator, get_accelerator
 
 __all__ = ["check_config", "largest_microbatch", "plan", "shape_memory"]
@@ -433,11 +434,11 @@ def _collectives_md(analytic: dict[str, Any], compiled: dict[str, Any] | None) -
         )
         + " |"
     )
-    if compiled and analytic["cpu_total"] != analytic["total"]:
+    cpu = cpu_volume(analytic, {k: c["bytes"] for k, c in (compiled or {}).items()})
+    if compiled and cpu != analytic["total"]:
         lines.append(
-            f"| total as XLA:CPU lowers it (reduce-scatter as all-reduce) | "
-            f"{_gb(analytic['cpu_total'])} | {_gb(total)} "
-            f"({total / analytic['cpu_total']:.2f}x) | |"
+            f"| total as XLA:CPU lowers it (a reduce-scatter it does not keep: all-reduce) | "
+            f"{_gb(cpu)} | {_gb(total)} ({total / cpu:.2f}x) | |"
         )
     lines += [
         "",
