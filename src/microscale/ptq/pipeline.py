@@ -125,9 +125,8 @@ class QuantizeConfig:
     # per layer, format and batch). See microscale.ptq.sensitivity and docs/ptq/.
     method: str = "taylor"
     # Calibration tokens (held-out windows; rounded up to whole batches). The first-order
-    # term needs enough of them: 16k tokens left the tiny model's allocation at chance; on
-    # SmolLM2-135M (budget 5.0) four disjoint 16k subsets of the 64k windows changed 26-50
-    # of 210 layers' formats and val ppl by -0.5% to +0.8% (9.46-9.59 vs 9.51).
+    # term needs enough of them: fewer move the allocation (docs/ptq/real-model.md,
+    # "How many score tokens").
     calib_tokens: int = 65536
     # Seed of the calibration window choice (everything else is deterministic).
     seed: int = 0
