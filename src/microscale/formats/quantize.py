@@ -377,6 +377,13 @@ def _tensor_elements(xf, spec: FormatSpec, scale, rounding: str = "nearest", u=N
     return elements.float_round(xf / scale, spec.elem_dtype, spec.elem_max, rounding, u)
 
 
+def _parts(x, slice_of, slice_index) -> tuple:
+    """``(axis, parts, index)`` triples of ``x``'s place in a larger tensor (:func:`_uniform`)."""
+    return tuple(
+        (a % x.ndim, parts, i) for (a, parts), i in zip(slice_of, slice_index, strict=True)
+    )
+
+
 def _quantize(
     x,
     fmt: str | FormatSpec,
@@ -389,6 +396,8 @@ def _quantize(
     scale_rounding: str | None = None,
     four_over_six: bool = False,
     scale_order: str = "te",
+    slice_of: tuple[tuple[int, int], ...] = (),
+    slice_index: tuple = (),
 ) -> QArray:
     """Quantize ``x`` to format ``fmt`` with blocks along ``axis``.
 
@@ -410,16 +419,20 @@ def _quantize(
       scale_order: E4M3 block scales: "te" (Transformer Engine's float32 order, the
         default) or "jax" (JAX's reference quantizer's order; see the module doc).
         MX and per-tensor formats compute the same either way.
+      slice_of, slice_index: ``x`` is one slice of a larger tensor, as in
+        :func:`quantize_dequantize`; with ``amax`` set to the larger tensor's, the result
+        is exactly that slice of the larger tensor's quantization.
     """
     spec, x, axis, blocks = _prepare(x, fmt, axis, rounding, key, block_shape, scale_order)
+    part = _parts(x, slice_of, slice_index)
     shape = tuple(x.shape)
     if not spec.quantized:
         return QArray(x.astype(spec.elem_dtype), None, None, spec, axis, shape, None)
     if blocks is None:  # per-tensor scaling (FP8 current scaling)
-        vals, scale = _tensor_round(x, spec, rounding, key, amax)
+        vals, scale = _tensor_round(x, spec, rounding, key, amax, part)
         return QArray(vals.astype(spec.elem_dtype), scale, None, spec, axis, shape, None)
     y, u, scales, stored, global_scale, padded = _encode(
-        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order
+        x, spec, rounding, key, blocks, amax, scale_rounding, four_over_six, scale_order, part
     )
     if spec.packed:
         codes = elements.e2m1_encode(y, rounding, u).reshape(padded)
@@ -462,9 +475,7 @@ def _quantize_dequantize(
     ``amax`` set to the larger tensor's, the result is exactly that slice of its result.
     """
     spec, x, axis, blocks = _prepare(x, fmt, axis, rounding, key, block_shape, scale_order)
-    part = tuple(
-        (a % x.ndim, parts, i) for (a, parts), i in zip(slice_of, slice_index, strict=True)
-    )
+    part = _parts(x, slice_of, slice_index)
     one = jnp.float32(1.0)
     if not spec.quantized:
         return x.astype(spec.elem_dtype).astype(dtype), one
@@ -619,7 +630,7 @@ _STATIC = (
     "four_over_six",
     "scale_order",
 )
-_quantize_jit = jax.jit(_quantize, static_argnames=_STATIC)
+_quantize_jit = jax.jit(_quantize, static_argnames=_STATIC + ("slice_of",))
 _quantize_dequantize_jit = jax.jit(
     _quantize_dequantize, static_argnames=_STATIC + ("dtype", "with_global_scale", "slice_of")
 )
@@ -700,9 +711,12 @@ def quantize(
     scale_rounding=None,
     four_over_six=False,
     scale_order="te",
+    slice_of=(),
+    slice_index=(),
 ) -> QArray:
     spec, axis, block_shape, _ = _static_args(x, fmt, axis, block_shape)
     _check_key_amax(x, key, amax)
+    slice_of = _check_slices(x, slice_of, slice_index)
     return _quantize_jit(
         x,
         spec,
@@ -714,6 +728,8 @@ def quantize(
         scale_rounding=scale_rounding,
         four_over_six=bool(four_over_six),
         scale_order=scale_order,
+        slice_of=slice_of,
+        slice_index=slice_index,
     )
 
 

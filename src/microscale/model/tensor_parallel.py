@@ -35,10 +35,11 @@ stream is, and a kernel's ``d_model`` side split over ``fsdp`` is gathered insid
 Applies under `activation_sharding` when the rules put the residual stream's sequence
 (``act_residual_length``) on a mesh axis of size > 1, its batch on every other mesh axis
 of size > 1, and each kernel's output (column) or input (row) features on the sequence's
-axis alone; the emulated backend with current scaling computes the layers; and every slice
-(of the features, and of the tokens) holds whole quantization blocks and Hadamard chunks.
-Otherwise (one device, inference, fsdp or data meshes, native GEMMs, delayed scaling,
-shapes that do not divide) each layer runs on its own under the partitioner, as before.
+axis alone; the recipe uses current scaling; and every slice (of the features, and of the
+tokens) holds whole quantization blocks and Hadamard chunks. Either backend: a native
+block-scaled GEMM runs on the local slices too, each quantized as the whole operand is.
+Otherwise (one device, inference, fsdp or data meshes, delayed scaling, shapes that do not
+divide) each layer runs on its own under the partitioner, as before.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from jax.sharding import PartitionSpec
 
 from microscale.model.layers import QLinear
 from microscale.model.sharding import activation_mesh, logical_to_mesh_spec, var_logical_axes
-from microscale.ops import TensorSplit, get_recipe, resolve_backend
+from microscale.ops import TensorSplit, get_recipe
 
 __all__ = ["column_parallel", "row_parallel"]
 
@@ -92,7 +93,7 @@ def _plan(layers: Sequence[QLinear], x_axes, x_shape, kind: Literal["column", "r
     splits, specs = [], []
     for layer in layers:
         recipe = get_recipe(layer.recipe)
-        if recipe.delayed or resolve_backend("auto", recipe) != "emulated":
+        if recipe.delayed:
             return None
         shape = layer.kernel.get_value().shape
         spec = tuple(logical_to_mesh_spec(var_logical_axes(layer.kernel), shape, mesh))

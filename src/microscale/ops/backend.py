@@ -100,14 +100,16 @@ def gemm_supported(sa, sb) -> bool:
     )
 
 
-def native_operand(t, spec, *, axis: int = -1, key=None):
+def native_operand(t, spec, *, axis: int = -1, key=None, whole: dict | None = None):
     """(elements in the hardware dtype, per-(row, block) scales or None, tensor scale or
     None), contraction along the last axis, of an operand quantized along ``axis``.
 
     ``axis=-2`` quantizes ``t`` in its own layout (so stochastic-rounding noise matches
-    the emulated backend) and hands the kernel its transpose.
+    the emulated backend) and hands the kernel its transpose. ``whole``: the
+    ``formats.quantize`` keywords (``amax``, ``slice_of``, ``slice_index``) that quantize
+    ``t``, one device's slice of a tensor-parallel operand, as the whole operand is.
     """
-    q = quantize(t, spec.spec, **spec.quantize_kwargs(axis, key))
+    q = quantize(t, spec.spec, **spec.quantize_kwargs(axis, key), **(whole or {}))
     fmt = q.spec
     if q.block_shape is None:  # per-tensor scale
         elems = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
@@ -126,12 +128,23 @@ def native_operand(t, spec, *, axis: int = -1, key=None):
 
 
 def native_gemm(
-    a, sa, b, sb, *, axis_a: int = -1, axis_b: int = -1, key_a=None, key_b=None
+    a,
+    sa,
+    b,
+    sb,
+    *,
+    axis_a: int = -1,
+    axis_b: int = -1,
+    key_a=None,
+    key_b=None,
+    whole_a: dict | None = None,
+    whole_b: dict | None = None,
 ) -> jax.Array:
     """a ``[(B,) P, C]`` x b ``[(B,) Q, C]`` -> float32 ``[(B,) P, Q]`` on the hardware's
-    GEMM. ``axis_a``/``axis_b`` = -2 pass an operand as ``[(B,) C, P]`` instead."""
-    ea, ca, ta = native_operand(a, sa, axis=axis_a, key=key_a)
-    eb, cb, tb = native_operand(b, sb, axis=axis_b, key=key_b)
+    GEMM. ``axis_a``/``axis_b`` = -2 pass an operand as ``[(B,) C, P]`` instead;
+    ``whole_a``/``whole_b``: see :func:`native_operand`."""
+    ea, ca, ta = native_operand(a, sa, axis=axis_a, key=key_a, whole=whole_a)
+    eb, cb, tb = native_operand(b, sb, axis=axis_b, key=key_b, whole=whole_b)
     nb = a.ndim - 2
     if ca is None:  # per-tensor FP8: XLA rewrites this dot to a cuBLASLt FP8 GEMM
         batch = tuple(range(nb))

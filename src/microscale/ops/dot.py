@@ -61,7 +61,10 @@ the per-tensor amax behind NVFP4's and FP8's tensor scale, ``max|t| = max_p max|
 one float32 ``pmax`` per split operand; and the stochastic-rounding uniforms, which are
 indexed by position in the whole operand, so a slice draws the whole operand's uniforms,
 sliced (``formats.quantize_dequantize(slice_of=...)``). The result equals the unsplit
-call's up to the order of the partial sums (``tests/ops/test_tensor_split.py``).
+call's up to the order of the partial sums (``tests/ops/test_tensor_split.py``). The native
+backend quantizes the same slices the same way to codes and block scales
+(``formats.quantize(slice_of=...)``) and runs its kernel on them: local operands, no
+collective of its own.
 """
 
 from __future__ import annotations
@@ -212,18 +215,27 @@ def _quantize_rotated(t, spec: OperandSpec, axis: int, key, slot: str, amax, spl
     """:func:`quantize_operand` of an operand already rotated by :func:`_rotate`; with a
     :class:`TensorSplit`, ``t`` is this device's slice of ``slot``'s operand (module doc)."""
     _check_key(spec, key, slot)
+    return quantize_dequantize(
+        t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE,
+        **_as_whole(t, spec, slot, amax, split),
+    )  # fmt: skip
+
+
+def _as_whole(t, spec: OperandSpec, slot: str, amax, split: TensorSplit | None) -> dict:
+    """The ``formats.quantize`` keywords that quantize ``t``, this device's slice of
+    ``slot``'s operand under ``split``, exactly as the whole operand is (module doc):
+    ``amax`` (the given one, or ``max|t|`` ``pmax``-ed over the slices when the format has
+    a tensor scale) and, for stochastic rounding, ``slice_of``/``slice_index``."""
     cuts = _slices(split, slot) if spec.quantized else []
-    part: dict = {}
     if cuts and spec.spec.has_tensor_scale and amax is None:
         # max|t| = the max over the slices of theirs: the unsplit operand's tensor scale
         amax = jax.lax.pmax(tensor_amax(t), tuple(a for _, _, names in cuts for a in names))
-    if cuts and spec.stochastic:
-        part = dict(
-            slice_of=tuple((d, n) for d, n, _ in cuts),
-            slice_index=tuple(jax.lax.axis_index(names) for _, _, names in cuts),
-        )
-    return quantize_dequantize(
-        t, spec.spec, **spec.quantize_kwargs(axis, key), dtype=COMPUTE, amax=amax, **part
+    if not (cuts and spec.stochastic):
+        return {"amax": amax}
+    return dict(
+        amax=amax,
+        slice_of=tuple((d, n) for d, n, _ in cuts),
+        slice_index=tuple(jax.lax.axis_index(names) for _, _, names in cuts),
     )
 
 
@@ -277,8 +289,11 @@ def _t(a):
 # ~3.5x the cost. X^T is materialized for wgrad; dY is blocked along its rows in place.
 
 
-def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b: int = -1):
-    """A GEMM on the hardware kernel, operands as the emulated path lays them out."""
+def _native_gemm(
+    recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b: int = -1, split=None
+):
+    """A GEMM on the hardware kernel, operands as the emulated path lays them out; under
+    a ``split``, each operand slice quantized as the whole operand is (:func:`_as_whole`)."""
     sa, sb = recipe.gemms()[gemm]
     slot_a, slot_b = SLOT_PAIRS[gemm]
     ka, kb = operand_key(key, slot_a), operand_key(key, slot_b)
@@ -286,9 +301,13 @@ def _native_gemm(recipe: Recipe, gemm: str, a, b, key, axis_a: int = -1, axis_b:
     _check_key(sb, kb, slot_b)
     seed = recipe.hadamard_seed
     ra, rb = _rotate(a, sa, axis_a, seed), _rotate(b, sb, axis_b, seed)
-    if gemm == "wgrad" and (sa.hadamard or sb.hadamard):  # as the emulated wgrad does
+    if gemm == "wgrad" and (sa.hadamard or sb.hadamard) and split is None:  # as emulated
         ra, rb = _keep_sharding(ra, a), _keep_sharding(rb, b)
-    return native_gemm(ra, sa, rb, sb, axis_a=axis_a, axis_b=axis_b, key_a=ka, key_b=kb)
+    return native_gemm(
+        ra, sa, rb, sb, axis_a=axis_a, axis_b=axis_b, key_a=ka, key_b=kb,
+        whole_a=_as_whole(ra, sa, slot_a, None, split),
+        whole_b=_as_whole(rb, sb, slot_b, None, split),
+    )  # fmt: skip
 
 
 def _use_native(recipe: Recipe, backend: str, gemm: str) -> bool:
@@ -336,7 +355,7 @@ def _qmatmul_fwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, 
         w_res = w if split is None or not split.weight_gather else w_res
     updates: dict = {}
     if _use_native(recipe, backend, "fprop"):
-        y = _native_gemm(recipe, "fprop", x, w, key, axis_b=-2)
+        y = _native_gemm(recipe, "fprop", x, w, key, axis_b=-2, split=split)
     else:
         xq, sx = _operand(recipe, "fprop_x", x, key, history, updates, split=split)
         wq, sw = _operand(recipe, "fprop_w", w, key, history, updates, axis=-2, split=split)
@@ -360,7 +379,7 @@ def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, 
         w_res = w_res if operand_dtype is None else w_res.astype(operand_dtype)
     # dgrad: dX = dY W^T, contracting N.
     if _use_native(recipe, backend, "dgrad"):
-        dx = _native_gemm(recipe, "dgrad", dy, w_res, key)
+        dx = _native_gemm(recipe, "dgrad", dy, w_res, key, split=split)
     else:
         dyq, sdy = _operand(recipe, "dgrad_dy", dy, key, history, updates, split=split)
         if isinstance(w_res, tuple):
@@ -373,7 +392,7 @@ def _qmatmul_bwd(recipe: Recipe, backend: str, out_dtype, operand_dtype, split, 
         dx = _scaled(_gemm(dyq, wq), sdy, sw)
     # wgrad: dW = X^T dY, contracting M (tokens).
     if _use_native(recipe, backend, "wgrad"):
-        dw = _native_gemm(recipe, "wgrad", _t(x), dy, key, axis_b=-2)
+        dw = _native_gemm(recipe, "wgrad", _t(x), dy, key, axis_b=-2, split=split)
     else:
         xqt, sx = _operand(recipe, "wgrad_x", _t(x), key, history, updates, split=split)
         dyq2, sdy2 = _operand(recipe, "wgrad_dy", dy, key, history, updates, axis=-2, split=split)
@@ -468,15 +487,14 @@ def quantized_dot_general(
     Engine's FP32 main grads) instead of one rounded to bf16 by an outside cast.
 
     ``split``: one device's slices of a tensor-parallel layer under ``shard_map`` (module
-    doc); the emulated backend with current scaling only."""
+    doc); current scaling only, on either backend."""
     recipe = get_recipe(recipe)
     backend = resolve_backend(backend, recipe)
     amax_history = _check_history(recipe, amax_history)
-    if split is not None and (recipe.delayed or backend == "native"):
+    if split is not None and recipe.delayed:
         raise ValueError(
-            f"split={split!r} needs the emulated backend and current scaling; got "
-            f"backend {backend!r} and recipe {recipe.name!r}"
-            + (" (delayed scaling)" if recipe.delayed else "")
+            f"split={split!r} needs current scaling; recipe {recipe.name!r} uses delayed "
+            "scaling (its amax history is per device)"
         )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
