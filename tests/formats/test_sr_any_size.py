@@ -136,3 +136,27 @@ SHARDED = textwrap.dedent("""
 @pytest.mark.slow
 def test_grouped_sr_same_bits_sharded_and_unsharded(fake_devices):
     assert "OK" in fake_devices(SHARDED)
+
+
+@pytest.mark.parametrize("limit", [2**32, 512, 256, 64])
+@pytest.mark.parametrize(
+    "starts, sizes",
+    [
+        ((0, 0, 0), (64, 32, 16)),  # the whole array
+        ((16, 0, 0), (16, 32, 16)),  # rows
+        ((0, 8, 0), (64, 8, 16)),  # a middle dimension
+        ((32, 24, 8), (32, 8, 8)),  # a box along every dimension
+        ((63, 31, 15), (1, 1, 1)),  # the last element
+    ],
+)
+def test_window_draws_the_whole_arrays_samples(monkeypatch, limit, starts, sizes):
+    """``window=(starts, sizes)`` (a device's slice of an operand) draws exactly the whole
+    array's samples in that box, with one counter or grouped ones."""
+    monkeypatch.setattr(elements, "SR_INDEX_LIMIT", limit)
+    shape, key = (64, 32, 16), jax.random.key(5)
+    whole = _u(key, shape)
+    box = tuple(slice(a, a + n) for a, n in zip(starts, sizes, strict=True))
+    got = np.asarray(elements.uniform_for_rounding(key, shape, (starts, sizes)))
+    np.testing.assert_array_equal(got, whole[box])
+    traced = jax.jit(lambda s: elements.uniform_for_rounding(key, shape, (s, sizes)))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(starts))), whole[box])

@@ -303,17 +303,29 @@ def _index_groups(shape: tuple[int, ...], limit: int) -> list[tuple[int, int]]:
     return groups
 
 
-def _group_index(shape: tuple[int, ...], start: int, stop: int) -> jax.Array:
-    """The uint32 row-major index over dimensions ``[start, stop)``, size 1 elsewhere."""
-    n = 1
-    for d in shape[start:stop]:
-        n *= d
-    return jax.lax.iota(jnp.uint32, n).reshape(
-        [s if start <= i < stop else 1 for i, s in enumerate(shape)]
-    )
+def _group_index(shape: tuple[int, ...], start: int, stop: int, window=None) -> jax.Array:
+    """The uint32 row-major index over dimensions ``[start, stop)``, size 1 elsewhere;
+    with a ``window`` ``(starts, sizes)``, only that box of ``shape`` (``starts`` may be
+    traced)."""
+    if window is None:
+        n = 1
+        for d in shape[start:stop]:
+            n *= d
+        return jax.lax.iota(jnp.uint32, n).reshape(
+            [s if start <= i < stop else 1 for i, s in enumerate(shape)]
+        )
+    starts, sizes = window
+    index, stride = jnp.zeros((1,) * len(shape), jnp.uint32), 1
+    for d in range(stop - 1, start - 1, -1):
+        at = jax.lax.iota(jnp.uint32, sizes[d]) + jnp.asarray(starts[d]).astype(jnp.uint32)
+        index = index + at.reshape([sizes[d] if i == d else 1 for i in range(len(shape))]) * (
+            jnp.uint32(stride)
+        )
+        stride *= shape[d]
+    return index
 
 
-def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...], window=None) -> jax.Array:
     """Uniform [0, 1) float32 samples for stochastic rounding, one per element.
 
     A counter-based generator: two 32-bit seeds are drawn from ``key`` with
@@ -332,16 +344,22 @@ def uniform_for_rounding(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     every outer index is 0 (those elements draw what one counter would give them), and
     distinct outer indices give unrelated second-round inputs: no row repeats or shifts
     another row's samples, as adding an offset to the counter would.
+
+    ``window=(starts, sizes)``: only the samples of that box of ``shape`` (a device's
+    slice of a larger operand: ``starts`` may be traced), exactly those of the whole array,
+    without drawing the rest.
     """
     seeds = jax.random.bits(key, (2,), jnp.uint32)
     shape = tuple(int(d) for d in shape)
     groups = _index_groups(shape, SR_INDEX_LIMIT)
-    h = _fmix32(_group_index(shape, *groups[0]) * jnp.uint32(_GOLDEN) + seeds[0])
+    h = _fmix32(_group_index(shape, *groups[0], window) * jnp.uint32(_GOLDEN) + seeds[0])
     fold = None
     for start, stop in reversed(groups[1:]):  # outermost first
-        o = _group_index(shape, start, stop)
+        o = _group_index(shape, start, stop, window)
         fold = _fmix32((o if fold is None else fold ^ o) * jnp.uint32(_PRIME2))
     if fold is not None:
         h = h ^ fold
     h = _fmix32(h ^ seeds[1])
+    if window is not None:
+        h = jnp.broadcast_to(h, tuple(window[1]))
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

@@ -195,14 +195,16 @@ def _uniform(key, shape, blocks=None, part=()):
     ``index`` of ``parts`` equal slices along each ``axis`` of a larger array (a device's
     shard), and draws the uniforms of that array, sliced. Blockifying keeps the row-major
     order, so the slice of the larger array's samples along the blockified ``axis`` (its
-    block-count dimension) is exactly this slice's: the shards round as the whole does."""
+    block-count dimension) is exactly this slice's: the shards round as the whole does.
+    Only the slice's samples are drawn (``window``), not the whole array's."""
     whole, starts = list(shape), [0] * len(shape)
     for axis, parts, index in part:
         dim = axis if blocks is None else sum(2 if b > 1 else 1 for b in blocks[:axis])
         whole[dim] *= parts
         starts[dim] = index * shape[dim]
-    u = elements.uniform_for_rounding(key, tuple(whole))
-    return jax.lax.dynamic_slice(u, starts, tuple(shape)) if part else u
+    return elements.uniform_for_rounding(
+        key, tuple(whole), (starts, tuple(shape)) if part else None
+    )
 
 
 def _encode(
