@@ -66,6 +66,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -93,6 +94,7 @@ __all__ = [
     "GGUF_FORMATS",
     "GGUFResult",
     "GGUFVocab",
+    "embed_values",
     "gguf_embed_format",
     "gguf_format",
     "gguf_layer_formats",
@@ -171,12 +173,28 @@ def gguf_embed_format(fmt: str) -> str:
     return stored
 
 
+def _embed_qarray(x: Any, fmt: str) -> QArray:
+    """A ``[vocab, d_model]`` table quantized as a GGUF stores it in the quantized ``fmt``:
+    along ``d_model`` (one block row per token), from float32."""
+    return quantize(jnp.asarray(x, jnp.float32), gguf_embed_format(fmt), axis=1)
+
+
+def embed_values(x: Any, fmt: str) -> jax.Array:
+    """The float32 ``[vocab, d_model]`` values llama.cpp decodes from the table ``x``
+    stored in the quantized ``fmt`` (:func:`write_gguf`'s ``embed_format``): what the
+    search scores a token embedding / LM head format with (``microscale.ptq``); bf16: the
+    table rounded to bfloat16."""
+    if gguf_embed_format(fmt) == "bf16":
+        return jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
+    return dequantize(_embed_qarray(x, fmt))
+
+
 def _embed_tensor(x: Any, fmt: str, name: str, dtype: str) -> tuple[np.ndarray, Any]:
     """A ``[vocab, d_model]`` embedding (or transposed LM head kernel) as stored: ``dtype``
     when ``fmt`` is bf16, else quantized along ``d_model`` (one block row per token)."""
     if fmt == "bf16":
         return _float_tensor(x, dtype)
-    return gguf_tensor(quantize(jnp.asarray(x, jnp.float32), fmt, axis=1), name)
+    return gguf_tensor(_embed_qarray(x, fmt), name)
 
 
 def tensor_name(path: str) -> str:

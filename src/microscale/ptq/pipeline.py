@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.export.gguf import GGUF_FORMATS
+from microscale.export.gguf import EMBED_FORMATS, GGUF_FORMATS
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import SLOTS, OperandSpec, Recipe
@@ -70,7 +70,7 @@ from microscale.ptq.search import (
     model_bits,
     search,
 )
-from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score
+from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score, table_scores
 from microscale.ptq.weights import (
     QuantizedWeight,
     WeightPTQ,
@@ -80,6 +80,7 @@ from microscale.ptq.weights import (
 
 __all__ = [
     "DEFAULT_FORMATS",
+    "EMBED_ITEM",
     "GGUF_CANDIDATES",
     "QuantizeConfig",
     "QuantizeResult",
@@ -94,6 +95,9 @@ DEFAULT_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
 GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 DEFAULT_PIN = ((r"(.*\.)?lm_head", "bf16"), (r"(.*\.)?embed(_tokens|ding)?", "bf16"))
 DEFAULT_PARETO = (4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5)
+# The search's item for the token embedding / LM head (QuantizeConfig.embed_formats): a
+# name no linear layer path takes.
+EMBED_ITEM = "<embedding>"
 
 
 def _check_format_list(name: str, fmts) -> tuple[str, ...]:
@@ -147,9 +151,17 @@ class QuantizeConfig:
     groups: tuple[tuple[str, str], ...] = DEFAULT_GROUPS
     # (regex, format) layers forced to a format (still counted in the budget).
     pin: tuple[tuple[str, str], ...] = DEFAULT_PIN
-    # Count the non-linear parameters (embeddings, norms, LM head) at 16 bits in the
-    # effective bits (False: the budget covers the candidate linear layers only).
+    # Count the non-linear parameters (embeddings, norms, LM head) in the effective bits:
+    # the token embedding / LM head at its searched format (embed_formats), the rest at 16
+    # bits (False: the budget covers the candidate linear layers only).
     count_other_params: bool = False
+    # Candidate formats of the token embedding / LM head (a tied model's one table, an
+    # untied model's embedding and LM head together), one more item of the search whose
+    # scores are measured with the table stored so in a GGUF (microscale.export.gguf.
+    # EMBED_FORMATS: bf16 and GGUF's formats without a global scale). Searched only with
+    # count_other_params. None: EMBED_FORMATS there, except with method "gradient" (its
+    # Fisher units have no measured counterpart for a table: the table stays bf16).
+    embed_formats: tuple[str, ...] | None = None
     # Knapsack solver: "auto", "dp" (exact dynamic program) or "milp" (scipy HiGHS).
     solver: str = "auto"
     # Budgets of the searched points of the Pareto curve.
@@ -213,6 +225,29 @@ class QuantizeConfig:
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
+        if self.embed_formats is not None:
+            self._check_embed_formats()
+
+    def _check_embed_formats(self) -> None:
+        fmts = _check_format_list("embed_formats", self.embed_formats)
+        object.__setattr__(self, "embed_formats", fmts)
+        bad = [f for f in fmts if f not in EMBED_FORMATS]
+        if bad:
+            raise ValueError(
+                f"QuantizeConfig.embed_formats: {bad} cannot store the token embedding "
+                f"(a GGUF stores it as one of {list(EMBED_FORMATS)})"
+            )
+        if not self.count_other_params:
+            raise ValueError(
+                "QuantizeConfig.embed_formats has no effect without count_other_params=true "
+                "(only a budget that counts the whole model searches the embedding)"
+            )
+        if self.method == "gradient" and any(get_format(f).quantized for f in fmts):
+            raise ValueError(
+                "QuantizeConfig.embed_formats: method 'gradient' cannot score the token "
+                "embedding (its Fisher units have no measured counterpart); use taylor, "
+                "loss or kl, or embed_formats=bf16"
+            )
 
     @classmethod
     def for_gguf(cls, **overrides: Any) -> QuantizeConfig:
@@ -227,6 +262,16 @@ class QuantizeConfig:
                 **overrides,
             }
         )
+
+    @property
+    def searched_embed_formats(self) -> tuple[str, ...]:
+        """The token embedding's candidates in the search (``embed_formats``, or its
+        default); () when it is not an item (counted at 16 bits, or not at all)."""
+        if not self.count_other_params:
+            return ()
+        if self.embed_formats is not None:
+            return self.embed_formats
+        return () if self.method == "gradient" else EMBED_FORMATS
 
     @property
     def use_monotone(self) -> bool:
@@ -355,8 +400,17 @@ class QuantizeResult:
     timings: dict[str, float]
     # Peak resident memory of each phase in GiB (microscale.ptq.phases).
     peak_rss_gb: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The token embedding / LM head item when the search chose its format
+    # (QuantizeConfig.embed_formats): {"format", "numel", "candidates", "scores",
+    # "scores_raw"}; None when it is not searched (stored bf16).
+    embedding: dict[str, Any] | None = None
     # The engine (model view) used; not serialized.
     engine: Engine | None = None
+
+    @property
+    def embed_format(self) -> str | None:
+        """The searched format of the token embedding / LM head (None: not searched)."""
+        return None if self.embedding is None else self.embedding["format"]
 
     @property
     def val_ppl(self) -> dict[str, float]:
@@ -401,6 +455,12 @@ class QuantizeResult:
             "timings": self.timings,
             "peak_rss_gb": self.peak_rss_gb,
             "config": _jsonable(self.config.to_dict()),
+            # only when searched: a default report is what it was before the item existed
+            **(
+                {}
+                if self.embedding is None
+                else {"embedding": self.embedding, "embed_format": self.embed_format}
+            ),
         }
 
 
@@ -572,17 +632,14 @@ def quantize_model(
         f"in {phases.timings['score_s']:.1f}s"
     )
 
+    embed = _score_embedding(engine, calib, cfg, phases)
+
     # 3. search
     with phases.phase("search", total=1, unit="solve"):
-        problem = Problem(
-            formats=cfg.formats,
-            scores=scores,
-            numel=engine.numel,
-            groups=groups,
-            pinned=pinned,
-            extra_numel=extra,
-        )
+        problem = _problem(engine, cfg, scores, groups, pinned, extra, embed)
         alloc = search(problem, cfg.budget, solver=cfg.solver)
+    if embed is not None:
+        embed["format"] = alloc.formats[EMBED_ITEM]
     say(
         f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
         f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
@@ -590,7 +647,14 @@ def quantize_model(
 
     # 4. evaluation
     evaluator = _Evaluator(
-        engine, weights, evals, cfg, static, extra, extra_formats=tuple((trained or {}).values())
+        engine,
+        weights,
+        evals,
+        cfg,
+        static,
+        problem.extra_numel,
+        extra_formats=tuple((trained or {}).values()),
+        embed_numel=None if embed is None else embed["numel"],
     )
     with phases.phase("evaluate", total=None) as tick:
         evaluator.progress = tick
@@ -657,6 +721,7 @@ def quantize_model(
             evaluator.progress = tick
             effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
     evaluator.progress = None
+    linear = dataclasses.replace(alloc, formats=_linear(alloc.formats))
 
     return QuantizeResult(
         config=cfg,
@@ -668,12 +733,12 @@ def quantize_model(
         weight_stats=stats,
         scores_raw=raw,
         scores=scores,
-        allocation=alloc,
+        allocation=linear,
         points=points,
         comparisons=comparisons,
         ptq_effects=effects,
-        rules=allocation_rules(alloc.formats, cfg.activations),
-        weights=weights.for_assignment(alloc.formats, cfg.ptq),
+        rules=allocation_rules(linear.formats, cfg.activations),
+        weights=weights.for_assignment(linear.formats, cfg.ptq),
         calibration=dict(
             calibration or {},
             batches=len(calib),
@@ -682,7 +747,75 @@ def quantize_model(
         timings=phases.timings,
         peak_rss_gb=phases.peak_rss_gb,
         engine=engine,
+        embedding=embed,
     )
+
+
+def _score_embedding(
+    engine: Engine, calib, cfg: QuantizeConfig, phases: Phases
+) -> dict[str, Any] | None:
+    """The token embedding / LM head item (:attr:`QuantizeResult.embedding`, its format
+    chosen by the search) when ``cfg`` searches it and the model has the table; None
+    otherwise (an explicit ``embed_formats`` on a model without one is refused)."""
+    fmts = cfg.searched_embed_formats
+    if not fmts:
+        return None
+    if not engine.tables:
+        if cfg.embed_formats is None:
+            return None  # count_other_params on a model without a token embedding
+        raise ValueError(
+            f"QuantizeConfig.embed_formats={list(fmts)}: the model has no token embedding "
+            "table (embed.embedding) to search a format for"
+        )
+    n_q = sum(get_format(f).quantized for f in fmts)
+    per_batch = n_q + (n_q > 0 and cfg.method != "kl")  # kl: its reference in the pass
+    with phases.phase("score_embedding", total=len(calib) * per_batch) as tick:
+        raw = table_scores(engine, calib, fmts, cfg.method, progress=tick)
+    return {
+        "format": None,
+        "numel": engine.table_numel,
+        "candidates": list(fmts),
+        "scores": monotone({EMBED_ITEM: raw}, fmts)[EMBED_ITEM] if cfg.use_monotone else raw,
+        "scores_raw": raw,
+    }
+
+
+def _problem(
+    engine: Engine,
+    cfg: QuantizeConfig,
+    scores: Mapping[str, Mapping[str, float]],
+    groups: Mapping[str, str],
+    pinned: Mapping[str, str],
+    extra: int,
+    embed: Mapping[str, Any] | None,
+) -> Problem:
+    """The search over the linear layers, with the token embedding / LM head as one more
+    item (:data:`EMBED_ITEM`, its own candidates, its elements no longer in ``extra``)."""
+    if embed is None:
+        return Problem(
+            formats=cfg.formats,
+            scores=scores,
+            numel=engine.numel,
+            groups=groups,
+            pinned=pinned,
+            extra_numel=extra,
+        )
+    if EMBED_ITEM in engine.numel:  # pragma: no cover - no module path has "<"
+        raise ValueError(f"a linear layer is named {EMBED_ITEM!r}, the embedding item's name")
+    return Problem(
+        formats=cfg.formats,
+        scores={**scores, EMBED_ITEM: embed["scores"]},
+        numel={**engine.numel, EMBED_ITEM: embed["numel"]},
+        groups={**groups, EMBED_ITEM: EMBED_ITEM},
+        pinned=pinned,
+        options={EMBED_ITEM: tuple(embed["candidates"])},
+        extra_numel=extra - embed["numel"],
+    )
+
+
+def _linear(assignment: Mapping[str, str]) -> dict[str, str]:
+    """``assignment`` without the embedding item: the linear layers' formats."""
+    return {p: f for p, f in assignment.items() if p != EMBED_ITEM}
 
 
 def _weight_stats(
@@ -720,10 +853,17 @@ class _Evaluator:
         static_amax,
         extra_numel: int,
         extra_formats: Sequence[str] = (),
+        embed_numel: int | None = None,
     ):
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
         self.extra = extra_numel
+        # with the embedding item: every allocation has a format for it (bf16 unless given)
+        self.embed = embed_numel is not None
+        self.numel = dict(engine.numel)
+        if embed_numel is not None:
+            self.numel[EMBED_ITEM] = embed_numel
+        self.other_numel = engine.other_numel - (embed_numel or 0)
         self._cache: dict[Any, np.ndarray] = {}
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
@@ -751,6 +891,7 @@ class _Evaluator:
     ) -> np.ndarray:
         acts = self.cfg.activations if activations is None else activations
         amax = self.static_amax if amax is None and activations is None else amax
+        assignment = self._full(assignment)
         key = (
             tuple(sorted(assignment.items())),
             ptq,
@@ -758,9 +899,12 @@ class _Evaluator:
             None if amax is None else tuple(sorted(amax.items())),
         )
         if key not in self._cache:
-            qw = self.weights.for_assignment(assignment, ptq)
+            linear = _linear(assignment)
+            qw = self.weights.for_assignment(linear, ptq)
             params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
-            act = ActQuant.matching(assignment, amax, self.palette) if acts else None
+            if EMBED_ITEM in assignment:
+                params = self.engine.with_tables(assignment[EMBED_ITEM], params)
+            act = ActQuant.matching(linear, amax, self.palette) if acts else None
             self._cache[key] = self.engine.batch_losses(
                 params, self.evals, act, progress=self.progress
             )
@@ -798,20 +942,31 @@ class _Evaluator:
     ) -> dict[str, Any]:
         losses = self.batch_losses(assignment, ptq, **kw)
         loss = float(np.mean(losses))
-        bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
+        full, linear = self._full(assignment), _linear(assignment)
+        bits = effective_bits(full, self.numel, extra_numel=self.extra)
         # per-batch losses: pairs with any other point (or run) on the same batches
         out = {
             "kind": kind,
             "effective_bits": bits,
-            **model_bits(assignment, self.engine.numel, self.engine.other_numel),
+            **model_bits(full, self.numel, self.other_numel),
+            "linear_bits": effective_bits(linear, self.engine.numel),
             "val_loss": loss,
             "val_ppl": float(math.exp(loss)),
             "batch_losses": [float(v) for v in losses],
         }
         if budget is not None:
             out["budget"] = budget
-            out["layers"] = dict(assignment)
+            out["layers"] = linear
+        if self.embed:
+            out["embedding"] = full[EMBED_ITEM]
         return out
+
+    def _full(self, assignment: Mapping[str, str]) -> dict[str, str]:
+        """``assignment`` with the embedding item's format (bf16 unless it names one)
+        when the search has the item."""
+        if not self.embed or EMBED_ITEM in assignment:
+            return dict(assignment)
+        return {**assignment, EMBED_ITEM: "bf16"}
 
 
 def _ptq_effects(
