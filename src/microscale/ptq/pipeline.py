@@ -541,9 +541,6 @@ def quantize_model(
 ) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
 
-    Long: the run's phases in order over shared state; its split into one function per
-    phase waits for issue #23's changes to this function, made in parallel.
-
     Args:
       model: an NNX model with linear layers (left untouched: a private copy is used).
       calib_batches: int token batches ``[n, rows, seq + 1]`` (held out; calibration).
@@ -560,39 +557,145 @@ def quantize_model(
     say = log or (lambda _msg: None)
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
+    phases = Phases(log)
+    with phases.phase("setup", total=1, unit="model"):
+        engine = Engine(model, loss_fn=loss_fn)
+    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
+    paths = engine.paths
+    # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
+    act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases)
+    raw, scores, stats = _score_layers(engine, weights, calib, cfg, static, phases, say)
+    embed = _score_embedding(engine, calib, cfg, phases)
+    # 3. search
+    with phases.phase("search", total=1, unit="solve"):
+        problem = _problem(engine, cfg, scores, groups, pinned, embed)
+        alloc = search(problem, cfg.budget, solver=cfg.solver)
+    if embed is not None:
+        embed["format"] = alloc.formats[EMBED_ITEM]
+    say(
+        f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
+        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
+    )
+    # 4. evaluation, 5. the effect of each PTQ choice
+    evaluator = _Evaluator(engine, weights, evals, cfg, static, problem, trained)
+    with phases.phase("evaluate", total=None) as tick:
+        evaluator.progress = tick
+        points, comparisons = _evaluate(evaluator, problem, alloc, groups, pinned, trained, say)
+    effects: dict[str, Any] = {}
+    if cfg.ptq_effects:
+        with phases.phase("ptq_effects", total=None) as tick:
+            evaluator.progress = tick
+            effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
+    evaluator.progress = None
+    return _result(
+        cfg,
+        engine,
+        weights,
+        alloc,
+        calib,
+        calibration,
+        phases,
+        groups=groups,
+        pinned=pinned,
+        act_amax=act_amax,
+        weight_stats=stats,
+        scores_raw=raw,
+        scores=scores,
+        points=points,
+        comparisons=comparisons,
+        ptq_effects=effects,
+        embedding=embed,
+    )
+
+
+def _result(
+    cfg: QuantizeConfig,
+    engine: Engine,
+    weights: _Weights,
+    alloc: Allocation,
+    calib,
+    calibration: Mapping[str, Any] | None,
+    phases: Phases,
+    **fields: Any,
+) -> QuantizeResult:
+    """The result: the searched allocation of the linear layers (the embedding item's
+    format is in ``fields["embedding"]``), its rules and weights, and ``fields``."""
+    linear = dataclasses.replace(alloc, formats=_linear(alloc.formats))
+    return QuantizeResult(
+        config=cfg,
+        paths=engine.paths,
+        numel=dict(engine.numel),
+        allocation=linear,
+        rules=allocation_rules(linear.formats, cfg.activations),
+        weights=weights.for_assignment(linear.formats, cfg.ptq),
+        calibration=dict(
+            calibration or {},
+            batches=len(calib),
+            tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib)),
+        ),
+        timings=phases.timings,
+        peak_rss_gb=phases.peak_rss_gb,
+        engine=engine,
+        **fields,
+    )
+
+
+def _setup(
+    engine: Engine,
+    cfg: QuantizeConfig,
+    calib: Sequence[np.ndarray],
+    evals: Sequence[np.ndarray],
+    trained: Mapping[str, str] | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, str], dict[str, str], dict[str, str] | None]:
+    """The layers' groups, pins and trained formats (:func:`_trained`); refuses a run
+    without calibration or evaluation batches."""
     if not calib or not evals:
         raise ValueError(
             f"quantize_model needs calibration and evaluation batches (got "
             f"{len(calib)} and {len(evals)})"
         )
-    phases = Phases(log)
-    with phases.phase("setup", total=1, unit="model"):
-        engine = Engine(model, loss_fn=loss_fn)
-    paths = engine.paths
-    groups = group_layers(paths, cfg.groups)
+    groups = group_layers(engine.paths, cfg.groups)
+    pinned = _pins(engine.paths, cfg.pin)
+    say(
+        f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
+        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
+    )
+    return groups, pinned, _trained(trained, engine.paths, pinned)
+
+
+def _pins(paths: Sequence[str], pin: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """{path: format} of the layers the first matching ``pin`` regex forces."""
     pinned = {}
     for p in paths:
-        for pattern, fmt in cfg.pin:
+        for pattern, fmt in pin:
             if re.fullmatch(pattern, p):
                 pinned[p] = fmt
                 break
-    if trained is not None:
-        missing = sorted(set(paths) - set(trained))
-        if missing:
-            raise ValueError(
-                f"quantize_model: trained allocation has no format for "
-                f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
-                f"for every linear layer"
-            )
-        trained = {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
-    extra = engine.other_numel if cfg.count_other_params else 0
-    say(
-        f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
-        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
-    )
+    return pinned
 
-    # 1. calibration: input amax (and GPTQ's input Hessians); weight statistics come with
-    # the quantized weights.
+
+def _trained(
+    trained: Mapping[str, str] | None, paths: Sequence[str], pinned: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The trained allocation with registry names, pinned layers keeping their pin."""
+    if trained is None:
+        return None
+    missing = sorted(set(paths) - set(trained))
+    if missing:
+        raise ValueError(
+            f"quantize_model: trained allocation has no format for "
+            f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
+            f"for every linear layer"
+        )
+    return {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
+
+
+def _calibrate(
+    engine: Engine, calib, cfg: QuantizeConfig, groups: Mapping[str, str], phases: Phases
+) -> tuple[dict[str, float], dict[str, float] | None, _Weights]:
+    """Phase 1: every layer's input amax (and GPTQ's input Hessians); returns the amax, the
+    static input amax of W4A4 (None: weight-only or dynamic) and the weights' source."""
     gptq = cfg.ptq.method == "gptq"
     with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
         act_amax = engine.input_amax(calib, progress=tick)
@@ -606,15 +709,27 @@ def quantize_model(
             tick(len(calib))
         elif gptq:
             hessians = engine.input_hessians(calib, progress=tick)
-    weights = _Weights(engine, groups, hessians)
+    return act_amax, static, _Weights(engine, groups, hessians)
+
+
+def _score_layers(
+    engine: Engine,
+    weights: _Weights,
+    calib,
+    cfg: QuantizeConfig,
+    static: Mapping[str, float] | None,
+    phases: Phases,
+    say: Callable[[str], None],
+) -> tuple[dict, dict, dict]:
+    """Phase 2: every candidate of every layer quantized (packed QArrays, compactly), then
+    scored, one capture pass per batch; returns (raw scores, corrected scores, weight
+    statistics)."""
     with phases.phase("quantize_weights", total=len(cfg.formats), unit="format") as tick:
         cand = {}
-        for f in cfg.formats:  # packed QArrays: every candidate of every layer, compactly
+        for f in cfg.formats:
             cand[f] = weights.get(f, cfg.ptq)
             tick()
     stats = _weight_stats(engine, cand)
-
-    # 2. sensitivity: one capture pass per batch, each layer's candidates in turn
     with phases.phase("score", total=len(calib)) as tick:
         raw = score(
             engine,
@@ -626,85 +741,71 @@ def quantize_model(
             progress=tick,
         )
         scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
-    del cand
     say(
-        f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
-        f"in {phases.timings['score_s']:.1f}s"
+        f"quantize: {cfg.method} scores for {len(engine.paths)} layers x {len(cfg.formats)} "
+        f"formats in {phases.timings['score_s']:.1f}s"
     )
+    return raw, scores, stats
 
-    embed = _score_embedding(engine, calib, cfg, phases)
 
-    # 3. search
-    with phases.phase("search", total=1, unit="solve"):
-        problem = _problem(engine, cfg, scores, groups, pinned, extra, embed)
-        alloc = search(problem, cfg.budget, solver=cfg.solver)
-    if embed is not None:
-        embed["format"] = alloc.formats[EMBED_ITEM]
-    say(
-        f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
-        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
-    )
-
-    # 4. evaluation
-    evaluator = _Evaluator(
-        engine,
-        weights,
-        evals,
-        cfg,
-        static,
-        problem.extra_numel,
-        extra_formats=tuple((trained or {}).values()),
-        embed_numel=None if embed is None else embed["numel"],
-    )
-    with phases.phase("evaluate", total=None) as tick:
-        evaluator.progress = tick
-        points: dict[str, dict[str, Any]] = {}
-        for f in cfg.uniform_formats:
-            label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
-            points[label] = evaluator.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
-        if "bf16" not in points:
-            points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
-        heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
-        points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
-        points["searched"] = evaluator.point(
-            alloc.formats, cfg.ptq, kind="searched", budget=cfg.budget
+def _evaluate(
+    ev: _Evaluator,
+    problem: Problem,
+    alloc: Allocation,
+    groups: Mapping[str, str],
+    pinned: Mapping[str, str],
+    trained: Mapping[str, str] | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
+    """Phase 4: the points (uniform formats, the heuristic, the searched allocation, the
+    search at the heuristic's bits and at each Pareto budget, the trained allocation) and
+    the paired differences of the searched and trained ones against the references."""
+    cfg, paths = ev.cfg, ev.engine.paths
+    points: dict[str, dict[str, Any]] = {}
+    for f in cfg.uniform_formats:
+        label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
+        points[label] = ev.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
+    if "bf16" not in points:
+        points["bf16"] = ev.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
+    heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
+    points["heuristic"] = ev.point(heur, cfg.ptq, kind="heuristic")
+    points["searched"] = ev.point(alloc.formats, cfg.ptq, kind="searched", budget=cfg.budget)
+    hb = points["heuristic"]["effective_bits"]
+    try:
+        at_h = search(problem, hb + 1e-9, solver=cfg.solver)
+        points["searched_at_heuristic_bits"] = ev.point(
+            at_h.formats, cfg.ptq, kind="searched", budget=hb
         )
-        hb = points["heuristic"]["effective_bits"]
+    except ValueError:
+        pass
+    for b in cfg.pareto_budgets:
         try:
-            at_h = search(problem, hb + 1e-9, solver=cfg.solver)
-            points["searched_at_heuristic_bits"] = evaluator.point(
-                at_h.formats, cfg.ptq, kind="searched", budget=hb
-            )
+            a = search(problem, b, solver=cfg.solver)
         except ValueError:
-            pass
-        for b in cfg.pareto_budgets:
-            try:
-                a = search(problem, b, solver=cfg.solver)
-            except ValueError:
-                say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
-                continue
-            points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
-        comparisons = {}
-        refs = {
-            "heuristic": heur,
-            "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
-            "bf16": _uniform(paths, "bf16", {}),
-        }
-        compared = {"searched": (alloc.formats, cfg.ptq)}
-        if trained is not None:
-            # QAT trained its weights against round-to-nearest, and export rounds so
-            roundings = {"trained": WeightPTQ.rtn()}
-            if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
-                roundings["trained_ptq"] = cfg.ptq
-            for label, ptq in roundings.items():
-                points[label] = evaluator.point(trained, ptq, kind=label)
-                compared[label] = (trained, ptq)
-        for label, (assignment, ptq) in compared.items():
-            for name, ref in refs.items():
-                if name in points:
-                    comparisons[f"{label} - {name}"] = evaluator.paired(
-                        assignment, ref, ptq, cfg.ptq
-                    )
+            say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
+            continue
+        points[f"pareto_{b:g}"] = ev.point(a.formats, cfg.ptq, kind="searched", budget=b)
+    refs = {
+        "heuristic": heur,
+        "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
+        "bf16": _uniform(paths, "bf16", {}),
+    }
+    compared: dict[str, tuple[Mapping[str, str], WeightPTQ]] = {
+        "searched": (alloc.formats, cfg.ptq)
+    }
+    if trained is not None:
+        # QAT trained its weights against round-to-nearest, and export rounds so
+        roundings = {"trained": WeightPTQ.rtn()}
+        if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
+            roundings["trained_ptq"] = cfg.ptq
+        for label, ptq in roundings.items():
+            points[label] = ev.point(trained, ptq, kind=label)
+            compared[label] = (trained, ptq)
+    comparisons = {}
+    for label, (assignment, ptq) in compared.items():
+        for name, ref in refs.items():
+            if name in points:
+                comparisons[f"{label} - {name}"] = ev.paired(assignment, ref, ptq, cfg.ptq)
     say(
         "quantize: val ppl "
         + ", ".join(
@@ -713,42 +814,7 @@ def quantize_model(
             if not k.startswith("pareto_")
         )
     )
-
-    # 5. effect of each PTQ choice
-    effects: dict[str, Any] = {}
-    if cfg.ptq_effects:
-        with phases.phase("ptq_effects", total=None) as tick:
-            evaluator.progress = tick
-            effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
-    evaluator.progress = None
-    linear = dataclasses.replace(alloc, formats=_linear(alloc.formats))
-
-    return QuantizeResult(
-        config=cfg,
-        paths=paths,
-        numel=dict(engine.numel),
-        groups=groups,
-        pinned=pinned,
-        act_amax=act_amax,
-        weight_stats=stats,
-        scores_raw=raw,
-        scores=scores,
-        allocation=linear,
-        points=points,
-        comparisons=comparisons,
-        ptq_effects=effects,
-        rules=allocation_rules(linear.formats, cfg.activations),
-        weights=weights.for_assignment(linear.formats, cfg.ptq),
-        calibration=dict(
-            calibration or {},
-            batches=len(calib),
-            tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib)),
-        ),
-        timings=phases.timings,
-        peak_rss_gb=phases.peak_rss_gb,
-        engine=engine,
-        embedding=embed,
-    )
+    return points, comparisons
 
 
 def _score_embedding(
@@ -786,11 +852,12 @@ def _problem(
     scores: Mapping[str, Mapping[str, float]],
     groups: Mapping[str, str],
     pinned: Mapping[str, str],
-    extra: int,
     embed: Mapping[str, Any] | None,
 ) -> Problem:
-    """The search over the linear layers, with the token embedding / LM head as one more
-    item (:data:`EMBED_ITEM`, its own candidates, its elements no longer in ``extra``)."""
+    """The search over the linear layers, the other parameters counted at 16 bits with
+    ``count_other_params``, or the token embedding / LM head among them as one more item
+    (:data:`EMBED_ITEM`, with its own candidates)."""
+    extra = engine.other_numel if cfg.count_other_params else 0
     if embed is None:
         return Problem(
             formats=cfg.formats,
@@ -851,28 +918,28 @@ class _Evaluator:
         evals,
         cfg: QuantizeConfig,
         static_amax,
-        extra_numel: int,
-        extra_formats: Sequence[str] = (),
-        embed_numel: int | None = None,
+        problem: Problem,
+        trained: Mapping[str, str] | None = None,
     ):
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
-        self.extra = extra_numel
-        # with the embedding item: every allocation has a format for it (bf16 unless given)
-        self.embed = embed_numel is not None
-        self.numel = dict(engine.numel)
-        if embed_numel is not None:
-            self.numel[EMBED_ITEM] = embed_numel
-        self.other_numel = engine.other_numel - (embed_numel or 0)
+        # allocations are priced as the search prices them: the problem's elements (the
+        # embedding item among them when searched: every allocation then has a format for
+        # it, bf16 unless given) and its extra elements at 16 bits
+        self.extra = problem.extra_numel
+        self.numel = dict(problem.numel)
+        self.embed = EMBED_ITEM in self.numel
+        self.other_numel = engine.other_numel - self.numel.get(EMBED_ITEM, 0)
         self._cache: dict[Any, np.ndarray] = {}
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
+        trained_formats = tuple((trained or {}).values())
         self.palette = tuple(
             sorted(
                 {
                     f
-                    for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *extra_formats)
+                    for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *trained_formats)
                     if get_format(f).quantized
                 }
             )
