@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from microscale.config import apply_overrides
 from microscale.export.gguf import EMBED_FORMATS, embed_values
 from microscale.model import Transformer
 from microscale.ptq import (
@@ -85,6 +86,9 @@ def default(tiny_model, token_batches):
 def test_the_item_is_searched_only_with_count_other_params(kw, expected):
     assert QuantizeConfig(**kw).searched_embed_formats == expected
     assert EMBED_FORMATS == ("bf16", "mxfp4", "q8_0")
+    # key=value, as the command line and YAML give it
+    text = [f"{k}={','.join(v) if isinstance(v, tuple) else str(v).lower()}" for k, v in kw.items()]
+    assert apply_overrides(QuantizeConfig(), text) == QuantizeConfig(**kw)
 
 
 @pytest.mark.parametrize(
@@ -176,25 +180,43 @@ def test_problem_options_validation(options, message):
 # ---------------------------------------------------------------------- the scores
 
 
+@pytest.mark.slow  # ~12 s: four GGUF files
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_tables_hold_what_a_gguf_stores(tied):
+def test_tables_hold_what_a_gguf_stores(tied, fmt, tmp_path):
     """Tied: the one table (lookup and LM head); untied: the embedding and the LM head
-    each, quantized along d_model as write_gguf stores them."""
+    each, quantized along d_model: the values write_gguf stores, bit for bit."""
+    import gguf
+
+    from microscale.data.tokenizers import ByteTokenizer
+    from microscale.export.gguf import write_gguf
+
     cfg = dataclasses.replace(TINY, tie_embeddings=tied)
-    engine = Engine(Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    engine = Engine(model)
     keys = {("embed", "embedding"): False} | ({} if tied else {("lm_head", "kernel"): True})
     assert engine.tables == keys
     assert engine.table_numel == TABLE * (1 if tied else 2)
     assert engine.other_numel == engine.table_numel + NORMS
-    q = engine.with_tables("q8_0")
+    q = engine.with_tables(fmt)
     emb = engine.params["embed"]["embedding"]
-    np.testing.assert_array_equal(q["embed"]["embedding"], embed_values(emb, "q8_0"))
+    np.testing.assert_array_equal(q["embed"]["embedding"], embed_values(emb, fmt))
     assert not np.array_equal(q["embed"]["embedding"], emb)
+    stored = {"token_embd.weight": q["embed"]["embedding"]}
     if not tied:
         head = engine.params["lm_head"]["kernel"]
-        np.testing.assert_array_equal(q["lm_head"]["kernel"], embed_values(head.T, "q8_0").T)
+        np.testing.assert_array_equal(q["lm_head"]["kernel"], embed_values(head.T, fmt).T)
+        stored["output.weight"] = q["lm_head"]["kernel"].T
     same = engine.with_tables("bf16")  # unquantized: unchanged
     assert all(same[k] is v for k, v in engine.params.items())
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, tokenizer=ByteTokenizer(), embed_format=fmt)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, want in stored.items():
+        t = tensors[name]
+        assert t.tensor_type.name == fmt.upper()
+        got = gguf.quants.dequantize(t.data, t.tensor_type)
+        np.testing.assert_array_equal(got.reshape(want.shape), np.asarray(want))
 
 
 @pytest.mark.slow  # ~4 s: three compiled forward passes
@@ -292,6 +314,9 @@ def test_gguf_stores_the_chosen_format(searched, default, layout, tmp_path):
     assert chosen in ("mxfp4", "q8_0")
     out = tmp_path / "q"
     write_outputs(searched, out, model_config=TINY, tokenizer=tok, layout=layout)
+    assert (
+        f"the token embedding / LM head searched: **{chosen}**" in (out / "report.md").read_text()
+    )
     if layout == "gguf":
         kind, values = read(out / "model.gguf")
     else:
