@@ -11,7 +11,12 @@ weights already lie on a Q4_1 grid, so "bf16" here is that dequantized model) it
 * each microscale variant again with ``+q8e``: the tied token embedding / LM head in Q8_0
   (``write_gguf(embed_format="q8_0")``), and ``searched-gptq+mx4e`` with it in MXFP4;
 * ``llama-q4_0`` / ``llama-q4_k_m``: llama.cpp's own quantizer (``llama_model_quantize``,
-  default parameters, no importance matrix) on the ``bf16`` file.
+  default parameters, no importance matrix) on the ``bf16`` file;
+* ``--gguf NAME=PATH``: a GGUF as it is, e.g. a ``microscale quantize layout=gguf`` output's
+  ``model.gguf`` (``count_other_params=true``: the search chose its token embedding's format).
+
+``--only NAME,...`` builds and measures only those variants (``bf16`` and ``llama-q4_k_m``,
+the table's references, always).
 
 Then, in llama.cpp (``MICROSCALE_LIBLLAMA`` or llama-cpp-python), for each file: its size
 and bits per weight (file bits / parameters), its tensor types, the negative log-likelihood
@@ -26,6 +31,7 @@ file to redo it) and the table to ``WORK/table.md``.
 
 Run:  MICROSCALE_LIBLLAMA=/path/libllama.so python benchmarks/llamacpp_table.py \\
           --hf /tmp/smollm2-hf --rtn /tmp/q23/smol --gptq /tmp/q23g --work /tmp/llamacpp-table
+      (add ``--gguf searched-embed=Q/model.gguf --only searched-embed,...`` for one more row)
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
         out["searched-gptq+mx4e"] = ("export", {"source": args.gptq, "embed_format": "mxfp4"})
     out["llama-q4_0"] = ("llama", {"ftype": "q4_0"})
     out["llama-q4_k_m"] = ("llama", {"ftype": "q4_k_m"})
+    for item in args.gguf:
+        name, _, path = item.partition("=")
+        out[name] = ("file", {"path": path})
+    if args.only:
+        keep = {"bf16", "llama-q4_k_m", *args.only.split(",")}
+        out = {k: v for k, v in out.items() if k in keep}
     return out
 
 
@@ -64,6 +76,8 @@ def build(name: str, kind: str, kw: dict, work: Path, threads: int) -> Path:
     from microscale.export.llamacpp import llama_quantize
     from microscale.inference.export_run import export_run
 
+    if kind == "file":
+        return Path(kw["path"])
     path = work / f"{name}.gguf"
     if path.is_file():
         return path
@@ -110,6 +124,9 @@ def measure(path: Path, windows, args) -> dict:
         t.tensor_type.name for t in r.tensors if t.name.endswith(".weight") and len(t.shape) == 2
     )
     embd = next(t.tensor_type.name for t in r.tensors if t.name == "token_embd.weight")
+    # the linear weights (blk.* matrices): stored bits per element
+    lin = [t for t in r.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    linear_bits = 8 * sum(int(t.n_bytes) for t in lin) / sum(int(t.n_elements) for t in lin)
     del r
     llm = LlamaCpp(path, n_ctx=args.ctx + 8, n_threads=args.threads, verify=False)
     t0 = time.perf_counter()
@@ -126,6 +143,7 @@ def measure(path: Path, windows, args) -> dict:
         "bpw": 8 * size / n_params,
         "types": dict(types),
         "token_embd": embd,
+        "linear_bits": linear_bits,
         "nll": nll,
         "eval_s": t_eval,
         "prefill_tps": prefill,
@@ -155,14 +173,15 @@ def table(res: dict[str, dict], ctx: int) -> str:
         f"load average during the runs {min(r['load'][0] for r in res.values()):.2f}-"
         f"{max(r['load'][0] for r in res.values()):.2f}",
         "",
-        "| GGUF | file MiB | bits/weight | token_embd | ppl | vs Q4_K_M (95% CI) "
+        "| GGUF | file MiB | bits/weight | linear bits | token_embd | ppl | vs Q4_K_M (95% CI) "
         "| vs bf16 (95% CI) | prefill tok/s | decode tok/s | decode x bf16 |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in sorted(res.items(), key=lambda kv: kv[1]["file_bytes"]):
         x = np.asarray(r["nll"])
         lines.append(
-            f"| {name} | {r['file_bytes'] / 2**20:.1f} | {r['bpw']:.2f} | {r['token_embd']} | "
+            f"| {name} | {r['file_bytes'] / 2**20:.1f} | {r['bpw']:.2f} | "
+            f"{r.get('linear_bits', float('nan')):.2f} | {r['token_embd']} | "
             f"{math.exp(x.mean()):.3f} | {_ratio(x, q4km) if name != 'llama-q4_k_m' else ''} "
             f"| {_ratio(x, ref) if name != 'bf16' else ''} | {r['prefill_tps']:.0f} | "
             f"{r['decode_tps']:.1f} | {r['decode_tps'] / base_dec:.2f} |"
@@ -186,6 +205,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--gguf", action="append", default=[], metavar="NAME=PATH", help="a GGUF as it is"
+    )
+    ap.add_argument("--only", help="comma-separated variants to build and measure")
     args = ap.parse_args()
 
     from microscale.export.llamacpp import LlamaCpp

@@ -7,6 +7,8 @@
     microscale quantize -c runs/tiny -o out/g ptq.method=gptq        # GPTQ
     microscale quantize -c runs/tiny -o out/q layout=gguf budget=5.0
         # llama.cpp: searches nvfp4, mxfp4, q8_0, bf16 only; writes out/q/model.gguf
+    microscale quantize -c runs/tiny -o out/q layout=gguf budget=5.5 count_other_params=true
+        # the budget counts the whole model; the search picks the token embedding's format
     microscale quantize -c /models/SmolLM2-135M -o out/s corpus=texts/
         # an HF Llama folder, calibrated on texts/ with the model's own tokenizer
     microscale quantize --list-keys                  # every key with its value and meaning
@@ -182,9 +184,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ppl = result.val_ppl
     s = result.points["searched"]
+    embed = "" if result.embed_format is None else f", token embedding {result.embed_format}"
     print(
         f"searched {result.allocation.effective_bits:.3f} bits ({s['linear_bits']:.3f} in the "
-        f"linear layers, {s['model_bits']:.3f} in the whole model): val ppl "
+        f"linear layers, {s['model_bits']:.3f} in the whole model{embed}): val ppl "
         f"{ppl['searched']:.4f} (bf16 {ppl['bf16']:.4f}, heuristic {ppl['heuristic']:.4f} "
         f"@ {result.points['heuristic']['effective_bits']:.2f} bits) -> {args.out}"
     )

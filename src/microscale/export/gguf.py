@@ -66,6 +66,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -93,6 +94,7 @@ __all__ = [
     "GGUF_FORMATS",
     "GGUFResult",
     "GGUFVocab",
+    "embed_values",
     "gguf_embed_format",
     "gguf_format",
     "gguf_layer_formats",
@@ -171,12 +173,28 @@ def gguf_embed_format(fmt: str) -> str:
     return stored
 
 
+def _embed_qarray(x: Any, fmt: str) -> QArray:
+    """A ``[vocab, d_model]`` table quantized as a GGUF stores it in the quantized ``fmt``:
+    along ``d_model`` (one block row per token), from float32."""
+    return quantize(jnp.asarray(x, jnp.float32), gguf_embed_format(fmt), axis=1)
+
+
+def embed_values(x: Any, fmt: str) -> jax.Array:
+    """The float32 ``[vocab, d_model]`` values llama.cpp decodes from the table ``x``
+    stored in the quantized ``fmt`` (:func:`write_gguf`'s ``embed_format``): what the
+    search scores a token embedding / LM head format with (``microscale.ptq``); bf16: the
+    table rounded to bfloat16."""
+    if gguf_embed_format(fmt) == "bf16":
+        return jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
+    return dequantize(_embed_qarray(x, fmt))
+
+
 def _embed_tensor(x: Any, fmt: str, name: str, dtype: str) -> tuple[np.ndarray, Any]:
     """A ``[vocab, d_model]`` embedding (or transposed LM head kernel) as stored: ``dtype``
     when ``fmt`` is bf16, else quantized along ``d_model`` (one block row per token)."""
     if fmt == "bf16":
         return _float_tensor(x, dtype)
-    return gguf_tensor(quantize(jnp.asarray(x, jnp.float32), fmt, axis=1), name)
+    return gguf_tensor(_embed_qarray(x, fmt), name)
 
 
 def tensor_name(path: str) -> str:
@@ -560,9 +578,6 @@ def write_gguf(
 ) -> GGUFResult:
     """Write ``model`` as a llama.cpp GGUF file (see the module doc).
 
-    Long: its split (config, vocab, tensors, file) waits for issue #23's quantized
-    embedding, which edits this function in parallel.
-
     Args:
       model: a ``Transformer``, its params (kernels may be pre-quantized QArrays, e.g. from
         PTQ: stored byte for byte when their format is native to ggml), or a
@@ -583,7 +598,7 @@ def write_gguf(
     """
     from microscale.export.writer import _source
 
-    gguf = _gguf()
+    _gguf()  # without the gguf package: refused before any work
     if dtype not in _FLOAT_TYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_FLOAT_TYPES)}")
     out = Path(path)
@@ -603,7 +618,25 @@ def write_gguf(
     vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
     check_params(params, cfg)
-    for key, v in params.items():  # checked here: formats' amax may not see a NaN
+    _check_finite(params)
+    formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
+    # Every tensor is built and validated before the file is touched.
+    tensors = _tensors(params, cfg, formats, emb_fmt, dtype)
+    tok = _write_file(out, name or out.stem, cfg, vocab, tensors)
+    return GGUFResult(
+        path=out,
+        layers=formats,
+        tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
+        tokenizer=tok,
+        config=cfg,
+        embedding=emb_fmt,
+    )
+
+
+def _check_finite(params: Mapping[str, Any]) -> None:
+    """ValueError naming the first tensor with a NaN or Inf (checked before quantizing:
+    formats' amax may not see a NaN)."""
+    for key, v in params.items():
         a = dequantize(v) if isinstance(v, QArray) else jnp.asarray(v, jnp.float32)
         if not np.isfinite(np.asarray(a)).all():
             where = (
@@ -615,7 +648,16 @@ def write_gguf(
                 f"{where}: non-finite weights (NaN or Inf); refusing to write a "
                 "file llama.cpp would misread"
             )
-    formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
+
+
+_Tensor = tuple[str, np.ndarray, Any]  # (GGUF name, stored array, raw ggml type or None)
+
+
+def _tensors(
+    params: Mapping[str, Any], cfg: ModelConfig, formats: Mapping[str, str], emb_fmt: str, dtype
+) -> list[_Tensor]:
+    """Every tensor of the file in order, as stored: the token embedding in ``emb_fmt``,
+    the norms, the linear layers in ``formats`` (with their ``.scale``), an untied LM head."""
     # Kernels that are not already in their stored format are decoded (8-bit -> Q8_0).
     params = dict(params)
     for p, f in formats.items():
@@ -624,24 +666,19 @@ def write_gguf(
             params[f"{p}.kernel"] = np.asarray(dequantize(L.to_kernel_orientation(v)))
     layers = {p: L.LayerQuant(weights=f) for p, f in formats.items()}
     quantized = L.quantize_linear_weights(params, cfg, layers)
-
-    # Every tensor is built and validated before the file is touched.
-    tensors: list[tuple[str, np.ndarray, Any]] = []
-
-    def add_float(tname, x, dt=dtype):
-        arr, raw = _float_tensor(x, dt)
-        tensors.append((tname, arr, raw))
-
-    tensors.append(
+    tensors: list[_Tensor] = [
         (
             "token_embd.weight",
             *_embed_tensor(params["embed.embedding"], emb_fmt, "token_embd", dtype),
         )
-    )
+    ]
+
+    def add_float(tname, x, dt=dtype):
+        tensors.append((tname, *_float_tensor(x, dt)))
+
     for i in range(cfg.n_layers):
         for sub, gname in _OTHER_NAMES.items():
             add_float(f"blk.{i}.{gname}", params[f"layers.{i}.{sub}"], "float32")
-    hd = cfg.head_dim
     for p in linear_paths(cfg):
         tname = tensor_name(p)
         w = quantized[p]
@@ -651,10 +688,9 @@ def write_gguf(
             else np.asarray(jnp.asarray(w, jnp.float32)).T
         )
         if p.split(".", 2)[2] in _ROPE_PERMUTED:
-            w = _permute_rows(w, _rope_rows(w.shape[0], hd))
+            w = _permute_rows(w, _rope_rows(w.shape[0], cfg.head_dim))
         if isinstance(w, QArray):
-            arr, qtype = gguf_tensor(w, tname)
-            tensors.append((f"{tname}.weight", arr, qtype))
+            tensors.append((f"{tname}.weight", *gguf_tensor(w, tname)))
             if w.spec.has_global_scale:
                 tensors.append(
                     (f"{tname}.scale", np.asarray(w.global_scale, np.float32).reshape(1), None)
@@ -665,20 +701,19 @@ def write_gguf(
             add_float(f"{tname}.weight", w)
     add_float("output_norm.weight", params["final_norm.scale"], "float32")
     if not cfg.tie_embeddings:
-        tensors.append(
-            (
-                "output.weight",
-                *_embed_tensor(
-                    np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T,
-                    emb_fmt,
-                    "output",
-                    dtype,
-                ),
-            )
-        )
+        head = np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T
+        tensors.append(("output.weight", *_embed_tensor(head, emb_fmt, "output", dtype)))
+    return tensors
 
+
+def _write_file(
+    out: Path, name: str, cfg: ModelConfig, vocab: GGUFVocab, tensors: list[_Tensor]
+) -> dict[str, Any]:
+    """The file: Llama metadata, the tokenizer, checksums, ``tensors``; written to a
+    temporary sibling and renamed. Returns the tokenizer entry written."""
+    gguf = _gguf()
     w = gguf.GGUFWriter(None, "llama")
-    w.add_name(name or out.stem)
+    w.add_name(name)
     w.add_vocab_size(cfg.vocab_size)
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.d_model)
@@ -686,7 +721,7 @@ def write_gguf(
     w.add_feed_forward_length(cfg.d_ff)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -705,11 +740,4 @@ def write_gguf(
         w.write_tensors_to_file()
         w.close()
         seal_gguf_header(fh.name)
-    return GGUFResult(
-        path=out,
-        layers=formats,
-        tensor_bytes=sum(a.nbytes for _, a, _ in tensors),
-        tokenizer=tok,
-        config=cfg,
-        embedding=emb_fmt,
-    )
+    return tok

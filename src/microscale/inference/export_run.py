@@ -28,7 +28,7 @@ from microscale.export.registry import (
     quantize_output_model,
 )
 from microscale.export.writer import check_export_out
-from microscale.files import check_input_dir, check_output_file, lock_folder
+from microscale.files import check_input_dir, check_output_file, lock_folder, read_json
 from microscale.inference.evaldata import eval_batches
 from microscale.inference.model import InferenceModel, collect_input_amax
 from microscale.model import PrecisionRules
@@ -64,7 +64,8 @@ class ExportConfig:
     step: int | None = None
     # dtype of the unquantized tensors.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    # GGUF only: the token embedding / tied LM head's format (bf16, q8_0, mxfp4); None:
+    # GGUF only: the token embedding / tied LM head's format (bf16, q8_0, mxfp4); None: the
+    # format a quantize output's search chose (its report.json embed_format), else
     # unquantized, as dtype.
     embed_format: str | None = None
     # Shard a folder's weights above this many GB; None: the writer's default (5 GB).
@@ -121,7 +122,9 @@ def export_run(
       dtype: dtype of the unquantized tensors.
       shard_bytes: shard a folder's weights above this many bytes (default 5 GB).
       embed_format: the token embedding / LM head's format in a GGUF (``bf16``, ``q8_0``,
-        ``mxfp4``; :func:`~microscale.export.gguf.write_gguf`); None: unquantized.
+        ``mxfp4``; :func:`~microscale.export.gguf.write_gguf`); None: the format a
+        quantize output's search chose (``report.json``'s ``embed_format``, written with
+        ``count_other_params=true``), else unquantized.
       overwrite: replace an existing output (an earlier export).
     """
     row = get_layout(layout)
@@ -180,6 +183,16 @@ def _check_options(
     for bad, what, why in unused:
         if bad:
             raise ValueError(f"{what} has no effect {why}")
+
+
+def _searched_embed_format(source) -> str | None:
+    """The token embedding / LM head format a quantize output's search chose (its
+    ``report.json``'s ``embed_format``); None for another source or an unsearched one."""
+    src = Path(source)
+    if not src.is_dir() or detect(src) is not QUANTIZE_OUTPUT:
+        return None
+    got = read_json(src / "report.json", what="quantize report").get("embed_format")
+    return got if isinstance(got, str) else None
 
 
 def _source_folder(source) -> Path:
@@ -248,6 +261,8 @@ def _export_run(
         shard_bytes=shard_bytes,
         embed_format=embed_format,
     )
+    if embed_format is None and row.name == "gguf":
+        embed_format = _searched_embed_format(source)
     src = _source_folder(source)
     tokenizer, seq_len = None, 128
     tok_file = src / "tokenizer.json"

@@ -29,6 +29,7 @@ from microscale.ptq.engine import ActQuant, Engine, next_token_loss
 from microscale.ptq.gptq import gptq_quantize
 from microscale.ptq.pipeline import (
     DEFAULT_FORMATS,
+    EMBED_ITEM,
     QuantizeConfig,
     QuantizeResult,
     allocation_rules,
@@ -53,6 +54,7 @@ from microscale.ptq.sensitivity import (
     kl_loss_scores,
     monotone,
     score,
+    table_scores,
     taylor_scores,
 )
 from microscale.ptq.tap import intercept_linears
@@ -67,6 +69,7 @@ from microscale.ptq.weights import (
 __all__ = [
     "DEFAULT_FORMATS",
     "DEFAULT_GROUPS",
+    "EMBED_ITEM",
     "ActQuant",
     "Allocation",
     "Engine",
@@ -96,6 +99,7 @@ __all__ = [
     "read_own_checkpoint",
     "score",
     "search",
+    "table_scores",
     "taylor_scores",
     "trained_allocation",
     "write_outputs",

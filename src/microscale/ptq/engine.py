@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from microscale.export.gguf import embed_values
 from microscale.formats import QArray, dequantize, get_format, quantize_dequantize, tensor_amax
 from microscale.model import PrecisionRules, apply_rules
 from microscale.ops.loss import cross_entropy
@@ -145,6 +146,15 @@ class Engine:
         # Parameters that are not candidate kernels (embeddings, norms, LM head).
         total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
         self.other_numel = total - sum(self.numel.values())
+        # The tables a GGUF stores in its embed format: the token embedding [vocab,
+        # d_model] and an untied LM head [d_model, vocab] (microscale's Transformer
+        # names) as {param key: True when transposed}; {} for a model without them.
+        self.tables: dict[tuple[str, ...], bool] = {
+            key: transposed
+            for key, transposed in ((("embed", "embedding"), False), (("lm_head", "kernel"), True))
+            if key[0] not in self.paths and _is_matrix(self.params, key)
+        }
+        self.table_numel = sum(int(np.prod(self._get(self.params, k).shape)) for k in self.tables)
 
     # ------------------------------------------------------------------ params helpers
     def _find_kernels(self, params) -> dict[str, tuple]:
@@ -166,22 +176,32 @@ class Engine:
             tree = tree[k]
         return tree
 
-    def with_kernels(self, kernels: Mapping[str, jax.Array]) -> dict:
-        """A params tree with some kernels replaced (copy on write; shapes must match)."""
-        out = dict(self.params)
+    def with_kernels(self, kernels: Mapping[str, jax.Array], params: dict | None = None) -> dict:
+        """A params tree (default: the model's) with some kernels replaced (copy on write;
+        shapes must match)."""
+        out = dict(self.params if params is None else params)
         for path, value in kernels.items():
-            key = self._kernel_keys[path]
             ref = self.kernels[path]
             if tuple(value.shape) != tuple(ref.shape):
                 raise ValueError(
                     f"kernel for {path!r} has shape {tuple(value.shape)}; "
                     f"expected {tuple(ref.shape)}"
                 )
-            node = out
-            for k in key[:-1]:
-                node[k] = dict(node[k])
-                node = node[k]
-            node[key[-1]] = jnp.asarray(value, ref.dtype)
+            _set(out, self._kernel_keys[path], jnp.asarray(value, ref.dtype))
+        return out
+
+    def with_tables(self, fmt: str, params: dict | None = None) -> dict:
+        """A params tree (default: the model's) whose token embedding and untied LM head
+        (:attr:`tables`) hold the values llama.cpp decodes from them stored in ``fmt``
+        (:func:`microscale.export.gguf.embed_values`); ``fmt`` unquantized: unchanged."""
+        out = dict(self.params if params is None else params)
+        if not get_format(fmt).quantized:
+            return out
+        for key, transposed in self.tables.items():
+            ref = self._get(self.params, key)
+            table = ref.T if transposed else ref
+            values = embed_values(table, fmt)
+            _set(out, key, jnp.asarray(values.T if transposed else values, ref.dtype))
         return out
 
     def _model(self, params):
@@ -504,6 +524,24 @@ class Engine:
         _, sel, amax = self._act_inputs(act)
         kl, nll = fn(params, jnp.asarray(tokens), ref_logp, sel, amax)
         return float(kl), float(nll)
+
+
+def _is_matrix(params: dict, key: tuple[str, ...]) -> bool:
+    node: Any = params
+    for k in key:
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return len(getattr(node, "shape", ())) == 2
+
+
+def _set(tree: dict, key: tuple, value: Any) -> None:
+    """``tree[key[0]]...[key[-1]] = value``, copying each dict on the way (copy on write)."""
+    node = tree
+    for k in key[:-1]:
+        node[k] = dict(node[k])
+        node = node[k]
+    node[key[-1]] = value
 
 
 def _probe(terms: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.export.gguf import GGUF_FORMATS
+from microscale.export.gguf import EMBED_FORMATS, GGUF_FORMATS
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import SLOTS, OperandSpec, Recipe
@@ -70,7 +70,7 @@ from microscale.ptq.search import (
     model_bits,
     search,
 )
-from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score
+from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score, table_scores
 from microscale.ptq.weights import (
     QuantizedWeight,
     WeightPTQ,
@@ -80,6 +80,7 @@ from microscale.ptq.weights import (
 
 __all__ = [
     "DEFAULT_FORMATS",
+    "EMBED_ITEM",
     "GGUF_CANDIDATES",
     "QuantizeConfig",
     "QuantizeResult",
@@ -94,6 +95,9 @@ DEFAULT_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "bf16")
 GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 DEFAULT_PIN = ((r"(.*\.)?lm_head", "bf16"), (r"(.*\.)?embed(_tokens|ding)?", "bf16"))
 DEFAULT_PARETO = (4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5)
+# The search's item for the token embedding / LM head (QuantizeConfig.embed_formats): a
+# name no linear layer path takes.
+EMBED_ITEM = "<embedding>"
 
 
 def _check_format_list(name: str, fmts) -> tuple[str, ...]:
@@ -147,9 +151,17 @@ class QuantizeConfig:
     groups: tuple[tuple[str, str], ...] = DEFAULT_GROUPS
     # (regex, format) layers forced to a format (still counted in the budget).
     pin: tuple[tuple[str, str], ...] = DEFAULT_PIN
-    # Count the non-linear parameters (embeddings, norms, LM head) at 16 bits in the
-    # effective bits (False: the budget covers the candidate linear layers only).
+    # Count the non-linear parameters (embeddings, norms, LM head) in the effective bits:
+    # the token embedding / LM head at its searched format (embed_formats), the rest at 16
+    # bits (False: the budget covers the candidate linear layers only).
     count_other_params: bool = False
+    # Candidate formats of the token embedding / LM head (a tied model's one table, an
+    # untied model's embedding and LM head together), one more item of the search whose
+    # scores are measured with the table stored so in a GGUF (microscale.export.gguf.
+    # EMBED_FORMATS: bf16 and GGUF's formats without a global scale). Searched only with
+    # count_other_params. None: EMBED_FORMATS there, except with method "gradient" (its
+    # Fisher units have no measured counterpart for a table: the table stays bf16).
+    embed_formats: tuple[str, ...] | None = None
     # Knapsack solver: "auto", "dp" (exact dynamic program) or "milp" (scipy HiGHS).
     solver: str = "auto"
     # Budgets of the searched points of the Pareto curve.
@@ -213,6 +225,29 @@ class QuantizeConfig:
         object.__setattr__(self, "pareto_budgets", budgets)
         if not isinstance(self.ptq, WeightPTQ):
             raise TypeError(f"QuantizeConfig.ptq={self.ptq!r}: expected a WeightPTQ")
+        if self.embed_formats is not None:
+            self._check_embed_formats()
+
+    def _check_embed_formats(self) -> None:
+        fmts = _check_format_list("embed_formats", self.embed_formats)
+        object.__setattr__(self, "embed_formats", fmts)
+        bad = [f for f in fmts if f not in EMBED_FORMATS]
+        if bad:
+            raise ValueError(
+                f"QuantizeConfig.embed_formats: {bad} cannot store the token embedding "
+                f"(a GGUF stores it as one of {list(EMBED_FORMATS)})"
+            )
+        if not self.count_other_params:
+            raise ValueError(
+                "QuantizeConfig.embed_formats has no effect without count_other_params=true "
+                "(only a budget that counts the whole model searches the embedding)"
+            )
+        if self.method == "gradient" and any(get_format(f).quantized for f in fmts):
+            raise ValueError(
+                "QuantizeConfig.embed_formats: method 'gradient' cannot score the token "
+                "embedding (its Fisher units have no measured counterpart); use taylor, "
+                "loss or kl, or embed_formats=bf16"
+            )
 
     @classmethod
     def for_gguf(cls, **overrides: Any) -> QuantizeConfig:
@@ -227,6 +262,16 @@ class QuantizeConfig:
                 **overrides,
             }
         )
+
+    @property
+    def searched_embed_formats(self) -> tuple[str, ...]:
+        """The token embedding's candidates in the search (``embed_formats``, or its
+        default); () when it is not an item (counted at 16 bits, or not at all)."""
+        if not self.count_other_params:
+            return ()
+        if self.embed_formats is not None:
+            return self.embed_formats
+        return () if self.method == "gradient" else EMBED_FORMATS
 
     @property
     def use_monotone(self) -> bool:
@@ -355,8 +400,17 @@ class QuantizeResult:
     timings: dict[str, float]
     # Peak resident memory of each phase in GiB (microscale.ptq.phases).
     peak_rss_gb: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The token embedding / LM head item when the search chose its format
+    # (QuantizeConfig.embed_formats): {"format", "numel", "candidates", "scores",
+    # "scores_raw"}; None when it is not searched (stored bf16).
+    embedding: dict[str, Any] | None = None
     # The engine (model view) used; not serialized.
     engine: Engine | None = None
+
+    @property
+    def embed_format(self) -> str | None:
+        """The searched format of the token embedding / LM head (None: not searched)."""
+        return None if self.embedding is None else self.embedding["format"]
 
     @property
     def val_ppl(self) -> dict[str, float]:
@@ -401,6 +455,12 @@ class QuantizeResult:
             "timings": self.timings,
             "peak_rss_gb": self.peak_rss_gb,
             "config": _jsonable(self.config.to_dict()),
+            # only when searched: a default report is what it was before the item existed
+            **(
+                {}
+                if self.embedding is None
+                else {"embedding": self.embedding, "embed_format": self.embed_format}
+            ),
         }
 
 
@@ -481,9 +541,6 @@ def quantize_model(
 ) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
 
-    Long: the run's phases in order over shared state; its split into one function per
-    phase waits for issue #23's changes to this function, made in parallel.
-
     Args:
       model: an NNX model with linear layers (left untouched: a private copy is used).
       calib_batches: int token batches ``[n, rows, seq + 1]`` (held out; calibration).
@@ -500,39 +557,145 @@ def quantize_model(
     say = log or (lambda _msg: None)
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
+    phases = Phases(log)
+    with phases.phase("setup", total=1, unit="model"):
+        engine = Engine(model, loss_fn=loss_fn)
+    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
+    paths = engine.paths
+    # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
+    act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases)
+    raw, scores, stats = _score_layers(engine, weights, calib, cfg, static, phases, say)
+    embed = _score_embedding(engine, calib, cfg, phases)
+    # 3. search
+    with phases.phase("search", total=1, unit="solve"):
+        problem = _problem(engine, cfg, scores, groups, pinned, embed)
+        alloc = search(problem, cfg.budget, solver=cfg.solver)
+    if embed is not None:
+        embed["format"] = alloc.formats[EMBED_ITEM]
+    say(
+        f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
+        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
+    )
+    # 4. evaluation, 5. the effect of each PTQ choice
+    evaluator = _Evaluator(engine, weights, evals, cfg, static, problem, trained)
+    with phases.phase("evaluate", total=None) as tick:
+        evaluator.progress = tick
+        points, comparisons = _evaluate(evaluator, problem, alloc, groups, pinned, trained, say)
+    effects: dict[str, Any] = {}
+    if cfg.ptq_effects:
+        with phases.phase("ptq_effects", total=None) as tick:
+            evaluator.progress = tick
+            effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
+    evaluator.progress = None
+    return _result(
+        cfg,
+        engine,
+        weights,
+        alloc,
+        calib,
+        calibration,
+        phases,
+        groups=groups,
+        pinned=pinned,
+        act_amax=act_amax,
+        weight_stats=stats,
+        scores_raw=raw,
+        scores=scores,
+        points=points,
+        comparisons=comparisons,
+        ptq_effects=effects,
+        embedding=embed,
+    )
+
+
+def _result(
+    cfg: QuantizeConfig,
+    engine: Engine,
+    weights: _Weights,
+    alloc: Allocation,
+    calib,
+    calibration: Mapping[str, Any] | None,
+    phases: Phases,
+    **fields: Any,
+) -> QuantizeResult:
+    """The result: the searched allocation of the linear layers (the embedding item's
+    format is in ``fields["embedding"]``), its rules and weights, and ``fields``."""
+    linear = dataclasses.replace(alloc, formats=_linear(alloc.formats))
+    return QuantizeResult(
+        config=cfg,
+        paths=engine.paths,
+        numel=dict(engine.numel),
+        allocation=linear,
+        rules=allocation_rules(linear.formats, cfg.activations),
+        weights=weights.for_assignment(linear.formats, cfg.ptq),
+        calibration=dict(
+            calibration or {},
+            batches=len(calib),
+            tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib)),
+        ),
+        timings=phases.timings,
+        peak_rss_gb=phases.peak_rss_gb,
+        engine=engine,
+        **fields,
+    )
+
+
+def _setup(
+    engine: Engine,
+    cfg: QuantizeConfig,
+    calib: Sequence[np.ndarray],
+    evals: Sequence[np.ndarray],
+    trained: Mapping[str, str] | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, str], dict[str, str], dict[str, str] | None]:
+    """The layers' groups, pins and trained formats (:func:`_trained`); refuses a run
+    without calibration or evaluation batches."""
     if not calib or not evals:
         raise ValueError(
             f"quantize_model needs calibration and evaluation batches (got "
             f"{len(calib)} and {len(evals)})"
         )
-    phases = Phases(log)
-    with phases.phase("setup", total=1, unit="model"):
-        engine = Engine(model, loss_fn=loss_fn)
-    paths = engine.paths
-    groups = group_layers(paths, cfg.groups)
+    groups = group_layers(engine.paths, cfg.groups)
+    pinned = _pins(engine.paths, cfg.pin)
+    say(
+        f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
+        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
+    )
+    return groups, pinned, _trained(trained, engine.paths, pinned)
+
+
+def _pins(paths: Sequence[str], pin: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """{path: format} of the layers the first matching ``pin`` regex forces."""
     pinned = {}
     for p in paths:
-        for pattern, fmt in cfg.pin:
+        for pattern, fmt in pin:
             if re.fullmatch(pattern, p):
                 pinned[p] = fmt
                 break
-    if trained is not None:
-        missing = sorted(set(paths) - set(trained))
-        if missing:
-            raise ValueError(
-                f"quantize_model: trained allocation has no format for "
-                f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
-                f"for every linear layer"
-            )
-        trained = {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
-    extra = engine.other_numel if cfg.count_other_params else 0
-    say(
-        f"quantize: {len(paths)} linear layers in {len(set(groups.values()))} groups, "
-        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
-    )
+    return pinned
 
-    # 1. calibration: input amax (and GPTQ's input Hessians); weight statistics come with
-    # the quantized weights.
+
+def _trained(
+    trained: Mapping[str, str] | None, paths: Sequence[str], pinned: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The trained allocation with registry names, pinned layers keeping their pin."""
+    if trained is None:
+        return None
+    missing = sorted(set(paths) - set(trained))
+    if missing:
+        raise ValueError(
+            f"quantize_model: trained allocation has no format for "
+            f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
+            f"for every linear layer"
+        )
+    return {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
+
+
+def _calibrate(
+    engine: Engine, calib, cfg: QuantizeConfig, groups: Mapping[str, str], phases: Phases
+) -> tuple[dict[str, float], dict[str, float] | None, _Weights]:
+    """Phase 1: every layer's input amax (and GPTQ's input Hessians); returns the amax, the
+    static input amax of W4A4 (None: weight-only or dynamic) and the weights' source."""
     gptq = cfg.ptq.method == "gptq"
     with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
         act_amax = engine.input_amax(calib, progress=tick)
@@ -546,15 +709,27 @@ def quantize_model(
             tick(len(calib))
         elif gptq:
             hessians = engine.input_hessians(calib, progress=tick)
-    weights = _Weights(engine, groups, hessians)
+    return act_amax, static, _Weights(engine, groups, hessians)
+
+
+def _score_layers(
+    engine: Engine,
+    weights: _Weights,
+    calib,
+    cfg: QuantizeConfig,
+    static: Mapping[str, float] | None,
+    phases: Phases,
+    say: Callable[[str], None],
+) -> tuple[dict, dict, dict]:
+    """Phase 2: every candidate of every layer quantized (packed QArrays, compactly), then
+    scored, one capture pass per batch; returns (raw scores, corrected scores, weight
+    statistics)."""
     with phases.phase("quantize_weights", total=len(cfg.formats), unit="format") as tick:
         cand = {}
-        for f in cfg.formats:  # packed QArrays: every candidate of every layer, compactly
+        for f in cfg.formats:
             cand[f] = weights.get(f, cfg.ptq)
             tick()
     stats = _weight_stats(engine, cand)
-
-    # 2. sensitivity: one capture pass per batch, each layer's candidates in turn
     with phases.phase("score", total=len(calib)) as tick:
         raw = score(
             engine,
@@ -566,81 +741,71 @@ def quantize_model(
             progress=tick,
         )
         scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
-    del cand
     say(
-        f"quantize: {cfg.method} scores for {len(paths)} layers x {len(cfg.formats)} formats "
-        f"in {phases.timings['score_s']:.1f}s"
+        f"quantize: {cfg.method} scores for {len(engine.paths)} layers x {len(cfg.formats)} "
+        f"formats in {phases.timings['score_s']:.1f}s"
     )
+    return raw, scores, stats
 
-    # 3. search
-    with phases.phase("search", total=1, unit="solve"):
-        problem = Problem(
-            formats=cfg.formats,
-            scores=scores,
-            numel=engine.numel,
-            groups=groups,
-            pinned=pinned,
-            extra_numel=extra,
-        )
-        alloc = search(problem, cfg.budget, solver=cfg.solver)
-    say(
-        f"quantize: searched allocation at {alloc.effective_bits:.3f} bits "
-        f"(budget {cfg.budget}) {alloc.counts()} in {alloc.solve_time_s * 1e3:.1f} ms"
-    )
 
-    # 4. evaluation
-    evaluator = _Evaluator(
-        engine, weights, evals, cfg, static, extra, extra_formats=tuple((trained or {}).values())
-    )
-    with phases.phase("evaluate", total=None) as tick:
-        evaluator.progress = tick
-        points: dict[str, dict[str, Any]] = {}
-        for f in cfg.uniform_formats:
-            label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
-            points[label] = evaluator.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
-        if "bf16" not in points:
-            points["bf16"] = evaluator.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
-        heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
-        points["heuristic"] = evaluator.point(heur, cfg.ptq, kind="heuristic")
-        points["searched"] = evaluator.point(
-            alloc.formats, cfg.ptq, kind="searched", budget=cfg.budget
+def _evaluate(
+    ev: _Evaluator,
+    problem: Problem,
+    alloc: Allocation,
+    groups: Mapping[str, str],
+    pinned: Mapping[str, str],
+    trained: Mapping[str, str] | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
+    """Phase 4: the points (uniform formats, the heuristic, the searched allocation, the
+    search at the heuristic's bits and at each Pareto budget, the trained allocation) and
+    the paired differences of the searched and trained ones against the references."""
+    cfg, paths = ev.cfg, ev.engine.paths
+    points: dict[str, dict[str, Any]] = {}
+    for f in cfg.uniform_formats:
+        label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
+        points[label] = ev.point(_uniform(paths, f, pinned), cfg.ptq, kind="uniform")
+    if "bf16" not in points:
+        points["bf16"] = ev.point(_uniform(paths, "bf16", {}), cfg.ptq, kind="uniform")
+    heur = heuristic_allocation(paths, *cfg.heuristic, pinned=pinned, groups=groups)
+    points["heuristic"] = ev.point(heur, cfg.ptq, kind="heuristic")
+    points["searched"] = ev.point(alloc.formats, cfg.ptq, kind="searched", budget=cfg.budget)
+    hb = points["heuristic"]["effective_bits"]
+    try:
+        at_h = search(problem, hb + 1e-9, solver=cfg.solver)
+        points["searched_at_heuristic_bits"] = ev.point(
+            at_h.formats, cfg.ptq, kind="searched", budget=hb
         )
-        hb = points["heuristic"]["effective_bits"]
+    except ValueError:
+        pass
+    for b in cfg.pareto_budgets:
         try:
-            at_h = search(problem, hb + 1e-9, solver=cfg.solver)
-            points["searched_at_heuristic_bits"] = evaluator.point(
-                at_h.formats, cfg.ptq, kind="searched", budget=hb
-            )
+            a = search(problem, b, solver=cfg.solver)
         except ValueError:
-            pass
-        for b in cfg.pareto_budgets:
-            try:
-                a = search(problem, b, solver=cfg.solver)
-            except ValueError:
-                say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
-                continue
-            points[f"pareto_{b:g}"] = evaluator.point(a.formats, cfg.ptq, kind="searched", budget=b)
-        comparisons = {}
-        refs = {
-            "heuristic": heur,
-            "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
-            "bf16": _uniform(paths, "bf16", {}),
-        }
-        compared = {"searched": (alloc.formats, cfg.ptq)}
-        if trained is not None:
-            # QAT trained its weights against round-to-nearest, and export rounds so
-            roundings = {"trained": WeightPTQ.rtn()}
-            if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
-                roundings["trained_ptq"] = cfg.ptq
-            for label, ptq in roundings.items():
-                points[label] = evaluator.point(trained, ptq, kind=label)
-                compared[label] = (trained, ptq)
-        for label, (assignment, ptq) in compared.items():
-            for name, ref in refs.items():
-                if name in points:
-                    comparisons[f"{label} - {name}"] = evaluator.paired(
-                        assignment, ref, ptq, cfg.ptq
-                    )
+            say(f"quantize: pareto budget {b} is infeasible with formats {cfg.formats}")
+            continue
+        points[f"pareto_{b:g}"] = ev.point(a.formats, cfg.ptq, kind="searched", budget=b)
+    refs = {
+        "heuristic": heur,
+        "uniform_nvfp4": _uniform(paths, "nvfp4", pinned),
+        "bf16": _uniform(paths, "bf16", {}),
+    }
+    compared: dict[str, tuple[Mapping[str, str], WeightPTQ]] = {
+        "searched": (alloc.formats, cfg.ptq)
+    }
+    if trained is not None:
+        # QAT trained its weights against round-to-nearest, and export rounds so
+        roundings = {"trained": WeightPTQ.rtn()}
+        if cfg.ptq.mse_scale or cfg.ptq.four_over_six or cfg.ptq.method != "rtn":
+            roundings["trained_ptq"] = cfg.ptq
+        for label, ptq in roundings.items():
+            points[label] = ev.point(trained, ptq, kind=label)
+            compared[label] = (trained, ptq)
+    comparisons = {}
+    for label, (assignment, ptq) in compared.items():
+        for name, ref in refs.items():
+            if name in points:
+                comparisons[f"{label} - {name}"] = ev.paired(assignment, ref, ptq, cfg.ptq)
     say(
         "quantize: val ppl "
         + ", ".join(
@@ -649,40 +814,75 @@ def quantize_model(
             if not k.startswith("pareto_")
         )
     )
+    return points, comparisons
 
-    # 5. effect of each PTQ choice
-    effects: dict[str, Any] = {}
-    if cfg.ptq_effects:
-        with phases.phase("ptq_effects", total=None) as tick:
-            evaluator.progress = tick
-            effects = _ptq_effects(evaluator, cfg, paths, pinned, alloc, act_amax)
-    evaluator.progress = None
 
-    return QuantizeResult(
-        config=cfg,
-        paths=paths,
-        numel=dict(engine.numel),
-        groups=groups,
+def _score_embedding(
+    engine: Engine, calib, cfg: QuantizeConfig, phases: Phases
+) -> dict[str, Any] | None:
+    """The token embedding / LM head item (:attr:`QuantizeResult.embedding`, its format
+    chosen by the search) when ``cfg`` searches it and the model has the table; None
+    otherwise (an explicit ``embed_formats`` on a model without one is refused)."""
+    fmts = cfg.searched_embed_formats
+    if not fmts:
+        return None
+    if not engine.tables:
+        if cfg.embed_formats is None:
+            return None  # count_other_params on a model without a token embedding
+        raise ValueError(
+            f"QuantizeConfig.embed_formats={list(fmts)}: the model has no token embedding "
+            "table (embed.embedding) to search a format for"
+        )
+    n_q = sum(get_format(f).quantized for f in fmts)
+    per_batch = n_q + (n_q > 0 and cfg.method != "kl")  # kl: its reference in the pass
+    with phases.phase("score_embedding", total=len(calib) * per_batch) as tick:
+        raw = table_scores(engine, calib, fmts, cfg.method, progress=tick)
+    return {
+        "format": None,
+        "numel": engine.table_numel,
+        "candidates": list(fmts),
+        "scores": monotone({EMBED_ITEM: raw}, fmts)[EMBED_ITEM] if cfg.use_monotone else raw,
+        "scores_raw": raw,
+    }
+
+
+def _problem(
+    engine: Engine,
+    cfg: QuantizeConfig,
+    scores: Mapping[str, Mapping[str, float]],
+    groups: Mapping[str, str],
+    pinned: Mapping[str, str],
+    embed: Mapping[str, Any] | None,
+) -> Problem:
+    """The search over the linear layers, the other parameters counted at 16 bits with
+    ``count_other_params``, or the token embedding / LM head among them as one more item
+    (:data:`EMBED_ITEM`, with its own candidates)."""
+    extra = engine.other_numel if cfg.count_other_params else 0
+    if embed is None:
+        return Problem(
+            formats=cfg.formats,
+            scores=scores,
+            numel=engine.numel,
+            groups=groups,
+            pinned=pinned,
+            extra_numel=extra,
+        )
+    if EMBED_ITEM in engine.numel:  # pragma: no cover - no module path has "<"
+        raise ValueError(f"a linear layer is named {EMBED_ITEM!r}, the embedding item's name")
+    return Problem(
+        formats=cfg.formats,
+        scores={**scores, EMBED_ITEM: embed["scores"]},
+        numel={**engine.numel, EMBED_ITEM: embed["numel"]},
+        groups={**groups, EMBED_ITEM: EMBED_ITEM},
         pinned=pinned,
-        act_amax=act_amax,
-        weight_stats=stats,
-        scores_raw=raw,
-        scores=scores,
-        allocation=alloc,
-        points=points,
-        comparisons=comparisons,
-        ptq_effects=effects,
-        rules=allocation_rules(alloc.formats, cfg.activations),
-        weights=weights.for_assignment(alloc.formats, cfg.ptq),
-        calibration=dict(
-            calibration or {},
-            batches=len(calib),
-            tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in calib)),
-        ),
-        timings=phases.timings,
-        peak_rss_gb=phases.peak_rss_gb,
-        engine=engine,
+        options={EMBED_ITEM: tuple(embed["candidates"])},
+        extra_numel=extra - embed["numel"],
     )
+
+
+def _linear(assignment: Mapping[str, str]) -> dict[str, str]:
+    """``assignment`` without the embedding item: the linear layers' formats."""
+    return {p: f for p, f in assignment.items() if p != EMBED_ITEM}
 
 
 def _weight_stats(
@@ -718,21 +918,28 @@ class _Evaluator:
         evals,
         cfg: QuantizeConfig,
         static_amax,
-        extra_numel: int,
-        extra_formats: Sequence[str] = (),
+        problem: Problem,
+        trained: Mapping[str, str] | None = None,
     ):
         self.engine, self.weights, self.evals, self.cfg = engine, weights, evals, cfg
         self.static_amax = static_amax
-        self.extra = extra_numel
+        # allocations are priced as the search prices them: the problem's elements (the
+        # embedding item among them when searched: every allocation then has a format for
+        # it, bf16 unless given) and its extra elements at 16 bits
+        self.extra = problem.extra_numel
+        self.numel = dict(problem.numel)
+        self.embed = EMBED_ITEM in self.numel
+        self.other_numel = engine.other_numel - self.numel.get(EMBED_ITEM, 0)
         self._cache: dict[Any, np.ndarray] = {}
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
+        trained_formats = tuple((trained or {}).values())
         self.palette = tuple(
             sorted(
                 {
                     f
-                    for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *extra_formats)
+                    for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *trained_formats)
                     if get_format(f).quantized
                 }
             )
@@ -751,6 +958,7 @@ class _Evaluator:
     ) -> np.ndarray:
         acts = self.cfg.activations if activations is None else activations
         amax = self.static_amax if amax is None and activations is None else amax
+        assignment = self._full(assignment)
         key = (
             tuple(sorted(assignment.items())),
             ptq,
@@ -758,9 +966,12 @@ class _Evaluator:
             None if amax is None else tuple(sorted(amax.items())),
         )
         if key not in self._cache:
-            qw = self.weights.for_assignment(assignment, ptq)
+            linear = _linear(assignment)
+            qw = self.weights.for_assignment(linear, ptq)
             params = self.engine.with_kernels({p: w.values for p, w in qw.items()})
-            act = ActQuant.matching(assignment, amax, self.palette) if acts else None
+            if EMBED_ITEM in assignment:
+                params = self.engine.with_tables(assignment[EMBED_ITEM], params)
+            act = ActQuant.matching(linear, amax, self.palette) if acts else None
             self._cache[key] = self.engine.batch_losses(
                 params, self.evals, act, progress=self.progress
             )
@@ -798,20 +1009,31 @@ class _Evaluator:
     ) -> dict[str, Any]:
         losses = self.batch_losses(assignment, ptq, **kw)
         loss = float(np.mean(losses))
-        bits = effective_bits(assignment, self.engine.numel, extra_numel=self.extra)
+        full, linear = self._full(assignment), _linear(assignment)
+        bits = effective_bits(full, self.numel, extra_numel=self.extra)
         # per-batch losses: pairs with any other point (or run) on the same batches
         out = {
             "kind": kind,
             "effective_bits": bits,
-            **model_bits(assignment, self.engine.numel, self.engine.other_numel),
+            **model_bits(full, self.numel, self.other_numel),
+            "linear_bits": effective_bits(linear, self.engine.numel),
             "val_loss": loss,
             "val_ppl": float(math.exp(loss)),
             "batch_losses": [float(v) for v in losses],
         }
         if budget is not None:
             out["budget"] = budget
-            out["layers"] = dict(assignment)
+            out["layers"] = linear
+        if self.embed:
+            out["embedding"] = full[EMBED_ITEM]
         return out
+
+    def _full(self, assignment: Mapping[str, str]) -> dict[str, str]:
+        """``assignment`` with the embedding item's format (bf16 unless it names one)
+        when the search has the item."""
+        if not self.embed or EMBED_ITEM in assignment:
+            return dict(assignment)
+        return {**assignment, EMBED_ITEM: "bf16"}
 
 
 def _ptq_effects(

@@ -92,6 +92,10 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
         p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
         for p, f in result.allocation.formats.items()
     }
+    # the searched token embedding / LM head format: only a GGUF stores the table quantized
+    # (other layouts keep it bf16; report.json's embed_format serves a later GGUF export)
+    embed = result.embed_format
+    options = {"embed_format": embed} if embed is not None and layout.name == "gguf" else {}
     res = layout.write(
         flat,
         out,
@@ -101,6 +105,7 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
         input_amax=result.act_amax if acts else None,
         tokenizer=tokenizer,
         overwrite=True,
+        **options,
     )
     return res.describe()
 
@@ -304,6 +309,18 @@ def _layer_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _others(report: Mapping[str, Any]) -> str:
+    """How the whole model's bits count the parameters outside the linear layers."""
+    emb = report.get("embedding")
+    if not emb:
+        return "embeddings, norms and LM head counted at 16 bits"
+    scores = ", ".join(f"{f} {v:+.4g}" for f, v in emb["scores"].items())
+    return (
+        f"the token embedding / LM head searched: **{emb['format']}** of {emb['candidates']}, "
+        f"scores {scores}; norms at 16 bits"
+    )
+
+
 def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``report.md``: summary, points, PTQ effects and the per-layer table."""
     pts = report["points"]
@@ -317,8 +334,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         f"{report['solve_time_s'] * 1e3:.1f} ms). Formats: {report['counts']}.",
         "",
         f"Bits per weight: **{_bits(report, 'linear_bits')}** in the linear layers, "
-        f"**{_bits(report, 'model_bits')}** in the whole model (embeddings, norms and LM head "
-        "counted at 16 bits).",
+        f"**{_bits(report, 'model_bits')}** in the whole model ({_others(report)}).",
         "",
         "## Validation perplexity",
         "",

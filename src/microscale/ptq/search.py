@@ -17,7 +17,8 @@ with one set of scales) must share a format: a group is one decision whose score
 cost are the sums over its members. Pinned layers have a single option; they still
 count in the budget. High-precision tensors that are not candidate layers
 (embeddings, LM head) can be counted as a constant ``extra_numel`` elements at
-``extra_bits`` bits.
+``extra_bits`` bits, or be an item of their own with their own candidates (``options``:
+the token embedding / LM head, whose candidates are the formats a GGUF stores it in).
 
 Exactness. Costs are exact rationals (``b_f`` are binary fractions and the budget is
 read from its decimal text), scaled to integers and divided by their gcd: for
@@ -177,6 +178,9 @@ class Problem:
     groups: Mapping[str, str] | None = None
     # {layer path: format} layers that must take that format (they still count as cost).
     pinned: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # {layer path: its own candidate formats} for items whose candidates are not
+    # ``formats`` (the token embedding: bf16 and GGUF's formats without a global scale).
+    options: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     # High-precision elements outside the candidate layers counted in the budget.
     extra_numel: int = 0
     # Bits per element of those extra elements.
@@ -200,16 +204,24 @@ class Problem:
             if p not in self.numel:
                 raise ValueError(f"Problem.pinned names {p!r}, which is not a layer")
             get_format(f)
+        for p, fmts in self.options.items():
+            if p not in self.numel:
+                raise ValueError(f"Problem.options names {p!r}, which is not a layer")
+            if not fmts:
+                raise ValueError(f"Problem.options[{p!r}] is empty")
+            for f in fmts:
+                get_format(f)
         for p in layers:
             if p in self.pinned:
                 continue
             row = self.scores.get(p)
             if row is None:
                 raise ValueError(f"Problem.scores has no row for layer {p!r}")
-            miss = [f for f in self.formats if f not in row]
+            cands = self.candidates(p)
+            miss = [f for f in cands if f not in row]
             if miss:
                 raise ValueError(f"Problem.scores[{p!r}] lacks format(s) {miss}")
-            bad = [f for f in self.formats if not math.isfinite(float(row[f]))]
+            bad = [f for f in cands if not math.isfinite(float(row[f]))]
             if bad:
                 raise ValueError(
                     f"Problem.scores[{p!r}] is not finite for {bad}: { {f: row[f] for f in bad} }"
@@ -218,6 +230,10 @@ class Problem:
             miss = [p for p in layers if p not in self.groups]
             if miss:
                 raise ValueError(f"Problem.groups lacks layer(s) {miss}")
+
+    def candidates(self, path: str) -> tuple[str, ...]:
+        """The formats layer ``path`` may take unless pinned (``options``, else ``formats``)."""
+        return tuple(self.options.get(path, self.formats))
 
     def group_options(
         self,
@@ -242,7 +258,13 @@ class Problem:
                     f"group {g!r} has members pinned to different formats "
                     f"{sorted(pins)}: a group shares one format"
                 )
-            fmts = sorted(pins) if pins else list(self.formats)
+            cands = {self.candidates(p) for p in mem}
+            if len(cands) > 1:
+                raise ValueError(
+                    f"group {g!r} has members with different candidate formats "
+                    f"{sorted(cands)}: a group shares one format"
+                )
+            fmts = sorted(pins) if pins else list(cands.pop())
             n = sum(int(self.numel[p]) for p in mem)
             opts = []
             for f in fmts:

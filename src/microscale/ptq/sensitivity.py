@@ -37,6 +37,14 @@ each (layer, format) then costs one GEMM ``X_l dW_lf``. Quantizing *all* layers 
 ``f``; **loss**: the measured loss increase. Both are exact for that single change but
 cost one forward pass per layer, format and batch.
 
+**The token embedding / LM head** (:func:`table_scores`, one item of the search when the
+budget counts the whole model) is not a linear layer: its score for a format is *measured*
+with the table (a tied model's lookup and LM head together; an untied model's embedding and
+LM head each) replaced by the values a GGUF stores in that format, one forward pass per
+calibration batch and format: the loss change (``taylor``: averaged over batches, as the
+Taylor scores are; ``loss``: summed) or ``KL(p_fp || p_q)`` (``kl``). The ``gradient``
+score's Fisher units have no measured counterpart, so it does not score the table.
+
 Monotone correction (on by default for the unsigned gradient and kl scores only). A
 format that stores more bits should not look worse than a cheaper one for the same layer (estimator noise, or a per-tensor format losing to a
 finer block format of similar size would otherwise make the search's trade-offs
@@ -51,6 +59,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from microscale.formats import get_format
 from microscale.ptq.engine import ActQuant, Engine
 from microscale.ptq.weights import QuantizedWeight
@@ -62,6 +72,7 @@ __all__ = [
     "kl_loss_scores",
     "monotone",
     "score",
+    "table_scores",
     "taylor_scores",
 ]
 
@@ -161,6 +172,43 @@ def kl_loss_scores(
         if progress is not None:
             progress()
     return kl, dloss
+
+
+def table_scores(
+    engine: Engine,
+    batches,
+    formats: Sequence[str],
+    method: str = "taylor",
+    *,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """``{format: score}`` of the token embedding / LM head (:attr:`Engine.tables`) stored in
+    each of ``formats`` (see the module doc; an unquantized format scores 0, as a bf16
+    layer does); ``progress`` is called after each forward pass of one batch."""
+    if method not in ("taylor", "loss", "kl"):
+        raise ValueError(
+            f"table_scores: method {method!r} does not measure a loss change; expected "
+            "'taylor', 'loss' or 'kl'"
+        )
+    if not engine.tables:
+        raise ValueError("table_scores: the model has no token embedding table to score")
+    batches = list(batches)
+    out = {f: 0.0 for f in formats}
+    quantized = {f: engine.with_tables(f) for f in formats if get_format(f).quantized}
+    if method == "kl":
+        for b in batches:
+            ref = engine.ref_logp(b)
+            for f, params in quantized.items():
+                out[f] += engine.kl_and_loss(params, b, ref)[0]
+                if progress is not None:
+                    progress()
+        return out
+    if quantized:
+        base = engine.batch_losses(engine.params, batches, progress=progress)
+    for f, params in quantized.items():
+        d = engine.batch_losses(params, batches, progress=progress) - base
+        out[f] = float(np.mean(d) if method == "taylor" else np.sum(d))
+    return out
 
 
 def monotone(
