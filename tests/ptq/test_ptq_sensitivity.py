@@ -195,9 +195,11 @@ def test_taylor_terms_combine_first_and_second_order(engine, qweights, token_bat
         assert tay[p]["nvfp4"] == pytest.approx(want, rel=1e-4, abs=1e-12)
         assert tay[p]["bf16"] == 0.0
         assert per[0]["fisher"][p]["nvfp4"] > 0 and per[0]["token_fisher"][p]["nvfp4"] > 0
-    assert score(engine, calib[:1], qweights, "gradient") == {
-        p: row for p, row in per[0]["fisher"].items()
-    }
+    # packed candidates (dY = X W_q - X W) and dense deltas (dY = X dW) agree to float32
+    # rounding; a wrong term or batch would not
+    grad = score(engine, calib[:1], qweights, "gradient")
+    for p, row in per[0]["fisher"].items():
+        assert grad[p] == pytest.approx(row, rel=2e-5, abs=1e-15), p
     signs = {np.sign(per[0]["linear"][p][f]) for p in engine.paths for f in ("nvfp4", "mxfp4")}
     assert signs == {-1.0, 1.0}  # the first-order term is signed
 
@@ -276,8 +278,8 @@ def _all_at_once_terms(engine, tokens, deltas):
 def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_batches, method):
     """Scoring computes each layer's terms inside the backward pass, decoding its packed
     candidates there (one compiled call per batch, each layer in its own branch); the
-    scores are those of a plain computation from the captured ``X`` and ``dL/dY`` with
-    every layer's dense delta in every format."""
+    scores are those of a plain float32 computation from the captured ``X`` and ``dL/dY``
+    with every layer's dense delta in every format, to float32 rounding."""
     calib, _ = token_batches
     deltas = {
         f: {
@@ -294,9 +296,10 @@ def test_streamed_scores_equal_the_all_at_once_scores(engine, qweights, token_ba
         for f in FMTS:
             want = sum(float(t[f][p][i]) for t in per)
             want = want / len(per) if method == "taylor" else want
-            if jax.default_backend() == "cpu":  # the same XLA kernels: bit for bit
-                assert got[p][f] == want, (p, f)
-            assert got[p][f] == pytest.approx(want, rel=1e-6, abs=1e-12), (p, f)
+            # the scores' GEMMs run on bf16 operands with float32 accumulation and form
+            # dY as X W_q - X W (engine._layer_terms): float32 rounding of dY, ~1e-6,
+            # which the signed sum linear + (N/2) token_fisher can amplify (3e-5 seen)
+            assert got[p][f] == pytest.approx(want, rel=1e-4, abs=1e-12), (p, f)
 
 
 def test_static_and_dynamic_input_scales_share_one_compile(engine, qweights, token_batches):

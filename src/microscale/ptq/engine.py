@@ -408,11 +408,10 @@ class Engine:
 
                         def layer(ops):
                             x, g = ops
+                            y = _dot(x, kernel)  # the reference output, shared by the formats
                             return jnp.stack(
                                 [
-                                    _layer_terms(
-                                        x, g, cands[fm][path], kernel, a, fm if on else None
-                                    )
+                                    _layer_terms(x, g, cands[fm][path], y, a, fm if on else None)
                                     for fm, on in zip(fmts, use_act, strict=True)
                                 ]
                             )
@@ -564,22 +563,35 @@ def _probe(terms: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:
     return tap
 
 
-def _layer_terms(x, g, cand, kernel, amax, act_fmt: str | None) -> jax.Array:
+def _dot(x, w) -> jax.Array:
+    """``bf16(x) @ bf16(w)`` with float32 products and accumulation (the layer's GEMM:
+    bf16 x bf16 products are exact in float32), on the CPU's fast bf16 path."""
+    bf = jnp.bfloat16
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x.astype(bf), w.astype(bf), dims, preferred_element_type=jnp.float32)
+
+
+def _layer_terms(x, g, cand, y, amax, act_fmt: str | None) -> jax.Array:
     """One layer's Taylor terms (:data:`_GRAD_TERMS`, stacked) in one format from its input
-    ``x`` and output gradient ``g``: ``dY = X dW`` (``dW = cand``, or
-    ``bf16(dequantize(cand)^T) - bf16(W)`` from the candidate's QArray), or
-    ``Q_f(X) W_q - X W`` when ``act_fmt`` quantizes the input too."""
-    x32 = x.astype(jnp.float32)
-    w = kernel.astype(jnp.bfloat16).astype(jnp.float32)
-    if isinstance(cand, QArray):  # the values the model computes with: bf16 operands
-        cand = dequantize(cand).T.astype(jnp.bfloat16).astype(jnp.float32)
-        if act_fmt is None:
-            cand = cand - w
-    if act_fmt is not None:
-        xq = _qact(x, act_fmt, amax)
-        dy = xq.astype(jnp.float32) @ cand - x32 @ w
-    else:
-        dy = x32 @ cand
+    ``x``, output gradient ``g`` and reference output ``y = bf16(X) bf16(W)`` (float32):
+
+    * weight-only, the candidate's QArray: ``dY = X W_q - y`` with ``W_q =
+      bf16(dequantize(cand)^T)``, the values the model computes with;
+    * weight-only, ``cand = dW`` (float32, not a bf16 value): ``dY = X dW_hi + X dW_lo``
+      with ``dW_hi = bf16(dW)``, ``dW_lo = bf16(dW - dW_hi)`` (``dW`` to 2^-17);
+    * ``act_fmt`` (the input quantized too; ``cand``: ``W_q`` or its QArray):
+      ``dY = Q_f(X) W_q - y``.
+
+    Every GEMM has bf16 operands and float32 accumulation (3x a float32 GEMM's speed on
+    CPU); the difference of two such outputs carries their float32 rounding, ~1e-6 of
+    ``dY``."""
+    if act_fmt is not None or isinstance(cand, QArray):  # cand: the quantized kernel
+        if isinstance(cand, QArray):
+            cand = dequantize(cand).T
+        dy = _dot(x if act_fmt is None else _qact(x, act_fmt, amax), cand) - y
+    else:  # cand: dW
+        hi = cand.astype(jnp.bfloat16)
+        dy = _dot(x, hi) + _dot(x, cand - hi.astype(cand.dtype))
     gp = g.astype(jnp.float32)
     lin = jnp.sum(gp * dy)  # first order
     tok = jnp.sum(jnp.square(jnp.sum(gp * dy, -1)))  # per-token Fisher
