@@ -88,3 +88,23 @@ def test_model_with_attention_chunks_matches():
     b = Transformer(cfg.replace(attention_chunk=16), rngs=nnx.Rngs(0))
     la, lb = (nnx.jit(lambda m: m(tokens))(m) for m in (a, b))
     np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [16, 7, 0])
+def test_set_attention_chunk_equals_building_with_it(chunk):
+    """``Transformer.set_attention_chunk`` on a built model (what PTQ's engine does to its
+    copy) gives the model built with that chunk: the same logits, bit for bit, in every
+    block, and the config follows; a bad chunk is refused naming it."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
+    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 64)
+    built = Transformer(cfg.replace(attention_chunk=chunk), rngs=nnx.Rngs(0))
+    changed = Transformer(cfg.replace(attention_chunk=32), rngs=nnx.Rngs(0))
+    changed.set_attention_chunk(chunk)
+    assert changed.config.attention_chunk == chunk
+    assert [blk.attn.attention_chunk for blk in changed.layers] == [chunk, chunk]
+    la, lb = (nnx.jit(lambda m: m(tokens))(m) for m in (built, changed))
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+    with pytest.raises(ValueError, match="attention_chunk=-3"):
+        changed.set_attention_chunk(-3)

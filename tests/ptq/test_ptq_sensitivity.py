@@ -153,6 +153,12 @@ def test_engine_leaves_the_model_alone(tiny_model):
         assert set(assignments(tiny_model).values()) == {"nvfp4"}  # untouched
         model = nnx.merge(e.graphdef, nnx.State(e.params), e.rest)
         assert set(assignments(model).values()) == {"bf16"}  # the engine's copy: bf16
+        # ... attending in query chunks (the model's own setting is left as it was)
+        assert model.config.attention_chunk == 128 == model.layers[0].attn.attention_chunk
+        assert tiny_model.config.attention_chunk == 0 == tiny_model.layers[0].attn.attention_chunk
+        e2 = Engine(tiny_model, attention_chunk=None)
+        own = nnx.merge(e2.graphdef, nnx.State(e2.params), e2.rest)
+        assert own.layers[0].attn.attention_chunk == 0
     finally:
         tiny_model.set_rules(PrecisionRules(default=before[next(iter(before))]))
 
@@ -332,3 +338,22 @@ def test_static_and_dynamic_input_scales_share_one_compile(engine, qweights, tok
         assert dynamic[i] == pytest.approx(float(direct(b, None)), rel=1e-6)
         assert static[i] == pytest.approx(float(direct(b, static_amax)), rel=1e-6)
     assert not np.array_equal(dynamic, static)
+
+
+@pytest.mark.parametrize("method", ["taylor", "gradient"])
+def test_score_pass_measures_the_input_amax(engine, qweights, token_batches, method):
+    """The one-pass methods capture every layer's input anyway: ``input_amax`` gets the
+    amax the calibrate phase's forward passes measure (quantize then skips that phase
+    for weight-only round-to-nearest runs), and the scores are the same with or without
+    it. The other methods refuse it, naming the method."""
+    calib, _ = token_batches
+    got: dict[str, float] = {}
+    with_amax = score(engine, calib, qweights, method, input_amax=got)
+    want = engine.input_amax(calib)
+    assert set(got) == set(engine.paths)
+    for p in engine.paths:
+        # two compiled programs computing the same forward: equal to float32 rounding
+        assert got[p] == pytest.approx(want[p], rel=1e-6), p
+    assert with_amax == score(engine, calib, qweights, method)
+    with pytest.raises(ValueError, match="method='kl'"):
+        score(engine, calib, qweights, "kl", input_amax={})

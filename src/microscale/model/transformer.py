@@ -49,6 +49,7 @@ attention output and MLP hidden, ``none`` everything.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -408,6 +409,14 @@ class Transformer(nnx.Module):
             )
         self.rules = rules if rules is not None else PrecisionRules(default="bf16")
         apply_rules(self, self.rules)
+
+    def set_attention_chunk(self, chunk: int) -> None:
+        """Attend in query chunks of ``chunk`` positions in every block (0: all at once;
+        :func:`causal_attention`); ``config.attention_chunk`` follows. The same function,
+        with ``[B, H, chunk, S]`` float32 scores live per block instead of ``[B, H, T, S]``."""
+        self.config = dataclasses.replace(self.config, attention_chunk=chunk)  # validates it
+        for block in self.layers:
+            block.attn.attention_chunk = self.config.attention_chunk
 
     def set_rules(self, rules: PrecisionRules) -> dict[str, str | None]:
         """Re-assign every projection's recipe (e.g. the late switch); returns

@@ -70,7 +70,14 @@ from microscale.ptq.search import (
     model_bits,
     search,
 )
-from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS, monotone, score, table_scores
+from microscale.ptq.sensitivity import (
+    METHODS,
+    ONE_PASS,
+    SIGNED_METHODS,
+    monotone,
+    score,
+    table_scores,
+)
 from microscale.ptq.weights import (
     QuantizedWeight,
     WeightPTQ,
@@ -564,7 +571,7 @@ def quantize_model(
     paths = engine.paths
     # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
     act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases)
-    raw, scores, stats = _score_layers(engine, weights, calib, cfg, static, phases, say)
+    raw, scores, stats = _score_layers(engine, weights, calib, cfg, static, phases, say, act_amax)
     embed = _score_embedding(engine, calib, cfg, phases)
     # 3. search
     with phases.phase("search", total=1, unit="solve"):
@@ -691,11 +698,22 @@ def _trained(
     return {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
 
 
+def _amax_in_score(cfg: QuantizeConfig) -> bool:
+    """Whether the score pass measures the layers' input amax (no calibrate phase): a
+    weight-only round-to-nearest run scored in one pass per batch, where nothing needs
+    the amax (or GPTQ's Hessians) before scoring."""
+    return not cfg.activations and cfg.ptq.method != "gptq" and cfg.method in ONE_PASS
+
+
 def _calibrate(
     engine: Engine, calib, cfg: QuantizeConfig, groups: Mapping[str, str], phases: Phases
 ) -> tuple[dict[str, float], dict[str, float] | None, _Weights]:
     """Phase 1: every layer's input amax (and GPTQ's input Hessians); returns the amax, the
-    static input amax of W4A4 (None: weight-only or dynamic) and the weights' source."""
+    static input amax of W4A4 (None: weight-only or dynamic) and the weights' source.
+    Skipped when the score pass measures the amax (:func:`_amax_in_score`): the amax is
+    then returned empty, and the score phase fills it."""
+    if _amax_in_score(cfg):
+        return {}, None, _Weights(engine, groups, None)
     gptq = cfg.ptq.method == "gptq"
     with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
         act_amax = engine.input_amax(calib, progress=tick)
@@ -720,10 +738,12 @@ def _score_layers(
     static: Mapping[str, float] | None,
     phases: Phases,
     say: Callable[[str], None],
+    act_amax: dict[str, float],
 ) -> tuple[dict, dict, dict]:
     """Phase 2: every candidate of every layer quantized (packed QArrays, compactly), then
     scored, one capture pass per batch; returns (raw scores, corrected scores, weight
-    statistics)."""
+    statistics). ``act_amax``: filled by the score pass when the calibrate phase was
+    skipped (:func:`_amax_in_score`)."""
     with phases.phase("quantize_weights", total=len(cfg.formats), unit="format") as tick:
         cand = {}
         for f in cfg.formats:
@@ -739,6 +759,7 @@ def _score_layers(
             activations=cfg.activations,
             act_amax=static,
             progress=tick,
+            input_amax=act_amax if _amax_in_score(cfg) else None,
         )
         scores = monotone(raw, cfg.formats) if cfg.use_monotone else raw
     say(

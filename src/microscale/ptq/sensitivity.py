@@ -67,6 +67,7 @@ from microscale.ptq.weights import QuantizedWeight
 
 __all__ = [
     "METHODS",
+    "ONE_PASS",
     "SIGNED_METHODS",
     "gradient_scores",
     "kl_loss_scores",
@@ -79,6 +80,8 @@ __all__ = [
 METHODS = ("taylor", "gradient", "kl", "loss")
 # Methods whose scores are signed loss changes (a format may *lower* the loss).
 SIGNED_METHODS = ("taylor", "loss")
+# Methods of one compiled forward and backward pass per batch (Engine.grad_terms).
+ONE_PASS = ("taylor", "gradient")
 
 QWeights = Mapping[str, Mapping[str, QuantizedWeight]]  # {format: {path: weight}}
 
@@ -90,10 +93,12 @@ def _grad_terms(
     activations: bool,
     act_amax: Mapping[str, float] | None,
     progress=None,
+    input_amax: dict[str, float] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """The Taylor terms of every quantized candidate, streamed layer by layer from the
     candidates' QArrays (no dequantized copy of every layer in every format is held).
-    An unquantized format (bf16: ``bf16(W) - bf16(W) = 0``) has every term exactly 0."""
+    An unquantized format (bf16: ``bf16(W) - bf16(W) = 0``) has every term exactly 0.
+    ``input_amax``: filled with every layer's input amax (``Engine.grad_terms``)."""
     quantized = [f for f in qweights if get_format(f).quantized]
     cands = {f: {p: qweights[f][p].qarray for p in engine.paths} for f in quantized}
     terms = engine.grad_terms(
@@ -101,6 +106,7 @@ def _grad_terms(
         cands,
         act_formats={f: activations for f in quantized},
         act_amax=act_amax,
+        input_amax=input_amax,
         progress=progress,
     )
     for rows in terms.values():
@@ -117,9 +123,12 @@ def gradient_scores(
     activations: bool = False,
     act_amax: Mapping[str, float] | None = None,
     progress=None,
+    input_amax: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Fisher scores ``{path: {format: s}}`` (see the module doc)."""
-    return _grad_terms(engine, batches, qweights, activations, act_amax, progress)["fisher"]
+    return _grad_terms(engine, batches, qweights, activations, act_amax, progress, input_amax)[
+        "fisher"
+    ]
 
 
 def taylor_scores(
@@ -130,13 +139,16 @@ def taylor_scores(
     activations: bool = False,
     act_amax: Mapping[str, float] | None = None,
     progress=None,
+    input_amax: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Second-order Taylor estimates of the mean loss change ``{path: {format: dL}}``
     (signed; first-order term included; see the module doc), averaged over batches."""
     batches = list(batches)
     n = max(len(batches), 1)
-    terms = _grad_terms(engine, batches, qweights, activations, act_amax, progress)["taylor"]
-    return {p: {f: v / n for f, v in row.items()} for p, row in terms.items()}
+    taylor = _grad_terms(engine, batches, qweights, activations, act_amax, progress, input_amax)[
+        "taylor"
+    ]
+    return {p: {f: v / n for f, v in row.items()} for p, row in taylor.items()}
 
 
 def kl_loss_scores(
@@ -231,15 +243,23 @@ def score(
     activations: bool = False,
     act_amax: Mapping[str, float] | None = None,
     progress: Callable[[], None] | None = None,
+    input_amax: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Raw (uncorrected) scores of ``method`` ("taylor", "gradient", "kl" or "loss");
-    ``progress`` is called after each calibration batch."""
+    ``progress`` is called after each calibration batch. ``input_amax``: a dict filled
+    with every layer's input amax over ``batches`` by the same pass (the methods of one
+    forward and backward pass per batch, :data:`ONE_PASS`)."""
     if method not in METHODS:
         raise ValueError(f"unknown sensitivity method {method!r}; expected one of {METHODS}")
+    if input_amax is not None and method not in ONE_PASS:
+        raise ValueError(
+            f"score(method={method!r}, input_amax=...): only {list(ONE_PASS)} "
+            "capture the layers' inputs in their pass"
+        )
     kw: dict[str, Any] = dict(activations=activations, act_amax=act_amax, progress=progress)
     if method == "gradient":
-        return gradient_scores(engine, batches, qweights, **kw)
+        return gradient_scores(engine, batches, qweights, input_amax=input_amax, **kw)
     if method == "taylor":
-        return taylor_scores(engine, batches, qweights, **kw)
+        return taylor_scores(engine, batches, qweights, input_amax=input_amax, **kw)
     kl, dloss = kl_loss_scores(engine, batches, qweights, **kw)
     return kl if method == "kl" else dloss
