@@ -74,7 +74,30 @@ def test_report_contents(result):
     assert set(eff["weights"]["uniform_nvfp4"]) == {"rtn", "mse_scale", "four_over_six", "both"}
     assert set(eff["weights"]["uniform_fp8_e4m3"]) == {"rtn", "mse_scale"}
     assert set(eff["activations"]["uniform_nvfp4"]) == {"weight_only", "dynamic", "static"}
+    # the run's own choices (both) are its uniform point, and its searched point
+    assert eff["weights"]["uniform_nvfp4"]["both"] == rep["val_ppl"]["uniform_nvfp4"]
+    assert eff["weights"]["searched"]["both"] == rep["val_ppl"]["searched"]
     assert json.loads(json.dumps(rep)) is not None
+
+
+def test_released_weights_are_computed_again_the_same(tiny_model):
+    """The PTQ-effects table forgets each variant's weights after use (memory): the
+    variant's entries go, the others stay, and asking again gives the same bits."""
+    from microscale.ptq.engine import Engine
+    from microscale.ptq.pipeline import _Weights
+
+    engine = Engine(tiny_model)
+    w = _Weights(engine, {p: p for p in engine.paths})
+    rtn, kept = WeightPTQ.rtn(), WeightPTQ()
+    first = {f: w.get(f, rtn) for f in ("nvfp4", "fp8_e4m3")}
+    held = w.get("nvfp4", kept)
+    w.release(rtn)
+    assert w.get("nvfp4", kept) is held  # another variant: still held
+    for f, before in first.items():
+        again = w.get(f, rtn)
+        assert again is not before
+        for p in engine.paths:
+            np.testing.assert_array_equal(np.asarray(again[p].values), np.asarray(before[p].values))
 
 
 def test_allocation_respects_groups_pins_and_rules(result):

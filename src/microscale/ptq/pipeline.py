@@ -534,6 +534,12 @@ class _Weights:
     ) -> dict[str, QuantizedWeight]:
         return {p: self.get(f, ptq)[p] for p, f in assignment.items()}
 
+    def release(self, ptq: WeightPTQ) -> None:
+        """Forget the quantized formats' weights under ``ptq`` (computed again if asked
+        for): the PTQ-effects table's variants, one at a time."""
+        for key in [k for k in self._cache if k[1] == ptq]:
+            del self._cache[key]
+
 
 def quantize_model(
     model: Any,
@@ -1071,6 +1077,7 @@ def _ptq_effects(
     if cfg.ptq.method == "gptq":
         variants["gptq"] = cfg.ptq
     out: dict[str, Any] = {"weights": {}, "activations": {}}
+    rows: dict[str, tuple[Mapping[str, str], list[str]]] = {}  # label: (allocation, variants)
     for f in cfg.uniform_formats:
         spec = get_format(f)
         tensor, four6 = spec.has_tensor_scale, supports_four_over_six(spec)
@@ -1083,13 +1090,18 @@ def _ptq_effects(
             + (["both"] if tensor and four6 else [])
             + (["gptq"] if "gptq" in variants else [])
         )
-        assign = _uniform(paths, f, pinned)
-        out["weights"][f"uniform_{f}"] = {
-            n: float(math.exp(ev.loss(assign, variants[n]))) for n in names
-        }
-    out["weights"]["searched"] = {
-        n: float(math.exp(ev.loss(alloc.formats, v))) for n, v in variants.items()
-    }
+        rows[f"uniform_{f}"] = (_uniform(paths, f, pinned), names)
+    rows["searched"] = (alloc.formats, list(variants))
+    for label, (_, names) in rows.items():
+        out["weights"][label] = dict.fromkeys(names, 0.0)
+    # variant by variant, each variant's weights forgotten after its last use (all of them
+    # held at once were the run's peak memory: 16 candidate sets)
+    for n, v in variants.items():
+        for label, (assign, names) in rows.items():
+            if n in names:
+                out["weights"][label][n] = float(math.exp(ev.loss(assign, v)))
+        if v != cfg.ptq:
+            ev.weights.release(v)
     # W4A4 / W8A8 inputs: dynamic (per batch) vs static calibrated amax, vs weight-only.
     for f in cfg.uniform_formats:
         spec = get_format(f)
