@@ -203,21 +203,19 @@ def _input_stats(
         return seen
 
     fn = jax.jit(f)
-    sums: dict[str, np.ndarray] = {}
-    grams: dict[str, np.ndarray] = {}
+    acc: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
     n = 0
     for batch in batches:
         b = jnp.asarray(batch)
-        got = fn(engine.params, b)
-        for p, (s_p, g_p) in got.items():
-            s, g = np.asarray(s_p, np.float64), np.asarray(g_p, np.float64)
-            sums[p] = sums[p] + s if p in sums else s
-            grams[p] = grams[p] + g if p in grams else g
+        got = jax.tree.map(lambda v: np.asarray(v, np.float64), fn(engine.params, b))
+        acc = got if acc is None else jax.tree.map(np.add, acc, got)
         n += int(np.prod(b.shape[:-1])) * (b.shape[-1] - 1)
         if progress is not None:
             progress()
-    if not n:
+    if acc is None or not n:
         raise ValueError("AWQ: no calibration batches")
+    sums = {p: v[0] for p, v in acc.items()}
+    grams = {p: v[1] for p, v in acc.items()}
     return sums, grams, n
 
 
