@@ -188,6 +188,8 @@ def test_quantize_model_with_awq_writes_loadable_outputs(tiny_model, token_batch
     assert all(g["alpha"] in (0.0, 0.5, 1.0) for g in awq["groups"].values())
     assert all(g["error"] <= g["error_alpha0"] for g in awq["groups"].values())
     assert "awq_s" in result.timings
+    md = (tmp_path / "report.md").read_text()
+    assert "## AWQ scales" in md and "| layers.0.attn.qkv |" in md
     back = export.read_checkpoint(tmp_path / "checkpoint").dequantized_params()
     for p, w in result.weights.items():  # the folded model's quantized weights
         want = w.values.astype("bfloat16") if w.format == "bf16" else w.values
