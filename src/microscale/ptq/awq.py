@@ -31,9 +31,9 @@ calibration output error of the group's layers in the target format,
 pass, so the grid costs no further passes). ``Q`` is :func:`~microscale.ptq.weights.
 quantize_group` with the run's PTQ choices (one shared tensor scale per fused group; GPTQ
 is replaced by round-to-nearest in the search, and then runs on the folded model). The
-groups' scales are chosen independently from the unscaled model's inputs (scaling
-``up_proj``'s or ``v_proj``'s output columns changes how they quantize; not searched
-jointly).
+groups' scales are chosen from the unscaled model's inputs, per block the column folds
+first (``o_proj``, ``down_proj``), so the ``q/k/v`` and ``gate/up`` searches quantize
+``v_proj`` and ``up_proj`` with their columns already divided, as they will be stored.
 """
 
 from __future__ import annotations
@@ -119,10 +119,12 @@ def awq_plan(model: Any) -> list[AWQGroup]:
                 "Llama-style blocks (attn_norm -> attn.q/k/v_proj -> attn.o_proj, mlp_norm "
                 "-> mlp.gate/up_proj -> mlp.down_proj) are known; quantize without awq"
             )
-    groups = []
-    for entry in found.values():
-        groups.append(_group(model, entry["block"], entry["role"], tuple(entry["l"])))
-    return groups
+    # per block, the column folds (o_proj, down_proj) first: the q/k/v and gate/up groups'
+    # searches then see v_proj's and up_proj's kernels as they will be quantized
+    order = {"o": 0, "down": 1, "attn": 2, "mlp": 3}
+    blocks = list(dict.fromkeys(e["block"] for e in found.values()))  # in model order
+    entries = sorted(found.values(), key=lambda e: (blocks.index(e["block"]), order[e["role"]]))
+    return [_group(model, e["block"], e["role"], tuple(e["l"])) for e in entries]
 
 
 def _refuse(layer: str, why: str) -> ValueError:
