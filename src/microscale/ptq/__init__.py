@@ -17,6 +17,7 @@ Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
 :mod:`~microscale.ptq.sensitivity` (taylor / gradient / KL / loss scores),
 :mod:`~microscale.ptq.weights` (MSE tensor scale, four over six),
 :mod:`~microscale.ptq.gptq` (GPTQ error compensation for block-scaled formats),
+:mod:`~microscale.ptq.awq` (activation-aware per-channel scales folded into the model),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
 :mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (calibration
@@ -25,6 +26,7 @@ windows, a run's trained allocation), :mod:`~microscale.ptq.report` (files and p
 sits above ``ptq`` and ``train``: :mod:`microscale.workflows`.
 """
 
+from microscale.ptq.awq import awq_fold
 from microscale.ptq.engine import ActQuant, Engine, next_token_loss
 from microscale.ptq.gptq import gptq_quantize
 from microscale.ptq.pipeline import (
@@ -79,6 +81,7 @@ __all__ = [
     "QuantizedWeight",
     "WeightPTQ",
     "allocation_rules",
+    "awq_fold",
     "brute_force",
     "calibration_windows",
     "effective_bits",

@@ -211,6 +211,33 @@ def _bits(d: Mapping[str, Any], key: str) -> str:
     return f"{d[key]:.3f}" if key in d else "-"
 
 
+def _awq_lines(report: Mapping[str, Any]) -> list[str]:
+    """``report.md``'s AWQ section: the alpha of each folded group (none without AWQ)."""
+    awq = report.get("awq")
+    if not awq:
+        return []
+    groups = awq["groups"]
+    alphas = [g["alpha"] for g in groups.values()]
+    lines = [
+        "",
+        "## AWQ scales",
+        "",
+        f"Per-input-channel scales folded into the model before everything above (every "
+        f"point, bf16 included, is the folded model), chosen for {awq['format']} on "
+        f"{awq['tokens']} calibration tokens: {sum(a > 0 for a in alphas)} of "
+        f"{len(alphas)} groups scaled.",
+        "",
+        "| group | alpha | output error vs alpha 0 | s min | s max |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, g in groups.items():
+        ratio = g["error"] / g["error_alpha0"] if g["error_alpha0"] else 1.0
+        lines.append(
+            f"| {name} | {g['alpha']:g} | {ratio:.3f} | {g['s_min']:.3g} | {g['s_max']:.3g} |"
+        )
+    return lines
+
+
 def _ptq_effect_lines(report: Mapping[str, Any]) -> list[str]:
     """``report.md``'s sections on the PTQ choices and the quantized inputs (none when the
     report measured neither)."""
@@ -362,6 +389,7 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         ]
     lines += _comparison_lines(report)
     lines += _ptq_effect_lines(report)
+    lines += _awq_lines(report)
     lines += _layer_lines(report)
     cal = report["calibration"]
     lines += [
