@@ -603,9 +603,7 @@ def quantize_model(
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
     phases = Phases(log)
-    awq = None
-    if cfg.awq:  # the folded copy replaces the model for every later phase
-        model, awq = _awq(model, calib, cfg, loss_fn, phases, say)
+    model, awq = _awq(model, calib, cfg, loss_fn, phases, say) if cfg.awq else (model, None)
     with phases.phase("setup", total=1, unit="model"):
         engine = Engine(model, loss_fn=loss_fn)
     groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
