@@ -57,9 +57,16 @@ def fake_devices():
     (with the child's stderr) when the script exits non-zero."""
 
     def run(script: str, *args: str, env: dict | None = None) -> str:
+        # The parent's XLA_FLAGS stay (a CPU variant of tests/cpu_variants.py reaches the
+        # child too); only the device count is this fixture's.
+        kept = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         full_env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=8",
+            XLA_FLAGS=" ".join([*kept, "--xla_force_host_platform_device_count=8"]),
             JAX_PLATFORMS="cpu",
             **(env or {}),
         )

@@ -32,9 +32,14 @@ import pytest
 
 # Each variant changes which kernels XLA:CPU compiles a dot to (checked below: a float32
 # dot's sum differs between them).
+# The two CPU kinds CI runs on: Intel with AMX, and AMD EPYC with AVX-512 BF16 and no AMX.
+# ``avx512_bf16`` is the AMD kind's widest ISA: on an AMX machine it is the no-AMX variant
+# (on the AMD kind, the default); ``avx512`` drops the BF16 dot instructions too.
 VARIANTS = {
     "default": "",
     "ynnpack_off": "--xla_cpu_experimental_ynn_fusion_type=",
+    "avx512_bf16": "--xla_cpu_max_isa=AVX512_BF16",
+    "avx512": "--xla_cpu_max_isa=AVX512",
     "avx": "--xla_cpu_max_isa=AVX",  # (SSE4_2 does not compile: XLA fails to link a convert)
     "ynnpack_off_avx2": "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_max_isa=AVX2",
 }
