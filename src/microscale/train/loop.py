@@ -462,12 +462,28 @@ def evaluate(
     ``graphdef``), each batch's loss, and the weight-quantization statistics of the model
     (``graphdef`` + ``params`` + ``rest``)."""
     t0 = time.perf_counter()
-    losses, per_batch = {}, {}
-    for name, batches in val_batches.items():
-        vals = [float(v) for v in jax.device_get([eval_step(params, rest, b) for b in batches])]
-        losses[name] = float(np.mean(vals))
-        per_batch[name] = vals
+    per_batch = {
+        name: [float(v) for v in jax.device_get([eval_step(params, rest, b) for b in batches])]
+        for name, batches in val_batches.items()
+    }
     model = nnx.merge(graphdef, nnx.State(params), rest)
+    return eval_record(
+        per_batch, model, step=step, tokens=tokens, phase=phase, seconds=time.perf_counter() - t0
+    )
+
+
+def eval_record(
+    per_batch: Mapping[str, Sequence[float]],
+    model,
+    *,
+    step: int,
+    tokens: int,
+    phase: str,
+    seconds: float,
+) -> dict[str, Any]:
+    """The ``"eval"`` record from each eval set's per-batch losses (``"val"`` first) and
+    the model they were measured on (its weight-quantization statistics)."""
+    losses = {name: float(np.mean(vals)) for name, vals in per_batch.items()}
     return {
         "kind": "eval",
         "step": step,
@@ -476,9 +492,9 @@ def evaluate(
         "val_loss": losses["val"],
         "val_ppl": math.exp(min(losses["val"], 50.0)),
         "val_losses": losses,
-        "val_batch_losses": per_batch,
+        "val_batch_losses": {name: list(vals) for name, vals in per_batch.items()},
         "quant": _quant_stats(model),
-        "eval_time_s": time.perf_counter() - t0,
+        "eval_time_s": seconds,
     }
 
 
@@ -894,7 +910,14 @@ def _train_steps(run: _Run, clock: Clock) -> None:
                     run.ckpt.save(
                         step,
                         {"params": run.params, "opt_state": run.opt_state},
-                        checkpoint_meta(run, clock, step),
+                        checkpoint_meta(
+                            cfg,
+                            clock,
+                            step,
+                            phase=run.phases.of(step),
+                            init_source=run.init_source,
+                            allocation=run.allocation,
+                        ),
                     )
                 clock.pause(time.perf_counter() - t0)
         if pending is not None:
@@ -1002,22 +1025,30 @@ def _evaluate(run: _Run, step: int) -> dict[str, Any]:
     return rec
 
 
-def checkpoint_meta(run: _Run, clock: Clock, step: int) -> dict[str, Any]:
-    """The metadata saved with the checkpoint of ``step``: what an exact resume needs
-    besides the weights (the counters, the phase, the allocation) and the config."""
-    cfg = run.cfg
+def checkpoint_meta(
+    cfg: TrainConfig,
+    clock: Clock,
+    step: int,
+    *,
+    phase: str,
+    init_source: dict | None,
+    allocation: dict | None,
+) -> dict[str, Any]:
+    """The metadata saved with the checkpoint of ``step`` (trained in ``phase``): what an
+    exact resume needs besides the weights (the counters, the phase, the allocation) and
+    the config."""
     return {
         "step": step,
         "data_step": step,
-        "tokens": step * run.tps,
+        "tokens": step * cfg.tokens_per_step,
         "nonfinite_total": clock.nonfinite_total,
         "nonfinite_streak": clock.streak,
-        "phase": run.phases.of(step),
+        "phase": phase,
         "train_time_s": clock.train_time,
         "recipe": cfg.recipe,
         "microscale_version": __version__,
-        "init_from": run.init_source,
-        "bf16_allocation": run.allocation,
+        "init_from": init_source,
+        "bf16_allocation": allocation,
         "config": to_dict(cfg),
     }
 

@@ -36,7 +36,14 @@ from jax.sharding import PartitionSpec
 from microscale.model.sharding import activation_sharding, batch_axes
 from microscale.ops.loss import cross_entropy, token_nll
 
-__all__ = ["lm_loss", "make_eval_step", "make_train_step", "step_key"]
+__all__ = [
+    "eval_step_fn",
+    "lm_loss",
+    "make_eval_step",
+    "make_train_step",
+    "step_key",
+    "train_step_fn",
+]
 
 
 def step_key(seed: int, step) -> jax.Array:
@@ -115,30 +122,16 @@ def _mesh(sharding):
     return None if sharding is None else getattr(sharding, "mesh", None)
 
 
-def make_train_step(
-    graphdef,
-    tx: optax.GradientTransformation,
-    schedule,
-    *,
-    seed: int,
-    inject: bool = False,
-    param_shardings=None,
-    opt_shardings=None,
-    batch_sharding=None,
-):
-    """``step(params, opt_state, rest, batch, step[, poison]) -> (params, opt_state, metrics)``.
+def train_step_fn(graphdef, tx: optax.GradientTransformation, schedule, *, mesh=None):
+    """The train step, not compiled: ``step(params, opt_state, rest, batch, step, seed,
+    poison=None) -> (params, opt_state, metrics)``, with the run's ``seed`` an argument
+    (a Python int or a traced int32 scalar give the same keys), so that
+    :mod:`~microscale.train.seeds` can ``jax.vmap`` it over a seed axis. ``mesh``: the mesh
+    the batch is sharded on (None: one device). Arguments as in :func:`make_train_step`."""
 
-    ``batch``: int32 ``[grad_accum, micro, seq_len + 1]``; ``step``: int32 scalar (0-based
-    index of the batch); ``poison`` (only when ``inject``): a bool scalar that replaces the
-    gradient by NaN (tests of the non-finite path). ``metrics``: float32 ``loss``,
-    ``grad_norm``, ``lr`` and bool ``finite``.
-    """
-
-    def step_fn(params, opt_state, rest, batch, step, poison=None):
+    def step_fn(params, opt_state, rest, batch, step, seed, poison=None):
         key = step_key(seed, step)
-        grad_fn = jax.value_and_grad(
-            functools.partial(_loss_fn, graphdef, mesh=_mesh(batch_sharding))
-        )
+        grad_fn = jax.value_and_grad(functools.partial(_loss_fn, graphdef, mesh=mesh))
         n_micro = batch.shape[0]
         if n_micro == 1:
             loss, grads = grad_fn(params, rest, batch[0], key)
@@ -175,6 +168,32 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
+    return step_fn
+
+
+def make_train_step(
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule,
+    *,
+    seed: int,
+    inject: bool = False,
+    param_shardings=None,
+    opt_shardings=None,
+    batch_sharding=None,
+):
+    """``step(params, opt_state, rest, batch, step[, poison]) -> (params, opt_state, metrics)``.
+
+    ``batch``: int32 ``[grad_accum, micro, seq_len + 1]``; ``step``: int32 scalar (0-based
+    index of the batch); ``poison`` (only when ``inject``): a bool scalar that replaces the
+    gradient by NaN (tests of the non-finite path). ``metrics``: float32 ``loss``,
+    ``grad_norm``, ``lr`` and bool ``finite``.
+    """
+    fn = train_step_fn(graphdef, tx, schedule, mesh=_mesh(batch_sharding))
+
+    def step_fn(params, opt_state, rest, batch, step, poison=None):
+        return fn(params, opt_state, rest, batch, step, seed, poison)
+
     in_sh: tuple | None = None
     out_sh: tuple | None = None
     if param_shardings is not None:
@@ -185,18 +204,28 @@ def make_train_step(
     return jax.jit(step_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0, 1))
 
 
-def make_eval_step(graphdef, *, seed: int, param_shardings=None, batch_sharding=None):
-    """``eval(params, rest, batch [rows, seq_len + 1]) -> mean loss`` (float32).
+# The step index whose key feeds the evaluations' randomness (no training step has it).
+EVAL_KEY_ID = 2**31 - 1
 
-    A fixed key (never a training step's) feeds any randomness of the forward pass, so
-    evaluations are deterministic and comparable across steps.
-    """
-    key_id = 2**31 - 1
+
+def eval_step_fn(graphdef, *, mesh=None):
+    """The eval step, not compiled: ``eval(params, rest, batch, seed) -> mean loss``; a
+    fixed key of ``seed`` (never a training step's) feeds any randomness of the forward
+    pass, so evaluations are deterministic and comparable across steps."""
+
+    def eval_fn(params, rest, batch, seed):
+        return _loss_fn(graphdef, params, rest, batch, step_key(seed, EVAL_KEY_ID), mesh=mesh)
+
+    return eval_fn
+
+
+def make_eval_step(graphdef, *, seed: int, param_shardings=None, batch_sharding=None):
+    """``eval(params, rest, batch [rows, seq_len + 1]) -> mean loss`` (float32), the
+    compiled :func:`eval_step_fn` of ``seed``."""
+    fn = eval_step_fn(graphdef, mesh=_mesh(batch_sharding))
 
     def eval_fn(params, rest, batch):
-        return _loss_fn(
-            graphdef, params, rest, batch, step_key(seed, key_id), mesh=_mesh(batch_sharding)
-        )
+        return fn(params, rest, batch, seed)
 
     in_sh = None
     if param_shardings is not None:
