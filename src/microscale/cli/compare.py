@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="concurrent training processes (default 1: in this process)",
     )
+    parser.add_argument(
+        "--seed-batch",
+        type=int,
+        default=0,
+        help="seeds of one run trained as one program (default 0: as many as fit in "
+        "memory; 1: one run at a time)",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     parser.add_argument(
         "overrides",
@@ -115,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             regime = args.config
         base = resolve_config(regime, overrides)
-        cfg = CompareConfig.preset(args.preset, base=base, parallel=args.parallel)
+        cfg = CompareConfig.preset(
+            args.preset, base=base, parallel=args.parallel, seed_batch=args.seed_batch
+        )
         refuse_unused(
             (
                 args.sizes is None and args.tokens_per_param is not None,

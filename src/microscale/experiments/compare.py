@@ -40,6 +40,7 @@ from typing import Any
 from microscale.config import apply_overrides, dump_yaml, to_dict
 from microscale.experiments.report import write_report
 from microscale.experiments.runs import BASELINES, RUNS
+from microscale.experiments.seeds import seed_batch_size, train_seeds, why_not_batched
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.train import TrainConfig, TrainingAborted, train
 
@@ -93,6 +94,9 @@ class CompareConfig:
     out: str = "runs/compare"
     # Concurrent training processes (one device group each); 1 = in this process.
     parallel: int = 1
+    # Seeds of one run trained as one program (experiments/seeds.py): 0 = as many as fit
+    # in memory, 1 = one run at a time. In this process only (parallel = 1).
+    seed_batch: int = 0
 
     def __post_init__(self):
         unknown = [r for r in self.runs if r not in RUNS]
@@ -108,6 +112,10 @@ class CompareConfig:
             raise ValueError(f"seeds {list(self.seeds)} lists a seed twice")
         if self.parallel < 1:
             raise ValueError(f"parallel={self.parallel}: expected an int >= 1")
+        if isinstance(self.seed_batch, bool) or not isinstance(self.seed_batch, int):
+            raise ValueError(f"seed_batch={self.seed_batch!r}: expected an int >= 0")
+        if self.seed_batch < 0:
+            raise ValueError(f"seed_batch={self.seed_batch}: expected an int >= 0 (0: as fit)")
 
     @classmethod
     def preset(cls, name: str, base: TrainConfig | None = None, **kw) -> CompareConfig:
@@ -201,18 +209,50 @@ def _completed(run_dir: Path) -> bool:
         return False
 
 
+def _groups(
+    cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]]
+) -> list[list[tuple[str, int, TrainConfig]]]:
+    """The jobs in training order, grouped into seed batches: for each chunk of
+    ``seed_batch`` seeds, each run's seeds of that chunk as one batch (seed-major, so each
+    chunk's paired runs finish together). A run already started one by one (its folder
+    holds checkpoints) or one that cannot batch (:func:`.seeds.why_not_batched`) trains
+    alone."""
+    solo = [j for j in jobs if cfg.seed_batch == 1 or _started(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
+    rest = [j for j in jobs if j not in solo]
+    by_run: dict[str, list] = {}
+    for j in rest:
+        by_run.setdefault(j[0], []).append(j)
+    chunked: dict[str, list[list]] = {}
+    for name, js in by_run.items():
+        if why_not_batched([j[2] for j in js]) is not None or len(js) == 1:
+            solo += js
+            continue
+        k = seed_batch_size(js[0][2], len(js), requested=cfg.seed_batch)
+        chunked[name] = [js[i : i + k] for i in range(0, len(js), k)]
+    groups = [[j] for j in solo]
+    for i in range(max((len(v) for v in chunked.values()), default=0)):
+        groups += [v[i] for v in chunked.values() if i < len(v)]
+    return groups
+
+
+def _started(run_dir: Path) -> bool:
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(ckpts.iterdir())
+
+
 def _run_serial(
     cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]], progress: bool
 ) -> None:
-    """Train the jobs one after another in this process under one progress bar (steps of
-    all runs; tqdm's ETA), and record each trained run's wall and CPU seconds in
-    ``OUT/timings.json``."""
+    """Train the jobs in this process, replicates as seed batches (:func:`_groups`), under
+    one progress bar (steps of all runs; tqdm's ETA), and record each trained run's wall
+    and CPU seconds in ``OUT/timings.json`` (a batch's, split evenly over its runs)."""
     from tqdm.auto import tqdm
 
     assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     todo = [j for j in jobs if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
+    groups = _groups(cfg, todo)
     bar = tqdm(
         total=sum(j[2].steps for j in todo),
         unit="step",
@@ -220,26 +260,36 @@ def _run_serial(
         desc="compare",
         dynamic_ncols=True,
     )
-    for i, (name, seed, rcfg) in enumerate(todo):
-        bar.set_description(f"compare {i + 1}/{len(todo)} {name} s{seed}")
-        done = [0]
+    for i, group in enumerate(groups):
+        name, seeds = group[0][0], [j[1] for j in group]
+        shown = f"s{seeds[0]}" if len(seeds) == 1 else f"s{seeds[0]}-{seeds[-1]} ({len(seeds)})"
+        bar.set_description(f"compare {i + 1}/{len(groups)} {name} {shown}")
+        done = [0] * len(group)
 
-        def advance(rec, done=done):
-            if rec.get("kind") == "train" and rec.get("step", 0) > done[0]:
-                bar.update(rec["step"] - done[0])
-                done[0] = rec["step"]
+        def advance(k, rec, done=done):
+            if rec.get("kind") == "train" and rec.get("step", 0) > done[k]:
+                bar.update(rec["step"] - done[k])
+                done[k] = rec["step"]
 
         w0, c0 = time.perf_counter(), _cpu_seconds()
-        try:
-            train(rcfg, progress=False, callbacks=[advance])
-        except TrainingAborted as e:  # e.g. all-FP4 diverging: report it, go on
-            bar.write(f"[compare] {name} (seed {seed}) aborted: {e}")
-        bar.update(rcfg.steps - done[0])
-        timings[f"{name}-seed{seed}"] = {
-            "wall_s": time.perf_counter() - w0,
-            "cpu_s": _cpu_seconds() - c0,
-            "steps": rcfg.steps,
-        }
+        if len(group) == 1:
+            try:
+                train(group[0][2], progress=False, callbacks=[lambda r: advance(0, r)])
+            except TrainingAborted as e:  # e.g. all-FP4 diverging: report it, go on
+                bar.write(f"[compare] {name} (seed {seeds[0]}) aborted: {e}")
+        else:
+            for s in train_seeds([j[2] for j in group], progress=False, callbacks=[advance]):
+                if s["status"] == "aborted":
+                    bar.write(f"[compare] {name} ({s['out']}) aborted: {s['error']}")
+        bar.update(sum(j[2].steps for j in group) - sum(done))
+        wall, cpu = time.perf_counter() - w0, _cpu_seconds() - c0
+        for _, seed, rcfg in group:
+            timings[f"{name}-seed{seed}"] = {
+                "wall_s": wall / len(group),
+                "cpu_s": cpu / len(group),
+                "steps": rcfg.steps,
+                "seed_batch": len(group),
+            }
         atomic_write_text(timings_path, json.dumps(timings, indent=2))
     bar.close()
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -94,9 +95,9 @@ def why_not_batched(cfgs: Sequence[TrainConfig]) -> str | None:
             return f"runs {cfgs[0].out} and {c.out} differ in more than seed and data.seed"
     c = cfgs[0]
     reasons = {
+        f"precision.kind={c.precision.kind!r} (chosen in the run)": c.precision.spec.chosen_in_run,
         "precision.warmup > 0 (a bf16 warm-up phase)": c.warmup_steps > 0,
         "precision.late.fraction > 0 (a late switch)": c.precision.late.fraction > 0,
-        f"precision.kind={c.precision.kind!r} (chosen in the run)": c.precision.spec.chosen_in_run,
         "init_from is set": c.init_from is not None,
         "inject_nonfinite_steps is set": bool(c.inject_nonfinite_steps),
     }
@@ -199,7 +200,12 @@ def train_seeds(
     if why is not None:
         raise ValueError(f"these runs cannot train as one seed batch: {why}")
     seed_batch_size(cfgs[0], len(cfgs), requested=len(cfgs), memory=memory)
-    outs = [check_output_dir(c.out, what="out=") for c in cfgs]
+    named = [c.out for c in cfgs if c.out is not None]
+    if len(set(named)) != len(cfgs):
+        raise ValueError(
+            f"each run of a seed batch needs its own out=; got {[c.out for c in cfgs]}"
+        )
+    outs = [check_output_dir(out, what="out=") for out in named]
     with contextlib.ExitStack() as stack:
         for out in outs:
             out.mkdir(parents=True, exist_ok=True)
@@ -212,83 +218,124 @@ def train_seeds(
         return _train_batch(list(cfgs), outs, progress, list(callbacks or []), memory)
 
 
-def _train_batch(cfgs, outs, progress, callbacks, memory) -> list[dict[str, Any]]:
-    t_start = time.perf_counter()
+@dataclasses.dataclass(kw_only=True)
+class _Batch:
+    """The seed batch's compiled programs and stacked state."""
+
+    # The first run's state (graph, rules, optimizer, mesh); every run shares its graph.
+    st: Any
+    # The stacked float32 parameters, AdamW states and non-parameter state ([S, ...]).
+    params: Any
+    opt_state: Any
+    rest: Any
+    # int32 [S]: each run's seed (its keys).
+    seeds: jax.Array
+    # The compiled vmapped train step (params, opt_state, rest, batch, step, seeds).
+    step: Callable
+    # The vmapped eval step (params, rest, batch, seeds) -> [S] losses.
+    eval: Callable
+    # Each run's training batcher (its data.seed).
+    batchers: list
+
+
+def _build_batch(cfgs: list[TrainConfig], data, memory: int | None) -> _Batch:
+    """Each run's state (:func:`~microscale.train.build_state` of its own config), stacked,
+    and the vmapped steps, compiled and checked against the memory."""
     cfg = cfgs[0]
-    s = len(cfgs)
-    data = load_data(cfg.data)
-    check_vocab_fits(data.vocab_size, cfg.model.vocab_size, what=f"data.corpus={cfg.data.corpus!r}")
-    mesh = build_mesh(cfg.mesh)
-    states = [build_state(c, mesh) for c in cfgs]
+    states = [build_state(c, build_mesh(cfg.mesh)) for c in cfgs]
     st = states[0]
     graphdef = st.graphdefs["main"]
-    params = _stack([x.params for x in states])
-    opt_state = _stack([x.opt_state for x in states])
-    rest = _stack([nnx.to_pure_dict(x.rest) for x in states])
-    seeds = jnp.asarray([c.seed for c in cfgs], jnp.int32)
     step_fn = train_step_fn(graphdef, st.tx, lr_schedule(cfg.optim, cfg.steps))
-    batched = jax.jit(
-        jax.vmap(
-            lambda p, o, r, b, t, k: step_fn(p, o, nnx.State(r), b, t, k),
-            in_axes=(0, 0, 0, 0, None, 0),
-        ),
-        donate_argnums=(0, 1),
-    )
     ev = eval_step_fn(graphdef)
-    batched_eval = jax.jit(
-        jax.vmap(lambda p, r, b, k: ev(p, nnx.State(r), b, k), in_axes=(0, 0, None, 0))
+    batch = _Batch(
+        st=st,
+        params=_stack([x.params for x in states]),
+        opt_state=_stack([x.opt_state for x in states]),
+        rest=_stack([nnx.to_pure_dict(x.rest) for x in states]),
+        seeds=jnp.asarray([c.seed for c in cfgs], jnp.int32),
+        step=jax.jit(
+            jax.vmap(
+                lambda p, o, r, b, t, k: step_fn(p, o, nnx.State(r), b, t, k),
+                in_axes=(0, 0, 0, 0, None, 0),
+            ),
+            donate_argnums=(0, 1),
+        ),
+        eval=jax.jit(
+            jax.vmap(lambda p, r, b, k: ev(p, nnx.State(r), b, k), in_axes=(0, 0, None, 0))
+        ),
+        batchers=[
+            dataclasses.replace(
+                data, config=dataclasses.replace(data.config, seed=c.data.seed)
+            ).train_batcher()
+            for c in cfgs
+        ],
     )
-    batchers = [
-        dataclasses.replace(
-            data, config=dataclasses.replace(data.config, seed=c.data.seed)
-        ).train_batcher()
-        for c in cfgs
-    ]
-    example = np.stack([b.microbatches_at(0) for b in batchers])
-    compiled = batched.lower(params, opt_state, rest, example, jnp.int32(0), seeds).compile()
-    _check_compiled_fits(compiled, s, memory)
-    reps = _start_replicates(cfgs, outs, data, st, t_start, callbacks)
-    val = {name: [jnp.asarray(b) for b in data.val_batches(name)] for name in data.eval_sets()}
+    example = _batch_at(batch, 0)
+    args = (batch.params, batch.opt_state, batch.rest, example, jnp.int32(0), batch.seeds)
+    batch.step = batch.step.lower(*args).compile()  # type: ignore[attr-defined]  # a jax.jit function
+    _check_compiled_fits(batch.step, len(cfgs), memory)
+    return batch
+
+
+def _batch_at(batch: _Batch, t: int) -> np.ndarray:
+    """int32 ``[S, grad_accum, micro, seq_len + 1]``: every run's batch of step ``t``."""
+    return np.stack([b.microbatches_at(t) for b in batch.batchers])
+
+
+def _evaluate(batch: _Batch, reps: list[_Replicate], val: dict, step: int) -> None:
+    """Every live run's ``"eval"`` record at ``step``, logged; the clocks paused for it."""
+    t0 = time.perf_counter()
+    per = {
+        name: np.asarray(
+            jax.device_get([batch.eval(batch.params, batch.rest, b, batch.seeds) for b in bs])
+        )
+        for name, bs in val.items()
+    }
+    for i, r in enumerate(reps):
+        if r.aborted is None:
+            model = nnx.merge(
+                batch.st.graphdefs["main"], nnx.State(_unstack(batch.params, i)), batch.st.rest
+            )
+            r.last_eval = eval_record(
+                {name: [float(v) for v in a[:, i]] for name, a in per.items()},
+                model,
+                step=step,
+                tokens=step * r.cfg.tokens_per_step,
+                phase="main",
+                seconds=time.perf_counter() - t0,
+            )
+            r.logger.log(r.last_eval)
+    for r in reps:
+        r.clock.pause(time.perf_counter() - t0)
+
+
+def _train_batch(cfgs, outs, progress, callbacks, memory) -> list[dict[str, Any]]:
+    """Build, then train every step (metrics read back one step late, as the trainer does),
+    evaluating every ``eval_every`` steps and at the end; then each run's files."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=cfg.steps, unit="step", disable=not progress, desc=f"{cfg.recipe} x{s} seeds")
-    pending: tuple[int, Any] | None = None
+    t_start = time.perf_counter()
+    cfg = cfgs[0]
+    data = load_data(cfg.data)
+    check_vocab_fits(data.vocab_size, cfg.model.vocab_size, what=f"data.corpus={cfg.data.corpus!r}")
+    batch = _build_batch(cfgs, data, memory)
+    reps = _start_replicates(cfgs, outs, data, batch.st, t_start, callbacks)
+    val = {name: [jnp.asarray(b) for b in data.val_batches(name)] for name in data.eval_sets()}
+    bar = tqdm(
+        total=cfg.steps, unit="step", disable=not progress, desc=f"{cfg.recipe} x{len(cfgs)}"
+    )
     for r in reps:
         r.clock.win_t0 = r.clock.t_prev = time.perf_counter()
-
-    def evaluate(step: int) -> None:
-        t0 = time.perf_counter()
-        per = {
-            name: np.asarray(jax.device_get([batched_eval(params, rest, b, seeds) for b in bs]))
-            for name, bs in val.items()
-        }
-        for i, r in enumerate(reps):
-            if r.aborted is None:
-                model = nnx.merge(graphdef, nnx.State(_unstack(params, i)), st.rest)
-                r.last_eval = eval_record(
-                    {name: [float(v) for v in a[:, i]] for name, a in per.items()},
-                    model,
-                    step=step,
-                    tokens=step * cfg.tokens_per_step,
-                    phase="main",
-                    seconds=time.perf_counter() - t0,
-                )
-                r.logger.log(r.last_eval)
-        for r in reps:
-            r.clock.pause(time.perf_counter() - t0)
-
     if cfg.eval_every:
-        evaluate(0)
+        _evaluate(batch, reps, val, 0)
+    pending: tuple[int, Any] | None = None
     it = PrefetchIterator(
-        lambda t: np.stack([b.microbatches_at(t) for b in batchers]),
-        0,
-        cfg.steps,
-        prefetch=cfg.data.prefetch,
+        functools.partial(_batch_at, batch), 0, cfg.steps, prefetch=cfg.data.prefetch
     )
     with contextlib.closing(it):
-        for idx, batch in it:
-            params, opt_state, m = compiled(
-                params, opt_state, rest, jnp.asarray(batch), jnp.int32(idx), seeds
+        for idx, tokens in it:
+            batch.params, batch.opt_state, m = batch.step(
+                batch.params, batch.opt_state, batch.rest, tokens, jnp.int32(idx), batch.seeds
             )
             if pending is not None:
                 _read_back(reps, *pending, compiling=pending[0] == 0)
@@ -298,10 +345,11 @@ def _train_batch(cfgs, outs, progress, callbacks, memory) -> list[dict[str, Any]
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 _read_back(reps, *pending, compiling=pending[0] == 0)
                 pending = None
-                evaluate(step)
+                _evaluate(batch, reps, val, step)
     bar.close()
     return [
-        _finish(r, _unstack(params, i), _unstack(opt_state, i), st, s) for i, r in enumerate(reps)
+        _finish(r, _unstack(batch.params, i), _unstack(batch.opt_state, i), batch.st, len(cfgs))
+        for i, r in enumerate(reps)
     ]
 
 
@@ -335,7 +383,7 @@ def _start_replicates(cfgs, outs, data, st, t_start, callbacks) -> list[_Replica
             total_steps=c.steps,
             progress=False,
             tensorboard=c.tensorboard,
-            callbacks=[lambda rec, i=i: [cb(i, rec) for cb in callbacks]],
+            callbacks=[functools.partial(_call_all, callbacks, i)],
             description=c.recipe,
         )
         facts = RunFacts(
@@ -358,6 +406,11 @@ def _start_replicates(cfgs, outs, data, st, t_start, callbacks) -> list[_Replica
             )
         )
     return reps
+
+
+def _call_all(callbacks: Sequence[Callable[[int, dict], None]], i: int, rec: dict) -> None:
+    for cb in callbacks:
+        cb(i, rec)
 
 
 def _read_back(reps: list[_Replicate], idx: int, metrics: dict, *, compiling: bool) -> None:
