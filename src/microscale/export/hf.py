@@ -448,4 +448,3 @@ def rope_to_hf(theta: float, rope: RopeScaling | None) -> dict[str, Any]:
         "rope_scaling": None if rope is None else dict(params),
         "rope_parameters": {**params, "rope_theta": theta},
     }
-

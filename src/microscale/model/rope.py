@@ -289,7 +289,12 @@ ROPE_KINDS: dict[str, RopeKind] = {
         original_is_context=True,
     ),
     "llama3": RopeKind(
-        fields=("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+        fields=(
+            "factor",
+            "original_max_position_embeddings",
+            "low_freq_factor",
+            "high_freq_factor",
+        ),
         weights=_llama3,
     ),
     "yarn": RopeKind(
