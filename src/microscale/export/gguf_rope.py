@@ -23,8 +23,8 @@ The file holds llama3's divisors, not its parameters, so microscale also records
 `RopeScaling` as JSON under ``microscale.rope_scaling`` (other readers ignore it), and
 `read_gguf_rope` reads it back exactly after checking it against llama.cpp's keys and
 tensor. A file without it (llama.cpp's converter's) is solved for the parameters: ``s``
-is the largest divisor; a pair in between has ``1 / divisor = (1 − w) + w / s`` and
-``1 − w = (L / λ − a) / (b − a)``, linear in ``1 / λ`` (λ its wavelength): two such pairs
+is the largest divisor; a pair in between has ``1 / divisor = (1 − k) / s + k`` and
+``k = (L / λ − a) / (b − a)``, linear in ``1 / λ`` (λ its wavelength): two such pairs
 give its slope ``L / (b − a)`` and intercept ``a / (b − a)``; only ``L / a`` and
 ``L / b`` change the math, so ``a = 1`` (every Llama 3.x release) fixes ``L`` and ``b``.
 The solution is checked against the whole tensor. Any other key of llama.cpp's that
@@ -245,7 +245,7 @@ def _solve_llama3(div: np.ndarray, cfg: ModelConfig) -> RopeScaling:
             f"GGUF {ROPE_FREQS}: no pair between the kept and the interpolated ones; "
             f"llama3's parameters cannot be solved from it (no {MS_ROPE_KEY} in the file)"
         )
-    u = (1 / div[between].astype(np.float64) - 1 / s) / (1 - 1 / s)  # 1 − w
+    u = (1 / div[between].astype(np.float64) - 1 / s) / (1 - 1 / s)  # k
     if between.sum() == 1:  # u = (L / λ − 1) / 3
         span, high = float(wavelength[between][0] * (3 * u[0] + 1)), 4.0
     else:  # u = slope / λ − icept, slope = L / (b − 1), icept = 1 / (b − 1)

@@ -14,19 +14,20 @@ Llama (its ``ROPE_INIT_FUNCTIONS``), derived here from the formulas there; the f
 
 **Static kinds interpolate some pairs.** Dividing a frequency by ``s`` reads position ``p``
 as ``p / s``: a model trained on ``L`` positions then sees ``s · L`` positions as ``L``.
-Each static kind gives each pair an interpolation weight ``w_i`` in ``[0, 1]`` and blends::
+Each static kind keeps a share ``k_i`` in ``[0, 1]`` of each pair's frequency and
+interpolates the rest::
 
-    ω'_i = ω_i · ((1 − w_i) + w_i / s)
+    ω'_i = (ω_i / s) · (1 − k_i) + ω_i · k_i
 
-* ``default``: ``w_i = 0`` (the table is the default RoPE's, bit for bit).
-* ``linear`` (position interpolation): ``w_i = 1``, so ``ω'_i = ω_i / s``.
+* ``default``: ``k_i = 1`` (the table is the default RoPE's, bit for bit).
+* ``linear`` (position interpolation): ``k_i = 0``, so ``ω'_i = ω_i / s``.
 * ``llama3``: long wavelengths (``λ_i > L / low_freq_factor``) are interpolated, short ones
-  (``λ_i < L / high_freq_factor``) keep their frequency, and between them the weight is
-  linear in the number of turns a pair makes over the pretraining context, ``L / λ_i``::
+  (``λ_i < L / high_freq_factor``) keep their frequency, and between them the share kept
+  is linear in the number of turns a pair makes over the pretraining context, ``L / λ_i``::
 
-      w_i = 1 − clamp((L / λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor), 0, 1)
+      k_i = clamp((L / λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor), 0, 1)
 
-  llama.cpp stores the per-pair divisor ``ω_i / ω'_i = 1 / ((1 − w_i) + w_i / s)`` as the
+  llama.cpp stores the per-pair divisor ``ω_i / ω'_i = 1 / ((1 − k_i) / s + k_i)`` as the
   GGUF tensor ``rope_freqs.weight`` (`frequency_divisors`).
 * ``yarn`` (YaRN's "NTK-by-parts"): the same blend with a ramp over the pair index. Pair
   ``c`` makes ``L / λ_c = L θ^(−2c/d) / (2π)`` turns over ``L``; setting that to ``β`` and
@@ -37,7 +38,7 @@ Each static kind gives each pair an interpolation weight ``w_i`` in ``[0, 1]`` a
   With ``lo = c(beta_fast)``, ``hi = c(beta_slow)`` (``lo`` floored and ``hi`` ceiled when
   ``truncate``; then ``lo ≥ 0``, ``hi ≤ d − 1``, and ``hi += 0.001`` where they meet)::
 
-      w_i = clamp((i − lo) / (hi − lo), 0, 1)
+      k_i = 1 − clamp((i − lo) / (hi − lo), 0, 1)
 
   so pairs turning more than ``beta_fast`` times keep their frequency and those turning
   fewer than ``beta_slow`` times are interpolated. YaRN also sharpens attention: cos and
@@ -185,8 +186,8 @@ def _check_field(sc: RopeScaling, name: str) -> None:
 
 # ---------------------------------------------------------------------- the kinds
 
-# A static kind's interpolation weights: (scaling, theta, head_dim) -> w [d/2] float32.
-Weights = Callable[[RopeScaling, float, int], jax.Array]
+# A static kind's kept shares: (scaling, theta, head_dim) -> k [d/2] float32.
+Keep = Callable[[RopeScaling, float, int], jax.Array]
 # A length-dependent kind's base: (scaling, theta, head_dim, n) -> θ'(n), n the call's length.
 Base = Callable[[RopeScaling, float, int, Any], Any]
 
@@ -201,8 +202,8 @@ class RopeKind:
 
     # The RopeScaling fields it reads (the others must keep their defaults).
     fields: tuple[str, ...]
-    # A static kind's w_i (ω' = ω ((1 − w) + w / s)); None for a length-dependent kind.
-    weights: Weights | None = None
+    # A static kind's k_i (ω' = (ω / s)(1 − k) + ω k); None for a length-dependent kind.
+    keep: Keep | None = None
     # A length-dependent kind's θ'(n) (ω' = θ'(n)^(−2i/d)); None for a static kind.
     base: Base | None = None
     # The cos/sin multiplier m.
@@ -221,27 +222,27 @@ def _omega(theta: Any, head_dim: int) -> jax.Array:
     return theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
 
 
-def _none(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
-    """w_i of default: 0."""
-    return jnp.zeros((head_dim // 2,), jnp.float32)
-
-
 def _all(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
-    """w_i of linear: 1."""
+    """k_i of default: 1."""
     return jnp.ones((head_dim // 2,), jnp.float32)
 
 
+def _none(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
+    """k_i of linear: 0."""
+    return jnp.zeros((head_dim // 2,), jnp.float32)
+
+
 def _llama3(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
-    """w_i of llama3: 1 − clamp((L/λ_i − a) / (b − a), 0, 1)."""
+    """k_i of llama3: clamp((L/λ_i − a) / (b − a), 0, 1)."""
     wavelength = 2 * math.pi / _omega(theta, head_dim)
     turns = sc.original_max_position_embeddings / wavelength
     a, b = sc.low_freq_factor, sc.high_freq_factor
-    return 1.0 - jnp.clip((turns - a) / (b - a), 0.0, 1.0)
+    return jnp.clip((turns - a) / (b - a), 0.0, 1.0)
 
 
 def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
-    """w_i of yarn: clamp((i − lo) / (hi − lo), 0, 1), lo/hi the pairs turning beta_fast /
-    beta_slow times over L."""
+    """k_i of yarn: 1 − clamp((i − lo) / (hi − lo), 0, 1), lo/hi the pairs turning
+    beta_fast / beta_slow times over L."""
     span = sc.original_max_position_embeddings
 
     def pair(beta: float) -> float:  # c(β) = d ln(L / (2π β)) / (2 ln θ)
@@ -254,7 +255,7 @@ def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
     if lo == hi:
         hi += 0.001
     i = jnp.arange(head_dim // 2, dtype=jnp.float32)
-    return jnp.clip((i - lo) / (hi - lo), 0.0, 1.0)
+    return 1.0 - jnp.clip((i - lo) / (hi - lo), 0.0, 1.0)
 
 
 def _mu(s: float, k: float = 1.0) -> float:
@@ -281,8 +282,8 @@ def _dynamic(sc: RopeScaling, theta: float, head_dim: int, n: Any) -> Any:
 
 
 ROPE_KINDS: dict[str, RopeKind] = {
-    "default": RopeKind(fields=(), weights=_none),
-    "linear": RopeKind(fields=("factor",), weights=_all),
+    "default": RopeKind(fields=(), keep=_all),
+    "linear": RopeKind(fields=("factor",), keep=_none),
     "dynamic": RopeKind(
         fields=("factor", "original_max_position_embeddings"),
         base=_dynamic,
@@ -295,7 +296,7 @@ ROPE_KINDS: dict[str, RopeKind] = {
             "low_freq_factor",
             "high_freq_factor",
         ),
-        weights=_llama3,
+        keep=_llama3,
     ),
     "yarn": RopeKind(
         fields=(
@@ -308,7 +309,7 @@ ROPE_KINDS: dict[str, RopeKind] = {
             "mscale_all_dim",
             "truncate",
         ),
-        weights=_yarn,
+        keep=_yarn,
         attention=yarn_attention_factor,
     ),
 }
@@ -325,22 +326,23 @@ def inverse_frequencies(
     row = ROPE_KINDS[sc.kind]
     if row.base is not None:
         return _omega(row.base(sc, theta, head_dim, length), head_dim), row.attention(sc)
-    assert row.weights is not None  # a static kind
-    w = row.weights(sc, theta, head_dim)
-    return _omega(theta, head_dim) * ((1.0 - w) + w / sc.factor), row.attention(sc)
+    assert row.keep is not None  # a static kind
+    k = row.keep(sc, theta, head_dim)
+    omega = _omega(theta, head_dim)
+    return omega / sc.factor * (1.0 - k) + omega * k, row.attention(sc)
 
 
 def frequency_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
-    """``ω_i / ω'_i = 1 / ((1 − w_i) + w_i / s)`` per pair (float32) of a static kind:
+    """``ω_i / ω'_i = 1 / ((1 − k_i) / s + k_i)`` per pair (float32) of a static kind:
     llama.cpp's ``rope_freqs.weight`` (it divides each pair's frequency by it)."""
     row = ROPE_KINDS[scaling.kind]
-    if row.weights is None:
+    if row.keep is None:
         raise ValueError(
             f"RopeScaling.kind={scaling.kind!r}: its frequencies depend on the sequence "
             "length; no fixed per-pair divisors exist"
         )
-    w = row.weights(scaling, theta, head_dim)
-    return 1.0 / ((1.0 - w) + w / scaling.factor)
+    k = row.keep(scaling, theta, head_dim)
+    return 1.0 / ((1.0 - k) / scaling.factor + k)
 
 
 _DEFAULT = RopeScaling()
