@@ -209,7 +209,9 @@ def _old_rope_tables(positions, head_dim, theta):
 def test_default_tables_are_the_old_ones_bit_for_bit(scaling, theta, head_dim):
     pos = jnp.arange(4096).reshape(2, 2048)
     for got, want in zip(
-        rope_tables(pos, head_dim, theta, scaling), _old_rope_tables(pos, head_dim, theta)
+        rope_tables(pos, head_dim, theta, scaling),
+        _old_rope_tables(pos, head_dim, theta),
+        strict=True,
     ):
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
