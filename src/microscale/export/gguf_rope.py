@@ -251,13 +251,16 @@ def _solve_llama3(div: np.ndarray, cfg: ModelConfig) -> RopeScaling:
     else:  # u = slope / λ − icept, slope = L / (b − 1), icept = 1 / (b − 1)
         slope, icept = np.polyfit(1 / wavelength[between], u, 1)
         span, high = slope / -icept, float(f"{1 - 1 / icept:.6g}")
-    sc = RopeScaling(
-        kind="llama3",
-        factor=float(f"{s:.6g}"),
-        original_max_position_embeddings=int(round(span)),
-        low_freq_factor=1.0,
-        high_freq_factor=high,
-    )
+    try:
+        sc = RopeScaling(
+            kind="llama3",
+            factor=float(f"{s:.6g}"),
+            original_max_position_embeddings=int(round(span)),
+            low_freq_factor=1.0,
+            high_freq_factor=high,
+        )
+    except ValueError as e:
+        raise ValueError(f"GGUF {ROPE_FREQS}: not llama3's divisors (solved: {e})") from None
     _check_freqs(div, sc, cfg, "solved from it")
     return sc
 
