@@ -18,6 +18,7 @@ from microscale.export.gguf import write_gguf  # noqa: E402
 from microscale.export.gguf_hf import gguf_model_config  # noqa: E402
 from microscale.export.gguf_rope import read_gguf_rope  # noqa: E402
 from microscale.model import ModelConfig, RopeScaling, Transformer  # noqa: E402
+from microscale.model.rope import frequency_divisors  # noqa: E402
 
 from .conftest import make_model  # noqa: E402
 
@@ -42,6 +43,15 @@ def _llama_cpp_rope_freqs(head_dim, theta, factor, low, high, span) -> np.ndarra
             smooth = (span / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("theta", [500.0, 10000.0, 500000.0])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_llama3_divisors_are_llama_cpps_rope_freqs(head_dim, theta):
+    sc = RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=8192)
+    want = _llama_cpp_rope_freqs(head_dim, theta, 8.0, 1.0, 4.0, 8192)
+    got = frequency_divisors(head_dim, theta, sc)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
 def _write(cfg: ModelConfig, path):

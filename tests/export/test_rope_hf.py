@@ -189,6 +189,17 @@ def test_microscale_import_cli_keeps_the_rope(hf_folder, tmp_path):
     assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.kind == kind
 
 
+# microscale's side of the tiny models above.
+SMALL = ModelConfig(
+    vocab_size=257,
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=256,
+    max_seq_len=64,
+    rope_theta=500.0,
+)
 ROUND_TRIPS = [
     RopeScaling(kind="linear", factor=2.5),
     RopeScaling(kind="dynamic", factor=2.0, original_max_position_embeddings=32),
@@ -219,17 +230,7 @@ ROUND_TRIPS = [
 def test_config_json_round_trip_and_transformers_agrees(rope, tmp_path):
     """ModelConfig -> config.json -> ModelConfig is the identity, and transformers reading
     that config.json builds the tables microscale computes."""
-    cfg = ModelConfig(
-        vocab_size=257,
-        d_model=128,
-        n_layers=1,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=128,
-        max_seq_len=64,
-        rope_theta=500.0,
-        rope_scaling=rope,
-    )
+    cfg = SMALL.replace(rope_scaling=rope)
     d = hf_config(cfg)
     assert model_config_from_hf(d) == cfg
     # either form alone reads back the same (transformers 4.x / 5.x)
@@ -262,15 +263,7 @@ def _tables(cfg: ModelConfig):
 
 
 def test_an_exported_folder_with_rope_loads_in_transformers_with_the_same_logits(tmp_path):
-    cfg = ModelConfig(
-        vocab_size=257,
-        d_model=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=256,
-        max_seq_len=64,
-        rope_theta=500.0,
+    cfg = SMALL.replace(
         rope_scaling=RopeScaling(kind="llama3", factor=4.0, original_max_position_embeddings=16),
         compute_dtype="float32",
     )

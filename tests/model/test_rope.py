@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from microscale.model import ModelConfig, RopeScaling, rope_tables
-from microscale.model.rope import ROPE_KINDS, frequency_divisors, inverse_frequencies
+from microscale.model.rope import ROPE_KINDS, inverse_frequencies
 
 ULP = 8
 
@@ -224,28 +224,6 @@ def test_yarn_multiplies_cos_and_sin_by_its_attention_factor():
     angles = jnp.arange(40, dtype=jnp.float32)[:, None] * inv
     np.testing.assert_array_equal(np.asarray(cos), np.asarray(jnp.cos(angles) * m))
     np.testing.assert_array_equal(np.asarray(sin), np.asarray(jnp.sin(angles) * m))
-
-
-@pytest.mark.parametrize("theta", THETAS)
-def test_llama3_divisors_are_llama_cpps_rope_freqs(theta):
-    """llama.cpp's converter (LlamaModel.generate_extra_tensors), written out again: per
-    pair 1 if its wavelength is below L / high, factor above L / low, else
-    1 / ((1 - smooth) / factor + smooth)."""
-    head_dim, factor, low, high, span = 128, 8.0, 1.0, 4.0, 8192
-    sc = RopeScaling(kind="llama3", factor=factor, original_max_position_embeddings=span)
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    want = []
-    for f in freqs:
-        wavelen = 2 * np.pi / f
-        if wavelen < span / high:
-            want.append(1.0)
-        elif wavelen > span / low:
-            want.append(factor)
-        else:
-            smooth = (span / wavelen - low) / (high - low)
-            want.append(1 / ((1 - smooth) / factor + smooth))
-    got = np.asarray(frequency_divisors(head_dim, theta, sc))
-    np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=ULP * 2**-23, atol=0)
 
 
 def test_every_kind_names_only_fields_of_rope_scaling():
