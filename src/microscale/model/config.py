@@ -421,7 +421,7 @@ def _coerce(key: str, value: Any, hint: Any, owner: str = "ModelConfig") -> Any:
             return float(value)
         if t is str and isinstance(value, str):
             return value
-        if dataclasses.is_dataclass(t) and isinstance(value, (t, dict)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t) and isinstance(value, (t, dict)):
             return value if isinstance(value, t) else _from_dict(t, value)
     names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise TypeError(f"{owner}.{key}={value!r} ({type(value).__name__}): expected {names}")

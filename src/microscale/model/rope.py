@@ -190,7 +190,7 @@ def _check_field(sc: RopeScaling, name: str) -> None:
 # ---------------------------------------------------------------------- the kinds
 
 # A static kind's kept shares: (scaling, theta, head_dim) -> k [d/2] float32.
-Keep = Callable[[RopeScaling, float, int], jax.Array]
+Keep = Callable[[RopeScaling, float, int], np.ndarray]
 # A length-dependent kind's base: (scaling, theta, head_dim, n) -> θ'(n), n the call's length.
 Base = Callable[[RopeScaling, float, int, Any], Any]
 
@@ -226,28 +226,28 @@ def _omega(theta: Any, head_dim: int, xp: Any = jnp) -> Any:
     return theta ** (-xp.arange(head_dim // 2, dtype=xp.float32) * xp.float32(2.0) / head_dim)
 
 
-def _all(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
+def _all(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     """k_i of default: 1."""
     return np.ones((head_dim // 2,), np.float32)
 
 
-def _none(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
+def _none(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     """k_i of linear: 0."""
     return np.zeros((head_dim // 2,), np.float32)
 
 
-def _llama3(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
+def _llama3(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     """k_i of llama3: clamp((L/λ_i − a) / (b − a), 0, 1)."""
     wavelength = 2 * math.pi / _omega(np.float32(theta), head_dim, np)
-    turns = sc.original_max_position_embeddings / wavelength
+    turns = _span(sc) / wavelength
     a, b = sc.low_freq_factor, sc.high_freq_factor
     return np.clip((turns - a) / (b - a), 0.0, 1.0)
 
 
-def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
+def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     """k_i of yarn: 1 − clamp((i − lo) / (hi − lo), 0, 1), lo/hi the pairs turning
     beta_fast / beta_slow times over L."""
-    span = sc.original_max_position_embeddings
+    span = _span(sc)
 
     def pair(beta: float) -> float:  # c(β) = d ln(L / (2π β)) / (2 ln θ)
         return head_dim * math.log(span / (2 * math.pi * beta)) / (2 * math.log(theta))
@@ -260,6 +260,12 @@ def _yarn(sc: RopeScaling, theta: float, head_dim: int) -> jax.Array:
         hi += 0.001
     i = np.arange(head_dim // 2, dtype=np.float32)
     return 1.0 - np.clip((i - lo) / (hi - lo), 0.0, 1.0)
+
+
+def _span(sc: RopeScaling) -> int:
+    """L (RopeScaling checks that a kind reading it has one)."""
+    assert sc.original_max_position_embeddings is not None
+    return sc.original_max_position_embeddings
 
 
 def _mu(s: float, k: float = 1.0) -> float:
@@ -279,7 +285,7 @@ def yarn_attention_factor(sc: RopeScaling) -> float:
 
 def _dynamic(sc: RopeScaling, theta: float, head_dim: int, n: Any) -> Any:
     """θ'(n) = θ (s max(n, L) / L − (s − 1))^(d / (d − 2)), float32."""
-    span = sc.original_max_position_embeddings
+    span = _span(sc)
     length = jnp.maximum(jnp.asarray(span if n is None else n, jnp.float32), span)
     stretch = sc.factor * length / span - (sc.factor - 1)
     return theta * stretch ** (head_dim / (head_dim - 2))
