@@ -172,8 +172,49 @@ BASE = dict(
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "RoPE scaling"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "RoPE scaling"),
+        (
+            dict(rope_scaling={"rope_type": "longrope", "factor": 8.0}),
+            "rope_scaling.rope_type='longrope': not supported by microscale's RoPE",
+        ),
+        (dict(rope_scaling={"type": "su"}), "rope_scaling.type='su': not supported"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+            "rope_parameters has no 'factor'",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+            "rope_scaling has no 'low_freq_factor'",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "short_factor": [1.0]}),
+            r"rope_scaling.short_factor=\[1.0\]: not a parameter of rope_type 'linear'",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0, "beta_fast": 8}),
+            "rope_scaling.beta_fast=8: not a parameter of rope_type 'dynamic'",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+            "rope_scaling.partial_rotary_factor=0.5",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "linear", "type": "dynamic", "factor": 2.0}),
+            "rope_scaling.rope_type='linear' and rope_scaling.type='dynamic'",
+        ),
+        (dict(rope_scaling={"rope_type": "linear", "factor": 0.5}), "rope_scaling.factor=0.5"),
+        (dict(rope_scaling="llama3"), "rope_scaling='llama3': expected an object"),
+        (
+            dict(
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+                rope_parameters={"rope_type": "linear", "factor": 4.0},
+            ),
+            "two different RoPE scalings",
+        ),
+        (
+            dict(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+            r"rope_theta=10000.0, rope_parameters.rope_theta=500000.0: two different RoPE bases",
+        ),
+        (dict(rope_theta=-1.0), "rope_theta=-1.0: expected a positive number"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),

@@ -196,7 +196,14 @@ def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, 
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}},
+            "rope_scaling.rope_type='longrope'",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mscale": 1.0}},
+            "rope_scaling.mscale=1.0: not a parameter of rope_type 'linear'",
+        ),
         ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),

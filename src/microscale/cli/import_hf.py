@@ -4,8 +4,8 @@
     microscale eval -m runs/smollm2                      # any command that reads a run
     microscale train init_from=runs/smollm2 steps=100 out=runs/ft   # the model from the run
 
-The model comes from ``config.json`` (every shape, rope_theta, rms_norm_eps, tied
-embeddings, vocabulary), the tokenizer is the folder's ``tokenizer.json``, and the weights
+The model comes from ``config.json`` (every shape, rope_theta, RoPE scaling -- Llama
+3.x's llama3, linear, dynamic, yarn --, rms_norm_eps, tied embeddings, vocabulary), the tokenizer is the folder's ``tokenizer.json``, and the weights
 equal the HF tensors bit for bit (:mod:`microscale.train.hfimport`).
 Exit codes: 0 written, 2 bad arguments or a folder that cannot be imported (nothing
 written).

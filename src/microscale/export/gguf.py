@@ -36,6 +36,11 @@ llama.cpp's Llama graph uses RoPE on adjacent pairs, microscale (and HF) on halv
 ``0, hd/2, 1, hd/2 + 1, ...`` (the permutation llama.cpp's ``convert_hf_to_gguf.py``
 applies); whole rows move, so codes and scales move with them unchanged.
 
+RoPE scaling: the keys and the ``rope_freqs.weight`` tensor that llama.cpp's converter writes
+for the model's ``config.json`` (linear, yarn, llama3); dynamic NTK, and yarn settings
+llama.cpp does not compute, are refused by name before any work
+(:mod:`microscale.export.gguf_rope`).
+
 Tokenizer: byte-level BPE in ggml's ``gpt2`` vocabulary (token text = GPT-2's
 byte-to-unicode characters). microscale's byte tokenizer has no merges; llama.cpp's
 ``gpt2`` vocabulary needs a merge list, so it gets one merge of two multi-character
@@ -73,6 +78,7 @@ import numpy as np
 
 from microscale.data import check_vocab_fits
 from microscale.export import layouts as L
+from microscale.export.gguf_rope import ROPE_FREQS, gguf_rope
 from microscale.export.gguffile import CRC_HEADER_KEY, CRC_TENSORS_KEY, seal_gguf_header
 from microscale.export.params import check_params
 from microscale.export.tokenizer import byte_tokenizer_hf
@@ -617,6 +623,7 @@ def write_gguf(
     emb_fmt = gguf_embed_format(embed_format)
     vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
+    gguf_rope(cfg)  # a RoPE scaling llama.cpp cannot compute: refused before any work
     check_params(params, cfg)
     _check_finite(params)
     formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
@@ -700,6 +707,9 @@ def _tensors(
                 raise ValueError(f"{tname}: non-finite weights; refusing to write them")
             add_float(f"{tname}.weight", w)
     add_float("output_norm.weight", params["final_norm.scale"], "float32")
+    freqs = gguf_rope(cfg).freqs
+    if freqs is not None:
+        add_float(ROPE_FREQS, freqs, "float32")
     if not cfg.tie_embeddings:
         head = np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T
         tensors.append(("output.weight", *_embed_tensor(head, emb_fmt, "output", dtype)))
@@ -723,6 +733,7 @@ def _write_file(
     w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_theta))
+    gguf_rope(cfg).write(w, cfg.rope_scaling)
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tok = _add_tokenizer(w, vocab, cfg.vocab_size)

@@ -18,7 +18,9 @@ quantizers against each other but not the original training-precision model.
 
 Supported: ``general.architecture == "llama"`` with the ``gpt2`` (byte-level BPE)
 tokenizer and a pre-tokenizer among ``gpt-2`` / ``smollm`` / ``llama-bpe`` (what
-:mod:`~microscale.export.gguf` writes); anything else is refused, naming the key.
+:mod:`~microscale.export.gguf` writes); anything else is refused, naming the key. RoPE
+scaling (linear, yarn, llama3's ``rope_freqs.weight``) is read back by
+:func:`~microscale.export.gguf_rope.read_gguf_rope` into ``config.json``'s RoPE keys.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from microscale.export.gguf import (
     _gguf,
     _rope_rows,
 )
+from microscale.export.gguf_rope import read_gguf_rope
 from microscale.export.hf import hf_config, hf_module, hf_param_name, ms_param_name
 from microscale.files import atomic_write_bytes
 from microscale.model import ModelConfig
@@ -74,7 +77,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             f"GGUF {a}rope.dimension_count={rot}: partial RoPE is not supported "
             f"(expected head_dim {d // n_heads})"
         )
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=int(n_vocab),
         d_model=d,
         n_layers=int(_field(reader, a + "block_count")),
@@ -87,6 +90,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
         dim_multiple=16,
     )
+    rope = read_gguf_rope(reader, lambda key, default=...: _field(reader, key, default), cfg)
+    return cfg if rope is None else cfg.replace(rope_scaling=rope)
 
 
 def _decoded(reader: Any) -> dict[str, np.ndarray]:

@@ -25,11 +25,22 @@ Config: ``ModelConfig`` fields map one-to-one onto ``LlamaConfig``
 (``d_model`` -> ``hidden_size``, ``d_ff`` -> ``intermediate_size``, ``n_layers`` ->
 ``num_hidden_layers``, ``n_heads``/``n_kv_heads`` -> ``num_attention_heads`` /
 ``num_key_value_heads``, ``max_seq_len`` -> ``max_position_embeddings``, ``norm_eps`` ->
-``rms_norm_eps``, ``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``). HF
-features microscale's model does not have (attention/MLP biases, RoPE scaling such as
-Llama 3's ``rope_type: "llama3"``, interleaved RoPE, an activation other than SiLU, a ``head_dim`` other
-than ``hidden_size / num_attention_heads``) are rejected with the field named rather
-than silently ignored.
+``rms_norm_eps``, ``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``).
+
+RoPE (`rope_from_hf` / `rope_to_hf`): ``rope_scaling`` with a top-level ``rope_theta``
+(transformers 4.x; the kind as ``rope_type`` or the older ``type``) and ``rope_parameters``
+with ``rope_theta`` inside (5.x) are both read, and both are written. The kinds of
+`microscale.model.rope` come in (``default``, ``linear``, ``dynamic``, ``llama3`` --
+every Llama 3.1/3.2/3.3 --, ``yarn``) as ``ModelConfig.rope_scaling``, with the dict's keys
+as `RopeScaling`'s fields of the same names; dynamic NTK's ``L`` is config.json's
+``max_position_embeddings``, and microscale's context for it is ``factor * L``. Refused,
+naming the key and its value: another ``rope_type`` (``longrope``, ...), a key the kind
+does not read, ``partial_rotary_factor`` other than 1, two forms that disagree.
+
+HF features microscale's model does not have (attention/MLP biases, the RoPE kinds above,
+interleaved RoPE, an activation other than SiLU, a ``head_dim`` other than
+``hidden_size / num_attention_heads``) are rejected with the field named rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -37,7 +48,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from microscale.model import BLOCK_LINEARS, ModelConfig, fused_groups, linear_paths
+from microscale.model import (
+    BLOCK_LINEARS,
+    ROPE_KINDS,
+    ModelConfig,
+    RopeScaling,
+    fused_groups,
+    linear_paths,
+)
+from microscale.model.rope import RopeKind
 
 __all__ = [
     "LINEAR_KINDS",
@@ -50,6 +69,8 @@ __all__ = [
     "ms_module",
     "ms_param_name",
     "param_shapes",
+    "rope_from_hf",
+    "rope_to_hf",
 ]
 
 # Linear sub-paths inside a block: microscale -> HF (HF names the attention "self_attn").
@@ -174,11 +195,9 @@ def hf_config(
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": _hf_context(cfg),
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -258,21 +277,8 @@ def model_config_from_hf(
             "config.json: rope_interleaved=true: microscale's RoPE rotates "
             "halves (i with i + head_dim/2), not interleaved pairs"
         )
-    rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling")
-    theta = d.get(
-        "rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0
-    )
-    for src, r in (("rope_scaling", scaling), ("rope_parameters", rope)):
-        if r and (
-            not isinstance(r, dict) or r.get("rope_type", r.get("type", "default")) != "default"
-        ):
-            raise ValueError(
-                f"config.json: {src}={r!r}: RoPE scaling is not supported by "
-                "microscale's model (expected none / rope_type 'default')"
-            )
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"config.json: rope_theta={theta!r}: expected a positive number")
+    context = _get(d, "max_position_embeddings", int, 2048)
+    theta, rope = rope_from_hf(d, context)
     d_ff = _get(d, "intermediate_size", int)
     dims = (hidden, d_ff, kv * hd, heads * hd)
     try:
@@ -283,8 +289,9 @@ def model_config_from_hf(
             n_heads=heads,
             n_kv_heads=kv,
             d_ff=d_ff,
-            max_seq_len=_get(d, "max_position_embeddings", int, 2048),
-            rope_theta=float(theta),
+            max_seq_len=_context(rope, context),
+            rope_theta=theta,
+            rope_scaling=rope,
             norm_eps=float(_get(d, "rms_norm_eps", (int, float), 1e-6)),
             tie_embeddings=bool(_get(d, "tie_word_embeddings", bool, False)),
             init_std=float(_get(d, "initializer_range", (int, float), 0.02)),
@@ -311,3 +318,133 @@ _HF_KEYS = {
     "d_ff": "intermediate_size",
     "max_seq_len": "max_position_embeddings",
 }
+
+
+# ---------------------------------------------------------------------- RoPE in config.json
+
+# Where config.json keeps RoPE's kind and parameters: transformers 4.x writes
+# "rope_scaling" (the kind as "rope_type", before 4.43 as "type") beside a top-level
+# "rope_theta"; 5.x writes "rope_parameters" with "rope_type" and "rope_theta" inside.
+_ROPE_DICTS = ("rope_scaling", "rope_parameters")
+# Keys any rope dict may hold besides its kind's parameters.
+_ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+# Parameters transformers requires (the others have defaults there, RopeScaling's own).
+_ROPE_REQUIRED = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _rope_keys(row: RopeKind) -> tuple[str, ...]:
+    """The rope-dict keys of a kind: its RopeScaling fields (the same names), less L where
+    config.json holds it as max_position_embeddings."""
+    skip = ("original_max_position_embeddings",) if row.original_is_context else ()
+    return tuple(f for f in row.fields if f not in skip)
+
+
+def _context(rope: RopeScaling | None, context: int) -> int:
+    """microscale's max_seq_len for config.json's max_position_embeddings: the same, but
+    s·L where that is L (dynamic NTK is meant to run past it)."""
+    if rope is None or not ROPE_KINDS[rope.kind].original_is_context:
+        return context
+    return int(rope.factor * context)
+
+
+def _hf_context(cfg: ModelConfig) -> int:
+    """config.json's max_position_embeddings: the inverse of `_context`."""
+    rope = cfg.rope_scaling
+    if rope is None or not ROPE_KINDS[rope.kind].original_is_context:
+        return cfg.max_seq_len
+    assert rope.original_max_position_embeddings is not None  # RopeScaling checks it
+    return rope.original_max_position_embeddings
+
+
+def _rope_kind(src: str, r: Any) -> str:
+    """The kind a rope dict names (``rope_type``, or the older ``type``), refused unless
+    microscale has it."""
+    if not isinstance(r, dict):
+        raise ValueError(f"config.json: {src}={r!r}: expected an object with a rope_type")
+    named = {k: r[k] for k in ("rope_type", "type") if r.get(k) is not None}
+    if len(set(named.values())) > 1:
+        raise ValueError(
+            f"config.json: {src}.rope_type={r['rope_type']!r} and {src}.type={r['type']!r}: "
+            "two different RoPE kinds"
+        )
+    kind = next(iter(named.values()), "default")
+    if kind not in ROPE_KINDS:
+        key = next(iter(named), "rope_type")
+        raise ValueError(
+            f"config.json: {src}.{key}={kind!r}: not supported by microscale's RoPE "
+            f"(supported: {', '.join(sorted(ROPE_KINDS))})"
+        )
+    return kind
+
+
+def _rope_dict(src: str, r: Any, context: int) -> tuple[Any, RopeScaling | None]:
+    """``(its rope_theta or None, its RopeScaling)`` of one rope dict; a key the kind
+    does not read is refused (it would change the math, or it is a typo)."""
+    kind = _rope_kind(src, r)
+    keys = _rope_keys(ROPE_KINDS[kind])
+    for k, v in r.items():
+        if k not in keys and k not in _ROPE_COMMON:
+            raise ValueError(
+                f"config.json: {src}.{k}={v!r}: not a parameter of rope_type {kind!r} "
+                f"(it takes {list(keys) or 'none'}); refused rather than ignored"
+            )
+    partial = r.get("partial_rotary_factor")
+    if partial is not None and partial != 1:
+        raise ValueError(
+            f"config.json: {src}.partial_rotary_factor={partial!r}: microscale's RoPE "
+            "rotates the whole head (expected 1.0)"
+        )
+    params = {k: r[k] for k in keys if r.get(k) is not None}
+    missing = [k for k in keys if k in _ROPE_REQUIRED and k not in params]
+    if missing:
+        raise ValueError(f"config.json: {src} has no {missing[0]!r} (rope_type {kind!r} needs it)")
+    if "original_max_position_embeddings" in ROPE_KINDS[kind].fields:
+        params.setdefault("original_max_position_embeddings", context)  # transformers' default
+    try:
+        rope = RopeScaling(kind=kind, **params)
+    except ValueError as e:
+        raise ValueError(f"config.json: {str(e).replace('RopeScaling.', src + '.')}") from None
+    return r.get("rope_theta"), None if kind == "default" else rope
+
+
+def rope_from_hf(d: dict[str, Any], context: int) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, RopeScaling or None)`` of a config.json dict, as transformers 4.x and
+    5.x write it (``rope_scaling`` and top-level ``rope_theta``; ``rope_parameters``).
+    ``context``: its max_position_embeddings (L where a kind needs one and names none).
+    Where both forms are present they must say the same; anything microscale's RoPE
+    does not compute is refused naming the key and its value."""
+    thetas = {"rope_theta": d["rope_theta"]} if d.get("rope_theta") is not None else {}
+    found: dict[str, RopeScaling | None] = {}
+    for src in _ROPE_DICTS:
+        if d.get(src) in (None, {}):
+            continue
+        theta, found[src] = _rope_dict(src, d[src], context)
+        if theta is not None:
+            thetas[f"{src}.rope_theta"] = theta
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{k}={d[k]!r}" for k in found)
+        raise ValueError(f"config.json: {shown}: two different RoPE scalings")
+    if len(set(thetas.values())) > 1:
+        shown = ", ".join(f"{k}={v!r}" for k, v in thetas.items())
+        raise ValueError(f"config.json: {shown}: two different RoPE bases")
+    theta = next(iter(thetas.values()), 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        key = next(iter(thetas), "rope_theta")
+        raise ValueError(f"config.json: {key}={theta!r}: expected a positive number")
+    return float(theta), next(iter(found.values()), None)
+
+
+def rope_to_hf(theta: float, rope: RopeScaling | None) -> dict[str, Any]:
+    """config.json's RoPE keys, in both forms (`rope_from_hf` reads either back):
+    ``rope_theta``, ``rope_scaling`` (transformers 4.x; null for the default RoPE) and
+    ``rope_parameters`` (5.x)."""
+    params: dict[str, Any] = {"rope_type": "default"}
+    if rope is not None:
+        row = ROPE_KINDS[rope.kind]
+        given = {k: getattr(rope, k) for k in _rope_keys(row) if getattr(rope, k) is not None}
+        params = {"rope_type": rope.kind, **given}
+    return {
+        "rope_theta": theta,
+        "rope_scaling": None if rope is None else dict(params),
+        "rope_parameters": {**params, "rope_theta": theta},
+    }

@@ -159,7 +159,7 @@ def forward(
         start = jnp.zeros((b,), jnp.int32)
     q_slot = index + jnp.arange(t, dtype=jnp.int32)
     positions = jnp.maximum(q_slot[None, :] - start[:, None], 0)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     amax: dict[str, jax.Array] = {}
 
     def lin(path: str, w: Linear, x):

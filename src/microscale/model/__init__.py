@@ -1,6 +1,7 @@
 """Llama-style decoder in Flax NNX, presets, and per-layer precision rules.
 
-* `ModelConfig` (presets: ``list_presets()``)
+* `ModelConfig` (presets: ``list_presets()``); `RopeScaling` / `ROPE_KINDS` — RoPE's
+  context extensions (``microscale.model.rope``).
 * `Transformer` — every projection a `QLinear` through ``microscale.ops``' quantized
   ``dot_general``; embeddings, norms, attention products and the LM head high precision.
 * `PrecisionRules` / `apply_rules` / `late_switch` — which recipe each linear layer runs,
@@ -13,6 +14,7 @@ The model never quantizes by itself: formats live in ``microscale.formats``, rec
 
 from microscale.model.config import ModelConfig, list_presets
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
+from microscale.model.rope import ROPE_KINDS, RopeScaling
 from microscale.model.rules import (
     BF16_LAYOUTS,
     PrecisionRules,
@@ -64,7 +66,9 @@ __all__ = [
     "ModelConfig",
     "PrecisionRules",
     "QLinear",
+    "ROPE_KINDS",
     "RMSNorm",
+    "RopeScaling",
     "Transformer",
     "apply_rope",
     "apply_rules",

@@ -29,7 +29,10 @@ vocabulary of each preset and include embeddings (counted once when tied).
 `gpt2-124m` is GPT-2 small's size with a Llama block (SwiGLU with d_ff = 8/3 d_model keeps
 the MLP parameter count of GPT-2's 4x GELU MLP); `llama-1b`/`llama-8b`/`llama-70b` follow Llama 3.2 1B,
 Llama 3.1 8B and Llama 3.1 70B (its published config.json: hidden 8192, 80 layers, 64
-heads, 8 kv heads, intermediate 28672, rope theta 500000, untied; context 8192 here).
+heads, 8 kv heads, intermediate 28672, rope theta 500000, untied; context 8192 here), each
+with its RoPE: Llama 3's ``llama3`` scaling (factor 32 for 3.2 1B, 8 for 3.1 8B and 70B;
+low/high frequency factors 1 and 4 over the original 8192 positions), which changes the
+low frequencies at every position, not only past 8192.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import math
 import types
 import typing
 from typing import Any
+
+from microscale.model.rope import RopeScaling
 
 __all__ = ["ModelConfig", "list_presets"]
 
@@ -76,6 +81,9 @@ class ModelConfig:
     d_ff: int = 512  # hidden width of the SwiGLU MLP; multiple of dim_multiple
     max_seq_len: int = 256  # longest sequence the model accepts (training context length)
     rope_theta: float = 10000.0  # RoPE base frequency
+    # RoPE's context extension (microscale.model.rope: linear, dynamic, llama3, yarn);
+    # none: the default RoPE.
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5  # epsilon inside RMSNorm's rsqrt
     tie_embeddings: bool = True  # LM head reuses the token embedding (no `lm_head` param)
     param_dtype: str = "float32"  # master weights (and so optimizer state) dtype
@@ -145,6 +153,12 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive float")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected a RopeScaling or none"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.kind == "default":
+            object.__setattr__(self, "rope_scaling", None)  # one spelling of the default RoPE
         for name in ("param_dtype", "compute_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES:
@@ -227,17 +241,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a dict; unknown keys and wrong types raise with the expectation."""
-        if not isinstance(d, dict):
-            raise TypeError(f"ModelConfig.from_dict expected a dict, got {type(d).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise ValueError(
-                f"ModelConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}"
-            )
-        hints = typing.get_type_hints(cls)
-        kwargs = {k: _coerce(k, v, hints[k]) for k, v in d.items()}
-        return cls(**kwargs)
+        return _from_dict(cls, d)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated, like from_dict)."""
@@ -299,6 +303,7 @@ class ModelConfig:
             d_ff=8192,
             max_seq_len=2048,
             rope_theta=500000.0,
+            rope_scaling=_llama3_rope(32.0),
             tie_embeddings=True,
             remat="full",
             loss_chunk=512,
@@ -319,6 +324,7 @@ class ModelConfig:
             d_ff=14336,
             max_seq_len=4096,
             rope_theta=500000.0,
+            rope_scaling=_llama3_rope(8.0),
             tie_embeddings=False,
             remat="full",
             loss_chunk=512,
@@ -339,6 +345,7 @@ class ModelConfig:
             d_ff=28672,
             max_seq_len=8192,
             rope_theta=500000.0,
+            rope_scaling=_llama3_rope(8.0),
             tie_embeddings=False,
             remat="full",
             loss_chunk=512,
@@ -355,6 +362,19 @@ class ModelConfig:
         return getattr(cls, key)()
 
 
+def _llama3_rope(factor: float) -> RopeScaling:
+    """Llama 3.x's RoPE as its config.json files have it: ``rope_scaling: {rope_type:
+    llama3, factor: 32.0 (3.2 1B/3B) or 8.0 (3.1 8B/70B/405B, 3.3 70B), low_freq_factor:
+    1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192}``, theta 500000."""
+    return RopeScaling(
+        kind="llama3",
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
 _PRESETS = ("tiny", "small", "gpt2_124m", "llama_1b", "llama_8b", "llama_70b")
 
 
@@ -367,8 +387,24 @@ def _round_up(v: int, m: int) -> int:
     return int(math.ceil(v / m) * m)
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check `value` against the field's annotation; ints are accepted for floats."""
+def _from_dict(cls: type, d: Any) -> Any:
+    """``cls(**d)`` (ModelConfig, RopeScaling), each value checked against its field's
+    annotation; unknown keys and wrong types raise naming ``cls.<key>``."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{cls.__name__}.from_dict expected a dict, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}: unknown key(s) {unknown}; expected some of {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(k, v, hints[k], cls.__name__) for k, v in d.items()})
+
+
+def _coerce(key: str, value: Any, hint: Any, owner: str = "ModelConfig") -> Any:
+    """Check `value` against the field's annotation; ints are accepted for floats, a dict
+    for a nested config (RopeScaling)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         allowed = typing.get_args(hint)
@@ -385,5 +421,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return float(value)
         if t is str and isinstance(value, str):
             return value
+        if isinstance(t, type) and dataclasses.is_dataclass(t) and isinstance(value, (t, dict)):
+            return value if isinstance(value, t) else _from_dict(t, value)
     names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
-    raise TypeError(f"ModelConfig.{key}={value!r} ({type(value).__name__}): expected {names}")
+    raise TypeError(f"{owner}.{key}={value!r} ({type(value).__name__}): expected {names}")

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
 
+from microscale.model.rope import rope_tables
 from microscale.ops import (
     RecipeLike,
     TensorSplit,
@@ -220,17 +221,6 @@ def _head_matmul(x: jax.Array, w: jax.Array, cdt: jnp.dtype, *, contract: int) -
 
 
 # ---------------------------------------------------------------------- RoPE
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape ``[..., T, head_dim // 2]`` (float32) for integer positions.
-
-    Frequencies ``theta^(-2i / head_dim)``, i < head_dim/2 (Llama / HF convention).
-    """
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -453,7 +453,7 @@ class Transformer(nnx.Module):
             )
         if positions is None:
             positions = jnp.arange(t)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x = constrain(self.embed(tokens), RESIDUAL)
         run = _RUN[str(cfg.remat)]  # a str once ModelConfig has normalized it
         if not cfg.scan_layers:

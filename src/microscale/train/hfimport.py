@@ -15,10 +15,11 @@ it::
     summary.json           status "imported", the source and the parameter count
 
 What is read and refused (before any weight is read): ``config.json`` through
-:func:`microscale.export.model_config_from_hf` (every shape, ``rope_theta``,
-``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings``, ``head_dim``;
-non-Llama architectures, biases, RoPE scaling, another activation or head_dim are
-refused naming the key); ``tokenizer.json`` must exist and fit the embedding
+:func:`microscale.export.model_config_from_hf` (every shape, ``rope_theta``, RoPE
+scaling -- ``rope_scaling`` / ``rope_parameters`` of kind default, linear, dynamic,
+llama3 or yarn --, ``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings``,
+``head_dim``; non-Llama architectures, biases, other RoPE kinds, another activation or
+head_dim are refused naming the key); ``tokenizer.json`` must exist and fit the embedding
 (:func:`microscale.data.check_vocab_fits`). A folder of packed weights
 (compressed-tensors, ModelOpt) is imported dequantized. The run folder appears whole or
 not at all (:func:`microscale.files.atomic_folder`).

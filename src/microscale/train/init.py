@@ -20,7 +20,7 @@ first few, with the source's model shape when it is known.
 
 On the command line (:func:`adopt_source_model`, called by ``resolve_config``) the model
 is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's (and a
-quantize output's packed ``checkpoint/``) from its ``config.json`` (every shape, ``rope_theta``, ``rms_norm_eps``, tied embeddings, the
+quantize output's packed ``checkpoint/``) from its ``config.json`` (every shape, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``, tied embeddings, the
 vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
 that contradicts the source is refused naming the key and both values; settings that
 do not define the model (``remat``, chunks, dtypes, a shorter ``max_seq_len``) may be
@@ -69,7 +69,7 @@ _SHAPE_FIELDS = (
     "tie_embeddings",
 )
 # Fields that define the source model beyond its shapes: an override may not change them.
-_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "norm_eps")
+_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "rope_scaling", "norm_eps")
 # config.json's names of those fields (and of max_seq_len), for messages.
 _HF_NAMES = {
     "vocab_size": "vocab_size",
@@ -80,6 +80,7 @@ _HF_NAMES = {
     "d_ff": "intermediate_size",
     "tie_embeddings": "tie_word_embeddings",
     "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
     "norm_eps": "rms_norm_eps",
     "max_seq_len": "max_position_embeddings",
 }
@@ -332,7 +333,7 @@ def adopt_source_model(cfg, overridden: set[str]):
     keys = (
         {f.name for f in dataclasses.fields(ModelConfig)}
         if "model" in overridden
-        else {k.removeprefix("model.") for k in overridden if k.startswith("model.")}
+        else {k.split(".")[1] for k in overridden if k.startswith("model.")}
     )
     for f in sorted(keys):
         mine, theirs = getattr(cfg.model, f), getattr(src, f)
