@@ -252,3 +252,15 @@ def test_comparison_pairs(runs, expected):
     from microscale.experiments.report import comparison_pairs
 
     assert comparison_pairs(runs) == expected
+
+
+def test_tokens_per_s_is_the_rate_tokens_were_trained_at(cmp_dir):
+    """A seed batch's runs share one clock: a run's own tokens/s (100 here) times the
+    batch's size is the rate its recipe was trained at; runs trained alone count once."""
+    for (name, _), d in cmp_dir.run_dirs().items():
+        if name == "nvfp4":
+            s = json.loads((d / "summary.json").read_text())
+            (d / "summary.json").write_text(json.dumps({**s, "seed_batch": 3}))
+    runs = write_report(cmp_dir)["runs"]
+    assert runs["nvfp4"]["tokens_per_s"] == pytest.approx(300.0)
+    assert runs["bf16"]["tokens_per_s"] == pytest.approx(100.0)

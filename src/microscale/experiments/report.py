@@ -182,6 +182,11 @@ def _timings(out: Path) -> dict[str, Any]:
     }
 
 
+def _trained_rate(s: dict[str, Any]) -> float | None:
+    rate = s.get("tokens_per_s")
+    return None if rate is None else rate * s.get("seed_batch", 1)
+
+
 def _run_summary(
     cfg: CompareConfig, name: str, by_seed: dict[int, dict], comparisons: dict[str, Any]
 ) -> dict[str, Any]:
@@ -201,7 +206,9 @@ def _run_summary(
         "final_train_loss": stats.mean_ci([s.get("final_train_loss") for s in sums])["mean"],
         "heldout_losses": {k: stats.mean_ci(v)["mean"] for k, v in other.items()},
         "tokens": sums[0].get("tokens"),
-        "tokens_per_s": stats.mean_ci([s.get("tokens_per_s") for s in sums])["mean"],
+        # the rate this recipe's tokens were trained at: a seed batch's runs share one clock,
+        # so a run's own tokens/s times the batch's size (experiments/seeds.py)
+        "tokens_per_s": stats.mean_ci([_trained_rate(s) for s in sums])["mean"],
         "status": sorted({s.get("status") for s in sums}),  # type: ignore[type-var]
         "seeds": len(sums),
         "per_seed_val_loss": {str(k): s.get("final_val_loss") for k, s in by_seed.items()},
