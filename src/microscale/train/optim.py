@@ -2,22 +2,21 @@
 
 Update rule (per optimizer step ``t``, float32 master weights ``p`` and moments):
 
-    g      <- g * min(1, grad_clip / |g|)                     (skipped when grad_clip <= 0)
+    g      <- clip_by_global_norm(g, grad_clip)               (skipped when grad_clip <= 0)
     m, v   <- b1 m + (1 - b1) g,  b2 v + (1 - b2) g^2         (n: updates applied so far)
     u      <- m r1 / (sqrt(v r2) + eps) + weight_decay * p     (decay on >= 2-D params only)
               r1 = 1 / (1 - b1^n), r2 = 1 / (1 - b2^n)            (the bias corrections)
     p      <- p - lr(t) * u
 
-``|g|`` is :func:`global_norm`: the L2 norm over all leaves with its summation order fixed
-by the program (a pairwise tree of elementwise adds per leaf, then the leaves in order), not
-left to the backend's reduction kernel. XLA:CPU picks a reduction's order by the array's
-shape, so the norm of one run and of the same run inside a seed batch (a leading seed axis,
-``experiments/seeds.py``) differed in the last bit, and the clip scale passed it on to ~1%
-of the weights; with the order fixed they are bit-identical. For the same reason the bias
-corrections are reciprocals the program computes once and multiplies by (:func:`scale_by_adam`,
-optax's rule and state): XLA:CPU turned optax's division by the broadcast correction into
-a multiplication by its reciprocal for a scalar count but not for a seed batch's vector of
-counts, which moved ``u`` by an ulp.
+``|g|`` is the L2 norm over all leaves (``optax.tree.norm``), a reduction whose summation
+order is the backend's: XLA:CPU picks it by the array's shape, so one run and the same run
+inside a seed batch (a leading seed axis, ``experiments/seeds.py``) can get norms an ulp
+apart and, while the clip is active, weights an ulp apart. A fixed-order (pairwise) sum
+would remove that on one device but moves shards between devices when the gradients are
+sharded, so the norm stays XLA's. The bias corrections are reciprocals the program computes
+once and multiplies by (:func:`scale_by_adam`, optax's rule and state): XLA:CPU turned
+optax's division by the broadcast correction into a multiplication by its reciprocal for a
+scalar count but not for a seed batch's vector of counts, which moved ``u`` by an ulp.
 
 The learning rate is a function of the *training step* ``t`` (not of optax's update
 count), so a step whose update is skipped because of a non-finite gradient does not shift
@@ -39,8 +38,6 @@ import jax.numpy as jnp
 import optax
 
 __all__ = [
-    "clip_by_global_norm",
-    "global_norm",
     "lr_schedule",
     "make_optimizer",
     "scale_by_adam",
@@ -70,41 +67,6 @@ def lr_schedule(optim, total_steps: int) -> Callable[[jax.Array | int], jax.Arra
         return jnp.where(s < warm, warm_lr, decayed).astype(jnp.float32)
 
     return fn
-
-
-def _pairwise_sum(x: jax.Array) -> jax.Array:
-    """The sum of ``x``'s elements as a balanced tree of float32 adds whose order the program
-    fixes: zero-padded to a power of two, then halves added elementwise until one is left
-    (``log2(n)`` adds deep; error ``<= log2(n) * 2**-24`` of the sum of magnitudes)."""
-    x = x.reshape(-1).astype(jnp.float32)
-    n = x.shape[0]
-    x = jnp.pad(x, (0, (1 << max(0, (n - 1).bit_length())) - n))
-    while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        x = x[:half] + x[half:]
-    return x[0]
-
-
-def global_norm(tree) -> jax.Array:
-    """L2 norm of all leaves of ``tree`` (float32), summed in a fixed order (module doc):
-    the same bits alone and under ``jax.vmap``, on any backend."""
-    total = jnp.float32(0.0)
-    for leaf in jax.tree.leaves(tree):
-        total = total + _pairwise_sum(jnp.square(leaf.astype(jnp.float32)))
-    return jnp.sqrt(total)
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """Scale the updates by ``min(1, max_norm / global_norm(updates))`` (optax's rule, with
-    :func:`global_norm`'s fixed order)."""
-
-    def update(updates, state, params=None):
-        del params
-        norm = global_norm(updates)
-        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
 def scale_by_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
@@ -138,7 +100,7 @@ def make_optimizer(optim) -> optax.GradientTransformation:
     """
     parts = []
     if optim.grad_clip and optim.grad_clip > 0:
-        parts.append(clip_by_global_norm(float(optim.grad_clip)))
+        parts.append(optax.clip_by_global_norm(float(optim.grad_clip)))
     parts.append(
         scale_by_adam(b1=float(optim.betas[0]), b2=float(optim.betas[1]), eps=float(optim.eps))
     )

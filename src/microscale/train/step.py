@@ -35,7 +35,6 @@ from jax.sharding import PartitionSpec
 
 from microscale.model.sharding import activation_sharding, batch_axes
 from microscale.ops.loss import cross_entropy, token_nll
-from microscale.train.optim import global_norm
 
 __all__ = [
     "eval_step_fn",
@@ -153,7 +152,7 @@ def train_step_fn(graphdef, tx: optax.GradientTransformation, schedule, *, mesh=
             loss = loss / n_micro
         if poison is not None:
             grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
-        grad_norm = global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = schedule(step)
         updates, new_opt = tx.update(grads, opt_state, params)
