@@ -25,7 +25,12 @@ import pytest
 from flax import nnx
 
 from microscale.config import apply_overrides
-from microscale.experiments.seeds import seed_batch_size, train_seeds, why_not_batched
+from microscale.experiments.seeds import (
+    AUTO_MAX,
+    seed_batch_size,
+    train_seeds,
+    why_not_batched,
+)
 from microscale.train import TrainConfig, load_checkpoint, train
 
 from .test_compare import TINY
@@ -113,6 +118,8 @@ def test_a_batch_that_does_not_fit_is_refused_before_any_work(corpus_dir, tmp_pa
     two_and_a_half = int(2.5 * _run_bytes(base) / MEMORY_SHARE)
     assert seed_batch_size(base, 4, memory=two_and_a_half) == 2
     assert seed_batch_size(base, 4, memory=1 << 40) == 4
+    assert seed_batch_size(base, 20, memory=1 << 40) == AUTO_MAX  # measured: no faster past it
+    assert seed_batch_size(base, 20, requested=20, memory=1 << 40) == 20
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="seed_batch"):
             seed_batch_size(base, 4, requested=bad)

@@ -53,7 +53,7 @@ def test_packed_engine_equals_dequantized_weights(model, packed32):
     params = flat_params(model)
     deq = {**params}
     for p in linear_paths(CFG):
-        q = packed32.weights["layers"][int(p.split(".")[1])][p.split(".")[-1]].weight
+        q = packed32.weights["layers"][int(p.split(".")[1])][p.split(".", 2)[2]].weight
         assert isinstance(q, QArray)
         deq[f"{p}.kernel"] = np.asarray(dequantize(q)).T
     dense = InferenceModel.from_params(deq, CFG32)
@@ -156,7 +156,7 @@ def test_generation_argument_errors(packed32):
 
 def test_weights_stay_packed_and_memory_ratio(packed32):
     for lw in packed32.weights["layers"]:
-        for name in ("q_proj", "down_proj"):
+        for name in ("attn.q_proj", "mlp.down_proj"):
             q = lw[name].weight
             assert q.data.dtype == jnp.uint8 and q.scales.dtype == ml_dtypes.float8_e4m3fn
             assert q.data.shape[1] * 2 == q.shape[1]
@@ -184,7 +184,7 @@ def test_w4a4_emulation_and_calibration(model):
     dynamic = InferenceModel.from_params(model, CFG32, formats="nvfp4", activations=True)
     a, s, d = (np.asarray(m.logits(tokens)) for m in (w4a16, static, dynamic))
     assert 0 < np.abs(s - a).max() < 0.5 and 0 < np.abs(d - a).max() < 0.5
-    assert static.weights["layers"][0]["q_proj"].input_scale is not None
+    assert static.weights["layers"][0]["attn.q_proj"].input_scale is not None
 
 
 def test_evaluate_ppl_is_cross_entropy(packed32):

@@ -72,6 +72,10 @@ __all__ = ["available_memory", "seed_batch_size", "train_seeds", "why_not_batche
 # Share of the available memory a seed batch may plan to use (the rest: the host's own
 # arrays, XLA's workspace the shape count does not see).
 MEMORY_SHARE = 0.8
+# The most seeds one batch takes when the size is left to memory (seed_batch=0): on a
+# 2-core CPU a 6-seed batch trains at the sequential runs' tokens/s and a 20-seed one at
+# 0.60x of it (benchmarks/timings.md, "Seed batches"), so larger batches are asked for.
+AUTO_MAX = 6
 
 
 def _without_seeds(cfg: TrainConfig) -> str:
@@ -129,8 +133,8 @@ def _run_bytes(cfg: TrainConfig) -> float:
 
 def seed_batch_size(cfg: TrainConfig, n: int, *, requested: int = 0, memory: int | None = None):
     """How many of ``n`` replicates of ``cfg`` train as one batch: ``requested`` (0: as many
-    as fit in ``MEMORY_SHARE`` of ``memory``, default :func:`available_memory`), at most
-    ``n``. Raises ValueError, naming the sizes, when ``requested`` seeds do not fit."""
+    as fit in ``MEMORY_SHARE`` of ``memory``, default :func:`available_memory`, at most
+    `AUTO_MAX`), at most ``n``. Raises ValueError, naming the sizes, when ``requested`` seeds do not fit."""
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
         raise ValueError(f"seed_batch={requested!r}: expected an int >= 0 (0: as many as fit)")
     budget = MEMORY_SHARE * (available_memory() if memory is None else memory)
@@ -145,7 +149,7 @@ def seed_batch_size(cfg: TrainConfig, n: int, *, requested: int = 0, memory: int
                 f"seed_batch={max(fit, 1)} or fewer"
             )
         return min(requested, n)
-    return max(1, min(n, fit))
+    return max(1, min(n, fit, AUTO_MAX))
 
 
 def _gb(b: float) -> str:

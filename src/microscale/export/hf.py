@@ -1,4 +1,6 @@
-"""Hugging Face Llama naming and ``config.json``: microscale <-> ``LlamaForCausalLM``.
+"""Hugging Face naming and ``config.json``: microscale <-> ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (the families of
+`microscale.model.family`, which share these tensor names).
 
 Parameter names (microscale path -> HF tensor name; linear kernels are transposed because
 microscale stores ``[in, out]`` and ``torch.nn.Linear`` stores ``[out, in]``)::
@@ -11,6 +13,8 @@ microscale stores ``[in, out]`` and ``torch.nn.Linear`` stores ``[out, in]``)::
     layers.i.mlp_norm.scale          [D]      model.layers.i.post_attention_layernorm.weight
     layers.i.mlp.{gate,up}_proj.kernel [D, F] model.layers.i.mlp.{gate,up}_proj.weight [F, D]
     layers.i.mlp.down_proj.kernel    [F, D]   model.layers.i.mlp.down_proj.weight      [D, F]
+    layers.i.attn.{q,k,v}_proj.bias  [H*hd]   model.layers.i.self_attn.{q,k,v}_proj.bias (qwen2)
+    layers.i.attn.{q,k}_norm.scale   [hd]     model.layers.i.self_attn.{q,k}_norm.weight (qwen3)
     final_norm.scale                 [D]      model.norm.weight                        [D]
     lm_head.kernel                   [D, V]   lm_head.weight                           [V, D]
                                               (absent when tie_word_embeddings)
@@ -21,11 +25,14 @@ columns ``h*hd:(h+1)*hd`` in both. RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``),
 grouped-query attention (query head ``h`` reads kv head ``h // (H/KV)``) and the
 ``1/sqrt(hd)`` score scale are the same functions.
 
-Config: ``ModelConfig`` fields map one-to-one onto ``LlamaConfig``
+Config: ``ModelConfig`` fields map one-to-one onto the family's config class
 (``d_model`` -> ``hidden_size``, ``d_ff`` -> ``intermediate_size``, ``n_layers`` ->
 ``num_hidden_layers``, ``n_heads``/``n_kv_heads`` -> ``num_attention_heads`` /
-``num_key_value_heads``, ``max_seq_len`` -> ``max_position_embeddings``, ``norm_eps`` ->
-``rms_norm_eps``, ``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``).
+``num_key_value_heads``, ``attn_head_dim`` -> ``head_dim`` where it is not hidden /
+heads, ``max_seq_len`` -> ``max_position_embeddings``, ``norm_eps`` -> ``rms_norm_eps``,
+``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``, Mistral's
+``sliding_window``). The family comes from ``model_type`` (``architectures`` when it is
+absent).
 
 RoPE (`rope_from_hf` / `rope_to_hf`): ``rope_scaling`` with a top-level ``rope_theta``
 (transformers 4.x; the kind as ``rope_type`` or the older ``type``) and ``rope_parameters``
@@ -37,10 +44,11 @@ as `RopeScaling`'s fields of the same names; dynamic NTK's ``L`` is config.json'
 naming the key and its value: another ``rope_type`` (``longrope``, ...), a key the kind
 does not read, ``partial_rotary_factor`` other than 1, two forms that disagree.
 
-HF features microscale's model does not have (attention/MLP biases, the RoPE kinds above,
-interleaved RoPE, an activation other than SiLU, a ``head_dim`` other than
-``hidden_size / num_attention_heads``) are rejected with the field named rather than
-silently ignored.
+Keys that change the math are refused unless they hold the one value the family's
+block computes (`_MUST`: an activation other than SiLU, MLP biases, attention biases on
+a family without them, interleaved RoPE, Qwen's ``use_sliding_window``, ``layer_types``
+that mix attention kinds), naming the key and its value; another ``model_type`` is
+refused naming it and the supported ones.
 """
 
 from __future__ import annotations
@@ -50,11 +58,13 @@ from typing import Any
 
 from microscale.model import (
     BLOCK_LINEARS,
+    FAMILIES,
     ROPE_KINDS,
     ModelConfig,
     RopeScaling,
     fused_groups,
     linear_paths,
+    param_shapes,
 )
 from microscale.model.rope import RopeKind
 
@@ -113,10 +123,15 @@ _NON_LINEAR = {
     "final_norm.scale": "model.norm.weight",
     "lm_head.kernel": "lm_head.weight",
 }
-_BLOCK_NORMS = {
+# Block parameters other than kernels: path inside a microscale block -> inside HF's.
+_BLOCK_OTHER = {
     "attn_norm.scale": "input_layernorm.weight",
     "mlp_norm.scale": "post_attention_layernorm.weight",
+    "attn.q_norm.scale": "self_attn.q_norm.weight",
+    "attn.k_norm.scale": "self_attn.k_norm.weight",
+    **{f"{k}.bias": f"{v}.bias" for k, v in LINEAR_KINDS.items()},
 }
+_HF_BLOCK_OTHER = {v: k for k, v in _BLOCK_OTHER.items()}
 
 
 def hf_param_name(path: str) -> str:
@@ -124,8 +139,8 @@ def hf_param_name(path: str) -> str:
     if path in _NON_LINEAR:
         return _NON_LINEAR[path]
     m = _MS_LAYER.fullmatch(path)
-    if m and m.group(2) in _BLOCK_NORMS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NORMS[m.group(2)]}"
+    if m and m.group(2) in _BLOCK_OTHER:
+        return f"model.layers.{m.group(1)}.{_BLOCK_OTHER[m.group(2)]}"
     if path.endswith(".kernel"):
         return hf_module(path[: -len(".kernel")]) + ".weight"
     raise ValueError(f"{path!r} is not a parameter path of microscale's Transformer")
@@ -137,40 +152,11 @@ def ms_param_name(name: str) -> str:
         if v == name:
             return k
     m = _HF_LAYER.fullmatch(name)
-    if m:
-        for k, v in _BLOCK_NORMS.items():
-            if m.group(2) == v:
-                return f"layers.{m.group(1)}.{k}"
+    if m and m.group(2) in _HF_BLOCK_OTHER:
+        return f"layers.{m.group(1)}.{_HF_BLOCK_OTHER[m.group(2)]}"
     if name.endswith(".weight"):
         return ms_module(name[: -len(".weight")]) + ".kernel"
-    raise ValueError(f"{name!r} is not a Llama parameter name")
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """{microscale parameter path: shape} of every parameter of ``Transformer(cfg)``."""
-    d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-    qd, kvd = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    out: dict[str, tuple[int, ...]] = {
-        "embed.embedding": (cfg.vocab_size, d),
-        "final_norm.scale": (d,),
-    }
-    if not cfg.tie_embeddings:
-        out["lm_head.kernel"] = (d, cfg.vocab_size)
-    lin = {
-        "attn.q_proj": (d, qd),
-        "attn.k_proj": (d, kvd),
-        "attn.v_proj": (d, kvd),
-        "attn.o_proj": (qd, d),
-        "mlp.gate_proj": (d, f),
-        "mlp.up_proj": (d, f),
-        "mlp.down_proj": (f, d),
-    }
-    for i in range(cfg.n_layers):
-        out[f"layers.{i}.attn_norm.scale"] = (d,)
-        out[f"layers.{i}.mlp_norm.scale"] = (d,)
-        for k, shp in lin.items():
-            out[f"layers.{i}.{k}.kernel"] = shp
-    return out
+    raise ValueError(f"{name!r} is not a parameter name of a supported family")
 
 
 # ---------------------------------------------------------------------- config.json
@@ -183,10 +169,12 @@ def hf_config(
     eos_token_id: int | None = None,
     bos_token_id: int | None = None,
 ) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` with ``cfg``'s shape."""
+    """``config.json`` of ``cfg``'s family (``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) with ``cfg``'s shape."""
+    fam = cfg.arch
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.hf_architecture],
+        "model_type": fam.hf_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -198,9 +186,8 @@ def hf_config(
         "max_position_embeddings": _hf_context(cfg),
         "rms_norm_eps": cfg.norm_eps,
         **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
-        "attention_bias": False,
+        **_FAMILY_KEYS[fam.name](cfg),
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "use_cache": True,
@@ -212,6 +199,21 @@ def hf_config(
     if bos_token_id is not None:
         out["bos_token_id"] = int(bos_token_id)
     return out
+
+
+# The keys each family's config class reads beside the shared ones, as `hf_config`
+# writes them (transformers' LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config).
+_NO_WINDOW = {"use_sliding_window": False, "sliding_window": None}
+_FAMILY_KEYS = {
+    "llama": lambda cfg: {"attention_bias": False, "mlp_bias": False},
+    "mistral": lambda cfg: {"sliding_window": cfg.sliding_window},
+    "qwen2": lambda cfg: {**_NO_WINDOW, "max_window_layers": cfg.n_layers},
+    "qwen3": lambda cfg: {
+        **_NO_WINDOW,
+        "max_window_layers": cfg.n_layers,
+        "attention_bias": False,
+    },
+}
 
 
 def _get(d: dict, key: str, types, default=...):
@@ -238,57 +240,91 @@ def _dim_multiple(*dims: int) -> int:
     return 1
 
 
+def _family_from_hf(d: dict[str, Any]) -> str:
+    """The family of a config.json: its ``model_type``, or failing that its
+    ``architectures``; anything else is refused, naming both."""
+    mtype, arch = d.get("model_type"), d.get("architectures") or []
+    for fam in FAMILIES.values():
+        if mtype == fam.hf_model_type or (mtype is None and fam.hf_architecture in arch):
+            return fam.name
+    known = ", ".join(f"{f.hf_model_type} ({f.hf_architecture})" for f in FAMILIES.values())
+    raise ValueError(
+        f"config.json: model_type={mtype!r}, architectures={arch!r}: not a family "
+        f"microscale runs; expected one of {known}"
+    )
+
+
+# Keys that change the math, with the one value microscale's block computes, per family
+# (None: every family). A config.json that sets one otherwise is refused, naming it.
+_MUST = {
+    "hidden_act": ("silu", None),
+    "mlp_bias": (False, None),
+    "rope_interleaved": (False, None),
+    "attention_bias": (False, ("llama", "mistral", "qwen3")),
+    "use_sliding_window": (False, ("qwen2", "qwen3")),
+    "pretraining_tp": (1, None),
+}
+
+
+def _check_math_keys(d: dict[str, Any], family: str) -> None:
+    for key, (want, families) in _MUST.items():
+        applies = families is None or family in families
+        if applies and d.get(key) is not None and d[key] != want:
+            raise ValueError(
+                f"config.json: {key}={d[key]!r}: microscale's {family} block computes "
+                f"only {key}={want!r}"
+            )
+    types = d.get("layer_types")
+    if types is not None:
+        kinds = sorted(set(types)) if isinstance(types, list) else [repr(types)]
+        if kinds != ["full_attention"] and not (
+            family == "mistral" and kinds == ["sliding_attention"]
+        ):
+            raise ValueError(
+                f"config.json: layer_types={kinds}: microscale's {family} block runs one "
+                "attention kind on every layer (full attention)"
+            )
+
+
 def model_config_from_hf(
     d: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "bfloat16"
 ) -> ModelConfig:
-    """A ``ModelConfig`` from a Llama ``config.json`` dict; unsupported features raise."""
+    """A ``ModelConfig`` from a ``config.json`` dict of a supported family (Llama,
+    Mistral, Qwen2/2.5, Qwen3); a feature the block does not compute is refused by name."""
     if not isinstance(d, dict):
         raise ValueError(f"config.json: expected a JSON object, got {type(d).__name__}")
-    arch = d.get("architectures") or []
-    mtype = d.get("model_type")
-    if mtype != "llama" and "LlamaForCausalLM" not in arch:
-        raise ValueError(
-            f"config.json: model_type={mtype!r}, architectures={arch!r}: only "
-            "Llama-architecture models (model_type 'llama' / "
-            "LlamaForCausalLM) can be imported"
-        )
+    family = _family_from_hf(d)
+    _check_math_keys(d, family)
     hidden = _get(d, "hidden_size", int)
     heads = _get(d, "num_attention_heads", int)
     kv = _get(d, "num_key_value_heads", int, heads)
-    if heads <= 0 or hidden % heads:
+    if heads <= 0:
+        raise ValueError(f"config.json: num_attention_heads={heads}: expected a positive int")
+    hd = _get(d, "head_dim", int, None)
+    if hd is None and hidden % heads:
         raise ValueError(
             f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
         )
-    hd = _get(d, "head_dim", int, hidden // heads)
-    if hd != hidden // heads:
-        raise ValueError(
-            f"config.json: head_dim={hd} differs from hidden_size / "
-            f"num_attention_heads = {hidden // heads}; microscale's model "
-            "derives head_dim and cannot represent this model"
-        )
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r}: expected 'silu' (SwiGLU)")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            raise ValueError(f"config.json: {key}=true: microscale's Llama has no biases")
-    if d.get("rope_interleaved"):
-        raise ValueError(
-            "config.json: rope_interleaved=true: microscale's RoPE rotates "
-            "halves (i with i + head_dim/2), not interleaved pairs"
-        )
+    derived = hd is None or (hidden % heads == 0 and hd == hidden // heads)
+    hd = hidden // heads if hd is None else hd
+    window = None
+    if family == "mistral":
+        window = _get(d, "sliding_window", int, None)
     context = _get(d, "max_position_embeddings", int, 2048)
     theta, rope = rope_from_hf(d, context)
     d_ff = _get(d, "intermediate_size", int)
     dims = (hidden, d_ff, kv * hd, heads * hd)
     try:
         return ModelConfig(
+            family=family,
             vocab_size=_get(d, "vocab_size", int),
             d_model=hidden,
             n_layers=_get(d, "num_hidden_layers", int),
             n_heads=heads,
             n_kv_heads=kv,
             d_ff=d_ff,
+            attn_head_dim=None if derived else hd,
+            sliding_window=window,
             max_seq_len=_context(rope, context),
             rope_theta=theta,
             rope_scaling=rope,
@@ -317,6 +353,8 @@ _HF_KEYS = {
     "n_kv_heads": "num_key_value_heads",
     "d_ff": "intermediate_size",
     "max_seq_len": "max_position_embeddings",
+    "attn_head_dim": "head_dim",
+    "sliding_window": "sliding_window",
 }
 
 

@@ -19,10 +19,12 @@ input is quantized too, ``xv, xs = quantize_dequantize(x, act, amax=static amax 
 (NVFP4 1x16 blocks along ``K``; a calibrated static scale when the checkpoint has one,
 else the amax of the current tensor), and ``y = (xv @ Wv^T) * xs * s_dec``.
 
-Everything else follows microscale's ``Transformer`` exactly (``model/``): float32
-residual stream and RMSNorm statistics, RoPE in float32 (HF "rotate half" layout),
-grouped-query attention with float32 scores and softmax, SwiGLU, float32 logits; so a
-bf16 model gives the same logits here as there.
+Everything else is the model's own block, `microscale.model.block.block_forward` (this
+module keeps no norm, attention or MLP of its own): float32 residual stream and RMSNorm
+statistics, RoPE in float32 (HF "rotate half" layout), grouped-query attention with
+float32 scores and softmax (the family's sliding window over the cache's slots), SwiGLU,
+the family's biases and q/k norms, float32 logits; so a bf16 model gives the same logits
+here as there.
 
 KV cache and batching. Prompts of different lengths are *left*-padded to a common length
 ``P`` (rounded up to a multiple of 16 to limit recompilation); row ``b`` starts at slot
@@ -51,7 +53,9 @@ from microscale.export.layouts import (
     to_hf_orientation,
 )
 from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize, tensor_amax
-from microscale.model import ModelConfig, apply_rope, rope_tables
+from microscale.model import ModelConfig, block_param_shapes, rope_tables
+from microscale.model.block import attention, block_forward
+from microscale.model.layers import rms_norm
 
 __all__ = ["Linear", "build_weights", "forward", "init_cache"]
 
@@ -106,33 +110,54 @@ def _apply_linear(lin: Linear, x: jax.Array, cdt) -> jax.Array:
     return y.astype(cdt)
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, cdt) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(ms + eps) * scale.astype(jnp.float32)).astype(cdt)
-
-
-def _attention(q, k, v, q_slot, k_slot, start):
-    """q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]``; key ``j`` visible to query ``i`` of row
-    ``b`` iff ``start[b] <= k_slot[j] <= q_slot[i]``. float32 scores and softmax."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
-    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & (
-        k_slot[None, None, :] >= start[:, None, None]
-    )  # [B, T, S]
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
-
-
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> list[dict[str, jax.Array]]:
     """Zeroed KV cache: per layer ``{"k", "v"}`` of shape ``[batch, slots, KV, head_dim]``."""
     shp = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
     return [{"k": jnp.zeros(shp, dtype), "v": jnp.zeros(shp, dtype)} for _ in range(cfg.n_layers)]
+
+
+@dataclasses.dataclass
+class _CacheOps:
+    """`BlockOps` of one layer's inference weights: packed or dense `Linear`\\ s, the
+    layer's norm scales and biases, and attention over the KV cache (written first) or,
+    without one, over the call's own tokens."""
+
+    weights: Mapping[str, Any]  # {path inside the block: Linear or array}
+    prefix: str  # "layers.<i>"
+    cdt: Any
+    window: int | None
+    q_slot: jax.Array  # [T] slots of the call's tokens
+    start: jax.Array  # [B] first real slot per row
+    index: Any
+    cache: dict[str, jax.Array] | None  # this layer's {"k", "v"}; None: no cache
+    amax: dict[str, jax.Array] | None  # {linear path: max |input|} when collecting
+    new_cache: dict[str, jax.Array] | None = None
+
+    def _linear(self, name: str, x: jax.Array) -> jax.Array:
+        if self.amax is not None:
+            self.amax[f"{self.prefix}.{name}"] = tensor_amax(x)
+        return _apply_linear(self.weights[name], x, self.cdt)
+
+    def column(self, names, x):
+        return [self._linear(n, x) for n in names]
+
+    def row(self, name, x):
+        return self._linear(name, x)
+
+    def param(self, name):
+        return self.weights[name]
+
+    def attend(self, q, k, v):
+        if self.cache is None:
+            k_all, v_all, k_slot = k, v, self.q_slot
+        else:
+            c, at = self.cache, (0, self.index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), at)
+            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), at)
+            self.new_cache = {"k": k_all, "v": v_all}
+            k_slot = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+        k_all, v_all = k_all.astype(q.dtype), v_all.astype(v.dtype)
+        return attention(q, k_all, v_all, self.q_slot, k_slot, window=self.window, first=self.start)
 
 
 def forward(
@@ -148,51 +173,39 @@ def forward(
 ):
     """Logits ``[B, T, V]`` (float32) of ``tokens [B, T]`` at slots ``index ... index+T-1``.
 
-    With ``cache`` the new keys/values are written at those slots and attention reads the
+    Each layer is `microscale.model.block.block_forward`, the model's own block. With
+    ``cache`` the new keys/values are written at those slots and attention reads the
     whole cache (returns ``(logits, cache)``); without, attention is over ``tokens`` only
     (returns ``(logits, None)``). ``start [B]``: first non-padding slot of each row.
     ``collect_amax`` adds a third output, {linear path: max |input|} (calibration).
     """
     b, t = tokens.shape
     cdt = jnp.dtype(cdt)
+    cfg = dataclasses.replace(cfg, compute_dtype=cdt.name) if cfg.compute_dtype != cdt else cfg
     if start is None:
         start = jnp.zeros((b,), jnp.int32)
     q_slot = index + jnp.arange(t, dtype=jnp.int32)
     positions = jnp.maximum(q_slot[None, :] - start[:, None], 0)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    amax: dict[str, jax.Array] = {}
-
-    def lin(path: str, w: Linear, x):
-        if collect_amax:
-            amax[path] = tensor_amax(x)
-        return _apply_linear(w, x, cdt)
-
+    amax: dict[str, jax.Array] | None = {} if collect_amax else None
     x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
     new_cache: list[dict[str, Any]] = []
     for i, lw in enumerate(weights["layers"]):
-        p = f"layers.{i}"
-        h = _rms_norm(x, lw["attn_norm"], cfg.norm_eps, cdt)
-        q = lin(f"{p}.attn.q_proj", lw["q_proj"], h).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = lin(f"{p}.attn.k_proj", lw["k_proj"], h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = lin(f"{p}.attn.v_proj", lw["v_proj"], h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            k_all, v_all, k_slot = k, v, q_slot
-        else:
-            c = cache[i]
-            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, index, 0, 0))
-            new_cache.append({"k": k_all, "v": v_all})
-            k_slot = jnp.arange(k_all.shape[1], dtype=jnp.int32)
-        o = _attention(q, k_all.astype(q.dtype), v_all.astype(v.dtype), q_slot, k_slot, start)
-        o = o.reshape(b, t, cfg.n_heads * cfg.head_dim)
-        x = x + lin(f"{p}.attn.o_proj", lw["o_proj"], o).astype(jnp.float32)
-        m = _rms_norm(x, lw["mlp_norm"], cfg.norm_eps, cdt)
-        g = lin(f"{p}.mlp.gate_proj", lw["gate_proj"], m)
-        u = lin(f"{p}.mlp.up_proj", lw["up_proj"], m)
-        hh = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-        x = x + lin(f"{p}.mlp.down_proj", lw["down_proj"], hh).astype(jnp.float32)
-    x = _rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt)
+        ops = _CacheOps(
+            lw,
+            f"layers.{i}",
+            cdt,
+            cfg.sliding_window,
+            q_slot,
+            start,
+            index,
+            None if cache is None else cache[i],
+            amax,
+        )
+        x = block_forward(cfg, ops, x, cos, sin)
+        if ops.new_cache is not None:
+            new_cache.append(ops.new_cache)
+    x = rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt)
     head = weights["embed"] if weights["lm_head"] is None else weights["lm_head"]  # [V, D]
     head, x = jax.lax.optimization_barrier((head, x))  # no hoisted copy (see _apply_linear)
     logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt), preferred_element_type=jnp.float32)
@@ -220,28 +233,29 @@ def build_weights(
     input_scales = input_scales or {}
     out_layers = []
     for i in range(cfg.n_layers):
+        prefix = f"layers.{i}."
         lw: dict[str, Any] = {
-            "attn_norm": jnp.asarray(params[f"layers.{i}.attn_norm.scale"]),
-            "mlp_norm": jnp.asarray(params[f"layers.{i}.mlp_norm.scale"]),
+            k.removeprefix(prefix): jnp.asarray(params[k])
+            for k in (prefix + p for p in block_param_shapes(cfg))
+            if not k.endswith(".kernel")
         }
         for kind in LINEAR_KINDS:
             path = f"layers.{i}.{kind}"
             w = params[f"{path}.kernel"]
             lq = layers.get(path, LayerQuant())
-            name = kind.split(".")[1]
             if isinstance(w, QArray):
                 q = row_blocks(to_hf_orientation(w))
                 q = jax.tree.map(jnp.asarray, q)
                 act = (lq.input_spec or q.spec) if activations else None
                 s = input_scales.get(path) if act is not None else None
-                lw[name] = Linear(q, None if s is None else jnp.float32(s), act)
+                lw[kind] = Linear(q, None if s is None else jnp.float32(s), act)
             else:
                 if lq.quantized:
                     raise ValueError(
                         f"{hf_module(path)}: layer is {lq} but its kernel is not "
                         "quantized; quantize it first (quantize_linear_weights)"
                     )
-                lw[name] = Linear(jnp.asarray(jnp.asarray(w).T, cdt))
+                lw[kind] = Linear(jnp.asarray(jnp.asarray(w).T, cdt))
         out_layers.append(lw)
     head = params.get("lm_head.kernel")
     return {

@@ -353,7 +353,10 @@ class InferenceModel:
                     dense += _nbytes(v.weight)
                     n_dense += 1
         other = _nbytes({k: v for k, v in self.weights.items() if k != "layers"}) + sum(
-            _nbytes(lw["attn_norm"]) + _nbytes(lw["mlp_norm"]) for lw in self.weights["layers"]
+            _nbytes(v)
+            for lw in self.weights["layers"]
+            for v in lw.values()
+            if not isinstance(v, Linear)
         )
         return MemoryStats(
             quantized_bytes=q_bytes,

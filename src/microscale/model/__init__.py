@@ -13,6 +13,7 @@ The model never quantizes by itself: formats live in ``microscale.formats``, rec
 """
 
 from microscale.model.config import ModelConfig, list_presets
+from microscale.model.family import FAMILIES, Family, get_family
 from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
 from microscale.model.rope import ROPE_KINDS, RopeScaling
 from microscale.model.rules import (
@@ -45,9 +46,11 @@ from microscale.model.transformer import (
     Attention,
     Block,
     Transformer,
+    block_param_shapes,
     causal_attention,
     fused_groups,
     linear_paths,
+    param_shapes,
 )
 
 __all__ = [
@@ -56,6 +59,8 @@ __all__ = [
     "FUSED_LINEARS",
     "fused_groups",
     "linear_paths",
+    "FAMILIES",
+    "Family",
     "LOGICAL_AXES",
     "MESH_AXES",
     "MLP",
@@ -73,14 +78,17 @@ __all__ = [
     "apply_rope",
     "apply_rules",
     "assignments",
+    "block_param_shapes",
     "causal_attention",
     "default_bf16_last",
+    "get_family",
     "iter_linears",
     "late_switch",
     "list_presets",
     "logical_to_mesh_rules",
     "logical_to_mesh_spec",
     "param_logical_axes",
+    "param_shapes",
     "partition_specs",
     "path_id",
     "path_key",

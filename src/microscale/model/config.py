@@ -43,6 +43,7 @@ import types
 import typing
 from typing import Any
 
+from microscale.model.family import FAMILIES, Family, get_family
 from microscale.model.rope import RopeScaling
 
 __all__ = ["ModelConfig", "list_presets"]
@@ -73,12 +74,21 @@ REMAT_POLICIES = ("none", "full", "save_dots", "minimal")
 class ModelConfig:
     """Shape and high-precision dtypes of a Llama-style decoder-only transformer."""
 
+    # The architecture (microscale.model.family: llama, mistral, qwen2, qwen3): its
+    # block's biases and q/k norms, and its names in config.json and GGUF.
+    family: str = "llama"
     vocab_size: int = 257  # tokens in the vocabulary (byte-level default: 256 bytes + EOS)
     d_model: int = 192  # residual stream width; multiple of n_heads and of dim_multiple
     n_layers: int = 4  # number of transformer blocks ("layers.<i>")
-    n_heads: int = 4  # query heads; head_dim = d_model // n_heads (must be even for RoPE)
+    n_heads: int = 4  # query heads; head_dim = d_model // n_heads unless attn_head_dim
     n_kv_heads: int = 2  # key/value heads (grouped-query attention); divides n_heads
     d_ff: int = 512  # hidden width of the SwiGLU MLP; multiple of dim_multiple
+    # Width of one attention head when it is not d_model // n_heads (Qwen3, Mistral
+    # Nemo); even, for RoPE. None: d_model // n_heads.
+    attn_head_dim: int | None = None
+    # Keys a query sees: positions i - window < j <= i (Mistral v0.1's 4096); only for a
+    # family that admits one. None: every earlier position.
+    sliding_window: int | None = None
     max_seq_len: int = 256  # longest sequence the model accepts (training context length)
     rope_theta: float = 10000.0  # RoPE base frequency
     # RoPE's context extension (microscale.model.rope: linear, dynamic, llama3, yarn);
@@ -129,6 +139,22 @@ class ModelConfig:
                     f"ModelConfig.{name}={v:,} is larger than any model (at "
                     f"most {_MAX_SIZE[name]:,}); a typo?"
                 )
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"ModelConfig.family={self.family!r}: expected one of {sorted(FAMILIES)}"
+            )
+        for name in ("attn_head_dim", "sliding_window"):
+            v = getattr(self, name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= _MAX_SIZE["d_ff"]
+            ):
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive int or none")
+        if self.sliding_window is not None and not self.arch.sliding_window:
+            raise ValueError(
+                f"ModelConfig.sliding_window={self.sliding_window}: family "
+                f"{self.family!r} has no sliding-window attention (families that do: "
+                f"{sorted(f.name for f in FAMILIES.values() if f.sliding_window)})"
+            )
         remat = self.remat
         if isinstance(remat, bool) or str(remat).lower() in ("true", "false"):
             remat = "full" if str(remat).lower() == "true" else "none"
@@ -168,7 +194,7 @@ class ModelConfig:
     def _check_shapes(self) -> None:
         """Heads divide the width, kv heads divide heads, RoPE pairs, whole scale blocks,
         and a parameter count some model could have."""
-        if self.d_model % self.n_heads:
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"ModelConfig.d_model={self.d_model} is not divisible by "
                 f"n_heads={self.n_heads}: expected d_model % n_heads == 0"
@@ -181,7 +207,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"ModelConfig head_dim = d_model // n_heads = {self.head_dim} is odd: "
+                f"ModelConfig head_dim = {'' if self.attn_head_dim else 'd_model // n_heads = '}"
+                f"{self.head_dim} is odd: "
                 "RoPE rotates pairs of dimensions, expected an even head_dim"
             )
         m = self.dim_multiple
@@ -189,6 +216,7 @@ class ModelConfig:
             "d_model": self.d_model,
             "d_ff": self.d_ff,
             "n_kv_heads * head_dim": self.n_kv_heads * self.head_dim,
+            "n_heads * head_dim": self.n_heads * self.head_dim,
         }
         for name, v in dims.items():
             if v % m:
@@ -209,16 +237,24 @@ class ModelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def head_dim(self) -> int:
-        """Width of one attention head: d_model // n_heads."""
-        return self.d_model // self.n_heads
+        """Width of one attention head: attn_head_dim, else d_model // n_heads."""
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def arch(self) -> Family:
+        """The family's row (`microscale.model.family`)."""
+        return get_family(self.family)
 
     def num_params(self) -> int:
         """Exact trainable parameter count (arithmetic; allocates nothing)."""
-        d = self.d_model
+        d, hd = self.d_model, self.head_dim
         norms = self.n_layers * 2 * d + d  # 2 per block + final norm
+        if self.arch.qk_norm:
+            norms += self.n_layers * 2 * hd
+        biases = self.n_layers * (self.n_heads + 2 * self.n_kv_heads) * hd * self.arch.qkv_bias
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.num_linear_params() + norms + embed + head
+        return self.num_linear_params() + norms + biases + embed + head
 
     def num_linear_params(self) -> int:
         """Parameters in the (quantizable) linear projections only."""

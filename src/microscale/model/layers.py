@@ -50,7 +50,17 @@ from microscale.ops import (
     recipe_name,
 )
 
-__all__ = ["Embed", "LMHead", "QLinear", "RMSNorm", "apply_rope", "partitioned", "rope_tables"]
+__all__ = [
+    "Embed",
+    "LMHead",
+    "QLinear",
+    "RMSNorm",
+    "add_bias",
+    "apply_rope",
+    "partitioned",
+    "rms_norm",
+    "rope_tables",
+]
 
 Initializer = Callable[..., jax.Array]
 
@@ -69,7 +79,9 @@ class QLinear(nnx.Module):
     ``compute_dtype`` and the result is returned in ``compute_dtype`` (the GEMM itself
     accumulates in float32). The kernel's cast happens inside the quantized dot's custom
     VJP (``operand_dtype``), so its gradient is the float32-accumulated wgrad, not one
-    rounded to ``compute_dtype`` (Transformer Engine's FP32 main grads). No bias (Llama).
+    rounded to ``compute_dtype`` (Transformer Engine's FP32 main grads). ``bias=True``
+    (Qwen2's q/k/v): a float32 ``bias [out_features]`` (zeros at init, never quantized)
+    added to the output by `add_bias`.
     """
 
     def __init__(
@@ -84,6 +96,7 @@ class QLinear(nnx.Module):
         init_std: float = 0.02,
         param_dtype: jnp.dtype | str = jnp.float32,
         compute_dtype: jnp.dtype | str = jnp.bfloat16,
+        bias: bool = False,
     ):
         get_recipe(recipe)  # fail early on an unknown name
         self.in_features = in_features
@@ -95,9 +108,13 @@ class QLinear(nnx.Module):
         self.kernel = nnx.Param(
             init(rngs.params(), (in_features, out_features), jnp.dtype(param_dtype))
         )
+        if bias:
+            zeros = partitioned(nnx.initializers.zeros, (tuple(axes)[1],))
+            self.bias = nnx.Param(zeros(rngs.params(), (out_features,), jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        return self.matmul(x, self.kernel[...], key=key)
+        y = self.matmul(x, self.kernel[...], key=key)
+        return add_bias(y, self.bias[...]) if hasattr(self, "bias") else y
 
     def matmul(
         self,
@@ -147,10 +164,20 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init(jax.random.key(0), (dim,), jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(ms + self.eps) * self.scale[...].astype(jnp.float32)
-        return y.astype(self.compute_dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.compute_dtype)
+
+
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+    """``y + bias`` in float32, rounded back to ``y``'s dtype once."""
+    return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32; ``dtype`` out.
+    The one RMSNorm of every block, model and inference alike."""
+    x32 = x.astype(jnp.float32)
+    ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(ms + eps) * scale.astype(jnp.float32)).astype(dtype)
 
 
 class Embed(nnx.Module):

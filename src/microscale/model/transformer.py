@@ -1,11 +1,14 @@
-"""A Llama-style decoder-only transformer in Flax NNX whose linear layers train in any
-microscale recipe.
+"""A decoder-only transformer in Flax NNX whose linear layers train in any microscale
+recipe, for every family of `microscale.model.family` (Llama, Mistral, Qwen2, Qwen3).
 
-Per block (pre-norm, residual stream in float32)::
+The modules here hold the parameters; the block's arithmetic is
+`microscale.model.block.block_forward`, which the inference engine runs too. Per block
+(pre-norm, residual stream in float32)::
 
     h   = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))  n = attn_norm(x)
     out = h + down_proj(silu(gate_proj(m)) * up_proj(m))                     m = mlp_norm(h)
 
+with the family's q/k/v biases, per-head q/k norms and sliding window where it has them.
 Attention is causal grouped-query attention: ``n_heads`` query heads share
 ``n_kv_heads`` key/value heads, query head ``h`` reading kv head ``h // (n_heads /
 n_kv_heads)`` (the layout of HF's ``repeat_kv``). Scores ``QK^T / sqrt(head_dim)`` and
@@ -28,6 +31,8 @@ Parameter paths (also the rule paths; `microscale.export` maps them to HF names)
     layers.<i>.attn.q_proj.kernel           [d_model, H*hd]       ('embed', 'heads')
     layers.<i>.attn.k_proj.kernel           [d_model, KV*hd]      ('embed', 'kv_heads')
     layers.<i>.attn.v_proj.kernel           [d_model, KV*hd]      ('embed', 'kv_heads')
+    layers.<i>.attn.<q|k|v>_proj.bias       [H*hd | KV*hd]        ('heads' | 'kv_heads')  (qwen2)
+    layers.<i>.attn.<q|k>_norm.scale        [hd]                  ('norm',)  (qwen3)
     layers.<i>.attn.o_proj.kernel           [H*hd, d_model]       ('heads', 'embed')
     layers.<i>.mlp_norm.scale               [d_model]             ('norm',)
     layers.<i>.mlp.gate_proj.kernel         [d_model, d_ff]       ('embed', 'mlp')
@@ -57,14 +62,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from microscale.model.block import RESIDUAL, block_forward, causal_attention
 from microscale.model.config import ModelConfig
-from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, apply_rope, rope_tables
+from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, rope_tables
 from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path_id
 from microscale.model.sharding import constrain
 from microscale.model.tensor_parallel import column_parallel, row_parallel
-
-# Logical axes of the activations (microscale.model.sharding maps them to the mesh).
-RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
 
 __all__ = [
     "BLOCK_LINEARS",
@@ -73,9 +76,11 @@ __all__ = [
     "Attention",
     "Block",
     "Transformer",
+    "block_param_shapes",
     "causal_attention",
     "fused_groups",
     "linear_paths",
+    "param_shapes",
 ]
 
 # The seven linear layers of a block, by their path inside it, in model order.
@@ -104,6 +109,36 @@ def linear_paths(cfg: ModelConfig) -> list[str]:
     return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in BLOCK_LINEARS]
 
 
+def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{path inside a block: shape} of every parameter of one `Block` of ``cfg``: its
+    norms, its seven kernels ``[in, out]``, and the family's biases and q/k norms."""
+    d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    qd, kvd = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    shapes = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)]
+    lin = dict(zip(BLOCK_LINEARS, shapes, strict=True))
+    out: dict[str, tuple[int, ...]] = {"attn_norm.scale": (d,), "mlp_norm.scale": (d,)}
+    out |= {f"{k}.kernel": shp for k, shp in lin.items()}
+    if cfg.arch.qkv_bias:
+        out |= {f"{k}.bias": (lin[k][1],) for k in BLOCK_LINEARS[:3]}
+    if cfg.arch.qk_norm:
+        out |= {"attn.q_norm.scale": (hd,), "attn.k_norm.scale": (hd,)}
+    return out
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{parameter path: shape} of every parameter of ``Transformer(cfg)``."""
+    out: dict[str, tuple[int, ...]] = {
+        "embed.embedding": (cfg.vocab_size, cfg.d_model),
+        "final_norm.scale": (cfg.d_model,),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head.kernel"] = (cfg.d_model, cfg.vocab_size)
+    block = block_param_shapes(cfg)
+    for i in range(cfg.n_layers):
+        out |= {f"layers.{i}.{k}": shp for k, shp in block.items()}
+    return out
+
+
 def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
     """The linear paths of ``cfg`` grouped as inference engines fuse them: per block, the
     groups of `FUSED_LINEARS`, then the unfused linears as singletons. Every path of
@@ -116,49 +151,6 @@ def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
     return out
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0) -> jax.Array:
-    """Causal GQA. q ``[B, T, H, hd]``, k/v ``[B, S, KV, hd]`` with H % KV == 0 and the
-    last T of S positions being the queries (S == T in training). Returns ``[B, T, H, hd]``
-    in q's dtype. Scores and softmax in float32.
-
-    ``chunk > 0`` (and ``< T``): the queries in chunks of that many positions, one at a time
-    (``lax.map``), each chunk's scores recomputed in the backward pass
-    (``jax.checkpoint``): ``[B, H, chunk, S]`` float32 scores live instead of
-    ``[B, H, T, S]``, memory linear in T. Every query row is the same computation either
-    way (its softmax runs over all its keys); a last partial chunk is zero-padded and cut.
-    """
-    t, s = q.shape[1], k.shape[1]
-    if not chunk or chunk >= t:
-        return _attention(q, k, v, s - t)
-    b, _, h, hd = q.shape
-    n = -(-t // chunk)
-    qs = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0)))
-    qs = qs.reshape(b, n, chunk, h, hd).swapaxes(0, 1)
-    starts = jnp.arange(n) * chunk + (s - t)
-    heads = ("act_batch", "act_length", "act_heads", None)
-    one = jax.checkpoint(
-        lambda qc, start: constrain(_attention(constrain(qc, heads), k, v, start), heads)
-    )
-    out = jax.lax.map(lambda a: one(*a), (qs, starts))  # [n, B, chunk, H, hd]
-    return out.swapaxes(0, 1).reshape(b, n * chunk, h, hd)[:, :t]
-
-
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, start) -> jax.Array:
-    """Queries at positions ``start + arange(T)`` against keys at ``arange(S)``."""
-    b, t, h, hd = q.shape
-    s, kv = k.shape[1], k.shape[2]
-    g = h // kv
-    qg = q.reshape(b, t, kv, g, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
-    q_pos = jnp.arange(t)[:, None] + start
-    mask = q_pos >= jnp.arange(s)[None, :]  # [T, S]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
-
-
 def _linear(
     cfg: ModelConfig,
     path: str,
@@ -168,11 +160,13 @@ def _linear(
     *,
     rngs: nnx.Rngs,
     std: float | None = None,
+    bias: bool = False,
 ) -> QLinear:
     return QLinear(
         din,
         dout,
         rngs=rngs,
+        bias=bias,
         recipe="bf16",
         layer_id=path_id(path),
         axes=axes,
@@ -187,20 +181,22 @@ def _out_std(cfg: ModelConfig) -> float:
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention with RoPE; q/k/v/o are QLinears."""
+    """The attention's parameters: q/k/v/o `QLinear`\\ s (q/k/v with biases, and per-head
+    q/k norms, where the family has them). `microscale.model.block` computes with them."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
-        d, hd = cfg.d_model, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        d, hd, fam = cfg.d_model, cfg.head_dim, cfg.arch
         self.attention_chunk = cfg.attention_chunk
+        self.window = cfg.sliding_window
+        qkv: dict[str, Any] = dict(rngs=rngs, bias=fam.qkv_bias)
         self.q_proj = _linear(
-            cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd, ("embed", "heads"), rngs=rngs
+            cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd, ("embed", "heads"), **qkv
         )
         self.k_proj = _linear(
-            cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), rngs=rngs
+            cfg, f"{prefix}.k_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), **qkv
         )
         self.v_proj = _linear(
-            cfg, f"{prefix}.v_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), rngs=rngs
+            cfg, f"{prefix}.v_proj", d, cfg.n_kv_heads * hd, ("embed", "kv_heads"), **qkv
         )
         self.o_proj = _linear(
             cfg,
@@ -211,28 +207,13 @@ class Attention(nnx.Module):
             rngs=rngs,
             std=_out_std(cfg),
         )
-
-    def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, key: jax.Array | None = None
-    ) -> jax.Array:
-        b, t, _ = x.shape
-        heads, kv = (
-            ("act_batch", "act_length", "act_heads", None),
-            ("act_batch", "act_length", "act_kv_heads", None),
-        )
-        q, k, v = _column(self, ("q_proj", "k_proj", "v_proj"), x, key)
-        q = q.reshape(b, t, self.n_heads, self.head_dim)
-        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        q, k, v = constrain(q, heads), constrain(k, kv), constrain(v, kv)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = constrain(causal_attention(q, k, v, chunk=self.attention_chunk), heads)
-        o = checkpoint_name(o.reshape(b, t, self.n_heads * self.head_dim), "attn_out")
-        return constrain(_row(self.o_proj, o, key), RESIDUAL)
+        if fam.qk_norm:
+            self.q_norm = _norm(cfg, hd)
+            self.k_norm = _norm(cfg, hd)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; silu in float32."""
+    """The SwiGLU MLP's parameters: gate/up/down `QLinear`\\ s."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -242,45 +223,60 @@ class MLP(nnx.Module):
             cfg, f"{prefix}.down_proj", f, d, ("mlp", "embed"), rngs=rngs, std=_out_std(cfg)
         )
 
-    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        hidden = ("act_batch", "act_length", "act_mlp")
-        g, u = (constrain(y, hidden) for y in _column(self, ("gate_proj", "up_proj"), x, key))
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-        return constrain(_row(self.down_proj, checkpoint_name(h, "mlp_hidden"), key), RESIDUAL)
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(
+        dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype
+    )
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: attention then MLP, each added to the residual."""
+    """One decoder block's parameters; ``block(x, cos, sin, key=...)`` runs
+    `microscale.model.block.block_forward` on them (training's `BlockOps`)."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
         prefix = f"layers.{index}"
-        norm: dict[str, Any] = dict(
-            eps=cfg.norm_eps, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype
-        )
-        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.config = cfg
+        self.attn_norm = _norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, f"{prefix}.attn", rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp_norm = _norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg, f"{prefix}.mlp", rngs=rngs)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, key: jax.Array | None = None
     ) -> jax.Array:
-        x = constrain(x, RESIDUAL)
-        h = x + self.attn(self.attn_norm(x), cos, sin, key=key).astype(x.dtype)
-        return constrain(h + self.mlp(self.mlp_norm(h), key=key).astype(h.dtype), RESIDUAL)
+        return block_forward(self.config, _TrainOps(self, key), x, cos, sin)
 
 
-def _column(module: nnx.Module, names: tuple[str, ...], x: jax.Array, key) -> list[jax.Array]:
-    """The outputs of ``module``'s column-parallel projections ``names`` on the block input
-    ``x`` (one tensor-parallel group: `tensor_parallel.column_parallel`), each named "proj"
-    for the ``save_dots`` remat policy."""
-    layers = [getattr(module, n) for n in names]
-    return [checkpoint_name(y, "proj") for y in column_parallel(layers, x, RESIDUAL, key=key)]
+@dataclasses.dataclass(frozen=True)
+class _TrainOps:
+    """`BlockOps` of a `Block`: its QLinears through the recipes (tensor-parallel
+    groups under a mesh: `tensor_parallel`), its parameters, and causal attention over
+    the sequence (in query chunks of ``attn.attention_chunk``)."""
 
+    block: Block
+    key: jax.Array | None
 
-def _row(layer: QLinear, x: jax.Array, key) -> jax.Array:
-    """A row-parallel projection's output (`tensor_parallel.row_parallel`), named "proj"."""
-    return checkpoint_name(row_parallel(layer, x, RESIDUAL, key=key), "proj")
+    def _get(self, name: str) -> Any:
+        obj: Any = self.block
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def column(self, names, x):
+        layers = [self._get(n) for n in names]
+        outs = column_parallel(layers, x, RESIDUAL, key=self.key)
+        return [checkpoint_name(y, "proj") for y in outs]
+
+    def row(self, name, x):
+        return checkpoint_name(row_parallel(self._get(name), x, RESIDUAL, key=self.key), "proj")
+
+    def param(self, name):
+        return self._get(name)[...]
+
+    def attend(self, q, k, v):
+        attn = self.block.attn
+        return causal_attention(q, k, v, chunk=attn.attention_chunk, window=attn.window)
 
 
 def _run_block(block: Block, x, cos, sin, key):
@@ -318,7 +314,7 @@ _RUN = {
 # (``layers.<i>...``) everywhere outside the forward pass (checkpoints, export, rules,
 # PTQ): the stack is built inside the traced step (its transpose unstacks the gradient),
 # at the cost of one transient copy of the blocks' local parameter shards. A block's
-# static structure is shared by its run, except its projections' ``layer_id``\ s (the
+# static structure is shared by its run, except its projections' ``layer_id``\\ s (the
 # stochastic-rounding stream of each path), which the scan carries as data, so a scanned
 # model draws exactly the bits of the unrolled one.
 

@@ -1,0 +1,136 @@
+"""Every family through the one block definition: the training `Transformer` and the
+inference engine (full forward and KV-cache decode) give the same logits, per family.
+
+The table holds one tiny configuration per family, each exercising its switches: Qwen2's
+q/k/v biases (non-zero here), Qwen3's per-head q/k norms with an explicit head_dim unlike
+d_model / n_heads, Mistral's sliding window shorter than the sequence. Bounds:
+
+* dense engine vs `Transformer` (bf16 recipe, bfloat16 compute): atol 1e-6. Both run
+  `microscale.model.block.block_forward`; only the projections differ (the engine's
+  einsum of ``x`` with ``W^T`` against the recipe's ``dot_general`` of ``x`` with ``W``),
+  the same bfloat16 operands with float32 accumulation, whose outputs round to the same
+  bfloat16 unless a sum lands within ~1e-7 of a rounding boundary.
+* KV-cache decode vs full forward, float32: atol 2e-5 (the bound of
+  ``tests/inference/test_inference_engine.py``: the cache's attention runs over all
+  slots with masked ones at exp(-inf) = 0, so its softmax sums in another order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from microscale.export import flat_params
+from microscale.inference import InferenceModel, forward, init_cache
+from microscale.model import FAMILIES, ModelConfig, Transformer, param_shapes
+
+BASE = dict(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+            max_seq_len=64)  # fmt: skip
+CONFIGS = {
+    "llama": ModelConfig(**BASE),
+    "mistral": ModelConfig(**BASE, family="mistral", sliding_window=5),
+    "qwen2": ModelConfig(**BASE, family="qwen2"),
+    "qwen3": ModelConfig(**BASE, family="qwen3", attn_head_dim=32),
+}
+T = 20  # > the sliding window
+
+
+def test_every_family_is_in_the_table():
+    assert set(CONFIGS) == set(FAMILIES)
+
+
+def _model(cfg: ModelConfig) -> Transformer:
+    """A random model whose family parameters matter: biases and norm scales moved off
+    their init (zeros, ones), so a bias or norm left out would show."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    moved = [
+        leaf + 0.3 * jax.random.normal(k, leaf.shape) if ("bias" in p or "norm" in p) else leaf
+        for leaf, k, p in zip(leaves, keys, paths, strict=True)
+    ]
+    nnx.update(model, jax.tree.unflatten(tree, moved))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request):
+    cfg = CONFIGS[request.param]
+    return request.param, cfg, _model(cfg)
+
+
+def _tokens(b=2, t=T, seed=3):
+    return np.asarray(jax.random.randint(jax.random.key(seed), (b, t), 0, 257))
+
+
+def test_param_shapes_and_count(family):
+    name, cfg, model = family
+    params = flat_params(model)
+    assert {k: tuple(v.shape) for k, v in params.items()} == param_shapes(cfg)
+    assert sum(int(np.prod(s)) for s in param_shapes(cfg).values()) == cfg.num_params()
+    has = {k.split(".", 2)[2] for k in params if k.startswith("layers.0.")}
+    assert ("attn.q_proj.bias" in has) == (name == "qwen2")
+    assert ("attn.q_norm.scale" in has) == (name == "qwen3")
+
+
+def test_engine_equals_the_transformer(family):
+    _, cfg, model = family
+    tokens = _tokens()
+    ref = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+    got = np.asarray(InferenceModel.from_params(model, cfg).logits(tokens))
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
+def test_kv_cache_decode_equals_the_full_forward(family):
+    """Prefill 7 tokens, then decode the rest one at a time through the cache: each
+    step's logits are the full forward's at that position (past the sliding window)."""
+    _, cfg, model = family
+    cfg = cfg.replace(compute_dtype="float32")
+    engine = InferenceModel.from_params(flat_params(model), cfg)
+    tokens = jnp.asarray(_tokens())
+    full, _ = forward(engine.weights, tokens, cfg=cfg, cdt="float32")
+    cache = init_cache(cfg, tokens.shape[0], T, jnp.float32)
+    step = jax.jit(lambda w, t, c, i: forward(w, t, cfg=cfg, cdt="float32", cache=c, index=i))
+    logits, cache = step(engine.weights, tokens[:, :7], cache, 0)
+    got = [logits]
+    for i in range(7, T):
+        logits, cache = step(engine.weights, tokens[:, i : i + 1], cache, i)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5, rtol=0)
+
+
+def test_sliding_window_changes_what_is_seen():
+    """Mistral's window is live: the same weights without it give other logits past the
+    window, and the same logits inside it."""
+    cfg = CONFIGS["mistral"]
+    model = _model(cfg)
+    tokens = _tokens()
+    windowed = np.asarray(InferenceModel.from_params(model, cfg).logits(tokens))
+    full = np.asarray(
+        InferenceModel.from_params(flat_params(model), cfg.replace(sliding_window=None)).logits(
+            tokens
+        )
+    )
+    w = cfg.sliding_window
+    np.testing.assert_allclose(windowed[:, :w], full[:, :w], atol=1e-6, rtol=0)
+    assert np.abs(windowed[:, w:] - full[:, w:]).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(family="gemma3"), "family='gemma3'"),
+        (dict(sliding_window=8), "sliding_window=8: family 'llama'"),
+        (dict(family="mistral", sliding_window=0), "sliding_window=0"),
+        (dict(attn_head_dim=33), "head_dim = 33 is odd"),
+        (dict(attn_head_dim=20), "n_kv_heads \\* head_dim=40 is not a multiple"),
+    ],
+)
+def test_bad_family_configs_are_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        CONFIGS["llama"].replace(**changes)
