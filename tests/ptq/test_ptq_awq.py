@@ -85,6 +85,33 @@ def test_fold_keeps_the_float32_function(heads, kv, tied):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [dict(family="qwen2"), dict(family="qwen3", attn_head_dim=32), dict(family="mistral")],
+    ids=lambda c: c["family"],
+)
+def test_fold_keeps_the_float32_function_of_every_family(changes):
+    """Qwen2's v_proj bias is divided with its columns; Qwen3's q/k norms sit after the
+    projections, where the fold leaves q and k unchanged."""
+    model = Transformer(_cfg(4, 2, False).replace(**changes), rngs=nnx.Rngs(1))
+    for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] == "bias" or "q_norm" in path or "k_norm" in path:  # off their init
+            p.set_value(p[...] + 0.5 * np.random.default_rng(len(path)).standard_normal(p.shape))
+    toks = _tokens()[0, :, :-1]
+    want = _f32_logits(model, toks)
+    folded = nnx.clone(model)
+    rng = np.random.default_rng(2)
+    for g in awq_plan(folded):
+        d_in = dict(iter_linears(folded))[g.layers[0]].kernel.shape[0]
+        s = np.exp(2 * rng.standard_normal(d_in // g.repeat)).astype(np.float32)
+        if g.repeat > 1:
+            s = np.repeat(s.reshape(-1, 1, g.head_dim), g.repeat, axis=1).reshape(-1)
+        fold_scales(folded, g, s)
+    np.testing.assert_allclose(
+        _f32_logits(folded, toks), want, rtol=0, atol=2e-5 * np.abs(want).max()
+    )
+
+
 def test_fold_of_a_wrong_repeat_is_caught():
     """The check above can fail: scales that differ between the query heads of one kv
     group cannot fold into v_proj, and the function changes."""

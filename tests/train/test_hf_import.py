@@ -204,12 +204,14 @@ def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, 
             {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mscale": 1.0}},
             "rope_scaling.mscale=1.0: not a parameter of rope_type 'linear'",
         ),
-        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type"),
+        ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}, "model_type='gemma3'"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_interleaved": True}, "rope_interleaved"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"head_dim": 32}, "head_dim"),
+        ({"head_dim": 32}, "q_proj.weight' has shape"),  # a head_dim the tensors lack
         ({"intermediate_size": 256}, "gate_proj.weight' has shape [128, 64]"),  # tensors disagree
         ({"vocab_size": 288}, "300"),  # the tokenizer's 300 ids do not fit 288 rows
     ],
@@ -453,3 +455,48 @@ def test_every_command_refuses_ids_the_model_cannot_embed(
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "token ids up to 339 (340 ids)" in err and "model embeds 320" in err, err
+
+
+SMOLLM2 = ModelConfig(  # SmolLM2-135M's shape: 30 blocks of 576, 9 heads, vocab 49152
+    vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+    max_seq_len=8192, dim_multiple=32,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, batch, seq, want",
+    [
+        # 4 B x 8 x 49152 = 1.5 MiB of logits per position: 170 fit 256 MiB -> 128
+        (SMOLLM2, 8, 512, dict(loss_chunk=128, attention_chunk=0)),
+        # scores 4 B x 8 x 9 x 4096 = 1.1 MiB per query position: 227 fit -> 128
+        (SMOLLM2, 8, 4096, dict(loss_chunk=128, attention_chunk=128)),
+        # one sequence: all 512 positions' logits (96 MiB) fit at once
+        (SMOLLM2, 1, 512, dict(loss_chunk=0, attention_chunk=0)),
+        (ModelConfig.preset("llama-1b"), 1, 2048, dict(loss_chunk=512, attention_chunk=1024)),
+        (MODEL, 8, 64, None),  # below 50M parameters: the config's settings stand
+    ],
+    ids=["smollm2-8x512", "smollm2-8x4096", "smollm2-1x512", "llama1b-1x2048", "tiny"],
+)
+def test_memory_defaults_of_an_adopted_model(model, batch, seq, want):
+    from microscale.train.init import memory_defaults
+
+    got = memory_defaults(model, batch, seq)
+    if want is None:
+        assert got == {}
+        return
+    assert got == {**want, "remat": "full", "scan_layers": True}
+
+
+def test_init_from_takes_the_sources_context_before_the_overrides(tmp_path):
+    """data.seq_len past the preset's context but within the source's is not refused
+    against the preset (tiny's 256), and an explicit model.remat wins over the defaults."""
+    src = tmp_path / "long"
+    model = MODEL.replace(max_seq_len=1024)
+    export_checkpoint(
+        Transformer(model, rngs=nnx.Rngs(0)), src, layer_formats="bf16",
+        tokenizer=train_bpe(_text(100), 300),
+    )  # fmt: skip
+    cfg = resolve_config("tiny", [f"init_from={src}", "data.seq_len=512"])
+    assert cfg.data.seq_len == 512 and cfg.model.max_seq_len == 1024
+    with pytest.raises(ConfigError, match="data.seq_len=2048 exceeds model.max_seq_len=1024"):
+        resolve_config("tiny", [f"init_from={src}", "data.seq_len=2048"])

@@ -81,7 +81,8 @@ class QLinear(nnx.Module):
     VJP (``operand_dtype``), so its gradient is the float32-accumulated wgrad, not one
     rounded to ``compute_dtype`` (Transformer Engine's FP32 main grads). ``bias=True``
     (Qwen2's q/k/v): a float32 ``bias [out_features]`` (zeros at init, never quantized)
-    added to the output by `add_bias`.
+    that the block adds (`microscale.model.block`, `add_bias`); the call is the GEMM
+    alone, which is what PTQ's taps see (``Y_q - Y = X (W_q - W)`` either way).
     """
 
     def __init__(
@@ -113,8 +114,7 @@ class QLinear(nnx.Module):
             self.bias = nnx.Param(zeros(rngs.params(), (out_features,), jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        y = self.matmul(x, self.kernel[...], key=key)
-        return add_bias(y, self.bias[...]) if hasattr(self, "bias") else y
+        return self.matmul(x, self.kernel[...], key=key)
 
     def matmul(
         self,

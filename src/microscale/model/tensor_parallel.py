@@ -116,13 +116,12 @@ def _args(key):
 def column_parallel(
     layers: Sequence[QLinear], x: jax.Array, x_axes, *, key: jax.Array | None = None
 ) -> list[jax.Array]:
-    """``[x @ layer.kernel for layer in layers]`` (each through its recipe; a layer's
-    bias is the caller's to add) for column-parallel ``layers`` sharing the input ``x``
-    (logical axes ``x_axes``: batch, sequence, features): one sequence gather for the
-    group, local GEMMs (module doc)."""
+    """``[layer(x, key=key) for layer in layers]`` for column-parallel ``layers`` sharing
+    the input ``x`` (logical axes ``x_axes``: batch, sequence, features): one sequence
+    gather for the group, local GEMMs (module doc)."""
     plan = _plan(layers, x_axes, x.shape, "column")
     if plan is None:
-        return [layer.matmul(x, layer.kernel[...], key=key) for layer in layers]
+        return [layer(x, key=key) for layer in layers]
     splits, x_spec, specs = plan
     ax = splits[0].axis
     x = x.astype(layers[0].compute_dtype)
@@ -149,12 +148,12 @@ def column_parallel(
 def row_parallel(
     layer: QLinear, x: jax.Array, x_axes, *, key: jax.Array | None = None
 ) -> jax.Array:
-    """``x @ layer.kernel`` (through its recipe; no bias) for a row-parallel ``layer``
-    whose output has the logical axes ``x_axes`` (batch, sequence, features): local
-    partial sums reduce-scattered along the sequence in float32 (module doc)."""
+    """``layer(x, key=key)`` for a row-parallel ``layer`` whose output has the logical axes
+    ``x_axes`` (batch, sequence, features): local partial sums reduce-scattered along the
+    sequence in float32 (module doc)."""
     plan = _plan([layer], x_axes, x.shape[:-1] + (layer.out_features,), "row")
     if plan is None:
-        return layer.matmul(x, layer.kernel[...], key=key)
+        return layer(x, key=key)
     (split,), y_spec, (spec,) = plan
     ax = split.axis
 

@@ -186,6 +186,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
         d, hd, fam = cfg.d_model, cfg.head_dim, cfg.arch
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attention_chunk = cfg.attention_chunk
         self.window = cfg.sliding_window
         qkv: dict[str, Any] = dict(rngs=rngs, bias=fam.qkv_bias)

@@ -13,7 +13,8 @@ layer that produces ``X``, so the result is an ordinary model with the same stru
 * ``down_proj`` reads ``silu(gate) * up``: ``up_proj``'s output columns are divided by ``s``;
 * ``o_proj`` reads the attention output, whose channel ``(h, d)`` is value channel
   ``(h // g, d)`` of ``v_proj`` (``g`` query heads per kv head, softmax weights summing
-  per head): ``v_proj``'s output columns are divided by the kv channel's scale and
+  per head): ``v_proj``'s output columns (and its bias, Qwen2's) are divided by the kv
+  channel's scale and
   ``o_proj``'s rows multiplied by it, the scale repeated over the ``g`` query heads of
   each group (chosen from the group's mean ``|X|``), so GQA folds exactly too.
 
@@ -286,11 +287,16 @@ def fold_scales(model: Any, group: AWQGroup, s: np.ndarray) -> None:
         w = _module(model, group.into).scale
         w[...] = (w[...].astype(jnp.float32) / sj).astype(w.dtype)
         return
-    k = _module(model, group.into).kernel
+    into = _module(model, group.into)
     cols = sj
     if group.repeat > 1:  # the kv channel's scale: one of each group's repeated copies
         cols = sj.reshape(-1, group.repeat, group.head_dim)[:, 0, :].reshape(-1)
-    k[...] = (k[...].astype(jnp.float32) / cols[None, :]).astype(k.dtype)
+    into.kernel[...] = (into.kernel[...].astype(jnp.float32) / cols[None, :]).astype(
+        into.kernel.dtype
+    )
+    bias = _param(into, "bias")  # Qwen2's v_proj: its output columns include the bias
+    if bias is not None:
+        bias[...] = (bias[...].astype(jnp.float32) / cols).astype(bias.dtype)
 
 
 def awq_fold(

@@ -10,8 +10,8 @@ step counter, the learning-rate schedule and the data position start fresh (unli
   ``checkpoint/``): the master weights of the run it quantized (``report.json`` records
   the run folder and step) when that checkpoint still exists; otherwise the dequantized
   weights of its ``checkpoint/`` (the run records which, and says so);
-* an **HF Llama folder** (``config.json`` + safetensors; plain, compressed-tensors or
-  ModelOpt), read by :func:`microscale.export.read_checkpoint` (packed weights are
+* an **HF folder** of a supported family (Llama, Mistral, Qwen2, Qwen3:
+  ``config.json`` + safetensors; plain, compressed-tensors or ModelOpt), read by :func:`microscale.export.read_checkpoint` (packed weights are
   dequantized).
 
 The weights are checked against the run's model config before anything trains: the
@@ -20,8 +20,8 @@ first few, with the source's model shape when it is known.
 
 On the command line (:func:`adopt_source_model`, called by ``resolve_config``) the model
 is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's (and a
-quantize output's packed ``checkpoint/``) from its ``config.json`` (every shape, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``, tied embeddings, the
-vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
+quantize output's packed ``checkpoint/``) from its ``config.json`` (the family, every shape, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``, the
+sliding window, tied embeddings, the vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
 that contradicts the source is refused naming the key and both values; settings that
 do not define the model (``remat``, chunks, dtypes, a shorter ``max_seq_len``) may be
 overridden.
@@ -49,6 +49,7 @@ from microscale.train.state import load_checkpoint
 __all__ = [
     "InitSource",
     "adopt_source_model",
+    "memory_defaults",
     "check_init_shapes",
     "load_init_weights",
     "quantize_calibration",
@@ -66,10 +67,12 @@ _SHAPE_FIELDS = (
     "n_heads",
     "n_kv_heads",
     "d_ff",
+    "attn_head_dim",
     "tie_embeddings",
+    "family",
 )
 # Fields that define the source model beyond its shapes: an override may not change them.
-_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "rope_scaling", "norm_eps")
+_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "rope_scaling", "norm_eps", "sliding_window")
 # config.json's names of those fields (and of max_seq_len), for messages.
 _HF_NAMES = {
     "vocab_size": "vocab_size",
@@ -78,6 +81,9 @@ _HF_NAMES = {
     "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
     "d_ff": "intermediate_size",
+    "attn_head_dim": "head_dim",
+    "family": "model_type",
+    "sliding_window": "sliding_window",
     "tie_embeddings": "tie_word_embeddings",
     "rope_theta": "rope_theta",
     "rope_scaling": "rope_scaling",
@@ -344,7 +350,8 @@ def adopt_source_model(cfg, overridden: set[str]):
                 f"{where} has {name}={theirs} (the model is taken from "
                 "init_from; drop the override)"
             )
-    # The source's model; how it runs (remat, chunks, dtypes) stays the config's.
+    # The source's model; how it runs (remat, chunks, dtypes) is the config's where set,
+    # else sized for the source (`memory_defaults`).
     model = cfg.model.replace(
         **{
             f: getattr(src, f)
@@ -352,6 +359,11 @@ def adopt_source_model(cfg, overridden: set[str]):
             if f not in keys
         }
     )
+    seq_len = cfg.data.seq_len if "data.seq_len" in overridden else None
+    sized = memory_defaults(
+        model, cfg.data.batch_size, seq_len or min(cfg.data.seq_len, model.max_seq_len)
+    )
+    model = model.replace(**{k: v for k, v in sized.items() if k not in keys})
     data = cfg.data
     if "data.tokenizer" not in overridden:
         if tok is None and hf:  # the preset's byte tokenizer would fit and be wrong
@@ -366,7 +378,55 @@ def adopt_source_model(cfg, overridden: set[str]):
     return dataclasses.replace(cfg, model=model, data=data)
 
 
+# Memory the run settings of an adopted model aim each large transient at (the float32
+# logits of one loss chunk, one block's attention scores), and the size from which a
+# model's blocks keep only their inputs for the backward pass and run as one scan.
+_TRANSIENT_BYTES = 256 * 2**20
+_REMAT_PARAMS = 50_000_000
+
+
+def memory_defaults(model: ModelConfig, batch: int, seq_len: int) -> dict[str, Any]:
+    """Run settings for a model taken from ``init_from`` (an imported model has no preset
+    to carry them), at microbatch ``batch`` x ``seq_len``:
+
+    * ``loss_chunk``: the largest power of two of positions whose float32 logits
+      ``[batch, chunk, vocab]`` fit `_TRANSIENT_BYTES` (0, no chunks, when all do);
+    * ``attention_chunk``: likewise for one block's float32 scores ``[batch, heads,
+      chunk, seq_len]``;
+    * from `_REMAT_PARAMS` parameters: ``remat="full"`` (each block keeps its input only)
+      and ``scan_layers`` (one block body in the program: compile time flat in depth).
+
+    Smaller models keep the config's settings. An explicit ``model.<key>=`` wins."""
+
+    def chunk(bytes_per_position: int) -> int:
+        if bytes_per_position * seq_len <= _TRANSIENT_BYTES:
+            return 0
+        c = 1 << max(0, int(_TRANSIENT_BYTES // bytes_per_position).bit_length() - 1)
+        return max(16, min(c, seq_len))
+
+    if model.num_params() < _REMAT_PARAMS:
+        return {}
+    return {
+        "loss_chunk": chunk(4 * batch * model.vocab_size),
+        "attention_chunk": chunk(4 * batch * model.n_heads * seq_len),
+        "remat": "full",
+        "scan_layers": True,
+    }
+
+
 # ------------------------------------------------------------------ resolving a config
+
+
+def _with_source_context(cfg: TrainConfig, overrides: Sequence[str] | dict) -> TrainConfig:
+    """``cfg`` with the context (``model.max_seq_len``) of the ``init_from`` the overrides
+    name, before they are applied: a ``data.seq_len`` within the source's context is then
+    not refused against the preset's shorter one."""
+    items = dict(overrides) if isinstance(overrides, dict) else dict(parse_overrides(overrides))
+    source = items.get("init_from", cfg.init_from)
+    found = source_model(str(source)) if source not in (None, "none") else None
+    if found is None or found[0].max_seq_len <= cfg.model.max_seq_len:
+        return cfg
+    return dataclasses.replace(cfg, model=cfg.model.replace(max_seq_len=found[0].max_seq_len))
 
 
 def resolve_config(
@@ -391,6 +451,10 @@ def resolve_config(
                 cfg = TrainConfig.preset(text)
             except ValueError as e:
                 raise ConfigError(f"{e} (or the path of a YAML config file)") from None
+    try:
+        cfg = _with_source_context(cfg, overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     cfg = apply_overrides(cfg, overrides)
     if cfg.init_from is None:
         return cfg

@@ -795,6 +795,13 @@ def _announce(run: _Run) -> None:
             "high_precision_blocks": hp_blocks,
         }
     )
+    if cfg.init_from is not None:
+        m = cfg.model
+        logger.message(
+            f"model from {cfg.init_from}: {m.family}, {m.num_params() / 1e6:.1f}M parameters; "
+            f"remat={m.remat}, scan_layers={m.scan_layers}, loss_chunk={m.loss_chunk}, "
+            f"attention_chunk={m.attention_chunk} (change with model.<key>=)"
+        )
     what = cfg.recipe if cfg.precision.rules is None else f"rules {cfg.precision.rules}"
     if start < warm_step:
         what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
