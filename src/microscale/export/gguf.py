@@ -21,20 +21,46 @@ q8_0       ``Q8_0 = 8``           34 bytes per 32 values: float16 scale, 32 int8
 bf16       ``BF16`` (or F16/F32)  unquantized layers, embeddings, LM head.
 =========  =====================  ==================================================
 
-Norm weights and ``.scale`` tensors are F32. ggml decodes E2M1 codes as doubled integers
-(``kvalues = 2 * e2m1``) times half the block scale; both products are exact in float32, so
-decoding a file gives microscale's ``dequantize`` bit for bit (tested with the ``gguf``
-package's own dequantizers). The byte of an E4M3 scale *is* its UE4M3 byte: block scales
-are never negative, and 0x7F (NaN in E4M3, 0 in UE4M3) never occurs for finite weights.
-Element packing reuses :func:`microscale.formats.pack_nibbles` on codes reordered so that
-each pair (j, j + half a scale block) lands in one byte.
+Norm weights, biases and ``.scale`` tensors are F32. ggml decodes E2M1 codes as doubled
+integers (``kvalues = 2 * e2m1``) times half the block scale; both products are exact in
+float32, so decoding a file gives microscale's ``dequantize`` bit for bit (tested with the
+``gguf`` package's own dequantizers). The byte of an E4M3 scale *is* its UE4M3 byte: block
+scales are never negative, and 0x7F (NaN in E4M3, 0 in UE4M3) never occurs for finite
+weights. Element packing reuses :func:`microscale.formats.pack_nibbles` on codes reordered
+so that each pair (j, j + half a scale block) lands in one byte.
 
 A row of ``K`` inputs holds ``K / 64`` NVFP4 blocks (``K / 32`` MXFP4 / Q8_0 blocks): other
 lengths cannot be stored and are refused, naming the tensor, as are non-finite weights.
-llama.cpp's Llama graph uses RoPE on adjacent pairs, microscale (and HF) on halves
-(``i`` with ``i + hd/2``), so the rows of q_proj and k_proj are permuted per head to
-``0, hd/2, 1, hd/2 + 1, ...`` (the permutation llama.cpp's ``convert_hf_to_gguf.py``
-applies); whole rows move, so codes and scales move with them unchanged.
+
+Families (:mod:`microscale.model.family`) go out as llama.cpp's converter
+(``convert_hf_to_gguf.py``) writes their HF checkpoints; ``_ARCHS`` holds what each
+``general.architecture``'s graph reads (llama.cpp's ``src/models/<arch>.cpp``)::
+
+    family   general.architecture  extra tensors per block             q/k rows
+    llama    llama                 -                                   permuted
+    mistral  llama                 -                                   permuted
+    qwen2    qwen2                 attn_{q,k,v}.bias [out] F32         as HF
+    qwen3    qwen3                 attn_{q,k}_norm.weight [hd] F32     as HF
+
+llama.cpp's ``llama`` graph uses RoPE on adjacent pairs (``LLAMA_ROPE_TYPE_NORM``),
+microscale (and HF) on halves (``i`` with ``i + hd/2``), so for it the rows of q_proj and
+k_proj are permuted per head to ``0, hd/2, 1, hd/2 + 1, ...`` (``LlamaModel.permute``; it
+permutes a q/k bias the same way, and so would this writer, as it would a q/k norm's
+weight); whole rows move, so codes and scales move with them unchanged. ``qwen2`` and
+``qwen3`` rotate halves (``LLAMA_ROPE_TYPE_NEOX``): their rows stay as they are. Every
+family's keys are prefixed by its architecture (``qwen3.attention.head_count``, ...); an
+explicit ``head_dim`` (``ModelConfig.attn_head_dim``) is written as
+``{arch}.attention.key_length`` and ``value_length``, as the converter does. The family
+itself is recorded under ``microscale.family`` (other readers ignore it), so Mistral comes
+back as Mistral. Refused before any work, naming the key and its value, is what an
+architecture's graph would compute otherwise than microscale:
+
+* a ``sliding_window`` shorter than ``max_seq_len`` (llama.cpp's llama, qwen2 and qwen3
+  graphs attend to every earlier position, and the converter writes Mistral as llama);
+* NVFP4 on a layer whose ``.scale`` the graph loads but never applies (``qwen2``'s MLP:
+  ``build_ffn`` gets no scales);
+* ``qwen2`` with ``n_heads * head_dim != d_model`` (its attn_q / attn_output are square);
+* llama3 RoPE scaling (the ``rope_freqs.weight`` tensor) where only ``llama`` reads it.
 
 RoPE scaling: the keys and the ``rope_freqs.weight`` tensor that llama.cpp's converter writes
 for the model's ``config.json`` (linear, yarn, llama3); dynamic NTK, and yarn settings
@@ -93,11 +119,12 @@ from microscale.formats import (
     unpack_nibbles,
 )
 from microscale.integrity import crc32_many
-from microscale.model import ModelConfig, linear_paths
+from microscale.model import ModelConfig, block_param_shapes, linear_paths
 
 __all__ = [
     "EMBED_FORMATS",
     "GGUF_FORMATS",
+    "MS_FAMILY_KEY",
     "GGUFResult",
     "GGUFVocab",
     "embed_values",
@@ -116,10 +143,10 @@ _FLOAT_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # Stored formats of the token embedding (and of an untied LM head): unquantized (bf16) or a
 # ggml type without a global (per-tensor) scale, so llama.cpp's get_rows (the embedding
 # lookup) and the tied LM head matmul both decode it. NVFP4 is not one of them: its FP32
-# tensor scale lives in a separate ``.scale`` tensor that llama.cpp's Llama graph applies to
+# tensor scale lives in a separate ``.scale`` tensor that llama.cpp's graphs apply to
 # linear layers' outputs, not to the embedding lookup.
 EMBED_FORMATS = ("bf16",) + tuple(f for f in GGUF_FORMATS if not get_format(f).has_global_scale)
-# Llama tensor names: microscale linear sub-path -> GGUF name inside ``blk.N``.
+# Linear sub-path -> GGUF name inside ``blk.N`` (every architecture here: ATTN_Q, ..., FFN_UP).
 _LINEAR_NAMES = {
     "attn.q_proj": "attn_q",
     "attn.k_proj": "attn_k",
@@ -129,8 +156,70 @@ _LINEAR_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_OTHER_NAMES = {"attn_norm.scale": "attn_norm.weight", "mlp_norm.scale": "ffn_norm.weight"}
-_ROPE_PERMUTED = ("attn.q_proj", "attn.k_proj")
+# Every other block parameter a family may have: sub-path -> GGUF name inside ``blk.N``
+# (gguf-py's constants.py: ATTN_NORM, FFN_NORM, ATTN_Q/K/V "bias", ATTN_Q_NORM, ATTN_K_NORM).
+_OTHER_NAMES = {
+    "attn_norm.scale": "attn_norm.weight",
+    "mlp_norm.scale": "ffn_norm.weight",
+    "attn.q_proj.bias": "attn_q.bias",
+    "attn.k_proj.bias": "attn_k.bias",
+    "attn.v_proj.bias": "attn_v.bias",
+    "attn.q_norm.scale": "attn_q_norm.weight",
+    "attn.k_norm.scale": "attn_k_norm.weight",
+}
+_NON_BLOCK = {
+    "embed.embedding": "token_embd.weight",
+    "final_norm.scale": "output_norm.weight",
+    "lm_head.kernel": "output.weight",
+}
+# Block parameters whose rows (first axis; kernels in HF orientation) run over q's or k's
+# head dims: what an adjacent-pair RoPE permutes per head.
+_ROPE_PERMUTED = (
+    "attn.q_proj.kernel",
+    "attn.k_proj.kernel",
+    "attn.q_proj.bias",
+    "attn.k_proj.bias",
+    "attn.q_norm.scale",
+    "attn.k_norm.scale",
+)
+# microscale's family, recorded beside llama.cpp's keys (Mistral's architecture is llama).
+MS_FAMILY_KEY = "microscale.family"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Arch:
+    """What llama.cpp's graph of one ``general.architecture`` reads (``src/models/<name>.cpp``,
+    ``llama_model_rope_type`` and the generic ``.scale`` pass of ``src/llama-model.cpp``)."""
+
+    name: str
+    # The family a file of this architecture reads back as without MS_FAMILY_KEY.
+    family: str
+    # RoPE on adjacent pairs (LLAMA_ROPE_TYPE_NORM): the _ROPE_PERMUTED rows are permuted.
+    permuted: bool
+    # Linear kinds whose ``.scale`` tensor is loaded but not passed to the matmul.
+    unscaled: tuple[str, ...] = ()
+    # Reads rope_freqs.weight (llama3 RoPE scaling).
+    rope_freqs: bool = False
+    # Reads attn_q_norm / attn_k_norm.
+    qk_norm: bool = False
+    # attn_q and attn_output are [d_model, d_model]: n_heads * head_dim must be d_model.
+    square_attn: bool = False
+
+
+_ARCHS: dict[str, _Arch] = {
+    a.name: a
+    for a in (
+        _Arch(name="llama", family="llama", permuted=True, rope_freqs=True),
+        _Arch(
+            name="qwen2",
+            family="qwen2",
+            permuted=False,
+            unscaled=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+            square_attn=True,
+        ),
+        _Arch(name="qwen3", family="qwen3", permuted=False, qk_norm=True),
+    )
+}
 # Pre-tokenizer regexes llama.cpp implements (src/llama-vocab.cpp) -> tokenizer.ggml.pre.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -207,6 +296,69 @@ def tensor_name(path: str) -> str:
     """GGUF name of a linear layer (``layers.3.mlp.up_proj`` -> ``blk.3.ffn_up``)."""
     _, i, kind = path.split(".", 2)
     return f"blk.{i}.{_LINEAR_NAMES[kind]}"
+
+
+def _param_tensor(path: str) -> str:
+    """GGUF tensor name of a parameter (``layers.0.attn.q_proj.bias`` -> ``blk.0.attn_q.bias``,
+    ``layers.0.mlp.up_proj.kernel`` -> ``blk.0.ffn_up.weight``)."""
+    if path in _NON_BLOCK:
+        return _NON_BLOCK[path]
+    if path.endswith(".kernel"):
+        return tensor_name(path[: -len(".kernel")]) + ".weight"
+    _, i, sub = path.split(".", 2)
+    return f"blk.{i}.{_OTHER_NAMES[sub]}"
+
+
+def _arch(cfg: ModelConfig) -> _Arch:
+    """The llama.cpp architecture of ``cfg``'s family; what its graph would compute otherwise
+    than microscale is refused, naming the key and its value (the module doc)."""
+    arch = _ARCHS[cfg.arch.gguf_arch]
+    where = f"GGUF export: llama.cpp's {arch.name} graph"
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
+        raise ValueError(
+            f"{where} (family {cfg.family!r}) attends to every earlier position; "
+            f"ModelConfig.sliding_window={cfg.sliding_window} < max_seq_len="
+            f"{cfg.max_seq_len} cannot be stored (export it to an HF folder instead)"
+        )
+    if cfg.arch.qk_norm and not arch.qk_norm:
+        raise ValueError(f"{where} has no q/k norms (family {cfg.family!r} has them)")
+    if arch.square_attn and cfg.n_heads * cfg.head_dim != cfg.d_model:
+        raise ValueError(
+            f"{where} needs n_heads * head_dim == d_model (its attn_q and attn_output are "
+            f"[d_model, d_model]); ModelConfig.attn_head_dim={cfg.attn_head_dim} gives "
+            f"{cfg.n_heads} * {cfg.head_dim} != {cfg.d_model}"
+        )
+    sc = cfg.rope_scaling
+    if sc is not None and sc.kind == "llama3" and not arch.rope_freqs:
+        raise ValueError(
+            f"{where} does not read {ROPE_FREQS}, which holds llama3's RoPE; "
+            f"rope_scaling.kind='llama3' cannot be stored for family {cfg.family!r}"
+        )
+    return arch
+
+
+def _check_scales(arch: _Arch, formats: Mapping[str, str]) -> None:
+    """Refuses a global-scale format (NVFP4) on a layer whose ``.scale`` tensor ``arch``'s
+    graph does not apply (it would run with the weights off by that factor)."""
+    for p, f in formats.items():
+        if get_format(f).has_global_scale and p.split(".", 2)[2] in arch.unscaled:
+            raise ValueError(
+                f"GGUF export: {p} in {f}: llama.cpp's {arch.name} graph does not apply "
+                f"{tensor_name(p)}.scale, the FP32 tensor scale {f} needs (use mxfp4, q8_0 "
+                f"or bf16 for {', '.join(arch.unscaled)})"
+            )
+
+
+def _stored_rows(arch: _Arch, path: str, n_rows: int, head_dim: int) -> np.ndarray | None:
+    """The order ``arch`` stores the rows of parameter ``path`` in (None: as they are)."""
+    block = path.split(".", 2)[2] if path.startswith("layers.") else None
+    return _rope_rows(n_rows, head_dim) if arch.permuted and block in _ROPE_PERMUTED else None
+
+
+def _rope_order(arch: _Arch, path: str, x: Any, head_dim: int) -> Any:
+    """``x``, parameter ``path`` (a kernel in HF orientation), in ``arch``'s row order."""
+    rows = _stored_rows(arch, path, x.shape[0], head_dim)
+    return x if rows is None else _permute_rows(x, rows)
 
 
 def _rope_rows(n_rows: int, head_dim: int) -> np.ndarray:
@@ -582,7 +734,8 @@ def write_gguf(
     name: str | None = None,
     overwrite: bool = False,
 ) -> GGUFResult:
-    """Write ``model`` as a llama.cpp GGUF file (see the module doc).
+    """Write ``model`` as a llama.cpp GGUF file of its family's architecture (see the
+    module doc: what each family gets, and what is refused before any work).
 
     Args:
       model: a ``Transformer``, its params (kernels may be pre-quantized QArrays, e.g. from
@@ -591,7 +744,8 @@ def write_gguf(
       path: the ``.gguf`` file.
       config: the ``ModelConfig`` (taken from a Transformer / Checkpoint when omitted).
       layer_formats: per-layer formats as :func:`~microscale.export.resolve_layers` takes
-        them (default NVFP4); FP8 / MXFP8 become Q8_0, unquantized ones ``dtype``.
+        them (default NVFP4; a qwen2 MLP needs another: llama.cpp's qwen2 graph drops
+        NVFP4's tensor scale there); FP8 / MXFP8 become Q8_0, unquantized ones ``dtype``.
       tokenizer: a microscale tokenizer or a ``tokenizer.json`` path (required: llama.cpp
         needs a vocab); a path brings the special tokens and chat template of the
         ``tokenizer_config.json`` beside it (:func:`gguf_vocab`).
@@ -623,12 +777,14 @@ def write_gguf(
     emb_fmt = gguf_embed_format(embed_format)
     vocab = gguf_vocab(tokenizer)  # an unsupported tokenizer is refused before any work
     params, cfg, ck_layers, _ = _source(model, config)
+    arch = _arch(cfg)  # what the family's llama.cpp graph cannot compute: refused first
     gguf_rope(cfg)  # a RoPE scaling llama.cpp cannot compute: refused before any work
     check_params(params, cfg)
-    _check_finite(params)
     formats = gguf_layer_formats(cfg, params, layer_formats, ck_layers)
+    _check_scales(arch, formats)
+    _check_finite(params)
     # Every tensor is built and validated before the file is touched.
-    tensors = _tensors(params, cfg, formats, emb_fmt, dtype)
+    tensors = _tensors(params, cfg, arch, formats, emb_fmt, dtype)
     tok = _write_file(out, name or out.stem, cfg, vocab, tensors)
     return GGUFResult(
         path=out,
@@ -646,13 +802,8 @@ def _check_finite(params: Mapping[str, Any]) -> None:
     for key, v in params.items():
         a = dequantize(v) if isinstance(v, QArray) else jnp.asarray(v, jnp.float32)
         if not np.isfinite(np.asarray(a)).all():
-            where = (
-                tensor_name(key[: -len(".kernel")])
-                if key.startswith("layers.") and key.endswith(".kernel")
-                else key
-            )
             raise ValueError(
-                f"{where}: non-finite weights (NaN or Inf); refusing to write a "
+                f"{_param_tensor(key)}: non-finite weights (NaN or Inf); refusing to write a "
                 "file llama.cpp would misread"
             )
 
@@ -661,10 +812,16 @@ _Tensor = tuple[str, np.ndarray, Any]  # (GGUF name, stored array, raw ggml type
 
 
 def _tensors(
-    params: Mapping[str, Any], cfg: ModelConfig, formats: Mapping[str, str], emb_fmt: str, dtype
+    params: Mapping[str, Any],
+    cfg: ModelConfig,
+    arch: _Arch,
+    formats: Mapping[str, str],
+    emb_fmt: str,
+    dtype: str,
 ) -> list[_Tensor]:
     """Every tensor of the file in order, as stored: the token embedding in ``emb_fmt``,
-    the norms, the linear layers in ``formats`` (with their ``.scale``), an untied LM head."""
+    the norms (and the family's biases, q/k norms), the linear layers in ``formats`` (with
+    their ``.scale``), an untied LM head; q/k rows in ``arch``'s order."""
     # Kernels that are not already in their stored format are decoded (8-bit -> Q8_0).
     params = dict(params)
     for p, f in formats.items():
@@ -683,9 +840,12 @@ def _tensors(
     def add_float(tname, x, dt=dtype):
         tensors.append((tname, *_float_tensor(x, dt)))
 
+    others = [sub for sub in _OTHER_NAMES if sub in block_param_shapes(cfg)]
     for i in range(cfg.n_layers):
-        for sub, gname in _OTHER_NAMES.items():
-            add_float(f"blk.{i}.{gname}", params[f"layers.{i}.{sub}"], "float32")
+        for sub in others:
+            p = f"layers.{i}.{sub}"
+            x = np.asarray(jnp.asarray(params[p], jnp.float32))
+            add_float(_param_tensor(p), _rope_order(arch, p, x, cfg.head_dim), "float32")
     for p in linear_paths(cfg):
         tname = tensor_name(p)
         w = quantized[p]
@@ -694,8 +854,7 @@ def _tensors(
             if isinstance(w, QArray)
             else np.asarray(jnp.asarray(w, jnp.float32)).T
         )
-        if p.split(".", 2)[2] in _ROPE_PERMUTED:
-            w = _permute_rows(w, _rope_rows(w.shape[0], cfg.head_dim))
+        w = _rope_order(arch, f"{p}.kernel", w, cfg.head_dim)
         if isinstance(w, QArray):
             tensors.append((f"{tname}.weight", *gguf_tensor(w, tname)))
             if w.spec.has_global_scale:
@@ -719,10 +878,10 @@ def _tensors(
 def _write_file(
     out: Path, name: str, cfg: ModelConfig, vocab: GGUFVocab, tensors: list[_Tensor]
 ) -> dict[str, Any]:
-    """The file: Llama metadata, the tokenizer, checksums, ``tensors``; written to a
-    temporary sibling and renamed. Returns the tokenizer entry written."""
+    """The file: the metadata of ``cfg``'s architecture, the tokenizer, checksums,
+    ``tensors``; written to a temporary sibling and renamed. Returns the tokenizer entry."""
     gguf = _gguf()
-    w = gguf.GGUFWriter(None, "llama")
+    w = gguf.GGUFWriter(None, cfg.arch.gguf_arch)  # every key below: "{arch}." + key
     w.add_name(name)
     w.add_vocab_size(cfg.vocab_size)
     w.add_context_length(cfg.max_seq_len)
@@ -731,11 +890,15 @@ def _write_file(
     w.add_feed_forward_length(cfg.d_ff)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
+    if cfg.attn_head_dim is not None:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_theta))
     gguf_rope(cfg).write(w, cfg.rope_scaling)
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_string(MS_FAMILY_KEY, cfg.family)
     tok = _add_tokenizer(w, vocab, cfg.vocab_size)
     # Checksums (gguffile's module doc): of each tensor's bytes as they will be stored, and
     # of the header, filled in once the file is written (a fixed-width placeholder first).

@@ -1,26 +1,37 @@
-"""A llama.cpp Llama GGUF file -> an HF Llama folder (the inverse of ``write_gguf``'s layout).
+"""A llama.cpp GGUF file -> an HF folder of its family (the inverse of ``write_gguf``'s layout).
 
-``gguf_to_hf(GGUF, OUT)`` writes ``config.json`` (``LlamaForCausalLM`` from the GGUF
-metadata), ``model.safetensors`` (float32, every tensor decoded with ``gguf.quants``), and
-the tokenizer: ``tokenizer.json`` rebuilt from the GGUF vocabulary and merges (byte-level
-BPE, ggml ``gpt2`` model) with the pre-tokenizer its ``tokenizer.ggml.pre`` names,
-``tokenizer_config.json`` with the bos / eos / pad / unk tokens and the chat template.
-``microscale import OUT`` then reads it as any HF folder.
+``gguf_to_hf(GGUF, OUT)`` writes ``config.json`` (the family's, from the GGUF metadata:
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``),
+``model.safetensors`` (float32, every tensor decoded with ``gguf.quants``; a weight with a
+``<name>.scale`` tensor, NVFP4's FP32 tensor scale, times it, as llama.cpp multiplies it
+onto the matmul), and the tokenizer: ``tokenizer.json`` rebuilt from the GGUF vocabulary
+and merges (byte-level BPE, ggml ``gpt2`` model) with the pre-tokenizer its
+``tokenizer.ggml.pre`` names, ``tokenizer_config.json`` with the bos / eos / pad / unk
+tokens and the chat template. ``microscale import OUT`` then reads it as any HF folder.
 
-llama.cpp's Llama graph applies RoPE to adjacent pairs; HF to halves, so
-``convert_hf_to_gguf.py`` permutes the rows of q/k per head (heads of q: ``n_heads``, of
-k: ``n_kv_heads``) to ``0, hd/2, 1, hd/2 + 1, ...`` (microscale's GGUF writer does the same,
-:func:`~microscale.export.gguf.write_gguf`); here the rows go back.
+The family: ``microscale.family`` when the file has it (microscale's writer records it;
+it must be a family of the file's architecture), else the one of
+``general.architecture``: ``llama`` -> Llama (llama.cpp's converter writes Mistral as
+llama too), ``qwen2`` -> Qwen2 (``blk.N.attn_{q,k,v}.bias``), ``qwen3`` -> Qwen3
+(``blk.N.attn_{q,k}_norm.weight``). ``{arch}.attention.key_length`` sets ``head_dim``
+when it is not ``embedding_length / head_count``.
+
+llama.cpp's ``llama`` graph applies RoPE to adjacent pairs; HF to halves, so
+``convert_hf_to_gguf.py`` permutes the rows of q/k (and of their biases) per head (heads of
+q: ``n_heads``, of k: ``n_kv_heads``) to ``0, hd/2, 1, hd/2 + 1, ...`` (microscale's GGUF
+writer does the same, :func:`~microscale.export.gguf.write_gguf`); here the rows go back.
+``qwen2`` / ``qwen3`` rotate halves, as HF: their rows are read as they are.
 
 The decoded weights are what llama.cpp computes with: a quantized GGUF (e.g. Q4_1) gives a
 float model whose weights lie on that format's grid, a fine reference for comparing
 quantizers against each other but not the original training-precision model.
 
-Supported: ``general.architecture == "llama"`` with the ``gpt2`` (byte-level BPE)
-tokenizer and a pre-tokenizer among ``gpt-2`` / ``smollm`` / ``llama-bpe`` (what
-:mod:`~microscale.export.gguf` writes); anything else is refused, naming the key. RoPE
-scaling (linear, yarn, llama3's ``rope_freqs.weight``) is read back by
-:func:`~microscale.export.gguf_rope.read_gguf_rope` into ``config.json``'s RoPE keys.
+Supported: ``general.architecture`` ``llama``, ``qwen2`` or ``qwen3`` with the ``gpt2``
+(byte-level BPE) tokenizer and a pre-tokenizer among ``gpt-2`` / ``smollm`` / ``llama-bpe``
+(what :mod:`~microscale.export.gguf` writes); anything else is refused, naming the key, as
+is a tensor the family's model has no place for. RoPE scaling (linear, yarn, llama3's
+``rope_freqs.weight``) is read back by :func:`~microscale.export.gguf_rope.read_gguf_rope`
+into ``config.json``'s RoPE keys.
 """
 
 from __future__ import annotations
@@ -33,17 +44,18 @@ from typing import Any
 import numpy as np
 
 from microscale.export.gguf import (
-    _LINEAR_NAMES,
+    _ARCHS,
     _LLAMA3_SPLIT,
-    _OTHER_NAMES,
-    _ROPE_PERMUTED,
+    MS_FAMILY_KEY,
+    _Arch,
     _gguf,
-    _rope_rows,
+    _param_tensor,
+    _stored_rows,
 )
-from microscale.export.gguf_rope import read_gguf_rope
-from microscale.export.hf import hf_config, hf_module, hf_param_name, ms_param_name
+from microscale.export.gguf_rope import ROPE_FREQS, read_gguf_rope
+from microscale.export.hf import hf_config, hf_param_name, ms_param_name
 from microscale.files import atomic_write_bytes
-from microscale.model import ModelConfig
+from microscale.model import FAMILIES, ModelConfig, param_shapes
 
 __all__ = ["gguf_model_config", "gguf_to_hf", "read_gguf_params"]
 
@@ -60,34 +72,64 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
     return f.contents()
 
 
-def gguf_model_config(reader: Any) -> ModelConfig:
-    """The ``ModelConfig`` of a Llama GGUF (a ``gguf.GGUFReader``) from its metadata."""
+def _file_arch(reader: Any) -> _Arch:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF general.architecture={arch!r}: expected 'llama'")
-    a = "llama."
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF general.architecture={arch!r}: expected one of {sorted(_ARCHS)}")
+    return _ARCHS[arch]
+
+
+def _family(reader: Any, arch: _Arch) -> str:
+    """The file's family: microscale's record (a family of ``arch``), else ``arch``'s."""
+    fam = _field(reader, MS_FAMILY_KEY, arch.family)
+    if fam not in FAMILIES or FAMILIES[fam].gguf_arch != arch.name:
+        known = sorted(f.name for f in FAMILIES.values() if f.gguf_arch == arch.name)
+        raise ValueError(
+            f"GGUF {MS_FAMILY_KEY}={fam!r}: not a family of general.architecture="
+            f"{arch.name!r} (expected one of {known})"
+        )
+    return fam
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF (a ``gguf.GGUFReader``) from its metadata: the family
+    (the module doc), the shape, RoPE."""
+    arch = _file_arch(reader)
+    a = arch.name + "."
     n_vocab = _field(reader, a + "vocab_size", None)
     if n_vocab is None:
         n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     d = int(_field(reader, a + "embedding_length"))
     n_heads = int(_field(reader, a + "attention.head_count"))
-    rot = _field(reader, a + "rope.dimension_count", d // n_heads)
-    if rot != d // n_heads:
+    hd = int(_field(reader, a + "attention.key_length", d // n_heads))
+    value = int(_field(reader, a + "attention.value_length", hd))
+    if value != hd:
+        raise ValueError(
+            f"GGUF {a}attention.value_length={value}: microscale's heads have one width "
+            f"(key_length {hd})"
+        )
+    rot = _field(reader, a + "rope.dimension_count", hd)
+    if rot != hd:
         raise ValueError(
             f"GGUF {a}rope.dimension_count={rot}: partial RoPE is not supported "
-            f"(expected head_dim {d // n_heads})"
+            f"(expected head_dim {hd})"
         )
+    names = {t.name for t in reader.tensors}
+    if ROPE_FREQS in names and not arch.rope_freqs:
+        raise ValueError(f"GGUF {ROPE_FREQS}: llama.cpp's {arch.name} graph does not read it")
     cfg = ModelConfig(
+        family=_family(reader, arch),
         vocab_size=int(n_vocab),
         d_model=d,
         n_layers=int(_field(reader, a + "block_count")),
         n_heads=n_heads,
         n_kv_heads=int(_field(reader, a + "attention.head_count_kv", n_heads)),
         d_ff=int(_field(reader, a + "feed_forward_length")),
+        attn_head_dim=None if n_heads * hd == d else hd,
         max_seq_len=int(_field(reader, a + "context_length")),
         rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
         norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon")),
-        tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
+        tie_embeddings="output.weight" not in names,
         dim_multiple=16,
     )
     rope = read_gguf_rope(reader, lambda key, default=...: _field(reader, key, default), cfg)
@@ -95,35 +137,46 @@ def gguf_model_config(reader: Any) -> ModelConfig:
 
 
 def _decoded(reader: Any) -> dict[str, np.ndarray]:
-    """Every tensor decoded to float32 in numpy (row-major, GGUF ``ne`` reversed)."""
+    """Every tensor decoded to float32 in numpy (row-major, GGUF ``ne`` reversed); a
+    ``<name>.scale`` tensor is multiplied onto ``<name>.weight`` (exact: float32 products,
+    as ggml's) and dropped."""
     gguf = _gguf()
     out = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         vals = gguf.quants.dequantize(t.data, t.tensor_type)
         out[t.name] = np.asarray(vals, np.float32).reshape(shape)
+    for name in [n for n in out if n.endswith(".scale")]:
+        weight = name[: -len(".scale")] + ".weight"
+        if weight in out:
+            out[weight] = out[weight] * out.pop(name).reshape(())
     return out
 
 
 def _hf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF tensor name: float32 array} of every parameter of ``cfg``'s model (weights in HF
+    ``[out, in]`` orientation, q/k rows back in HF's order); a tensor of the file that none
+    of them reads is refused, naming it."""
+    arch = _ARCHS[cfg.arch.gguf_arch]
     src = _decoded(reader)
-    hd = cfg.head_dim
-    out = {
-        hf_param_name("embed.embedding"): src["token_embd.weight"],
-        hf_param_name("final_norm.scale"): src["output_norm.weight"],
-    }
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = src["output.weight"]
-    for i in range(cfg.n_layers):
-        for sub, gname in _OTHER_NAMES.items():
-            out[hf_param_name(f"layers.{i}.{sub}")] = src[f"blk.{i}.{gname}"]
-        for kind, gname in _LINEAR_NAMES.items():
-            w = src[f"blk.{i}.{gname}.weight"]
-            if kind in _ROPE_PERMUTED:
-                back = np.empty_like(w)
-                back[_rope_rows(w.shape[0], hd)] = w  # the writer's rows, undone
-                w = back
-            out[hf_module(f"layers.{i}.{kind}") + ".weight"] = w
+    src.pop(ROPE_FREQS, None)  # read by gguf_model_config (read_gguf_rope)
+    out = {}
+    for p in param_shapes(cfg):
+        name = _param_tensor(p)
+        if name not in src:
+            raise ValueError(f"GGUF tensor {name!r} is missing (a {cfg.family} model has it)")
+        w = src.pop(name)
+        rows = _stored_rows(arch, p, w.shape[0], cfg.head_dim)
+        if rows is not None:
+            back = np.empty_like(w)
+            back[rows] = w  # the writer's rows, undone
+            w = back
+        out[hf_param_name(p)] = w
+    if src:
+        raise ValueError(
+            f"GGUF tensor {sorted(src)[0]!r}: microscale's {cfg.family} model has no "
+            f"such parameter (general.architecture={arch.name!r})"
+        )
     return out
 
 
@@ -148,7 +201,7 @@ def _pre_tokenizer(pre: str) -> Any:
     )
 
 
-def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
+def _tokenizer(reader: Any, context: int) -> tuple[Any, dict[str, Any]]:
     """``(tokenizers.Tokenizer, tokenizer_config.json dict)`` from the GGUF vocabulary."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
@@ -157,8 +210,12 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
         raise ValueError(f"GGUF tokenizer.ggml.model={model!r}: expected 'gpt2' (byte-level BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # A merge of symbols that are not tokens never fires (every symbol BPE holds is a token):
+    # dropped, as ``tokenizers`` refuses it (microscale's byte vocabulary has one such merge).
+    pairs = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    merges = [pair for pair in pairs if all(part in vocab for part in pair)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "gpt-2"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -173,7 +230,7 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
         "tokenizer_class": "GPT2Tokenizer",
         "clean_up_tokenization_spaces": False,
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": int(_field(reader, "llama.context_length")),
+        "model_max_length": context,
     }
     for name in ("bos", "eos", "unk", "pad"):
         tid = _field(reader, f"tokenizer.ggml.{name}_token_id", None)
@@ -198,7 +255,7 @@ def read_gguf_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], Mo
 
 
 def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write the HF Llama folder of the GGUF file ``path`` into ``out_dir`` (created; an
+    """Write the HF folder of the GGUF file ``path`` into ``out_dir`` (created; an
     existing non-empty folder is refused). Returns ``out_dir``."""
     from safetensors.numpy import save
 
@@ -210,7 +267,7 @@ def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         raise FileExistsError(f"--out {str(out)!r} exists and is not an empty folder")
     reader = gguf.GGUFReader(path)
     cfg = gguf_model_config(reader)
-    tok, tok_conf = _tokenizer(reader)
+    tok, tok_conf = _tokenizer(reader, cfg.max_seq_len)
     tensors = _hf_tensors(reader, cfg)
     ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "eos")}
     config = hf_config(cfg, dtype="float32", eos_token_id=ids["eos"], bos_token_id=ids["bos"])

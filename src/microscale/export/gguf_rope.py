@@ -1,8 +1,9 @@
 """RoPE scaling in a llama.cpp GGUF: what llama.cpp's converter writes, written and read back.
 
 ``convert_hf_to_gguf.py`` (``TextModel.set_gguf_parameters`` for the keys,
-``LlamaModel.generate_extra_tensors`` for the tensor) turns a Llama ``config.json``'s RoPE
-into (``{arch}`` = ``llama``; the names are ``gguf.constants``' ``Keys.Rope``)::
+``LlamaModel.generate_extra_tensors`` for the tensor) turns a ``config.json``'s RoPE
+into (``{arch}``: the file's ``general.architecture``; the names are ``gguf.constants``'
+``Keys.Rope``; the tensor is written, and read, for ``llama`` only)::
 
     kind     GGUF
     default  nothing
@@ -49,7 +50,6 @@ __all__ = ["MS_ROPE_KEY", "ROPE_FREQS", "GGUFRope", "gguf_rope", "read_gguf_rope
 
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's MODEL_TENSOR.ROPE_FREQS
 MS_ROPE_KEY = "microscale.rope_scaling"
-_ARCH = "llama"
 # RoPE keys of llama.cpp that the converter writes for no Llama kind, with their neutral
 # values (a file holding another value is refused: its rotation is not microscale's).
 _NEUTRAL = {
@@ -170,7 +170,7 @@ def gguf_rope(cfg: ModelConfig) -> GGUFRope:
 def _in_file(reader: Any, field: Callable[..., Any]) -> GGUFRope:
     """The file's RoPE scaling keys and tensor; a key that would change the rotation in
     a way microscale does not compute is refused naming it."""
-    a = _ARCH + "."
+    a = field("general.architecture") + "."
     for key, neutral in _NEUTRAL.items():
         v = field(a + key, None)
         if v is not None and not math.isclose(float(v), neutral, rel_tol=1e-6):
