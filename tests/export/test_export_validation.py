@@ -218,7 +218,7 @@ BASE = dict(
         (dict(attention_bias=True), "attention_bias"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        (dict(head_dim=32), "head_dim=32"),
+        (dict(head_dim=33), "head_dim = 33 is odd"),
         (dict(model_type="gpt2"), "model_type='gpt2'"),
         (dict(hidden_size="64"), "hidden_size='64'"),
         (dict(hidden_size=None), "missing required field 'hidden_size'"),
@@ -228,6 +228,13 @@ BASE = dict(
 def test_unsupported_configs_rejected(change, match):
     with pytest.raises(ValueError, match=match):
         model_config_from_hf({**BASE, **change})
+
+
+def test_an_explicit_head_dim_comes_in():
+    assert model_config_from_hf({**BASE, "head_dim": 32}).head_dim == 32
+    assert model_config_from_hf({**BASE, "head_dim": 32}).attn_head_dim == 32
+    derived = model_config_from_hf({**BASE, "head_dim": BASE["hidden_size"] // 4})
+    assert derived.attn_head_dim is None  # the derived width is not stored twice
 
 
 def test_config_mapping():

@@ -32,7 +32,11 @@ Config: ``ModelConfig`` fields map one-to-one onto the family's config class
 heads, ``max_seq_len`` -> ``max_position_embeddings``, ``norm_eps`` -> ``rms_norm_eps``,
 ``rope_theta``, ``tie_embeddings`` -> ``tie_word_embeddings``, Mistral's
 ``sliding_window``). The family comes from ``model_type`` (``architectures`` when it is
-absent).
+absent). A key config.json leaves out means what the family's config class defaults it
+to (`_ABSENT`: Mistral's 8 kv heads and 4096-token window, Qwen's 32 kv heads, Qwen3's
+head_dim 128, each family's context), so that microscale reads the model transformers
+builds; a key written as null is derived as the config classes do (kv heads = heads,
+head_dim = hidden / heads, no window).
 
 RoPE (`rope_from_hf` / `rope_to_hf`): ``rope_scaling`` with a top-level ``rope_theta``
 (transformers 4.x; the kind as ``rope_type`` or the older ``type``) and ``rope_parameters``
@@ -280,9 +284,10 @@ def _check_math_keys(d: dict[str, Any], family: str) -> None:
         if kinds != ["full_attention"] and not (
             family == "mistral" and kinds == ["sliding_attention"]
         ):
+            one = "full attention" + (", or the sliding window" if family == "mistral" else "")
             raise ValueError(
                 f"config.json: layer_types={kinds}: microscale's {family} block runs one "
-                "attention kind on every layer (full attention)"
+                f"attention kind on every layer ({one})"
             )
 
 
@@ -297,10 +302,10 @@ def model_config_from_hf(
     _check_math_keys(d, family)
     hidden = _get(d, "hidden_size", int)
     heads = _get(d, "num_attention_heads", int)
-    kv = _get(d, "num_key_value_heads", int, heads)
+    kv = _get(d, "num_key_value_heads", int, _unset(d, family, "num_key_value_heads", heads))
     if heads <= 0:
         raise ValueError(f"config.json: num_attention_heads={heads}: expected a positive int")
-    hd = _get(d, "head_dim", int, None)
+    hd = _get(d, "head_dim", int, _unset(d, family, "head_dim", None))
     if hd is None and hidden % heads:
         raise ValueError(
             f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
@@ -309,8 +314,8 @@ def model_config_from_hf(
     hd = hidden // heads if hd is None else hd
     window = None
     if family == "mistral":
-        window = _get(d, "sliding_window", int, None)
-    context = _get(d, "max_position_embeddings", int, 2048)
+        window = _get(d, "sliding_window", int, _unset(d, family, "sliding_window", None))
+    context = _get(d, "max_position_embeddings", int, _ABSENT[family]["max_position_embeddings"])
     theta, rope = rope_from_hf(d, context)
     d_ff = _get(d, "intermediate_size", int)
     dims = (hidden, d_ff, kv * hd, heads * hd)
@@ -339,9 +344,32 @@ def model_config_from_hf(
         msg = str(e)
         if not msg.startswith("ModelConfig"):
             raise
-        for field, key in _HF_KEYS.items():
-            msg = msg.replace(f"ModelConfig.{field}=", f"{key}=")
+        # every field it names (``ModelConfig.n_heads=4 ... n_kv_heads=32``), in one pass
+        msg = _FIELD.sub(lambda m: _HF_KEYS[m.group(1)], msg)
         raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip(': ')}") from None
+
+
+# What transformers' config class of each family takes for a key config.json leaves out
+# (its dataclass defaults, transformers 4.x and 5.x alike), where that is not derived from
+# the other keys. A key written as null is derived instead, as the config classes do:
+# num_key_value_heads = num_attention_heads, head_dim = hidden_size / num_attention_heads,
+# sliding_window = none.
+_ABSENT: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+}
+
+
+def _unset(d: dict[str, Any], family: str, key: str, derived: Any) -> Any:
+    """``key``'s value where config.json does not give one: the family's default where the
+    key is absent (`_ABSENT`), ``derived`` where it is null or the family has none."""
+    return _ABSENT[family].get(key, derived) if key not in d else derived
 
 
 # ModelConfig field -> config.json key, for errors.
@@ -356,6 +384,7 @@ _HF_KEYS = {
     "attn_head_dim": "head_dim",
     "sliding_window": "sliding_window",
 }
+_FIELD = re.compile(r"(?:ModelConfig\.)?\b(" + "|".join(_HF_KEYS) + r")\b")
 
 
 # ---------------------------------------------------------------------- RoPE in config.json

@@ -140,6 +140,24 @@ def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
             f"the tensors hold {len(by_layer)} layers; config and tensors "
             "disagree"
         )
+    # The attention's output rows (dim 0 in every layout, packed or not) are heads x
+    # head_dim: a head count or head_dim config.json gets wrong is named by its keys.
+    hd_key = f"head_dim={cfg.head_dim}" + (
+        "" if cfg.attn_head_dim is not None else " (hidden_size / num_attention_heads)"
+    )
+    for proj, heads, key in (
+        ("q_proj", cfg.n_heads, "num_attention_heads"),
+        ("k_proj", cfg.n_kv_heads, "num_key_value_heads"),
+    ):
+        for suffix in ("weight", "weight_packed"):
+            name = f"model.layers.0.self_attn.{proj}.{suffix}"
+            info = store.infos.get(name)
+            if info is not None and info.shape and info.shape[0] != heads * cfg.head_dim:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {list(info.shape)}; expected "
+                    f"{heads * cfg.head_dim} rows: {path / 'config.json'} says {key}={heads} "
+                    f"x {hd_key}; config and tensors disagree"
+                )
     emb = store.infos.get("model.embed_tokens.weight")
     want = (cfg.vocab_size, cfg.d_model)
     if emb is not None and tuple(emb.shape) != want:

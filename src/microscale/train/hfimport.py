@@ -18,8 +18,10 @@ What is read and refused (before any weight is read): ``config.json`` through
 :func:`microscale.export.model_config_from_hf` (every shape, ``rope_theta``, RoPE
 scaling -- ``rope_scaling`` / ``rope_parameters`` of kind default, linear, dynamic,
 llama3 or yarn --, ``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings``,
-``head_dim``; non-Llama architectures, biases, other RoPE kinds, another activation or
-head_dim are refused naming the key); ``tokenizer.json`` must exist and fit the embedding
+``head_dim``, the family -- Llama, Mistral and its sliding window, Qwen2, Qwen3 --;
+another ``model_type``, biases the family lacks, other RoPE kinds, another activation,
+sliding windows outside Mistral are refused naming the key); ``tokenizer.json`` must
+exist and fit the embedding
 (:func:`microscale.data.check_vocab_fits`). A folder of packed weights
 (compressed-tensors, ModelOpt) is imported dequantized. The run folder appears whole or
 not at all (:func:`microscale.files.atomic_folder`).
@@ -75,7 +77,8 @@ def import_hf(
     try:
         model = model_config_from_hf(read_json(src / "config.json", what="config.json"))
     except ValueError as e:
-        raise ValueError(f"{src / 'config.json'}: {e}") from None
+        # its messages name config.json's keys as "config.json: key=value: ..."
+        raise ValueError(f"{src / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
     if not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has no tokenizer.json; a run needs the model's own tokenizer"
