@@ -4,7 +4,7 @@
     microscale export -c runs/x -o out/x layout=modelopt rules=runs/x/precision_rules.json
     microscale export -c runs/x -o out/x formats=ptq/layers.json       # {path: format}
     microscale export -c runs/x -o out/x activations=true calib_batches=8   # W4A4
-    microscale export -c hf-llama/ -o out/llama-nvfp4   # any HF Llama folder
+    microscale export -c hf-llama/ -o out/llama-nvfp4   # any HF folder of a supported family
     microscale export -c runs/x -o x.gguf layout=gguf   # llama.cpp (one file)
     microscale export -c out/q -o q.gguf layout=gguf    # a quantize output
     microscale export --list-keys                       # every key with its value and meaning

@@ -1,4 +1,4 @@
-"""``microscale import``: an HF Llama folder as a microscale run folder, without training.
+"""``microscale import``: an HF model folder as a microscale run folder, without training.
 
     microscale import path/to/SmolLM2-135M --out runs/smollm2
     microscale eval -m runs/smollm2                      # any command that reads a run
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "folder",
         metavar="HF_FOLDER",
-        help="an HF Llama folder: config.json, *.safetensors, tokenizer.json",
+        help="an HF model folder: config.json, *.safetensors, tokenizer.json",
     )
     parser.add_argument("--out", "-o", required=True, help="the run folder to write (new)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")

@@ -10,7 +10,7 @@
     microscale quantize -c runs/tiny -o out/q layout=gguf budget=5.5 count_other_params=true
         # the budget counts the whole model; the search picks the token embedding's format
     microscale quantize -c /models/SmolLM2-135M -o out/s corpus=texts/
-        # an HF Llama folder, calibrated on texts/ with the model's own tokenizer
+        # an HF model folder, calibrated on texts/ with the model's own tokenizer
     microscale quantize --list-keys                  # every key with its value and meaning
 
 The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the nested
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         metavar="PATH",
         help="a training run folder (the out= of microscale train), an HF "
-        "Llama folder (config.json, *.safetensors, tokenizer.json) or a "
+        "model folder (Llama, Mistral, Qwen2, Qwen3: config.json, *.safetensors, tokenizer.json) or a "
         "quantize output (required)",
     )
     parser.add_argument("--out", "-o", metavar="DIR", help="output folder (required)")
