@@ -1,7 +1,9 @@
 """The model families against transformers' own classes: a tiny random
 ``LlamaForCausalLM``, ``MistralForCausalLM`` (sliding window 8, head_dim 8 < hidden 64 / 4
-heads), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (q/k norms, head_dim
-32 > 64 / 4, tied embeddings), each built and saved by transformers itself, imported by
+heads), ``Qwen2ForCausalLM`` (q/k/v biases), ``Qwen3ForCausalLM`` (q/k norms, head_dim
+32 > 64 / 4, tied embeddings) and ``Gemma3ForCausalLM`` (``1 + w`` norms, four per block,
+GeGLU, scaled embedding, a local layer with window 8 and its own RoPE base beside a
+global one, ``query_pre_attn_scalar`` 24 against head_dim 16), each built and saved by transformers itself, imported by
 microscale (``read_checkpoint``, ``microscale import``), run, exported (NVFP4 through
 compressed-tensors, and float) and loaded by transformers again; config.json both ways;
 what the block does not compute refused by name (skipped without torch / transformers).
@@ -125,6 +127,23 @@ ROWS = {
         head_dim=32,
         tied=True,
     ),
+    # layer 0 local (window 8, its own RoPE base), layer 1 global; a scores' scale unlike
+    # head_dim's; tied (every Gemma 3)
+    "gemma3": Row(
+        config="Gemma3TextConfig",
+        model="Gemma3ForCausalLM",
+        keys={
+            "sliding_window": WINDOW,
+            "sliding_window_pattern": 2,
+            "rope_local_base_freq": 1000.0,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+        },
+        head_dim=16,
+        window=WINDOW,
+        tied=True,
+    ),
 }
 
 
@@ -189,6 +208,12 @@ EXTRA = {
     "mistral": (),
     "qwen2": ("attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias"),
     "qwen3": ("attn.q_norm.scale", "attn.k_norm.scale"),
+    "gemma3": (
+        "attn.q_norm.scale",
+        "attn.k_norm.scale",
+        "attn_post_norm.scale",
+        "mlp_post_norm.scale",
+    ),
 }
 
 
@@ -210,9 +235,9 @@ def test_each_family_comes_in_with_its_shape_and_tensors(hf):
     # every tensor is transformers' own, exactly (kernels transposed)
     state = {k: v.numpy() for k, v in _load(hf.path).state_dict().items()}
     for name, got in ck.params.items():
-        want = state[hf_param_name(name)]
+        want = state[hf_param_name(name, hf.family)]
         np.testing.assert_array_equal(got.T if name.endswith(".kernel") else got, want, name)
-    # and the family's own ones are not transformers' init (biases 0, norms 1)
+    # and the family's own ones are not transformers' init (biases 0, norms 1 or 0)
     for i in range(cfg.n_layers):
         for e in EXTRA[hf.family]:
             w = ck.params[f"layers.{i}.{e}"]
@@ -220,7 +245,9 @@ def test_each_family_comes_in_with_its_shape_and_tensors(hf):
                 assert w.shape == ((64,) if e.startswith("attn.q") else (32,))
                 assert np.std(w) > 0.3
             else:
-                assert w.shape == (row.head_dim,) and np.abs(w - 1).max() > 0.2
+                init = 0.0 if hf.family == "gemma3" else 1.0  # Gemma's norms are 1 + w
+                width = 64 if "post_norm" in e else row.head_dim
+                assert w.shape == (width,) and np.abs(w - init).max() > 0.2
 
 
 @pytest.mark.slow
@@ -322,7 +349,7 @@ def test_nvfp4_export_loads_in_transformers_as_the_family(hf, tmp_path):
         if isinstance(packed.params[name], QArray):  # a packed linear: bf16-decoded there
             w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
         rounded[name] = w
-        hf_w = state[hf_param_name(name)]
+        hf_w = state[hf_param_name(name, hf.family)]
         np.testing.assert_array_equal(w.T if name.endswith(".kernel") else w, hf_w, name)
     assert sum(isinstance(v, QArray) for v in packed.params.values()) == 14  # lm_head bf16
     f32 = ck.config.replace(compute_dtype="float32")
@@ -361,6 +388,10 @@ def _math_attrs(c) -> dict[str, Any]:
         "num_key_value_heads",
         "head_dim",
         "hidden_act",
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
         "rms_norm_eps",
         "max_position_embeddings",
         "rope_parameters",
@@ -407,9 +438,10 @@ def test_keys_config_json_leaves_out_mean_what_transformers_takes(family, nulls,
     head_dim 128, each family's context), written out in full by ``to_dict``. Written as
     null, the keys are derived (kv heads = heads, no window) where transformers derives
     them (Qwen3's head_dim null has no meaning there)."""
-    d = {"model_type": family, **SPARSE}
-    if nulls:  # (transformers 5's MistralConfig refuses a null num_key_value_heads)
-        d |= {"sliding_window": None} if family == "mistral" else {"num_key_value_heads": None}
+    d = {"model_type": FAMILIES[family].hf_model_type, **SPARSE}
+    if nulls:  # (transformers 5's MistralConfig refuses a null num_key_value_heads,
+        windowed = family in ("mistral", "gemma3")  # (and Gemma3TextConfig's)
+        d |= {"sliding_window": None} if windowed else {"num_key_value_heads": None}
     (tmp_path / "config.json").write_text(json.dumps(d))
     theirs = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
     ours = model_config_from_hf(d)
@@ -419,9 +451,10 @@ def test_keys_config_json_leaves_out_mean_what_transformers_takes(family, nulls,
         "mistral": (8, 8, 4096, 131072),
         "qwen2": (32, 8, None, 32768),
         "qwen3": (32, 128, None, 32768),
+        "gemma3": (4, 256, 4096, 131072),
     }[family]
     if nulls:
-        want = (want[0] if family == "mistral" else 32, want[1], None, want[3])
+        want = (want[0] if windowed else 32, want[1], None, want[3])
     assert (ours.n_kv_heads, ours.head_dim, ours.sliding_window, ours.max_seq_len) == want
 
 
@@ -441,9 +474,31 @@ REFUSED = [
     # (family, config.json changes, the one line names)
     (
         "llama",
-        {"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
+        {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
         "model_type='gemma3'",
     ),
+    ("llama", {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "model_type='phi3'"),
+    ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ("gemma3", {"attention_bias": True}, "attention_bias=True"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    (
+        "gemma3",
+        {"layer_types": ["full_attention", "sliding_attention"]},
+        "layer_types (layer 1: 'sliding_attention')",
+    ),
+    (
+        "gemma3",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e3},
+            }
+        },
+        "rope_parameters.sliding_attention=",
+    ),
+    ("gemma3", {"rope_local_base_freq": 500.0}, "two different local RoPE bases"),
     (
         "qwen2",
         {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},

@@ -3,7 +3,9 @@ inference engine (full forward and KV-cache decode) give the same logits, per fa
 
 The table holds one tiny configuration per family, each exercising its switches: Qwen2's
 q/k/v biases (non-zero here), Qwen3's per-head q/k norms with an explicit head_dim unlike
-d_model / n_heads, Mistral's sliding window shorter than the sequence. Bounds:
+d_model / n_heads, Mistral's sliding window shorter than the sequence, Gemma 3's everything (offset norms,
+post-norms, GeGLU, scaled embedding, local and global layers with their own RoPE, a
+scores' scale of its own). Bounds:
 
 * dense engine vs `Transformer` (bf16 recipe, bfloat16 compute): atol 1e-6. Both run
   `microscale.model.block.block_forward`; only the projections differ (the engine's
@@ -25,7 +27,7 @@ from flax import nnx
 
 from microscale.export import flat_params
 from microscale.inference import InferenceModel, forward, init_cache
-from microscale.model import FAMILIES, ModelConfig, Transformer, param_shapes
+from microscale.model import FAMILIES, ModelConfig, RopeScaling, Transformer, param_shapes
 
 BASE = dict(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
             max_seq_len=64)  # fmt: skip
@@ -34,6 +36,19 @@ CONFIGS = {
     "mistral": ModelConfig(**BASE, family="mistral", sliding_window=5),
     "qwen2": ModelConfig(**BASE, family="qwen2"),
     "qwen3": ModelConfig(**BASE, family="qwen3", attn_head_dim=32),
+    # local, global, local: a window, two RoPE bases (the global one scaled), a scores'
+    # scale unlike head_dim's
+    "gemma3": ModelConfig(
+        **{**BASE, "n_layers": 3},
+        family="gemma3",
+        attn_head_dim=32,
+        sliding_window=5,
+        sliding_window_pattern=2,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=24.0,
+        rope_scaling=RopeScaling(kind="linear", factor=4.0),
+    ),
 }
 T = 20  # > the sliding window
 
@@ -75,7 +90,8 @@ def test_param_shapes_and_count(family):
     assert sum(int(np.prod(s)) for s in param_shapes(cfg).values()) == cfg.num_params()
     has = {k.split(".", 2)[2] for k in params if k.startswith("layers.0.")}
     assert ("attn.q_proj.bias" in has) == (name == "qwen2")
-    assert ("attn.q_norm.scale" in has) == (name == "qwen3")
+    assert ("attn.q_norm.scale" in has) == (name in ("qwen3", "gemma3"))
+    assert ("mlp_post_norm.scale" in has) == (name == "gemma3")
 
 
 def test_engine_equals_the_transformer(family):
@@ -124,7 +140,11 @@ def test_sliding_window_changes_what_is_seen():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(family="gemma3"), "family='gemma3'"),
+        (dict(family="phi3"), "family='phi3'"),
+        (dict(sliding_window_pattern=6), "sliding_window_pattern=6: family 'llama' has no"),
+        (dict(family="qwen3", rope_local_theta=1e4), "rope_local_theta=10000.0: family 'qwen3'"),
+        (dict(family="gemma3", sliding_window_pattern=-1), "sliding_window_pattern=-1"),
+        (dict(family="gemma3", query_pre_attn_scalar=0), "query_pre_attn_scalar=0"),
         (dict(sliding_window=8), "sliding_window=8: family 'llama'"),
         (dict(family="mistral", sliding_window=0), "sliding_window=0"),
         (dict(attn_head_dim=33), "head_dim = 33 is odd"),
@@ -134,3 +154,22 @@ def test_sliding_window_changes_what_is_seen():
 def test_bad_family_configs_are_refused(changes, match):
     with pytest.raises(ValueError, match=match):
         CONFIGS["llama"].replace(**changes)
+
+
+def test_gemma3_local_and_global_layers():
+    """Layer kinds follow the pattern (every second layer global here), scanned layers run
+    in runs of one kind and give the unrolled model's logits, and each switch is live:
+    the model without the local RoPE base, or with every layer global, differs."""
+    cfg = CONFIGS["gemma3"]
+    assert [cfg.layer_window(i) for i in range(3)] == [5, None, 5]
+    assert cfg.layer_rope(0) == (1e4, None) and cfg.layer_rope(1) == (1e6, cfg.rope_scaling)
+    model = _model(cfg)
+    params = flat_params(model)
+    tokens = _tokens()
+    ref = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+    scanned = Transformer(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
+    nnx.update(scanned, nnx.state(model, nnx.Param))
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, t: m(t))(scanned, tokens)), ref)
+    for changes in (dict(rope_local_theta=None), dict(sliding_window_pattern=1)):
+        other = InferenceModel.from_params(params, cfg.replace(**changes)).logits(tokens)
+        assert np.abs(np.asarray(other) - ref).max() > 1e-3, changes

@@ -87,15 +87,21 @@ def test_fold_keeps_the_float32_function(heads, kv, tied):
 
 @pytest.mark.parametrize(
     "changes",
-    [dict(family="qwen2"), dict(family="qwen3", attn_head_dim=32), dict(family="mistral")],
+    [
+        dict(family="qwen2"),
+        dict(family="qwen3", attn_head_dim=32),
+        dict(family="mistral"),
+        dict(family="gemma3", sliding_window=4, sliding_window_pattern=2),
+    ],
     ids=lambda c: c["family"],
 )
 def test_fold_keeps_the_float32_function_of_every_family(changes):
     """Qwen2's v_proj bias is divided with its columns; Qwen3's q/k norms sit after the
-    projections, where the fold leaves q and k unchanged."""
+    projections, where the fold leaves q and k unchanged; Gemma 3's norms multiply by
+    ``1 + w``, so the fold divides ``1 + w``, and its GeGLU's up columns fold as SwiGLU's."""
     model = Transformer(_cfg(4, 2, False).replace(**changes), rngs=nnx.Rngs(1))
     for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if path[-1] == "bias" or "q_norm" in path or "k_norm" in path:  # off their init
+        if path[-1] == "bias" or "norm" in str(path[-2]):  # off their init
             p.set_value(p[...] + 0.5 * np.random.default_rng(len(path)).standard_normal(p.shape))
     toks = _tokens()[0, :, :-1]
     want = _f32_logits(model, toks)

@@ -27,6 +27,7 @@ FAMILIES = {
     "qwen2": dict(family="qwen2"),
     "qwen3": dict(family="qwen3", attn_head_dim=32),
     "mistral": dict(family="mistral", sliding_window=16),
+    "gemma3": dict(family="gemma3", sliding_window=16, sliding_window_pattern=2),
 }
 CFG = QuantizeConfig(
     budget=5.5,

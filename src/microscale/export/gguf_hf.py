@@ -171,7 +171,7 @@ def _hf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
             back = np.empty_like(w)
             back[rows] = w  # the writer's rows, undone
             w = back
-        out[hf_param_name(p)] = w
+        out[hf_param_name(p, cfg.family)] = w
     if src:
         raise ValueError(
             f"GGUF tensor {sorted(src)[0]!r}: microscale's {cfg.family} model has no "
@@ -249,7 +249,7 @@ def read_gguf_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], Mo
     cfg = gguf_model_config(reader)
     flat = {}
     for name, arr in _hf_tensors(reader, cfg).items():
-        p = ms_param_name(name)
+        p = ms_param_name(name, cfg.family)
         flat[p] = np.ascontiguousarray(arr.T) if p.endswith(".kernel") else arr
     return flat, cfg
 

@@ -135,29 +135,45 @@ _BLOCK_OTHER = {
     "attn.k_norm.scale": "self_attn.k_norm.weight",
     **{f"{k}.bias": f"{v}.bias" for k, v in LINEAR_KINDS.items()},
 }
-_HF_BLOCK_OTHER = {v: k for k, v in _BLOCK_OTHER.items()}
+# Gemma 3 names its four block norms by place: its post_attention_layernorm is the norm
+# of the attention's output (Llama's is the MLP's input norm).
+_FAMILY_BLOCK_OTHER = {
+    "gemma3": {
+        **_BLOCK_OTHER,
+        "attn_post_norm.scale": "post_attention_layernorm.weight",
+        "mlp_norm.scale": "pre_feedforward_layernorm.weight",
+        "mlp_post_norm.scale": "post_feedforward_layernorm.weight",
+    }
+}
 
 
-def hf_param_name(path: str) -> str:
-    """microscale parameter path (``...q_proj.kernel``) -> HF tensor name (``...weight``)."""
+def _block_other(family: str) -> dict[str, str]:
+    return _FAMILY_BLOCK_OTHER.get(family, _BLOCK_OTHER)
+
+
+def hf_param_name(path: str, family: str = "llama") -> str:
+    """microscale parameter path (``...q_proj.kernel``) -> HF tensor name (``...weight``)
+    in ``family``'s checkpoints."""
     if path in _NON_LINEAR:
         return _NON_LINEAR[path]
     m = _MS_LAYER.fullmatch(path)
-    if m and m.group(2) in _BLOCK_OTHER:
-        return f"model.layers.{m.group(1)}.{_BLOCK_OTHER[m.group(2)]}"
+    other = _block_other(family)
+    if m and m.group(2) in other:
+        return f"model.layers.{m.group(1)}.{other[m.group(2)]}"
     if path.endswith(".kernel"):
         return hf_module(path[: -len(".kernel")]) + ".weight"
     raise ValueError(f"{path!r} is not a parameter path of microscale's Transformer")
 
 
-def ms_param_name(name: str) -> str:
+def ms_param_name(name: str, family: str = "llama") -> str:
     """Inverse of :func:`hf_param_name`."""
     for k, v in _NON_LINEAR.items():
         if v == name:
             return k
     m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _HF_BLOCK_OTHER:
-        return f"layers.{m.group(1)}.{_HF_BLOCK_OTHER[m.group(2)]}"
+    other = {v: k for k, v in _block_other(family).items()}
+    if m and m.group(2) in other:
+        return f"layers.{m.group(1)}.{other[m.group(2)]}"
     if name.endswith(".weight"):
         return ms_module(name[: -len(".weight")]) + ".kernel"
     raise ValueError(f"{name!r} is not a parameter name of a supported family")
@@ -174,7 +190,8 @@ def hf_config(
     bos_token_id: int | None = None,
 ) -> dict[str, Any]:
     """``config.json`` of ``cfg``'s family (``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) with ``cfg``'s shape."""
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``) with ``cfg``'s
+    shape."""
     fam = cfg.arch
     out: dict[str, Any] = {
         "architectures": [fam.hf_architecture],
@@ -186,7 +203,7 @@ def hf_config(
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        **({} if fam.name == "gemma3" else {"hidden_act": "silu"}),
         "max_position_embeddings": _hf_context(cfg),
         "rms_norm_eps": cfg.norm_eps,
         **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
@@ -217,7 +234,41 @@ _FAMILY_KEYS = {
         "max_window_layers": cfg.n_layers,
         "attention_bias": False,
     },
+    "gemma3": lambda cfg: _gemma3_keys(cfg),
 }
+
+
+def _gemma3_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """Gemma3TextConfig's own keys: the activation, the scores' scale, the window and the
+    layer kinds (both as the pattern, 4.x, and as layer_types, 5.x), and RoPE per kind
+    (4.x: rope_theta and rope_scaling for the global layers, rope_local_base_freq; 5.x:
+    rope_parameters per layer kind), in place of the flat RoPE keys."""
+    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    glob = rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    local = rope_to_hf(local_theta, None)["rope_parameters"]
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    return {
+        **glob,
+        "hidden_activation": "gelu_pytorch_tanh",
+        # an int where it is whole (Gemma3TextConfig types it int)
+        "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,
+        "sliding_window": cfg.sliding_window,
+        # (transformers divides by it: every layer local is a pattern past the last layer)
+        "sliding_window_pattern": cfg.sliding_window_pattern
+        or (cfg.n_layers + 1 if cfg.sliding_window is not None else 1),
+        "layer_types": [
+            "sliding_attention" if cfg.layer_is_local(i) else "full_attention"
+            for i in range(cfg.n_layers)
+        ],
+        "rope_local_base_freq": local_theta,
+        "rope_parameters": {
+            "full_attention": glob["rope_parameters"],
+            "sliding_attention": local,
+        },
+        "attention_bias": False,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    }
 
 
 def _get(d: dict, key: str, types, default=...):
@@ -252,19 +303,32 @@ def _family_from_hf(d: dict[str, Any]) -> str:
         if mtype == fam.hf_model_type or (mtype is None and fam.hf_architecture in arch):
             return fam.name
     known = ", ".join(f"{f.hf_model_type} ({f.hf_architecture})" for f in FAMILIES.values())
+    hint = _MULTIMODAL.get(str(mtype), "")
     raise ValueError(
         f"config.json: model_type={mtype!r}, architectures={arch!r}: not a family "
-        f"microscale runs; expected one of {known}"
+        f"microscale runs{hint}; expected one of {known}"
     )
+
+
+# Multimodal wrappers of a text family microscale runs: a hint in the refusal.
+_MULTIMODAL = {
+    "gemma3": " (Gemma 3's image-text model: microscale runs its text model, gemma3_text, "
+    "as Gemma3ForCausalLM saves it)",
+}
 
 
 # Keys that change the math, with the one value microscale's block computes, per family
 # (None: every family). A config.json that sets one otherwise is refused, naming it.
+_NOT_GEMMA = ("llama", "mistral", "qwen2", "qwen3")
 _MUST = {
-    "hidden_act": ("silu", None),
+    "hidden_act": ("silu", _NOT_GEMMA),
+    "hidden_activation": ("gelu_pytorch_tanh", ("gemma3",)),
+    "attn_logit_softcapping": (None, ("gemma3",)),
+    "final_logit_softcapping": (None, ("gemma3",)),
+    "use_bidirectional_attention": (False, ("gemma3",)),
     "mlp_bias": (False, None),
     "rope_interleaved": (False, None),
-    "attention_bias": (False, ("llama", "mistral", "qwen3")),
+    "attention_bias": (False, ("llama", "mistral", "qwen3", "gemma3")),
     "use_sliding_window": (False, ("qwen2", "qwen3")),
     "pretraining_tp": (1, None),
 }
@@ -279,7 +343,7 @@ def _check_math_keys(d: dict[str, Any], family: str) -> None:
                 f"only {key}={want!r}"
             )
     types = d.get("layer_types")
-    if types is not None:
+    if types is not None and family != "gemma3":  # gemma3's: `_gemma3_layers`
         kinds = sorted(set(types)) if isinstance(types, list) else [repr(types)]
         if kinds != ["full_attention"] and not (
             family == "mistral" and kinds == ["sliding_attention"]
@@ -313,10 +377,14 @@ def model_config_from_hf(
     derived = hd is None or (hidden % heads == 0 and hd == hidden // heads)
     hd = hidden // heads if hd is None else hd
     window = None
-    if family == "mistral":
+    if family in ("mistral", "gemma3"):
         window = _get(d, "sliding_window", int, _unset(d, family, "sliding_window", None))
     context = _get(d, "max_position_embeddings", int, _ABSENT[family]["max_position_embeddings"])
-    theta, rope = rope_from_hf(d, context)
+    extra: dict[str, Any] = {}
+    if family == "gemma3":
+        theta, rope, extra = _gemma3_from_hf(d, context)
+    else:
+        theta, rope = rope_from_hf(d, context)
     d_ff = _get(d, "intermediate_size", int)
     dims = (hidden, d_ff, kv * hd, heads * hd)
     try:
@@ -334,11 +402,16 @@ def model_config_from_hf(
             rope_theta=theta,
             rope_scaling=rope,
             norm_eps=float(_get(d, "rms_norm_eps", (int, float), 1e-6)),
-            tie_embeddings=bool(_get(d, "tie_word_embeddings", bool, False)),
+            tie_embeddings=bool(
+                _get(
+                    d, "tie_word_embeddings", bool, _unset(d, family, "tie_word_embeddings", False)
+                )
+            ),
             init_std=float(_get(d, "initializer_range", (int, float), 0.02)),
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
             dim_multiple=_dim_multiple(*dims),
+            **extra,
         )
     except ValueError as e:  # ModelConfig's own checks, told in config.json's keys
         msg = str(e)
@@ -363,7 +436,94 @@ _ABSENT: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "gemma3": {
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+    },
 }
+
+
+def _gemma3_layers(d: dict[str, Any], n_layers: int) -> int:
+    """ModelConfig.sliding_window_pattern of a Gemma 3 config.json: its
+    ``sliding_window_pattern`` (default 6), checked against ``layer_types`` where both are
+    given; ``layer_types`` alone must be that pattern for some period (refused otherwise,
+    naming the first layer that breaks it)."""
+    pattern = _get(d, "sliding_window_pattern", int, None)
+    types = d.get("layer_types")
+    if types is None:
+        pattern = 6 if pattern is None else pattern
+        return pattern if 0 < pattern <= n_layers else 0  # one spelling of "all local"
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ValueError(
+            f"config.json: layer_types={types!r}: expected a list of {n_layers} layer kinds"
+        )
+    bad = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+    if bad:
+        raise ValueError(
+            f"config.json: layer_types has {bad[0]!r}: expected sliding_attention or full_attention"
+        )
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    found = 0 if not full else full[0] + 1
+    want = [
+        "sliding_attention" if found == 0 or (i + 1) % found else "full_attention"
+        for i in range(n_layers)
+    ]
+    if types != want or (pattern is not None and 0 < pattern <= n_layers and pattern != found):
+        first = next((i for i, (a, b) in enumerate(zip(types, want, strict=True)) if a != b), 0)
+        raise ValueError(
+            f"config.json: layer_types (layer {first}: {types[first]!r}) and "
+            f"sliding_window_pattern={pattern!r}: microscale's gemma3 block runs one global "
+            "layer in every sliding_window_pattern layers, the last of each period"
+        )
+    return found
+
+
+def _gemma3_from_hf(
+    d: dict[str, Any], context: int
+) -> tuple[float, RopeScaling | None, dict[str, Any]]:
+    """``(rope_theta, rope_scaling, other ModelConfig fields)`` of a Gemma 3 config.json:
+    global RoPE from ``rope_parameters.full_attention`` (5.x) or ``rope_theta`` /
+    ``rope_scaling`` (4.x), the local layers' base from ``rope_parameters.
+    sliding_attention`` or ``rope_local_base_freq`` (unscaled; a scaled one is refused),
+    the layer pattern and ``query_pre_attn_scalar``."""
+    params = d.get("rope_parameters")
+    flat: dict[str, Any] = {k: d[k] for k in ("rope_theta", "rope_scaling") if k in d}
+    local_thetas = {}
+    if d.get("rope_local_base_freq") is not None:
+        local_thetas["rope_local_base_freq"] = d["rope_local_base_freq"]
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        glob = params.get("full_attention") or {}
+        theta, rope = rope_from_hf({**flat, "rope_parameters": glob}, context)
+        sliding = params.get("sliding_attention") or {}
+        lt, lrope = _rope_dict("rope_parameters.sliding_attention", sliding, context)
+        if lrope is not None:
+            raise ValueError(
+                f"config.json: rope_parameters.sliding_attention={sliding!r}: microscale's "
+                "gemma3 local layers run the default RoPE"
+            )
+        if lt is not None:
+            local_thetas["rope_parameters.sliding_attention.rope_theta"] = lt
+    else:
+        theta, rope = rope_from_hf(d, context)
+    if "rope_theta" not in flat and not (isinstance(params, dict) and params):
+        theta = 1_000_000.0  # Gemma3TextConfig's global default
+    if len(set(local_thetas.values())) > 1:
+        shown = ", ".join(f"{k}={v!r}" for k, v in local_thetas.items())
+        raise ValueError(f"config.json: {shown}: two different local RoPE bases")
+    local = float(next(iter(local_thetas.values()), 10_000.0))
+    scalar = _get(d, "query_pre_attn_scalar", (int, float), 256)
+    return (
+        theta,
+        rope,
+        {
+            "sliding_window_pattern": _gemma3_layers(d, _get(d, "num_hidden_layers", int)),
+            "rope_local_theta": local,
+            "query_pre_attn_scalar": float(scalar),
+        },
+    )
 
 
 def _unset(d: dict[str, Any], family: str, key: str, derived: Any) -> Any:

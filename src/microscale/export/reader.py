@@ -259,7 +259,7 @@ def _read_params(store, cfg, layout: str, layers, static, dt) -> tuple[dict, dic
     for pname, shape in shapes.items():
         if pname.endswith(".kernel") and pname != "lm_head.kernel":
             continue
-        hf = hf_param_name(pname)
+        hf = hf_param_name(pname, cfg.family)
         hshape = shape[::-1] if pname == "lm_head.kernel" else shape
         arr = _expect(store, hf, _FLOAT_DTYPES, (hshape,), "unquantized")
         params[pname] = np.asarray(arr, dt).T if pname == "lm_head.kernel" else np.asarray(arr, dt)

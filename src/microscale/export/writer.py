@@ -277,7 +277,7 @@ def _export_tensors(
         if name.endswith(".kernel") and name != "lm_head.kernel":
             continue
         arr = np.asarray(jnp.asarray(v, jnp.float32)).astype(np_dtype)
-        tensors[hf_param_name(name)] = arr.T if name == "lm_head.kernel" else arr
+        tensors[hf_param_name(name, cfg.family)] = arr.T if name == "lm_head.kernel" else arr
     for p in linear_paths(cfg):
         lq, w = layers[p], quantized[p]
         mod = hf_module(p)

@@ -53,8 +53,8 @@ from microscale.export.layouts import (
     to_hf_orientation,
 )
 from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize, tensor_amax
-from microscale.model import ModelConfig, block_param_shapes, rope_tables
-from microscale.model.block import attention, block_forward
+from microscale.model import ModelConfig, block_param_shapes
+from microscale.model.block import attention, block_forward, embed_residual, layer_rope_tables
 from microscale.model.layers import rms_norm
 
 __all__ = ["Linear", "build_weights", "forward", "init_cache"]
@@ -126,6 +126,7 @@ class _CacheOps:
     prefix: str  # "layers.<i>"
     cdt: Any
     window: int | None
+    scale: float  # the attention scores' factor (ModelConfig.attn_scale)
     q_slot: jax.Array  # [T] slots of the call's tokens
     start: jax.Array  # [B] first real slot per row
     index: Any
@@ -157,7 +158,16 @@ class _CacheOps:
             self.new_cache = {"k": k_all, "v": v_all}
             k_slot = jnp.arange(k_all.shape[1], dtype=jnp.int32)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(v.dtype)
-        return attention(q, k_all, v_all, self.q_slot, k_slot, window=self.window, first=self.start)
+        return attention(
+            q,
+            k_all,
+            v_all,
+            self.q_slot,
+            k_slot,
+            window=self.window,
+            first=self.start,
+            scale=self.scale,
+        )
 
 
 def forward(
@@ -186,26 +196,27 @@ def forward(
         start = jnp.zeros((b,), jnp.int32)
     q_slot = index + jnp.arange(t, dtype=jnp.int32)
     positions = jnp.maximum(q_slot[None, :] - start[:, None], 0)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    tables = layer_rope_tables(cfg, positions)
     amax: dict[str, jax.Array] | None = {} if collect_amax else None
-    x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
+    x = embed_residual(cfg, jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32))
     new_cache: list[dict[str, Any]] = []
     for i, lw in enumerate(weights["layers"]):
         ops = _CacheOps(
             lw,
             f"layers.{i}",
             cdt,
-            cfg.sliding_window,
+            cfg.layer_window(i),
+            cfg.attn_scale,
             q_slot,
             start,
             index,
             None if cache is None else cache[i],
             amax,
         )
-        x = block_forward(cfg, ops, x, cos, sin)
+        x = block_forward(cfg, ops, x, *tables[i])
         if ops.new_cache is not None:
             new_cache.append(ops.new_cache)
-    x = rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt)
+    x = rms_norm(x, weights["final_norm"], cfg.norm_eps, cdt, cfg.arch.norm_offset)
     head = weights["embed"] if weights["lm_head"] is None else weights["lm_head"]  # [V, D]
     head, x = jax.lax.optimization_barrier((head, x))  # no hoisted copy (see _apply_linear)
     logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt), preferred_element_type=jnp.float32)

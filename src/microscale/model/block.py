@@ -4,13 +4,18 @@ generation all run `block_forward`.
 Per block (pre-norm, residual stream in float32; the family's switches from
 `microscale.model.family` in brackets)::
 
-    n    = rms_norm(x, attn_norm)
+    n    = rms_norm(x, attn_norm)                              [every norm: offset + w]
     q, k, v = n Wq [+ bq], n Wk [+ bk], n Wv [+ bv]          one column-parallel group
     q, k = [rms_norm per head (q_norm, k_norm)] q, k
-    q, k = rope(q), rope(k)
-    h    = x + (attention(q, k, v) Wo)                        [sliding window]
+    q, k = rope(q), rope(k)                                    [the layer's own base]
+    a    = attention(q, k, v) Wo                  [sliding window; the scores' scale]
+    h    = x + [rms_norm(a, attn_post_norm)] a
     m    = rms_norm(h, mlp_norm)
-    out  = h + (silu(m Wgate) * (m Wup)) Wdown
+    y    = (act(m Wgate) * (m Wup)) Wdown                    [act: silu or tanh-GELU]
+    out  = h + [rms_norm(y, mlp_post_norm)] y
+
+Outside the blocks, `embed_residual` scales the embedding [by sqrt(d_model)] and
+`layer_rope_tables` gives each layer its RoPE tables (local and global layers differ).
 
 The block owns the arithmetic; the caller owns the parameters and the attention's
 memory, through a `BlockOps`: ``column``/``row`` run projections by their path inside the
@@ -20,7 +25,7 @@ packed weights decoded beside their GEMM), ``param`` reads a norm scale or a bia
 query chunks; inference: the KV cache, written first). Both reach the same `attention`,
 whose mask is one expression of the query and key positions.
 
-Precision: norm statistics, RoPE, softmax, biases and the SiLU product in float32;
+Precision: norm statistics, RoPE, softmax, biases and the gated product in float32;
 projections' operands and outputs in ``compute_dtype`` (their GEMMs accumulate in float32).
 A bias is added to the projection's ``compute_dtype`` output in float32 and rounded back
 once. Activations carry logical sharding axes (``constrain``: a no-op outside
@@ -35,18 +40,22 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from microscale.model.config import ModelConfig
-from microscale.model.layers import add_bias, apply_rope, rms_norm
+from microscale.model.layers import add_bias, apply_rope, rms_norm, rope_tables
 from microscale.model.sharding import constrain
 
 __all__ = [
+    "ACTIVATIONS",
     "RESIDUAL",
     "BlockOps",
     "attention",
     "block_forward",
     "causal_attention",
+    "embed_residual",
+    "layer_rope_tables",
 ]
 
 # Logical axes of the activations (microscale.model.sharding maps them to the mesh).
@@ -54,6 +63,13 @@ RESIDUAL = ("act_batch", "act_residual_length", "act_embed")
 _HEADS = ("act_batch", "act_length", "act_heads", None)
 _KV = ("act_batch", "act_length", "act_kv_heads", None)
 _HIDDEN = ("act_batch", "act_length", "act_mlp")
+
+# The MLP gate's activation by `Family.mlp_act` (tanh-GELU: transformers'
+# "gelu_pytorch_tanh", Gemma's GeGLU).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+}
 
 _QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
@@ -88,7 +104,11 @@ def block_forward(cfg: ModelConfig, ops: BlockOps, x: jax.Array, cos, sin) -> ja
     b, t, _ = x.shape
     h_, kv_, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     x = constrain(x, RESIDUAL)
-    n = rms_norm(x, ops.param("attn_norm.scale"), cfg.norm_eps, cdt)
+
+    def norm(y: jax.Array, name: str, dtype: Any) -> jax.Array:
+        return rms_norm(y, ops.param(f"{name}.scale"), cfg.norm_eps, dtype, fam.norm_offset)
+
+    n = norm(x, "attn_norm", cdt)
     q, k, v = ops.column(_QKV, n)
     if fam.qkv_bias:
         q, k, v = (
@@ -98,17 +118,41 @@ def block_forward(cfg: ModelConfig, ops: BlockOps, x: jax.Array, cos, sin) -> ja
     k = constrain(k.reshape(b, t, kv_, hd), _KV)
     v = constrain(v.reshape(b, t, kv_, hd), _KV)
     if fam.qk_norm:
-        q = rms_norm(q, ops.param("attn.q_norm.scale"), cfg.norm_eps, q.dtype)
-        k = rms_norm(k, ops.param("attn.k_norm.scale"), cfg.norm_eps, k.dtype)
+        q, k = norm(q, "attn.q_norm", q.dtype), norm(k, "attn.k_norm", k.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = constrain(ops.attend(q, k, v), _HEADS)
     o = checkpoint_name(o.reshape(b, t, h_ * hd), "attn_out")
-    h = x + constrain(ops.row("attn.o_proj", o), RESIDUAL).astype(x.dtype)
-    m = rms_norm(h, ops.param("mlp_norm.scale"), cfg.norm_eps, cdt)
+    a = constrain(ops.row("attn.o_proj", o), RESIDUAL)
+    if fam.post_norms:
+        a = norm(a, "attn_post_norm", a.dtype)
+    h = x + a.astype(x.dtype)
+    m = norm(h, "mlp_norm", cdt)
     g, u = (constrain(y, _HIDDEN) for y in ops.column(_GATE_UP, m))
-    hidden = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-    down = ops.row("mlp.down_proj", checkpoint_name(hidden, "mlp_hidden"))
-    return constrain(h + constrain(down, RESIDUAL).astype(h.dtype), RESIDUAL)
+    act = ACTIVATIONS[fam.mlp_act]
+    hidden = (act(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+    down = constrain(ops.row("mlp.down_proj", checkpoint_name(hidden, "mlp_hidden")), RESIDUAL)
+    if fam.post_norms:
+        down = norm(down, "mlp_post_norm", down.dtype)
+    return constrain(h + down.astype(h.dtype), RESIDUAL)
+
+
+def embed_residual(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The residual stream entering block 0 from the gathered embedding rows ``x``
+    (float32): times ``sqrt(d_model)`` (rounded to float32) where the family scales it."""
+    return x * np.float32(cfg.d_model**0.5) if cfg.arch.embed_scale else x
+
+
+def layer_rope_tables(cfg: ModelConfig, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """Per layer, the ``(cos, sin)`` RoPE tables of ``positions`` (`rope_tables`) for its
+    base and scaling (`ModelConfig.layer_rope`); each distinct table is computed once."""
+    tables: dict[Any, tuple[jax.Array, jax.Array]] = {}
+    out = []
+    for i in range(cfg.n_layers):
+        theta, scaling = cfg.layer_rope(i)
+        if (theta, scaling) not in tables:
+            tables[theta, scaling] = rope_tables(positions, cfg.head_dim, theta, scaling)
+        out.append(tables[theta, scaling])
+    return out
 
 
 # ---------------------------------------------------------------------- attention
@@ -123,19 +167,21 @@ def attention(
     *,
     window: int | None = None,
     first: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention: q ``[B, T, H, hd]`` at positions ``q_pos [T]`` over k/v
     ``[B, S, KV, hd]`` at ``k_pos [S]``; query head ``h`` reads kv head ``h // (H/KV)``
     (HF's ``repeat_kv``). Key ``j`` is visible to query ``i`` iff ``k_pos[j] <= q_pos[i]``,
     ``q_pos[i] - k_pos[j] < window`` (a sliding window) and ``k_pos[j] >= first[b]`` (the
-    first real slot of row ``b`` of a left-padded batch). Scores ``QK^T / sqrt(hd)`` and
+    first real slot of row ``b`` of a left-padded batch). Scores ``QK^T * scale`` (default
+    ``hd ** -0.5``; `ModelConfig.attn_scale`) and
     the value product with ``q``'s dtype operands and float32 accumulation; float32
     softmax; ``[B, T, H, hd]`` in q's dtype."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
+    scores = scores * (hd**-0.5 if scale is None else scale)
     gap = q_pos[:, None] - k_pos[None, :]  # [T, S]
     mask = gap >= 0
     if window is not None:
@@ -149,7 +195,13 @@ def attention(
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = 0, window: int | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    chunk: int = 0,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal `attention` of a sequence on itself. q ``[B, T, H, hd]``, k/v ``[B, S, KV,
     hd]`` with the last T of S positions being the queries (S == T in training).
@@ -163,7 +215,7 @@ def causal_attention(
     t, s = q.shape[1], k.shape[1]
     k_pos = jnp.arange(s)
     if not chunk or chunk >= t:
-        return attention(q, k, v, jnp.arange(t) + (s - t), k_pos, window=window)
+        return attention(q, k, v, jnp.arange(t) + (s - t), k_pos, window=window, scale=scale)
     b, _, h, hd = q.shape
     n = -(-t // chunk)
     qs = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0)))
@@ -172,7 +224,13 @@ def causal_attention(
 
     def one(qc: Any, start: Any) -> jax.Array:
         out = attention(
-            constrain(qc, _HEADS), k, v, jnp.arange(chunk) + start, k_pos, window=window
+            constrain(qc, _HEADS),
+            k,
+            v,
+            jnp.arange(chunk) + start,
+            k_pos,
+            window=window,
+            scale=scale,
         )
         return constrain(out, _HEADS)
 

@@ -74,8 +74,9 @@ REMAT_POLICIES = ("none", "full", "save_dots", "minimal")
 class ModelConfig:
     """Shape and high-precision dtypes of a Llama-style decoder-only transformer."""
 
-    # The architecture (microscale.model.family: llama, mistral, qwen2, qwen3): its
-    # block's biases and q/k norms, and its names in config.json and GGUF.
+    # The architecture (microscale.model.family: llama, mistral, qwen2, qwen3, gemma3):
+    # its block's switches (biases, norms, activation), and its names in config.json and
+    # GGUF.
     family: str = "llama"
     vocab_size: int = 257  # tokens in the vocabulary (byte-level default: 256 bytes + EOS)
     d_model: int = 192  # residual stream width; multiple of n_heads and of dim_multiple
@@ -89,6 +90,14 @@ class ModelConfig:
     # Keys a query sees: positions i - window < j <= i (Mistral v0.1's 4096); only for a
     # family that admits one. None: every earlier position.
     sliding_window: int | None = None
+    # Local and global layers (Gemma 3's 6): layer i is global (every earlier key;
+    # rope_theta and rope_scaling) iff (i + 1) % pattern == 0, the rest local
+    # (sliding_window; RoPE base rope_local_theta, unscaled). 0: every layer alike (local
+    # where there is a sliding window).
+    sliding_window_pattern: int = 0
+    rope_local_theta: float | None = None  # local layers' RoPE base (Gemma 3: 10000)
+    # Attention scores QK^T * query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim.
+    query_pre_attn_scalar: float | None = None
     max_seq_len: int = 256  # longest sequence the model accepts (training context length)
     rope_theta: float = 10000.0  # RoPE base frequency
     # RoPE's context extension (microscale.model.rope: linear, dynamic, llama3, yarn);
@@ -149,12 +158,6 @@ class ModelConfig:
                 isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= _MAX_SIZE["d_ff"]
             ):
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive int or none")
-        if self.sliding_window is not None and not self.arch.sliding_window:
-            raise ValueError(
-                f"ModelConfig.sliding_window={self.sliding_window}: family "
-                f"{self.family!r} has no sliding-window attention (families that do: "
-                f"{sorted(f.name for f in FAMILIES.values() if f.sliding_window)})"
-            )
         remat = self.remat
         if isinstance(remat, bool) or str(remat).lower() in ("true", "false"):
             remat = "full" if str(remat).lower() == "true" else "none"
@@ -189,7 +192,44 @@ class ModelConfig:
             v = getattr(self, name)
             if v not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name}={v!r}: expected one of {_DTYPES}")
+        self._check_family()
         self._check_shapes()
+
+    def _check_family(self) -> None:
+        """The window and the local/global layers only where the family has them."""
+        fam = self.arch
+        windowed = sorted(f.name for f in FAMILIES.values() if f.sliding_window or f.local_global)
+        if self.sliding_window is not None and not (fam.sliding_window or fam.local_global):
+            raise ValueError(
+                f"ModelConfig.sliding_window={self.sliding_window}: family "
+                f"{self.family!r} has no sliding-window attention (families that do: "
+                f"{windowed})"
+            )
+        p = self.sliding_window_pattern
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= _MAX_SIZE["n_layers"]:
+            raise ValueError(
+                f"ModelConfig.sliding_window_pattern={p!r}: expected an int >= 0 (0: every "
+                "layer alike)"
+            )
+        local = sorted(f.name for f in FAMILIES.values() if f.local_global)
+        for name in ("sliding_window_pattern", "rope_local_theta"):
+            if getattr(self, name) and not fam.local_global:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r}: family {self.family!r} "
+                    f"has no local and global layers (families that do: {local})"
+                )
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"ModelConfig.{name}={v!r}: expected a positive float or none")
+        # one spelling of each: a value that changes nothing is none
+        if self.query_pre_attn_scalar is not None:
+            v = float(self.query_pre_attn_scalar)
+            object.__setattr__(self, "query_pre_attn_scalar", None if v == self.head_dim else v)
+        if self.rope_local_theta is not None:
+            v = float(self.rope_local_theta)
+            same = v == self.rope_theta and self.rope_scaling is None
+            object.__setattr__(self, "rope_local_theta", None if same else v)
 
     def _check_shapes(self) -> None:
         """Heads divide the width, kv heads divide heads, RoPE pairs, whole scale blocks,
@@ -245,10 +285,33 @@ class ModelConfig:
         """The family's row (`microscale.model.family`)."""
         return get_family(self.family)
 
+    def layer_is_local(self, i: int) -> bool:
+        """Whether layer ``i`` is local: by `sliding_window_pattern` where there is one,
+        else every layer where there is a sliding window."""
+        p = self.sliding_window_pattern
+        return (i + 1) % p != 0 if p else self.sliding_window is not None
+
+    def layer_window(self, i: int) -> int | None:
+        """The keys layer ``i`` sees: its sliding window, or None (every earlier key)."""
+        return self.sliding_window if self.layer_is_local(i) else None
+
+    def layer_rope(self, i: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of layer ``i``: a local layer's own unscaled base where
+        ``rope_local_theta`` is set, otherwise ``rope_theta`` and ``rope_scaling``."""
+        if self.rope_local_theta is not None and self.layer_is_local(i):
+            return float(self.rope_local_theta), None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention scores' factor: ``query_pre_attn_scalar ** -0.5``, else
+        ``head_dim ** -0.5``."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def num_params(self) -> int:
         """Exact trainable parameter count (arithmetic; allocates nothing)."""
         d, hd = self.d_model, self.head_dim
-        norms = self.n_layers * 2 * d + d  # 2 per block + final norm
+        norms = self.n_layers * (4 if self.arch.post_norms else 2) * d + d  # block + final
         if self.arch.qk_norm:
             norms += self.n_layers * 2 * hd
         biases = self.n_layers * (self.n_heads + 2 * self.n_kv_heads) * hd * self.arch.qkv_bias

@@ -17,6 +17,7 @@ llama        llama          no        no       no              llama
 mistral      mistral        no        no       optional        llama (llama.cpp's choice)
 qwen2        qwen2          yes       no       no              qwen2
 qwen3        qwen3          no        yes      no              qwen3
+gemma3       gemma3_text    no        yes      local layers    gemma3
 ===========  ============  ========  =======  ==============  ==========================
 
 * **q/k/v biases** (Qwen2/2.5): ``q = n Wq + bq`` (likewise k, v); ``o_proj`` has none.
@@ -27,6 +28,14 @@ qwen3        qwen3          no        yes      no              qwen3
   ``k_norm.scale``), after the projection and before RoPE.
 * **sliding window** (Mistral v0.1): a query at position ``i`` attends to keys ``j`` with
   ``i - window < j <= i`` (``ModelConfig.sliding_window``; ``None``: every earlier key).
+* **Gemma 3** departs further, each a switch of its row: RMSNorm multiplies by ``1 + w``
+  (``norm_offset``; checkpoints store ``w``, zeros at init), the embedding is scaled by
+  ``sqrt(d_model)`` (``embed_scale``), the MLP is GeGLU with tanh-GELU (``mlp_act``), each
+  sub-layer's output is normed before its residual add (``post_norms``: four norms per
+  block), q/k norms, and local layers (a sliding window and their own RoPE base,
+  ``ModelConfig.rope_local_theta``) beside global ones, one global layer in every
+  ``ModelConfig.sliding_window_pattern`` (``local_global``). The attention's
+  ``query_pre_attn_scalar`` is ``ModelConfig.query_pre_attn_scalar``.
 * The explicit ``head_dim`` of Qwen3 and Mistral (``ModelConfig.attn_head_dim``) is a
   shape, not a family switch: any family may have one.
 """
@@ -49,6 +58,13 @@ class Family:
     qkv_bias: bool = False  # q/k/v projections carry a float32 bias; o_proj does not
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
     sliding_window: bool = False  # admits ModelConfig.sliding_window (all layers alike)
+    # Local (sliding-window, own RoPE base) and global layers by ModelConfig's
+    # sliding_window_pattern; admits sliding_window, rope_local_theta, the pattern.
+    local_global: bool = False
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + w); init 1 - offset
+    post_norms: bool = False  # each sub-layer's output RMSNorm-ed before its residual add
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # the embedding times sqrt(d_model) into the residual stream
 
 
 FAMILIES: dict[str, Family] = {
@@ -62,6 +78,9 @@ FAMILIES: dict[str, Family] = {
                gguf_arch="qwen2", qkv_bias=True),
         Family(name="qwen3", hf_model_type="qwen3", hf_architecture="Qwen3ForCausalLM",
                gguf_arch="qwen3", qk_norm=True),
+        Family(name="gemma3", hf_model_type="gemma3_text", hf_architecture="Gemma3ForCausalLM",
+               gguf_arch="gemma3", qk_norm=True, local_global=True, norm_offset=1.0,
+               post_norms=True, mlp_act="gelu_tanh", embed_scale=True),
     )
 }  # fmt: skip
 

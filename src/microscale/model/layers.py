@@ -148,23 +148,26 @@ class QLinear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x^2) + eps) * scale`` with float32 statistics."""
+    """``x / sqrt(mean(x^2) + eps) * (offset + scale)`` with float32 statistics; ``scale``
+    starts at ``1 - offset`` (the identity): ``offset=1`` is Gemma's ``1 + w``."""
 
     def __init__(
         self,
         dim: int,
         *,
         eps: float = 1e-5,
+        offset: float = 0.0,
         param_dtype: jnp.dtype | str = jnp.float32,
         compute_dtype: jnp.dtype | str = jnp.bfloat16,
     ):
         self.eps = float(eps)
+        self.offset = float(offset)
         self.compute_dtype = jnp.dtype(compute_dtype)
-        init = partitioned(nnx.initializers.ones, ("norm",))
+        init = partitioned(nnx.initializers.constant(1.0 - self.offset), ("norm",))
         self.scale = nnx.Param(init(jax.random.key(0), (dim,), jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps, self.compute_dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.compute_dtype, self.offset)
 
 
 def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
@@ -172,12 +175,15 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
     return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
-    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32; ``dtype`` out.
-    The one RMSNorm of every block, model and inference alike."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, offset: float = 0.0) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the last axis, in float32;
+    ``dtype`` out. The one RMSNorm of every block, model and inference alike (``offset``:
+    the family's `norm_offset`, 1 for Gemma's ``1 + w``)."""
     x32 = x.astype(jnp.float32)
     ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(ms + eps) * scale.astype(jnp.float32)).astype(dtype)
+    w = scale.astype(jnp.float32)
+    w = w + offset if offset else w
+    return (x32 * jax.lax.rsqrt(ms + eps) * w).astype(dtype)
 
 
 class Embed(nnx.Module):

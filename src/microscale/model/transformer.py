@@ -1,5 +1,6 @@
 """A decoder-only transformer in Flax NNX whose linear layers train in any microscale
-recipe, for every family of `microscale.model.family` (Llama, Mistral, Qwen2, Qwen3).
+recipe, for every family of `microscale.model.family` (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3).
 
 The modules here hold the parameters; the block's arithmetic is
 `microscale.model.block.block_forward`, which the inference engine runs too. Per block
@@ -8,7 +9,8 @@ The modules here hold the parameters; the block's arithmetic is
     h   = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))  n = attn_norm(x)
     out = h + down_proj(silu(gate_proj(m)) * up_proj(m))                     m = mlp_norm(h)
 
-with the family's q/k/v biases, per-head q/k norms and sliding window where it has them.
+with the family's q/k/v biases, per-head q/k norms, sliding window, post-norms and
+activation where it has them (`microscale.model.block` has the whole list).
 Attention is causal grouped-query attention: ``n_heads`` query heads share
 ``n_kv_heads`` key/value heads, query head ``h`` reading kv head ``h // (n_heads /
 n_kv_heads)`` (the layout of HF's ``repeat_kv``). Scores ``QK^T / sqrt(head_dim)`` and
@@ -34,7 +36,9 @@ Parameter paths (also the rule paths; `microscale.export` maps them to HF names)
     layers.<i>.attn.<q|k|v>_proj.bias       [H*hd | KV*hd]        ('heads' | 'kv_heads')  (qwen2)
     layers.<i>.attn.<q|k>_norm.scale        [hd]                  ('norm',)  (qwen3)
     layers.<i>.attn.o_proj.kernel           [H*hd, d_model]       ('heads', 'embed')
+    layers.<i>.attn_post_norm.scale         [d_model]             ('norm',)  (gemma3)
     layers.<i>.mlp_norm.scale               [d_model]             ('norm',)
+    layers.<i>.mlp_post_norm.scale          [d_model]             ('norm',)  (gemma3)
     layers.<i>.mlp.gate_proj.kernel         [d_model, d_ff]       ('embed', 'mlp')
     layers.<i>.mlp.up_proj.kernel           [d_model, d_ff]       ('embed', 'mlp')
     layers.<i>.mlp.down_proj.kernel         [d_ff, d_model]       ('mlp', 'embed')
@@ -62,9 +66,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from microscale.model.block import RESIDUAL, block_forward, causal_attention
+from microscale.model.block import (
+    RESIDUAL,
+    block_forward,
+    causal_attention,
+    embed_residual,
+    layer_rope_tables,
+)
 from microscale.model.config import ModelConfig
-from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm, rope_tables
+from microscale.model.layers import Embed, LMHead, QLinear, RMSNorm
 from microscale.model.rules import PrecisionRules, RecipeLike, apply_rules, path_id
 from microscale.model.sharding import constrain
 from microscale.model.tensor_parallel import column_parallel, row_parallel
@@ -116,7 +126,8 @@ def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     qd, kvd = cfg.n_heads * hd, cfg.n_kv_heads * hd
     shapes = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)]
     lin = dict(zip(BLOCK_LINEARS, shapes, strict=True))
-    out: dict[str, tuple[int, ...]] = {"attn_norm.scale": (d,), "mlp_norm.scale": (d,)}
+    norms = ("attn_norm", "mlp_norm") + (("attn_post_norm", "mlp_post_norm") * cfg.arch.post_norms)
+    out: dict[str, tuple[int, ...]] = {f"{n}.scale": (d,) for n in norms}
     out |= {f"{k}.kernel": shp for k, shp in lin.items()}
     if cfg.arch.qkv_bias:
         out |= {f"{k}.bias": (lin[k][1],) for k in BLOCK_LINEARS[:3]}
@@ -184,11 +195,13 @@ class Attention(nnx.Module):
     """The attention's parameters: q/k/v/o `QLinear`\\ s (q/k/v with biases, and per-head
     q/k norms, where the family has them). `microscale.model.block` computes with them."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
         d, hd, fam = cfg.d_model, cfg.head_dim, cfg.arch
+        prefix = f"layers.{index}.attn"
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attention_chunk = cfg.attention_chunk
-        self.window = cfg.sliding_window
+        self.window = cfg.layer_window(index)
+        self.scale = cfg.attn_scale
         qkv: dict[str, Any] = dict(rngs=rngs, bias=fam.qkv_bias)
         self.q_proj = _linear(
             cfg, f"{prefix}.q_proj", d, cfg.n_heads * hd, ("embed", "heads"), **qkv
@@ -214,7 +227,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """The SwiGLU MLP's parameters: gate/up/down `QLinear`\\ s."""
+    """The gated MLP's parameters (SwiGLU, or GeGLU for Gemma): gate/up/down `QLinear`\\ s."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -227,7 +240,11 @@ class MLP(nnx.Module):
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(
-        dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype
+        dim,
+        eps=cfg.norm_eps,
+        offset=cfg.arch.norm_offset,
+        param_dtype=cfg.param_dtype,
+        compute_dtype=cfg.compute_dtype,
     )
 
 
@@ -236,12 +253,15 @@ class Block(nnx.Module):
     `microscale.model.block.block_forward` on them (training's `BlockOps`)."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-        prefix = f"layers.{index}"
         self.config = cfg
+        self.local = cfg.layer_is_local(index)  # a local layer (window, own RoPE base)
         self.attn_norm = _norm(cfg, cfg.d_model)
-        self.attn = Attention(cfg, f"{prefix}.attn", rngs=rngs)
+        self.attn = Attention(cfg, index, rngs=rngs)
         self.mlp_norm = _norm(cfg, cfg.d_model)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", rngs=rngs)
+        self.mlp = MLP(cfg, f"layers.{index}.mlp", rngs=rngs)
+        if cfg.arch.post_norms:
+            self.attn_post_norm = _norm(cfg, cfg.d_model)
+            self.mlp_post_norm = _norm(cfg, cfg.d_model)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, key: jax.Array | None = None
@@ -277,7 +297,9 @@ class _TrainOps:
 
     def attend(self, q, k, v):
         attn = self.block.attn
-        return causal_attention(q, k, v, chunk=attn.attention_chunk, window=attn.window)
+        return causal_attention(
+            q, k, v, chunk=attn.attention_chunk, window=attn.window, scale=attn.scale
+        )
 
 
 def _run_block(block: Block, x, cos, sin, key):
@@ -335,11 +357,12 @@ def _projections(block: Block) -> list[QLinear]:
 
 def scan_segments(layers) -> list[list[int]]:
     """Block indices grouped into contiguous runs whose projections have equal recipes
-    (each run is one scan; a block unlike both neighbours runs alone)."""
+    and whose attention is alike (local or global; each run is one scan; a block unlike
+    both neighbours runs alone)."""
     runs: list[list[int]] = []
     last = None
     for i, block in enumerate(layers):
-        sig = tuple(p.recipe for p in _projections(block))
+        sig = (block.local, *(p.recipe for p in _projections(block)))
         if runs and sig == last:
             runs[-1].append(i)
         else:
@@ -389,12 +412,7 @@ class Transformer(nnx.Module):
             compute_dtype=cfg.compute_dtype,
         )
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(
-            cfg.d_model,
-            eps=cfg.norm_eps,
-            param_dtype=cfg.param_dtype,
-            compute_dtype=cfg.compute_dtype,
-        )
+        self.final_norm = _norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
             self.lm_head = LMHead(
                 cfg.d_model,
@@ -450,15 +468,16 @@ class Transformer(nnx.Module):
             )
         if positions is None:
             positions = jnp.arange(t)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        x = constrain(self.embed(tokens), RESIDUAL)
+        tables = layer_rope_tables(cfg, positions)
+        x = constrain(embed_residual(cfg, self.embed(tokens)), RESIDUAL)
         run = _RUN[str(cfg.remat)]  # a str once ModelConfig has normalized it
         if not cfg.scan_layers:
-            for block in self.layers:
+            for block, (cos, sin) in zip(self.layers, tables, strict=True):
                 x = run(block, x, cos, sin, key)
             return self.final_norm(x)
         for seg in scan_segments(self.layers):
             blocks = [self.layers[i] for i in seg]
+            cos, sin = tables[seg[0]]  # a run's blocks are alike (local or global)
             x = (
                 run(blocks[0], x, cos, sin, key)
                 if len(blocks) == 1

@@ -8,7 +8,8 @@ the input by ``s_c`` (``Y = (X / s) (diag(s) W)``): a large ``s_c`` gives the im
 channels a finer share of each block's range. Here the division is **folded** into the
 layer that produces ``X``, so the result is an ordinary model with the same structure:
 
-* ``q/k/v_proj`` read ``attn_norm(x)``: the RMSNorm's weight is divided by ``s``;
+* ``q/k/v_proj`` read ``attn_norm(x)``: the RMSNorm's weight is divided by ``s`` (its
+  ``1 + w`` for Gemma's norms: ``w' = (1 + w) / s - 1``);
 * ``gate/up_proj`` read ``mlp_norm(h)``: likewise the MLP norm's weight;
 * ``down_proj`` reads ``silu(gate) * up``: ``up_proj``'s output columns are divided by ``s``;
 * ``o_proj`` reads the attention output, whose channel ``(h, d)`` is value channel
@@ -283,9 +284,10 @@ def fold_scales(model: Any, group: AWQGroup, s: np.ndarray) -> None:
     for path in group.layers:
         k = _module(model, path).kernel
         k[...] = (k[...].astype(jnp.float32) * sj[:, None]).astype(k.dtype)
-    if group.kind == "norm":
-        w = _module(model, group.into).scale
-        w[...] = (w[...].astype(jnp.float32) / sj).astype(w.dtype)
+    if group.kind == "norm":  # the norm multiplies by (offset + w): Gemma's 1 + w
+        norm = _module(model, group.into)
+        off, w = float(getattr(norm, "offset", 0.0)), norm.scale
+        w[...] = ((off + w[...].astype(jnp.float32)) / sj - off).astype(w.dtype)
         return
     into = _module(model, group.into)
     cols = sj

@@ -72,7 +72,16 @@ _SHAPE_FIELDS = (
     "family",
 )
 # Fields that define the source model beyond its shapes: an override may not change them.
-_MODEL_FIELDS = (*_SHAPE_FIELDS, "rope_theta", "rope_scaling", "norm_eps", "sliding_window")
+_MODEL_FIELDS = (
+    *_SHAPE_FIELDS,
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "sliding_window",
+    "sliding_window_pattern",
+    "rope_local_theta",
+    "query_pre_attn_scalar",
+)
 # config.json's names of those fields (and of max_seq_len), for messages.
 _HF_NAMES = {
     "vocab_size": "vocab_size",
@@ -84,6 +93,9 @@ _HF_NAMES = {
     "attn_head_dim": "head_dim",
     "family": "model_type",
     "sliding_window": "sliding_window",
+    "sliding_window_pattern": "sliding_window_pattern",
+    "rope_local_theta": "rope_local_base_freq",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
     "tie_embeddings": "tie_word_embeddings",
     "rope_theta": "rope_theta",
     "rope_scaling": "rope_scaling",
