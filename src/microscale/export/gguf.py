@@ -41,6 +41,9 @@ Families (:mod:`microscale.model.family`) go out as llama.cpp's converter
     mistral  llama                 -                                   permuted
     qwen2    qwen2                 attn_{q,k,v}.bias [out] F32         as HF
     qwen3    qwen3                 attn_{q,k}_norm.weight [hd] F32     as HF
+    gemma3   gemma3                attn_{q,k}_norm.weight [hd] F32,    as HF
+                                   post_attention_norm.weight,
+                                   post_ffw_norm.weight [d] F32
 
 llama.cpp's ``llama`` graph uses RoPE on adjacent pairs (``LLAMA_ROPE_TYPE_NORM``),
 microscale (and HF) on halves (``i`` with ``i + hd/2``), so for it the rows of q_proj and
@@ -51,16 +54,32 @@ weight); whole rows move, so codes and scales move with them unchanged. ``qwen2`
 family's keys are prefixed by its architecture (``qwen3.attention.head_count``, ...); an
 explicit ``head_dim`` (``ModelConfig.attn_head_dim``) is written as
 ``{arch}.attention.key_length`` and ``value_length``, as the converter does. The family
+Every RMSNorm weight is stored as the factor the norm multiplies by: Gemma 3's
+``1 + w`` (``Family.norm_offset``) is baked in, as ``Gemma3Model.modify_tensors`` adds 1 to
+every ``*norm.weight`` (the reader takes it off again; llama.cpp's graphs multiply by the
+stored weight). The family
 itself is recorded under ``microscale.family`` (other readers ignore it), so Mistral comes
 back as Mistral. Refused before any work, naming the key and its value, is what an
 architecture's graph would compute otherwise than microscale:
 
 * a ``sliding_window`` shorter than ``max_seq_len`` (llama.cpp's llama, qwen2 and qwen3
   graphs attend to every earlier position, and the converter writes Mistral as llama);
-* NVFP4 on a layer whose ``.scale`` the graph loads but never applies (``qwen2``'s MLP:
-  ``build_ffn`` gets no scales);
+* NVFP4 on a layer whose ``.scale`` the graph loads but never applies (``qwen2``'s and
+  ``gemma3``'s MLP: ``build_ffn`` gets no scales; measured on gemma3: NaN logits);
 * ``qwen2`` with ``n_heads * head_dim != d_model`` (its attn_q / attn_output are square);
-* llama3 RoPE scaling (the ``rope_freqs.weight`` tensor) where only ``llama`` reads it.
+* llama3 RoPE scaling (the ``rope_freqs.weight`` tensor) where only ``llama`` reads it;
+* a family switch the graph does not have, or has and the family lacks (post-norms, the
+  embedding's ``sqrt(d_model)``, the MLP's activation: ``gemma3`` has all three, GeGLU);
+* attention scores not scaled as the graph scales them: every graph by ``head_dim ** -0.5``
+  except ``gemma3`` at 62 layers (its 27B), by ``(d_model // n_heads) ** -0.5``
+  (``hparams.f_attention_scale``; the converter writes no ``query_pre_attn_scalar``);
+* for ``gemma3``'s local and global layers (llama.cpp: layer ``i`` local iff ``i % 6 < 5``,
+  window ``gemma3.attention.sliding_window``, RoPE base 10000 unscaled; global: every
+  earlier key, ``rope.freq_base`` and the scaling), any layer whose window or RoPE differs
+  from that: ``sliding_window_pattern`` other than 6, ``rope_local_theta`` other than
+  10000 (the converter writes neither ``sliding_window_pattern`` nor ``rope.freq_base_swa``,
+  which only newer llama.cpp reads); yarn there (its factors would reach the local layers).
+  No sliding window is written as one of ``max_seq_len`` (the same attention).
 
 RoPE scaling: the keys and the ``rope_freqs.weight`` tensor that llama.cpp's converter writes
 for the model's ``config.json`` (linear, yarn, llama3); dynamic NTK, and yarn settings
@@ -166,6 +185,8 @@ _OTHER_NAMES = {
     "attn.v_proj.bias": "attn_v.bias",
     "attn.q_norm.scale": "attn_q_norm.weight",
     "attn.k_norm.scale": "attn_k_norm.weight",
+    "attn_post_norm.scale": "post_attention_norm.weight",
+    "mlp_post_norm.scale": "post_ffw_norm.weight",
 }
 _NON_BLOCK = {
     "embed.embedding": "token_embd.weight",
@@ -204,6 +225,21 @@ class _Arch:
     qk_norm: bool = False
     # attn_q and attn_output are [d_model, d_model]: n_heads * head_dim must be d_model.
     square_attn: bool = False
+    # Family switches the graph hard-codes (microscale.model.family): the sub-layers'
+    # output norms (post_attention_norm, post_ffw_norm), the embedding times sqrt(n_embd),
+    # the MLP gate's activation (LLM_FFN_SILU / LLM_FFN_GELU, tanh-GELU).
+    post_norms: bool = False
+    embed_scale: bool = False
+    mlp_act: str = "silu"
+    # Local layers (LLAMA_SWA_TYPE_STANDARD, set_swa_pattern): layer i is local iff
+    # i % swa_pattern < swa_pattern - 1, with {arch}.attention.sliding_window and the
+    # unscaled RoPE base swa_theta (rope_freq_base_train_swa); 0: every layer global.
+    swa_pattern: int = 0
+    swa_theta: float = 10000.0
+    # The n_layers at which q is scaled by (n_embd / n_head) ** -0.5, not head_dim's.
+    wide_scale_layers: int | None = None
+    # The converter writes attention.key_length / value_length for every model.
+    head_dim_keys: bool = False
 
 
 _ARCHS: dict[str, _Arch] = {
@@ -218,6 +254,19 @@ _ARCHS: dict[str, _Arch] = {
             square_attn=True,
         ),
         _Arch(name="qwen3", family="qwen3", permuted=False, qk_norm=True),
+        _Arch(
+            name="gemma3",
+            family="gemma3",
+            permuted=False,
+            unscaled=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+            qk_norm=True,
+            post_norms=True,
+            embed_scale=True,
+            mlp_act="gelu_tanh",
+            swa_pattern=6,
+            wide_scale_layers=62,
+            head_dim_keys=True,
+        ),
     )
 }
 # Pre-tokenizer regexes llama.cpp implements (src/llama-vocab.cpp) -> tokenizer.ggml.pre.
@@ -314,7 +363,9 @@ def _arch(cfg: ModelConfig) -> _Arch:
     than microscale is refused, naming the key and its value (the module doc)."""
     arch = _ARCHS[cfg.arch.gguf_arch]
     where = f"GGUF export: llama.cpp's {arch.name} graph"
-    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
+    if arch.swa_pattern:
+        _check_layers(cfg, arch, where)
+    elif cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
         raise ValueError(
             f"{where} (family {cfg.family!r}) attends to every earlier position; "
             f"ModelConfig.sliding_window={cfg.sliding_window} < max_seq_len="
@@ -322,6 +373,20 @@ def _arch(cfg: ModelConfig) -> _Arch:
         )
     if cfg.arch.qk_norm and not arch.qk_norm:
         raise ValueError(f"{where} has no q/k norms (family {cfg.family!r} has them)")
+    for switch in ("post_norms", "embed_scale", "mlp_act"):
+        if getattr(cfg.arch, switch) != getattr(arch, switch):
+            raise ValueError(
+                f"{where} has {switch}={getattr(arch, switch)!r}; family {cfg.family!r} "
+                f"has {getattr(cfg.arch, switch)!r}"
+            )
+    dim = cfg.d_model // cfg.n_heads if cfg.n_layers == arch.wide_scale_layers else cfg.head_dim
+    if cfg.attn_scale != float(dim) ** -0.5:
+        raise ValueError(
+            f"{where} scales attention scores by {dim} ** -0.5 (head_dim, or d_model // "
+            f"n_heads at {arch.wide_scale_layers} layers); ModelConfig.query_pre_attn_scalar="
+            f"{cfg.query_pre_attn_scalar or cfg.head_dim} cannot be stored (export it to an HF "
+            "folder instead)"
+        )
     if arch.square_attn and cfg.n_heads * cfg.head_dim != cfg.d_model:
         raise ValueError(
             f"{where} needs n_heads * head_dim == d_model (its attn_q and attn_output are "
@@ -334,7 +399,51 @@ def _arch(cfg: ModelConfig) -> _Arch:
             f"{where} does not read {ROPE_FREQS}, which holds llama3's RoPE; "
             f"rope_scaling.kind='llama3' cannot be stored for family {cfg.family!r}"
         )
+    if sc is not None and sc.kind == "yarn" and arch.swa_pattern:
+        raise ValueError(
+            f"{where} passes yarn's extrapolation and attention factors to its local layers "
+            "too, which microscale rotates unscaled; rope_scaling.kind='yarn' cannot be "
+            f"stored for family {cfg.family!r} (export it to an HF folder instead)"
+        )
     return arch
+
+
+def _llama_cpp_layers(cfg: ModelConfig, arch: _Arch) -> list[tuple[int | None, float, Any]]:
+    """Per layer, (window, RoPE base, scaling) as ``arch``'s graph runs a file of ``cfg``
+    (window None: every earlier key; a window of max_seq_len or more is none)."""
+    window = _window(cfg)
+    out: list[tuple[int | None, float, Any]] = []
+    for i in range(cfg.n_layers):
+        local = bool(arch.swa_pattern) and i % arch.swa_pattern < arch.swa_pattern - 1
+        if local:
+            out.append((window, arch.swa_theta, None))
+        else:
+            out.append((None, float(cfg.rope_theta), cfg.rope_scaling))
+    return out
+
+
+def _window(cfg: ModelConfig, i: int | None = None) -> int | None:
+    """``cfg``'s sliding window (of layer ``i``), None where it covers the context."""
+    w = cfg.sliding_window if i is None else cfg.layer_window(i)
+    return None if w is None or w >= cfg.max_seq_len else w
+
+
+def _check_layers(cfg: ModelConfig, arch: _Arch, where: str) -> None:
+    """Refuses a layer whose window or RoPE ``arch``'s local/global pattern would change."""
+    for i, want in enumerate(_llama_cpp_layers(cfg, arch)):
+        theta, scaling = cfg.layer_rope(i)
+        got = (_window(cfg, i), float(theta), scaling)
+        if got != want:
+            kind = "local" if i % arch.swa_pattern < arch.swa_pattern - 1 else "global"
+            raise ValueError(
+                f"{where} runs layer {i} as {kind} (window {want[0]}, RoPE base {want[1]}, "
+                f"scaling {want[2]}: layer i local iff i % {arch.swa_pattern} < "
+                f"{arch.swa_pattern - 1}, local base {arch.swa_theta}); ModelConfig gives it "
+                f"window {got[0]}, base {got[1]}, scaling {got[2]} (sliding_window_pattern="
+                f"{cfg.sliding_window_pattern}, rope_local_theta={cfg.rope_local_theta}, "
+                f"sliding_window={cfg.sliding_window}): cannot be stored (export it to an HF "
+                "folder instead)"
+            )
 
 
 def _check_scales(arch: _Arch, formats: Mapping[str, str]) -> None:
@@ -844,7 +953,7 @@ def _tensors(
     for i in range(cfg.n_layers):
         for sub in others:
             p = f"layers.{i}.{sub}"
-            x = np.asarray(jnp.asarray(params[p], jnp.float32))
+            x = _stored_norm(cfg, p, np.asarray(jnp.asarray(params[p], jnp.float32)))
             add_float(_param_tensor(p), _rope_order(arch, p, x, cfg.head_dim), "float32")
     for p in linear_paths(cfg):
         tname = tensor_name(p)
@@ -865,7 +974,8 @@ def _tensors(
             if not np.isfinite(w).all():
                 raise ValueError(f"{tname}: non-finite weights; refusing to write them")
             add_float(f"{tname}.weight", w)
-    add_float("output_norm.weight", params["final_norm.scale"], "float32")
+    final = np.asarray(jnp.asarray(params["final_norm.scale"], jnp.float32))
+    add_float("output_norm.weight", _stored_norm(cfg, "final_norm.scale", final), "float32")
     freqs = gguf_rope(cfg).freqs
     if freqs is not None:
         add_float(ROPE_FREQS, freqs, "float32")
@@ -873,6 +983,19 @@ def _tensors(
         head = np.asarray(jnp.asarray(params["lm_head.kernel"], jnp.float32)).T
         tensors.append(("output.weight", *_embed_tensor(head, emb_fmt, "output", dtype)))
     return tensors
+
+
+def _is_norm(path: str) -> bool:
+    """Whether parameter ``path`` is an RMSNorm weight (``...norm.scale``)."""
+    return path.endswith("norm.scale")
+
+
+def _stored_norm(cfg: ModelConfig, path: str, x: np.ndarray) -> np.ndarray:
+    """A float32 parameter as stored: a norm weight as the factor it multiplies by
+    (``norm_offset + w``, in float32 as microscale's norm computes it)."""
+    if not _is_norm(path) or not cfg.arch.norm_offset:
+        return x
+    return (np.float32(cfg.arch.norm_offset) + x).astype(np.float32)
 
 
 def _write_file(
@@ -890,13 +1013,16 @@ def _write_file(
     w.add_feed_forward_length(cfg.d_ff)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
-    if cfg.attn_head_dim is not None:
+    arch = _ARCHS[cfg.arch.gguf_arch]
+    if cfg.attn_head_dim is not None or arch.head_dim_keys:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_theta))
     gguf_rope(cfg).write(w, cfg.rope_scaling)
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    if arch.swa_pattern:  # no window: one covering the context (the same attention)
+        w.add_sliding_window(cfg.sliding_window or cfg.max_seq_len)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string(MS_FAMILY_KEY, cfg.family)
     tok = _add_tokenizer(w, vocab, cfg.vocab_size)

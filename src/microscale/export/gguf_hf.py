@@ -1,7 +1,8 @@
 """A llama.cpp GGUF file -> an HF folder of its family (the inverse of ``write_gguf``'s layout).
 
 ``gguf_to_hf(GGUF, OUT)`` writes ``config.json`` (the family's, from the GGUF metadata:
-``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``),
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
+``Gemma3ForCausalLM``),
 ``model.safetensors`` (float32, every tensor decoded with ``gguf.quants``; a weight with a
 ``<name>.scale`` tensor, NVFP4's FP32 tensor scale, times it, as llama.cpp multiplies it
 onto the matmul), and the tokenizer: ``tokenizer.json`` rebuilt from the GGUF vocabulary
@@ -13,8 +14,18 @@ The family: ``microscale.family`` when the file has it (microscale's writer reco
 it must be a family of the file's architecture), else the one of
 ``general.architecture``: ``llama`` -> Llama (llama.cpp's converter writes Mistral as
 llama too), ``qwen2`` -> Qwen2 (``blk.N.attn_{q,k,v}.bias``), ``qwen3`` -> Qwen3
-(``blk.N.attn_{q,k}_norm.weight``). ``{arch}.attention.key_length`` sets ``head_dim``
-when it is not ``embedding_length / head_count``.
+(``blk.N.attn_{q,k}_norm.weight``), ``gemma3`` -> Gemma 3 (its four norms per block).
+``{arch}.attention.key_length`` sets ``head_dim`` when it is not ``embedding_length /
+head_count``. Norm weights are stored as the factor the norm multiplies by: Gemma 3's
+offset of 1 is taken off again (``w = stored - 1``, exact in float32 for stored factors in
+[0.5, 2], so ``1 + w`` gives the stored factor back).
+
+``gemma3``'s layers are read as llama.cpp runs them: ``{arch}.attention.sliding_window``
+(none when absent or as long as the context), one global layer in
+``{arch}.attention.sliding_window_pattern`` (default 6), local RoPE base
+``{arch}.rope.freq_base_swa`` (default 10000), ``query_pre_attn_scalar`` ``head_dim``
+(``d_model // n_heads`` at 62 layers, llama.cpp's 27B); a final logit softcapping is
+refused (microscale's block has none).
 
 llama.cpp's ``llama`` graph applies RoPE to adjacent pairs; HF to halves, so
 ``convert_hf_to_gguf.py`` permutes the rows of q/k (and of their biases) per head (heads of
@@ -26,7 +37,7 @@ The decoded weights are what llama.cpp computes with: a quantized GGUF (e.g. Q4_
 float model whose weights lie on that format's grid, a fine reference for comparing
 quantizers against each other but not the original training-precision model.
 
-Supported: ``general.architecture`` ``llama``, ``qwen2`` or ``qwen3`` with the ``gpt2``
+Supported: ``general.architecture`` ``llama``, ``qwen2``, ``qwen3`` or ``gemma3`` with the ``gpt2``
 (byte-level BPE) tokenizer and a pre-tokenizer among ``gpt-2`` / ``smollm`` / ``llama-bpe``
 (what :mod:`~microscale.export.gguf` writes); anything else is refused, naming the key, as
 is a tensor the family's model has no place for. RoPE scaling (linear, yarn, llama3's
@@ -49,6 +60,7 @@ from microscale.export.gguf import (
     MS_FAMILY_KEY,
     _Arch,
     _gguf,
+    _is_norm,
     _param_tensor,
     _stored_rows,
 )
@@ -118,6 +130,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     if ROPE_FREQS in names and not arch.rope_freqs:
         raise ValueError(f"GGUF {ROPE_FREQS}: llama.cpp's {arch.name} graph does not read it")
     cfg = ModelConfig(
+        **_layer_kinds(reader, arch, n_heads, d),
         family=_family(reader, arch),
         vocab_size=int(n_vocab),
         d_model=d,
@@ -134,6 +147,39 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     )
     rope = read_gguf_rope(reader, lambda key, default=...: _field(reader, key, default), cfg)
     return cfg if rope is None else cfg.replace(rope_scaling=rope)
+
+
+def _layer_kinds(reader: Any, arch: _Arch, n_heads: int, d: int) -> dict[str, Any]:
+    """The local/global layer fields of a ``ModelConfig`` for a file of ``arch`` (what its
+    graph reads; none for an architecture without local layers)."""
+    if not arch.swa_pattern:
+        return {}
+    a = arch.name + "."
+    cap = _field(reader, a + "final_logit_softcapping", None)
+    if cap:
+        raise ValueError(
+            f"GGUF {a}final_logit_softcapping={cap}: microscale's {arch.family} model has no "
+            "logit softcapping"
+        )
+    n_layers = int(_field(reader, a + "block_count"))
+    window = _field(reader, a + "attention.sliding_window", None)
+    context = int(_field(reader, a + "context_length"))
+    pattern = _field(reader, a + "attention.sliding_window_pattern", arch.swa_pattern)
+    if not isinstance(pattern, int):
+        raise ValueError(
+            f"GGUF {a}attention.sliding_window_pattern={pattern!r}: microscale reads one "
+            "period (an int), not a per-layer list"
+        )
+    local = window is not None and int(window) > 0
+    wide = n_layers == arch.wide_scale_layers
+    return {
+        "sliding_window": int(window) if local and int(window) < context else None,
+        "sliding_window_pattern": pattern if local else 0,
+        "rope_local_theta": (
+            float(_field(reader, a + "rope.freq_base_swa", arch.swa_theta)) if local else None
+        ),
+        "query_pre_attn_scalar": float(d // n_heads) if wide else None,
+    }
 
 
 def _decoded(reader: Any) -> dict[str, np.ndarray]:
@@ -171,6 +217,8 @@ def _hf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
             back = np.empty_like(w)
             back[rows] = w  # the writer's rows, undone
             w = back
+        if _is_norm(p) and cfg.arch.norm_offset:  # the writer's (converter's) + 1, undone
+            w = (w - np.float32(cfg.arch.norm_offset)).astype(np.float32)
         out[hf_param_name(p, cfg.family)] = w
     if src:
         raise ValueError(
