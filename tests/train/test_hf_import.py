@@ -500,3 +500,40 @@ def test_init_from_takes_the_sources_context_before_the_overrides(tmp_path):
     assert cfg.data.seq_len == 512 and cfg.model.max_seq_len == 1024
     with pytest.raises(ConfigError, match="data.seq_len=2048 exceeds model.max_seq_len=1024"):
         resolve_config("tiny", [f"init_from={src}", "data.seq_len=2048"])
+
+
+# ---------------------------------------------------------------------- another family
+
+GEMMA = ModelConfig(
+    family="gemma3", vocab_size=320, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+    d_ff=128, max_seq_len=64, sliding_window=8, sliding_window_pattern=3,
+    rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=32.0, norm_eps=1e-6,
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_init_from_a_gemma3_folder_trains_the_gemma3_model(corpus, tmp_path):
+    """A Gemma 3 folder's model (local/global layers, their RoPE bases, the scores' scale)
+    comes in whole, an override of what defines it is refused in config.json's names, and
+    a training step runs from its weights (quantized in nvfp4: the same block)."""
+    folder = tmp_path / "gemma"
+    tok = train_bpe(_text(200, seed=1), 300)
+    model = Transformer(GEMMA, rngs=nnx.Rngs(3))
+    export_checkpoint(model, folder, layout="hf", dtype="float32", tokenizer=tok)
+    cfg = resolve_config("tiny", [f"init_from={folder}"])
+    assert cfg.model == GEMMA
+    for key, value, theirs in (
+        ("model.sliding_window_pattern", 6, "sliding_window_pattern=3"),
+        ("model.rope_local_theta", 1e5, "rope_local_base_freq=10000.0"),
+        ("model.query_pre_attn_scalar", 16.0, "query_pre_attn_scalar=32.0"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            resolve_config("tiny", [f"init_from={folder}", f"{key}={value}"])
+        assert theirs in str(e.value), str(e.value)
+    out = tmp_path / "t"
+    argv = ["train", f"init_from={folder}", f"data.corpus={corpus}", "data.heldout=none",
+            "steps=1", "recipe=nvfp4", "tensorboard=false", f"out={out}",
+            "--no-compile-cache", "-q"]  # fmt: skip
+    assert main(argv) == 0
+    _, run_cfg, _ = load_checkpoint(out)
+    assert run_cfg.model.family == "gemma3" and run_cfg.model.sliding_window_pattern == 3

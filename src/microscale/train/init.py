@@ -430,15 +430,21 @@ def memory_defaults(model: ModelConfig, batch: int, seq_len: int) -> dict[str, A
 
 
 def _with_source_context(cfg: TrainConfig, overrides: Sequence[str] | dict) -> TrainConfig:
-    """``cfg`` with the context (``model.max_seq_len``) of the ``init_from`` the overrides
-    name, before they are applied: a ``data.seq_len`` within the source's context is then
-    not refused against the preset's shorter one."""
+    """``cfg`` with the model of the ``init_from`` the overrides name (what defines it, and
+    its context where that is longer than the preset's), before they are applied: an
+    override of a family's own field (Gemma 3's ``sliding_window_pattern``) then meets the
+    source's family, not the preset's, and a ``data.seq_len`` within the source's context
+    is not refused against the preset's shorter one. `adopt_source_model` then checks the
+    overrides against the source."""
     items = dict(overrides) if isinstance(overrides, dict) else dict(parse_overrides(overrides))
     source = items.get("init_from", cfg.init_from)
     found = source_model(str(source)) if source not in (None, "none") else None
-    if found is None or found[0].max_seq_len <= cfg.model.max_seq_len:
+    if found is None:
         return cfg
-    return dataclasses.replace(cfg, model=cfg.model.replace(max_seq_len=found[0].max_seq_len))
+    src = found[0]
+    same = {f: getattr(src, f) for f in (*_MODEL_FIELDS, "dim_multiple")}
+    same["max_seq_len"] = max(src.max_seq_len, cfg.model.max_seq_len)
+    return dataclasses.replace(cfg, model=cfg.model.replace(**same))
 
 
 def resolve_config(
