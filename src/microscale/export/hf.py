@@ -1,6 +1,9 @@
 """Hugging Face naming and ``config.json``: microscale <-> ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (the families of
-`microscale.model.family`, which share these tensor names).
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and
+``Gemma3ForCausalLM`` (the families of `microscale.model.family`, which share these
+tensor names but for Gemma 3's norms: its ``post_attention_layernorm`` is
+``attn_post_norm``, ``pre_feedforward_layernorm`` ``mlp_norm`` and
+``post_feedforward_layernorm`` ``mlp_post_norm``; pass the family to `hf_param_name`).
 
 Parameter names (microscale path -> HF tensor name; linear kernels are transposed because
 microscale stores ``[in, out]`` and ``torch.nn.Linear`` stores ``[out, in]``)::
