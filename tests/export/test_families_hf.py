@@ -558,3 +558,68 @@ def test_import_refuses_what_the_family_does_not_compute(
     assert names in err[0] and "Traceback" not in err[0], err
     assert "config.json: config.json" not in err[0], err  # the file named once
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------- Gemma 3's image-text model
+
+VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gemma3_image_text_checkpoint_comes_in_as_its_text_model(tmp_path):
+    """``Gemma3ForConditionalGeneration`` (the 4B-27B checkpoints' class): microscale reads
+    config.json's ``text_config`` and the ``language_model.`` tensors, leaves the vision
+    tower out, and its logits on text are transformers' (the same float32 bound as the
+    text class); the float export is the text model, ``Gemma3ForCausalLM``."""
+    text = {**SHARED, **ROWS["gemma3"].keys, "vocab_size": 300}
+    cfg = transformers.Gemma3Config(
+        text_config=text, vision_config=VISION, mm_tokens_per_image=4,
+        image_token_index=299, boi_token_index=297, eoi_token_index=298,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "mm")
+    ck = read_checkpoint(tmp_path / "mm")
+    assert ck.config.family == "gemma3" and ck.config.vocab_size == 300
+    assert ck.config.sliding_window_pattern == 2 and ck.config.rope_local_theta == 1000.0
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
+    got = np.asarray(InferenceModel.from_checkpoint(ck, compute_dtype="float32").logits(TOKENS))
+    np.testing.assert_allclose(got, ref, atol=3e-5, rtol=0)
+    out = tmp_path / "text"
+    export_checkpoint(ck, out, layout="hf", dtype="float32", tokenizer=ByteTokenizer())
+    back = _load(out)
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    np.testing.assert_allclose(_logits(back), ref, atol=3e-5, rtol=0)
+
+
+def test_gemma3_hub_style_config_reads_as_transformers_reads_it(tmp_path):
+    """A hub-style image-text config.json, whose text_config names only what differs from
+    Gemma3TextConfig's defaults (gemma-3-4b's kind): microscale reads what transformers
+    reads (every absent key: the config class's default)."""
+    d = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                          "image_size": 896, "intermediate_size": 4304,
+                          "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+        "mm_tokens_per_image": 256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    ours = model_config_from_hf(d)
+    assert ours == model_config_from_hf(theirs)
+    assert (ours.vocab_size, ours.n_heads, ours.n_kv_heads, ours.head_dim) == (262208, 8, 4, 256)
+    assert (ours.sliding_window_pattern, ours.rope_theta, ours.rope_local_theta) == (6, 1e6, 1e4)
+    assert ours.rope_scaling is not None and ours.rope_scaling.factor == 8.0
+    assert ours.tie_embeddings and ours.query_pre_attn_scalar is None  # 256 = head_dim

@@ -84,6 +84,7 @@ __all__ = [
     "linear_paths",
     "model_config_from_hf",
     "ms_module",
+    "text_model_prefix",
     "ms_param_name",
     "param_shapes",
     "rope_from_hf",
@@ -306,18 +307,38 @@ def _family_from_hf(d: dict[str, Any]) -> str:
         if mtype == fam.hf_model_type or (mtype is None and fam.hf_architecture in arch):
             return fam.name
     known = ", ".join(f"{f.hf_model_type} ({f.hf_architecture})" for f in FAMILIES.values())
-    hint = _MULTIMODAL.get(str(mtype), "")
+    hint = " without a text_config" if str(mtype) in _MULTIMODAL else ""
     raise ValueError(
         f"config.json: model_type={mtype!r}, architectures={arch!r}: not a family "
         f"microscale runs{hint}; expected one of {known}"
     )
 
 
-# Multimodal wrappers of a text family microscale runs: a hint in the refusal.
-_MULTIMODAL = {
-    "gemma3": " (Gemma 3's image-text model: microscale runs its text model, gemma3_text, "
-    "as Gemma3ForCausalLM saves it)",
-}
+# Multimodal wrappers of a text family: model_type -> (the text model's model_type, the
+# prefix of its tensors). microscale reads the text model (config.json's text_config, the
+# tensors under the prefix) and leaves the vision tower and its projector out.
+_MULTIMODAL = {"gemma3": ("gemma3_text", "language_model.")}
+
+
+def text_model_prefix(d: dict[str, Any]) -> str:
+    """The prefix of the text model's tensor names in the checkpoint of config.json ``d``:
+    ``language_model.`` for a multimodal wrapper (Gemma 3's image-text model), else ``""``."""
+    wrapper = _MULTIMODAL.get(str(d.get("model_type")))
+    return wrapper[1] if wrapper and isinstance(d.get("text_config"), dict) else ""
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config.json keys: ``d`` itself, or a multimodal wrapper's
+    ``text_config`` (its ``model_type`` the text family's; the wrapper's
+    ``tie_word_embeddings`` where the text config has none)."""
+    wrapper = _MULTIMODAL.get(str(d.get("model_type")))
+    text = d.get("text_config")
+    if wrapper is None or not isinstance(text, dict):
+        return d
+    out = {**text, "model_type": wrapper[0]}
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in d:
+        out["tie_word_embeddings"] = d["tie_word_embeddings"]
+    return out
 
 
 # Keys that change the math, with the one value microscale's block computes, per family
@@ -365,10 +386,11 @@ def model_config_from_hf(
     Mistral, Qwen2/2.5, Qwen3); a feature the block does not compute is refused by name."""
     if not isinstance(d, dict):
         raise ValueError(f"config.json: expected a JSON object, got {type(d).__name__}")
+    d = _text_config(d)
     family = _family_from_hf(d)
     _check_math_keys(d, family)
-    hidden = _get(d, "hidden_size", int)
-    heads = _get(d, "num_attention_heads", int)
+    hidden = _get(d, "hidden_size", int, _unset(d, family, "hidden_size", ...))
+    heads = _get(d, "num_attention_heads", int, _unset(d, family, "num_attention_heads", ...))
     kv = _get(d, "num_key_value_heads", int, _unset(d, family, "num_key_value_heads", heads))
     if heads <= 0:
         raise ValueError(f"config.json: num_attention_heads={heads}: expected a positive int")
@@ -388,14 +410,14 @@ def model_config_from_hf(
         theta, rope, extra = _gemma3_from_hf(d, context)
     else:
         theta, rope = rope_from_hf(d, context)
-    d_ff = _get(d, "intermediate_size", int)
+    d_ff = _get(d, "intermediate_size", int, _unset(d, family, "intermediate_size", ...))
     dims = (hidden, d_ff, kv * hd, heads * hd)
     try:
         return ModelConfig(
             family=family,
-            vocab_size=_get(d, "vocab_size", int),
+            vocab_size=_get(d, "vocab_size", int, _unset(d, family, "vocab_size", ...)),
             d_model=hidden,
-            n_layers=_get(d, "num_hidden_layers", int),
+            n_layers=_get(d, "num_hidden_layers", int, _unset(d, family, "num_hidden_layers", ...)),
             n_heads=heads,
             n_kv_heads=kv,
             d_ff=d_ff,
@@ -439,7 +461,12 @@ _ABSENT: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
-    "gemma3": {
+    "gemma3": {  # (Gemma3TextConfig defaults every key: the hub's text_configs are sparse)
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 256,
         "max_position_embeddings": 131072,
@@ -522,7 +549,9 @@ def _gemma3_from_hf(
         theta,
         rope,
         {
-            "sliding_window_pattern": _gemma3_layers(d, _get(d, "num_hidden_layers", int)),
+            "sliding_window_pattern": _gemma3_layers(
+                d, _get(d, "num_hidden_layers", int, _unset(d, "gemma3", "num_hidden_layers", ...))
+            ),
             "rope_local_theta": local,
             "query_pre_attn_scalar": float(scalar),
         },

@@ -40,6 +40,7 @@ from microscale.export.hf import (
     hf_param_name,
     linear_paths,
     model_config_from_hf,
+    text_model_prefix,
     param_shapes,
 )
 from microscale.export.hfquant import HF_QUANT, CheckpointError, hf_quant, load_json, quant_method
@@ -302,7 +303,8 @@ def read_checkpoint(
             + " or ".join(repr(m) for m in HF_QUANT)
         )
     try:
-        store = TensorStore(path)
+        # a multimodal checkpoint: its text model (the vision tower stays out)
+        store = TensorStore(path, prefix=text_model_prefix(cfg_json))
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
     _check_sizes(path, cfg, store)  # before anything of config.json's size is built

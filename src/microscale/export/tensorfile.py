@@ -222,9 +222,13 @@ class TensorStore:
     ``TensorStore(folder)`` reads ``model.safetensors.index.json`` if present (every shard
     it names), else ``model.safetensors``, else the folder's only ``*.safetensors`` file.
     Every header and the index are validated on construction.
+
+    ``prefix``: the view holds only the tensors whose names start with it, under their
+    names without it (a multimodal checkpoint's text model: ``language_model.``); the
+    others' names are in ``left_out``.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, prefix: str = ""):
         path = Path(path)
         self.root = path if path.is_dir() else path.parent
         self._maps: dict[Path, np.memmap] = {}
@@ -273,6 +277,12 @@ class TensorStore:
                     f"{weight_map[missing[0]]!r}) but missing from that file"
                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 )
+        self.left_out: list[str] = []
+        if prefix:
+            self.left_out = sorted(n for n in self.infos if not n.startswith(prefix))
+            cut = len(prefix)
+            self.infos = {n[cut:]: i for n, i in self.infos.items() if n.startswith(prefix)}
+            self._crc = {n[cut:]: c for n, c in self._crc.items() if n.startswith(prefix)}
 
     def _read_index(self, index: Path) -> tuple[list[Path], dict[str, str]]:
         try:
