@@ -40,8 +40,8 @@ from microscale.export.hf import (
     hf_param_name,
     linear_paths,
     model_config_from_hf,
-    text_model_prefix,
     param_shapes,
+    text_model_prefix,
 )
 from microscale.export.hfquant import HF_QUANT, CheckpointError, hf_quant, load_json, quant_method
 from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorStore
