@@ -53,6 +53,26 @@ def test_readme_links_resolve():
     assert missing == [], missing
 
 
+# (command, its table of old flags): each old flag is an alias the README must not teach.
+OLD_FLAG_TABLES = ("export", "quantize")
+
+
+def _old_flags(command: str) -> set[str]:
+    import importlib
+
+    table = importlib.import_module(f"microscale.cli.{command}").OLD_FLAGS
+    return {flag for row in table for flag in row.flags}
+
+
+@pytest.mark.parametrize("command", OLD_FLAG_TABLES)
+def test_readme_uses_key_value_not_old_flags(command):
+    """The README spells options as the CLI documents them (``budget=5.0``), never as the
+    deprecated aliases (``--budget 5.0``), which print a notice."""
+    text = README.read_text()
+    used = sorted(f for f in _old_flags(command) if re.search(rf"{re.escape(f)}(?![\w-])", text))
+    assert used == [], f"README.md uses old {command} flags {used}; write key=value"
+
+
 def _slug(heading: str) -> str:
     """The anchor mkdocs' toc gives a heading."""
     s = re.sub(r"[^\w\- ]", "", heading.strip().lower())

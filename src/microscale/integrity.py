@@ -12,28 +12,46 @@ bits and any other corruption with probability 1 - 2^-32 per tensor; it is not a
 cryptographic hash (it does not defend against deliberate tampering). It is the fastest
 checksum in the standard library and releases the GIL, so tensors are hashed in parallel
 threads. ``benchmarks/integrity.py`` measures the cost against saving and loading.
+
+Files that store no checksums of their own (reports, allocations, configs, tokenizers,
+plots) are listed, with the CRC-32 of their bytes, in the folder's :data:`FILE_CHECKSUMS`
+(:func:`write_file_checksums` when the folder is written, :func:`check_file_checksums` by
+``microscale verify``): ``{"format": "microscale-file-crc32", "version": 1, "files":
+{relative POSIX path: 8 hex digits}}``. Weight files (``.safetensors``, ``.gguf``) are left
+out: their tensors carry checksums of their own, which ``verify`` checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
+from microscale.files import atomic_write_json
+
 __all__ = [
+    "FILE_CHECKSUMS",
     "CorruptDataError",
+    "FolderCheck",
+    "check_file_checksums",
     "check_finite",
     "crc32",
     "crc32_many",
+    "file_crc32",
+    "listed_bytes",
     "root_cause",
     "silence_checkpoint_reader_noise",
     "tree_path_parts",
     "verify_crc32",
+    "write_file_checksums",
 ]
 
 _CHUNK = 1 << 26  # hash in 64 MiB pieces: zlib takes at most 4 GiB at once
@@ -91,6 +109,121 @@ def verify_crc32(arrays: Mapping[str, object], expected: Mapping[str, str], *, w
             f"{where}: tensor {n!r} fails its checksum (crc32 {got[n]}, "
             f"stored {expected[n]}){more}: the file is damaged"
         )
+
+
+# ------------------------------------------------------------------ files of a folder
+
+FILE_CHECKSUMS = "checksums.json"  # the listing of a folder's files (module doc)
+_FILE_FORMAT, _FILE_VERSION = "microscale-file-crc32", 1
+# Files that carry per-tensor checksums of their own (checked by their own readers).
+_OWN_CHECKSUMS = (".safetensors", ".gguf")
+
+
+def file_crc32(path: str | os.PathLike, *, on_bytes: Callable[[int], None] | None = None) -> str:
+    """CRC-32 of a file's bytes, as 8 hex digits (:func:`crc32`'s value for the same bytes),
+    read in pieces; ``on_bytes(n)`` after each piece."""
+    c = 0
+    with open(path, "rb") as f:
+        while piece := f.read(_CHUNK):
+            c = zlib.crc32(piece, c)
+            if on_bytes is not None:
+                on_bytes(len(piece))
+    return f"{c:08x}"
+
+
+def _listed_files(folder: Path) -> list[str]:
+    """The files :func:`write_file_checksums` lists: every file under ``folder`` but weight
+    files and the listing itself, as sorted relative POSIX paths."""
+    return sorted(
+        f.relative_to(folder).as_posix()
+        for f in folder.rglob("*")
+        if f.is_file() and f.suffix not in _OWN_CHECKSUMS and f.name != FILE_CHECKSUMS
+    )
+
+
+def listed_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the files a listing of ``folder`` covers (a progress bar's total)."""
+    folder = Path(folder)
+    return sum((folder / n).stat().st_size for n in _listed_files(folder))
+
+
+def write_file_checksums(folder: str | os.PathLike) -> dict[str, str]:
+    """Write ``folder``'s :data:`FILE_CHECKSUMS` (the module doc): the CRC-32 of every file
+    under it that stores no checksums of its own. Call it last, once every file is
+    written. Returns ``{relative path: crc32}``."""
+    folder = Path(folder)
+    sums = {name: file_crc32(folder / name) for name in _listed_files(folder)}
+    atomic_write_json(
+        folder / FILE_CHECKSUMS, {"format": _FILE_FORMAT, "version": _FILE_VERSION, "files": sums}
+    )
+    return sums
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderCheck:
+    """What :func:`check_file_checksums` found."""
+
+    # Files the listing names (0 when there is no readable listing).
+    files: int
+    # Files compared with their stored checksum.
+    checked: int
+    # Whether the folder stores a listing at all (False: written before there was one).
+    checksums: bool
+    # (relative path, or None for the listing as a whole; message naming the file).
+    problems: tuple[tuple[str | None, str], ...] = ()
+
+
+def _read_listing(path: Path) -> tuple[dict[str, str] | None, str | None]:
+    """The ``files`` map of a listing, or None and what is wrong with it."""
+    damaged = f"{path} is damaged"
+    try:
+        obj = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"{damaged}: it is not a readable JSON file ({e})"
+    files = obj.get("files") if isinstance(obj, dict) else None
+    if (
+        not isinstance(obj, dict)
+        or obj.get("format") != _FILE_FORMAT
+        or not isinstance(files, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        return None, f"{damaged}: expected {{'format': {_FILE_FORMAT!r}, 'files': {{path: crc32}}}}"
+    return files, None
+
+
+def check_file_checksums(
+    folder: str | os.PathLike, *, on_bytes: Callable[[int], None] | None = None
+) -> FolderCheck:
+    """Compare every file ``folder``'s :data:`FILE_CHECKSUMS` lists with its stored CRC-32;
+    each problem names the file (changed, missing, or a name that leaves the folder).
+    ``on_bytes(n)`` counts the bytes read."""
+    folder = Path(folder)
+    listing = folder / FILE_CHECKSUMS
+    if not listing.is_file():
+        return FolderCheck(len(_listed_files(folder)), 0, False)
+    files, why = _read_listing(listing)
+    if files is None:
+        return FolderCheck(0, 0, True, ((None, str(why)),))
+    problems: list[tuple[str | None, str]] = []
+    checked = 0
+    for name, stored in files.items():
+        path = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            problems.append((name, f"{listing} names {name!r}, outside the folder: it is damaged"))
+        elif not path.is_file():
+            problems.append((name, f"{path} is missing (listed in {FILE_CHECKSUMS})"))
+        else:
+            got = file_crc32(path, on_bytes=on_bytes)
+            checked += 1
+            if got != stored.lower():
+                problems.append(
+                    (
+                        name,
+                        f"{path} fails its checksum (crc32 {got}, stored {stored} in "
+                        f"{FILE_CHECKSUMS}): the file was changed after it was written",
+                    )
+                )
+    return FolderCheck(len(files), checked, True, tuple(problems))
 
 
 def _is_float(dtype: np.dtype) -> bool:

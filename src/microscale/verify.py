@@ -25,15 +25,20 @@ training run               every finished step under ``checkpoints/`` (or a
                            stored in ``meta["checksums"]`` (``train/checkpoint.py``),
                            floats finite. Steps set aside in ``damaged-checkpoints/`` are
                            listed, not checked.
-quantize output            its ``checkpoint/`` folder or ``model.gguf``
+quantize output            its ``checkpoint/`` folder or ``model.gguf``, then every other
+                           file (``report.json``, ``precision_rules.json``, configs,
+                           tokenizer, plots) against the CRC-32s of its
+                           ``checksums.json`` (:func:`microscale.integrity.
+                           check_file_checksums`)
 =========================  ==========================================================
 
 Each file (or checkpoint step) gets a :class:`FileReport`: ``ok`` (every tensor matches
 its stored checksum), ``damaged`` (problems name the tensor, or ``None`` for the file as a
 whole: a header that does not parse or fails its checksum, an unreadable step) or
 ``unverified`` (no checksums stored: written before microscale stored them; the file was
-still parsed, and safetensors / checkpoint floats checked for being finite). JSON and
-tokenizer files carry no checksums and are not checked.
+still parsed, and safetensors / checkpoint floats checked for being finite). A quantize
+output's listed files are one report (kind ``"file checksums"``, counted in files); JSON
+and tokenizer files elsewhere carry no checksums and are not checked.
 
 Anything else (a missing path, a folder or file that is not one of the above) raises
 :class:`NotAnOutputError` (or ``FileNotFoundError``) before any work.
@@ -56,9 +61,12 @@ import numpy as np
 
 from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
 from microscale.integrity import (
+    FILE_CHECKSUMS,
     CorruptDataError,
+    check_file_checksums,
     check_finite,
     crc32_many,
+    listed_bytes,
     root_cause,
     silence_checkpoint_reader_noise,
     tree_path_parts,
@@ -97,15 +105,18 @@ class FileReport:
     """The result for one file (or checkpoint step folder)."""
 
     path: Path
-    # "gguf", "safetensors", "safetensors index", "orbax checkpoint" or "missing".
+    # "gguf", "safetensors", "safetensors index", "orbax checkpoint", "file checksums"
+    # or "missing".
     kind: str
-    # Tensors found (0 when the file cannot be parsed).
+    # Tensors found (0 when the file cannot be parsed); files listed for "file checksums".
     tensors: int
-    # Tensors compared with a stored checksum.
+    # Tensors (files) compared with a stored checksum.
     checked: int
     # Whether the file stores checksums.
     checksums: bool
     problems: tuple[Problem, ...] = ()
+    # What ``tensors`` counts, in the summary ("tensor"; "file" for "file checksums").
+    unit: str = "tensor"
 
     @property
     def status(self) -> str:
@@ -117,16 +128,18 @@ class FileReport:
     def summary(self) -> str:
         """One line: the path, kind and what was found."""
         head = f"{self.path} ({self.kind})"
+        units = f"{self.unit}s"
         if self.problems:
             bad = sorted({p.tensor for p in self.problems if p.tensor is not None})
-            what = f"{len(bad)} of {self.tensors} tensors damaged" if bad else "damaged (see below)"
+            what = f"{len(bad)} of {self.tensors} {units} damaged" if bad else "damaged (see below)"
             return f"{head}: {what}"
         if not self.checksums:
             return (
                 f"{head}: no checksums stored (written before microscale stored them); "
-                f"{self.tensors} tensors parsed, contents not verified"
+                f"{self.tensors} {units} {'parsed' if self.unit == 'tensor' else 'found'}, "
+                "contents not verified"
             )
-        return f"{head}: {self.checked} tensors match their CRC-32s"
+        return f"{head}: {self.checked} {units} match their CRC-32s"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -258,12 +271,13 @@ def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
         return what, [_Item("orbax checkpoint", d, _folder_bytes(d)) for d in steps], notes
     if kind is QUANTIZE_OUTPUT:
         ck = quantize_output_model(path)
+        files = _Item("file checksums", path / FILE_CHECKSUMS, listed_bytes(path))
         if ck.is_file():
-            return "quantize output", [_Item("gguf", ck, ck.stat().st_size)], []
+            return "quantize output", [_Item("gguf", ck, ck.stat().st_size), files], []
         items = _safetensors_items(ck) if ck.is_dir() else []
         if not items:
             items = [_Item("missing", ck, 0)]
-        return "quantize output", items, []
+        return "quantize output", [*items, files], []
     if isinstance(kind, Layout):  # an HF-style or microscale-layout folder
         items = _safetensors_items(path)
         if items:
@@ -620,6 +634,20 @@ def _check_step(item: _Item, step: _Progress) -> FileReport:
     return FileReport(item.path, kind, len(leaves), checked, sums is not None, tuple(problems))
 
 
+def _check_files(item: _Item, step: _Progress) -> FileReport:
+    """A quantize output's files without checksums of their own, against its listing."""
+    res = check_file_checksums(item.path.parent, on_bytes=step)
+    return FileReport(
+        item.path,
+        item.kind,
+        res.files,
+        res.checked,
+        res.checksums,
+        tuple(Problem(name, msg) for name, msg in res.problems),
+        unit="file",
+    )
+
+
 def _check_missing(item: _Item, step: _Progress) -> FileReport:
     return FileReport(
         item.path,
@@ -636,6 +664,7 @@ _CHECKS = {
     "safetensors": _check_safetensors,
     "safetensors index": _check_index,
     "orbax checkpoint": _check_step,
+    "file checksums": _check_files,
     "missing": _check_missing,
 }
 

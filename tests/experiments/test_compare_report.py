@@ -264,3 +264,141 @@ def test_tokens_per_s_is_the_rate_tokens_were_trained_at(cmp_dir):
     runs = write_report(cmp_dir)["runs"]
     assert runs["nvfp4"]["tokens_per_s"] == pytest.approx(300.0)
     assert runs["bf16"]["tokens_per_s"] == pytest.approx(100.0)
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def _captured(monkeypatch, *modules) -> list:
+    """The figures the ``modules`` save, as ``(file name, figure)``, kept open for their
+    artists (the files are still written)."""
+    figs: list = []
+
+    def keep(fig, path, **kw):
+        figs.append((Path(path).name, fig))
+        fig.savefig(path)
+
+    for module in modules:
+        monkeypatch.setattr(module, "save_figure", keep)
+    return figs
+
+
+def _colours(fig) -> dict[str, str]:
+    """{label: colour hex} of every labelled line and error bar of a figure's axes."""
+    from matplotlib.colors import to_hex
+
+    out: dict[str, str] = {}
+    for ax in fig.axes:
+        for c in ax.containers:
+            if c.get_label() and not c.get_label().startswith("_"):
+                out.setdefault(c.get_label(), to_hex(c.lines[0].get_color()))
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label and not label.startswith("_"):
+                got = to_hex(line.get_color())
+                assert out.setdefault(label, got) == got, (label, got, out[label])
+    return out
+
+
+# seed -> losses at tokens 0, 100, ..., 500 (nvfp4 and the ablation a little above bf16)
+SEED_CURVES = {
+    name: {
+        s: [(100 * i, (3.0 - 0.2 * i) * (1 + off + 0.01 * s)) for i in range(6)] for s in (0, 1, 2)
+    }
+    for name, off in (("bf16", 0.0), ("fp8", 0.001), ("nvfp4", 0.02), ("nvfp4_no_sr", 0.03))
+}
+
+
+def test_each_recipe_is_one_colour_in_every_figure(tmp_path, monkeypatch):
+    """convergence.png, gap.png, scaling.png and quantize's pareto.png draw a recipe (or
+    its format) in the colour of microscale.colors, whatever else is drawn and in what
+    order; the table's colours are distinct."""
+    from matplotlib.colors import to_hex
+
+    from microscale import files
+    from microscale.colors import STYLES, style
+    from microscale.experiments import report
+    from microscale.experiments.runs import RUNS
+    from microscale.ptq import report as ptq_report
+
+    figs = _captured(monkeypatch, report, ptq_report)
+    report._plots(tmp_path, SEED_CURVES)
+    # the same runs in another order, and fewer of them: the colours stay
+    report._plots(tmp_path, {k: SEED_CURVES[k] for k in ("nvfp4", "bf16")})
+    ptq_report.plot_pareto(
+        {
+            "budget": 5.0,
+            "points": {
+                "bf16": {"kind": "uniform", "effective_bits": 16.0, "val_ppl": 10.0},
+                **{
+                    f"uniform_{f}": {"kind": "uniform", "effective_bits": b, "val_ppl": 11.0}
+                    for f, b in (("nvfp4", 4.5), ("fp8_e4m3", 8.0), ("mxfp4", 4.25))
+                },
+                "heuristic": {"kind": "heuristic", "effective_bits": 6.0, "val_ppl": 10.5},
+                "searched": {"kind": "searched", "effective_bits": 5.0, "val_ppl": 10.4},
+            },
+        },
+        tmp_path / "pareto.png",
+    )
+    names = [n for n, _ in figs]
+    assert names == ["convergence.png", "gap.png", "convergence.png", "gap.png", "pareto.png"]
+    seen: dict[str, set[str]] = {}
+    for _, fig in figs[:4]:
+        for label, colour in _colours(fig).items():
+            seen.setdefault(label, set()).add(colour)
+    assert set(seen) == set(SEED_CURVES)
+    for label, colours in seen.items():
+        assert colours == {to_hex(style(label).color)}, (label, colours)
+    # pareto: each uniform point in its format's colour (fp8_e4m3 is fp8's)
+    pareto = figs[4][1].axes[0]
+    squares = [ln for ln in pareto.get_lines() if ln.get_marker() == "s"]
+    assert sorted(to_hex(ln.get_color()) for ln in squares) == sorted(
+        to_hex(style(f).color) for f in ("bf16", "nvfp4", "fp8", "mxfp4")
+    )
+    others = {to_hex(ln.get_color()) for ln in pareto.get_lines() if ln.get_marker() != "s"}
+    formats = {to_hex(style(f).color) for f in ("bf16", "nvfp4", "fp8", "mxfp4", "mxfp8", "q8_0")}
+    assert not others & formats, others  # searched / heuristic: no format's colour
+    # scaling.png: each trend in its run's colour
+    from microscale.experiments import scaling, stats
+
+    sizes = {
+        s: {
+            "params": n,
+            "comparisons": {
+                k: {"gap_mean": g, "gap_half_width": 0.1}
+                for k, g in (("nvfp4_vs_bf16", 1.0), ("fp8_vs_bf16", 0.1))
+            },
+        }
+        for s, n in (("a", 1e5), ("b", 1e6), ("c", 1e7))
+    }
+    fit = stats.loglinear_fit([1e5, 1e6, 1e7], [1.2, 1.0, 0.7])
+    trends = {k: {"fit": fit} for k in ("fp8_vs_bf16", "nvfp4_vs_bf16")}
+    files_figs = _captured(monkeypatch, files)
+    scaling._plot(tmp_path / "scaling.png", sizes, trends)
+    [(_, fig)] = files_figs
+    got = _colours(fig)
+    assert got == {k: to_hex(style(k.split("_vs_")[0]).color) for k in trends}, got
+    assert got["nvfp4_vs_bf16"] == to_hex(style("nvfp4").color) == seen["nvfp4"].pop()
+    # every run compare knows has its own entry; no two entries share a colour
+    assert set(RUNS) <= set(STYLES)
+    hexes = [to_hex(s.color) for s in STYLES.values()]
+    assert len(set(hexes)) == len(hexes)
+
+
+def test_convergence_shows_every_seed(tmp_path, monkeypatch):
+    """The convergence line is the mean over the seeds and its band spans their min and
+    max at every point (not the first seed alone)."""
+    import numpy as np
+
+    from microscale.experiments import report
+
+    figs = _captured(monkeypatch, report)
+    report._plots(tmp_path, {"bf16": SEED_CURVES["bf16"]})
+    full = figs[0][1].axes[0]
+    [line] = [ln for ln in full.get_lines() if ln.get_label() == "bf16"]
+    seeds = np.array([[v for _, v in pts] for pts in SEED_CURVES["bf16"].values()])
+    np.testing.assert_allclose(line.get_ydata(), seeds.mean(0))
+    [band] = full.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(seeds.min()) and ys.max() == pytest.approx(seeds.max())
+    assert "mean of 3 seeds" in full.get_title()

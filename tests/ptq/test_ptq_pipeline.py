@@ -140,8 +140,19 @@ def test_files_and_own_checkpoint_roundtrip(result, tmp_path):
         "sensitivity.png",
         "checkpoint/model.safetensors",
         "checkpoint/manifest.json",
+        "checksums.json",
     ):
         assert (tmp_path / name).is_file(), name
+    # the listing covers every file but the weights (whose tensors store their own CRC-32s)
+    listed = json.loads((tmp_path / "checksums.json").read_text())["files"]
+    assert set(listed) == {
+        "precision_rules.json",
+        "report.json",
+        "report.md",
+        "pareto.png",
+        "sensitivity.png",
+        "checkpoint/manifest.json",
+    }
     from microscale.model import PrecisionRules
 
     rules = PrecisionRules.load(tmp_path / "precision_rules.json")
@@ -191,6 +202,9 @@ def test_calibration_windows_are_seeded_and_disjoint_from_eval():
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="budget"):
         QuantizeConfig(budget=0)
+    for keys in ({"formats": ("bf16",)}, {"formats": ("bf16",), "awq": True, "budget": 16}):
+        with pytest.raises(ValueError, match=r"formats=bf16: no quantized format, .*nvfp4,bf16"):
+            QuantizeConfig(**keys)
     with pytest.raises(ValueError, match="unknown format"):
         QuantizeConfig(formats=("nvfp4", "fp3"))
     with pytest.raises(ValueError, match="method"):
@@ -198,6 +212,48 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match="regex"):
         QuantizeConfig(pin=(("(", "bf16"),))
     assert QuantizeConfig(formats="nvfp4, bf16").formats == ("nvfp4", "bf16")
+
+
+# (id, QuantizeConfig keys, the error's text): a budget below the cheapest allocation (the
+# layers' sizes, candidates, groups and pins decide it; no score does) is refused before
+# any phase, AWQ's included, has started. TINY: 14 linear layers, 32,896 embedding values.
+BELOW_CHEAPEST = [
+    (
+        "every-format",
+        {"budget": 2.0},
+        "budget 2.0 bits/element is below the cheapest "
+        "allocation (4.2500 bits/element: every layer in its cheapest allowed format)",
+    ),
+    ("nvfp4-bf16", {"budget": 4.4, "formats": ("nvfp4", "bf16")}, "(4.5000 bits/element"),
+    ("awq", {"budget": 2.0, "awq": True}, "budget 2.0 bits/element is below the cheapest"),
+    ("pinned-bf16", {"budget": 8.0, "pin": ((".*", "bf16"),)}, "(16.0000 bits/element"),
+    ("embedding-searched", {"budget": 4.0, "count_other_params": True}, "(4.3070 bits/"),
+    (
+        "embedding-bf16",
+        {"budget": 4.0, "count_other_params": True, "embed_formats": ("bf16",)},
+        "(7.2388 bits/element",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "keys, expected", [c[1:] for c in BELOW_CHEAPEST], ids=[c[0] for c in BELOW_CHEAPEST]
+)
+def test_budget_below_the_cheapest_is_refused_before_any_work(
+    tiny_model, token_batches, keys, expected
+):
+    from microscale.ptq import check_quantize_budget
+
+    cfg = QuantizeConfig(**keys)
+    with pytest.raises(ValueError) as e:
+        check_quantize_budget(tiny_model, cfg)
+    assert expected in str(e.value), str(e.value)
+    logged: list[str] = []
+    calib, evals = token_batches
+    with pytest.raises(ValueError) as e2:
+        quantize_model(tiny_model, calib, evals, cfg, log=logged.append)
+    assert str(e2.value) == str(e.value)
+    assert logged == []  # no phase began (AWQ, calibration, scoring)
 
 
 def test_export_layout_roundtrip(result, tiny_model, tmp_path):

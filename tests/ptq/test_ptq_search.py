@@ -137,6 +137,38 @@ def test_infeasible_budget_names_the_minimum():
         search(prob, 5.0, solver="greedy")
 
 
+def test_check_budget_is_the_search_refusal_without_scores():
+    """The cheapest allocation does not depend on the scores: check_budget on a problem of
+    zero scores refuses exactly the budgets search refuses, with the same message."""
+    import dataclasses
+
+    from microscale.ptq.search import check_budget
+
+    rng = np.random.default_rng(5)
+    for pinned in ({}, {"layers.0.attn.o_proj": "bf16"}):
+        prob = _problem(rng, n_blocks=2, pinned=pinned)
+        zero = dataclasses.replace(
+            prob, scores={p: dict.fromkeys(FORMATS, 0.0) for p in prob.scores}
+        )
+        low = (
+            4.25
+            if not pinned
+            else effective_bits({p: pinned.get(p, "mxfp4") for p in prob.numel}, prob.numel)
+        )
+        for budget in (2.0, 4.0, low - 1e-9, low, 5.0):
+            try:
+                search(prob, budget)
+            except ValueError as e:
+                assert budget < low
+                with pytest.raises(ValueError) as got:
+                    check_budget(zero, budget)
+                assert str(got.value) == str(e)
+                assert f"({low:.4f} bits/element" in str(e)
+            else:
+                assert budget >= low
+                check_budget(zero, budget)
+
+
 def test_problem_validation_messages():
     with pytest.raises(ValueError, match="unknown format"):
         Problem(formats=("nvfp9",), scores={}, numel={"a": 1})

@@ -321,6 +321,39 @@ CASES = [
         "is a file",
     ),
     ("q-checkpoint-file", ["quantize", "-c", "{file}", "--out", "{tmp}/q"], "is a file"),
+    # -- issue 38's probe: the same source refused alike by train, quantize and import
+    (
+        "init-from-gguf",
+        ["train", *TINY, "data.corpus={corpus}", "init_from={gguf}", "out={tmp}/r"],
+        "model.gguf' is a file (",
+    ),
+    (
+        "init-from-nowhere",
+        ["train", *TINY, "data.corpus={corpus}", "init_from={tmp}/nothing", "out={tmp}/r"],
+        "nothing' does not exist; expected",
+    ),
+    (
+        "init-from-not-a-model",
+        ["train", *TINY, "data.corpus={corpus}", "init_from={dir}", "out={tmp}/r"],
+        "is not a model folder",
+    ),
+    (
+        "q-checkpoint-gguf",
+        ["quantize", "-c", "{gguf}", "--out", "{tmp}/q"],
+        "model.gguf' is a file (",
+    ),
+    ("import-gguf", ["import", "{gguf}", "--out", "{tmp}/i"], "model.gguf' is a file ("),
+    # -- refused before any work (issue 38's probe: after 36 s and 51 s)
+    (
+        "q-awq-no-quantized-format",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "awq=true", "formats=bf16", "budget=16"],
+        "formats=bf16: no quantized format",
+    ),
+    (
+        "q-budget-below-cheapest",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "budget=2.0"],
+        "budget 2.0 bits/element is below the cheapest allocation (4.2500 bits/element",
+    ),
     ("x-checkpoint-file", ["export", "-c", "{file}", "--out", "{tmp}/x"], "is a file"),
     ("e-model-file", ["eval", "-m", "{file}"], "is a file"),
     ("g-model-file", ["generate", "-m", "{file}", "-p", "x"], "is a file"),
@@ -385,6 +418,7 @@ def _biggest(folder: Path) -> Path:
 def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bad-inputs")
     (root / "file").write_text("not a folder")
+    (root / "model.gguf").write_bytes(b"GGUF" + bytes(60))
     (root / "dir").mkdir()
     (root / "full").mkdir()
     (root / "full" / "precious.txt").write_text("someone's data")
@@ -429,6 +463,7 @@ def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, s
         "run": str(run),
         "exp": str(tiny_export),
         "file": str(root / "file"),
+        "gguf": str(root / "model.gguf"),
         "dir": str(root / "dir"),
         "full_dir": str(root / "full"),
         "corpus": str(words_corpus),

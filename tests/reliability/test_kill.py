@@ -127,6 +127,7 @@ _Q_FILES = {
     "pareto.png",
     "sensitivity.png",
     "checkpoint",
+    "checksums.json",
 }
 
 

@@ -516,7 +516,7 @@ def test_intact_outputs_verify_clean(
     rc, out, err = _verify(capsys, gguf_file, tiny_export, modelopt_export, tiny_run, quantize_out)
     assert rc == 0, out + err
     assert "DAMAGED" not in out and "UNVERIFIED" not in out
-    assert "verify: 6 files checked: 6 ok, 0 damaged, 0 without checksums" in out, out
+    assert "verify: 7 files checked: 7 ok, 0 damaged, 0 without checksums" in out, out
     rc = main(["verify", "--json", str(gguf_file), str(quantize_out)])
     objs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rc == 0 and [o["what"] for o in objs] == ["GGUF file", "quantize output"]
@@ -531,6 +531,101 @@ def test_quantize_output_flip_is_named(quantize_out, tmp_path, capsys):
     _flip(f, infos[name].begin + 1)
     rc, out, _ = _verify(capsys, q)
     assert rc == 1 and _line(out, "DAMAGED", f) and repr(name) in out
+
+
+def _json_edit(name: str, edit):
+    def apply(q: Path) -> None:
+        obj = json.loads((q / name).read_text())
+        edit(obj)
+        (q / name).write_text(json.dumps(obj, indent=2))
+
+    return apply
+
+
+def _move_rule(rules: dict) -> None:
+    """The bf16 rule of layers.1.attn.o_proj moved to its q_proj: one layer's format."""
+    [rule] = rules["rules"]
+    assert rule[0] == r"(?:layers\.1\.attn\.o_proj)" and rule[1] == "bf16", rule
+    rule[0] = rule[0].replace("o_proj", "q_proj")
+
+
+def _flip_file(name: str, at: float = 0.5):
+    return lambda q: _flip(q / name, int((q / name).stat().st_size * at), 0x02)
+
+
+# (id, the file, how it changes): an edit to any file of a quantize output that stores no
+# checksums of its own is named by verify (exit 1), the weights still ok.
+QUANTIZE_EDITS = [
+    (
+        "rules-one-layer-format",
+        "precision_rules.json",
+        _json_edit("precision_rules.json", _move_rule),
+    ),
+    (
+        "report-layer-format",
+        "report.json",
+        _json_edit("report.json", lambda r: r["layers"].update({"layers.0.attn.k_proj": "bf16"})),
+    ),
+    ("report-budget", "report.json", _json_edit("report.json", lambda r: r.update(budget=4.5))),
+    ("report-md", "report.md", lambda q: (q / "report.md").write_text("# edited\n")),
+    ("plot-byte", "pareto.png", _flip_file("pareto.png")),
+    (
+        "checkpoint-config",
+        "checkpoint/config.json",
+        _json_edit("checkpoint/config.json", lambda c: c.update(rope_theta=500000.0)),
+    ),
+    ("tokenizer-byte", "checkpoint/tokenizer.json", _flip_file("checkpoint/tokenizer.json", 0.3)),
+]
+
+
+@pytest.mark.parametrize("case, name, edit", QUANTIZE_EDITS, ids=[c[0] for c in QUANTIZE_EDITS])
+def test_quantize_output_edited_file_is_named(quantize_out, tmp_path, capsys, case, name, edit):
+    q = copy_tree(quantize_out, tmp_path / "q")
+    edit(q)
+    res = verify_path(q)
+    assert res.exit_code == 1
+    [rep] = res.damaged
+    assert rep.kind == "file checksums" and rep.path == q / "checksums.json"
+    assert [p.tensor for p in rep.problems] == [name], rep.problems
+    assert f"{q / name} fails its checksum" in rep.problems[0].message
+    rc, out, _ = _verify(capsys, q)
+    assert rc == 1 and _line(out, "DAMAGED", q / "checksums.json"), out
+    assert f"{q / name} fails its checksum" in out and "1 of " in out and " files damaged" in out
+    assert _line(out, "ok", q / "checkpoint" / "model.safetensors"), out
+
+
+# (id, what is done to the output, exit code, text of verify's output)
+QUANTIZE_LISTING = [
+    ("file-removed", lambda q: (q / "report.md").unlink(), 1, "report.md is missing"),
+    (
+        "listing-garbled",
+        lambda q: (q / "checksums.json").write_text('{"files": '),
+        1,
+        "checksums.json is damaged",
+    ),
+    (
+        "listing-escapes",
+        _json_edit("checksums.json", lambda c: c["files"].update({"../x": "00000000"})),
+        1,
+        "outside the folder",
+    ),
+    (
+        "written-before-listings",
+        lambda q: (q / "checksums.json").unlink(),
+        3,
+        "no checksums stored (written before microscale stored them); 10 files found",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case, change, code, text", QUANTIZE_LISTING, ids=[c[0] for c in QUANTIZE_LISTING]
+)
+def test_quantize_output_listing_problems(quantize_out, tmp_path, capsys, case, change, code, text):
+    q = copy_tree(quantize_out, tmp_path / "q")
+    change(q)
+    rc, out, err = _verify(capsys, q)
+    assert rc == code and text in out and not err, out + err
 
 
 @pytest.mark.parametrize(

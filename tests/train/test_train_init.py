@@ -199,22 +199,44 @@ def test_mismatches_are_all_named(make_cfg, source_run, tmp_path):
     assert len(str(e.value)) < 700 and "more" in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize(
-    "overrides, expected",
-    [
-        (["init_from=/nonexistent/model"], "does not exist"),
-        (["init_step=3"], "init_step=3 needs init_from"),
-        (["init_from={empty}"], "is not a model folder"),
-        (["init_from={empty}", "init_step=2"], "applies to a run folder"),
-    ],
-)
-def test_bad_init_from_is_one_line(make_cfg, tmp_path, capsys, overrides, expected):
+# (overrides, text of the one line, refused before the run folder and its checkpointer
+# exist). {empty}: an empty folder; {gguf}: a GGUF file; {quantize}: a folder that detects
+# as a quantize output (report.json + precision_rules.json) but names no source run.
+BAD_INIT_FROM = [
+    (["init_from=/nonexistent/model"], "does not exist", True),
+    (["init_step=3"], "init_step=3 needs init_from", True),
+    (["init_from={empty}"], "is not a model folder", True),
+    (["init_from={gguf}"], "model.gguf' is a file (", True),
+    (["init_from={empty}/no-such-run"], "no-such-run' does not exist; expected", True),
+    (["init_from={quantize}", "init_step=2"], "applies to a run folder", False),
+]
+
+
+@pytest.mark.parametrize("overrides, expected, early", BAD_INIT_FROM)
+def test_bad_init_from_is_one_line(
+    make_cfg, tmp_path, capsys, monkeypatch, overrides, expected, early
+):
+    """Each bad source is one line, exit 2, like ``microscale import`` and ``quantize`` give
+    for the same path (``check_model_source``); a path that is no model folder is refused
+    before the run folder and its checkpointer exist (whose background clean-up, racing the
+    removal of a run that never started, used to end in orbax's traceback), and no folder
+    is left behind."""
     from microscale.cli import main
+    from microscale.train import loop
 
     empty = tmp_path / "empty"
     empty.mkdir()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    quantize = tmp_path / "q"
+    quantize.mkdir()
+    for name in ("report.json", "precision_rules.json"):
+        (quantize / name).write_text("{}")
+    built = []
+    real = loop.Checkpointer
+    monkeypatch.setattr(loop, "Checkpointer", lambda *a, **k: built.append(a) or real(*a, **k))
     cfg = make_cfg()
-    args = [o.format(empty=empty) for o in overrides]
+    args = [o.format(empty=empty, gguf=gguf, quantize=quantize) for o in overrides]
     m = cfg.model
     rc = main(
         [
@@ -240,3 +262,21 @@ def test_bad_init_from_is_one_line(make_cfg, tmp_path, capsys, overrides, expect
     assert rc == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], err
+    assert lines[0].startswith("microscale train: error: "), err
+    assert (built == []) is early, built
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpointer_close_waits_for_its_cleanup(tmp_path):
+    """Closing a checkpointer waits for the removal of a killed save's leftovers that
+    opening it started in the background, so the folder can be removed right after."""
+    import shutil
+
+    from microscale.train import Checkpointer
+
+    (tmp_path / "c" / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    ck = Checkpointer(tmp_path / "c")
+    ck.close()
+    assert getattr(ck._mgr, "_cleanup_tmp_directory_future", None) is None
+    assert not (tmp_path / "c" / "3.orbax-checkpoint-tmp-1").exists()
+    shutil.rmtree(tmp_path / "c")

@@ -21,6 +21,7 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from microscale.colors import style
 from microscale.config import to_dict
 from microscale.experiments import stats
 from microscale.experiments.runs import ABLATIONS, CONTROLS
@@ -506,24 +507,42 @@ def reading(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _seed_band(
+    by_seed: dict[int, list[tuple[int, float]]],
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """``(tokens, mean, min, max)`` over the seeds at the tokens every seed has a point."""
+    series = [dict(pts) for pts in by_seed.values() if pts]
+    if not series:
+        return [], [], [], []
+    ts = sorted(set(series[0]).intersection(*series[1:]))
+    vals = [[s[t] for s in series] for t in ts]
+    return ts, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
 def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> None:
+    """``convergence.png`` (each run's mean over its seeds, with the min-max band) and
+    ``gap.png`` (the paired gap to bf16 with its 95% interval); each run in its colour of
+    :data:`microscale.colors.STYLES`, the same in both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)  # type: ignore[attr-defined]
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    n_seeds = max((len(by_seed) for by_seed in curves.values()), default=0)
     for name, by_seed in curves.items():
-        pts = next(iter(by_seed.values()), [])
-        if not pts:
+        ts, mean, lo, hi = _seed_band(by_seed)
+        if not ts:
             continue
-        style = "--" if name in ABLATIONS else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=2, label=name)
-        tail = pts[len(pts) // 3 :]  # zoom: the last two thirds, where the gaps show
-        zoom.plot([p[0] for p in tail], [p[1] for p in tail], style, marker="o", ms=2, label=name)
+        st = style(name)
+        line = "--" if name in ABLATIONS else "-"
+        cut = len(ts) // 3  # zoom: the last two thirds, where the gaps show
+        for a, k in ((ax, 0), (zoom, cut)):
+            a.plot(ts[k:], mean[k:], line, color=st.color, marker=st.marker, ms=2, label=name)
+            a.fill_between(ts[k:], lo[k:], hi[k:], color=st.color, alpha=0.15, lw=0)
     ax.set_yscale("log")
-    ax.set_title("Loss vs tokens (first seed; log scale)")
+    seeds = f"mean of {n_seeds} seeds, band: min to max" if n_seeds > 1 else "one seed"
+    ax.set_title(f"Loss vs tokens ({seeds}; log scale)")
     zoom.set_title("Last two thirds of training")
     for a in (ax, zoom):
         a.set_xlabel("training tokens")
@@ -552,7 +571,8 @@ def _plots(out: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> 
             [c["mean"] for c in cis],
             yerr=err,
             capsize=3,
-            marker="o",
+            color=style(name).color,
+            marker=style(name).marker,
             ms=3,
             ls="--" if name in ABLATIONS else "-",
             label=name,

@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from microscale.colors import style
 from microscale.config import apply_overrides
 from microscale.experiments import stats
 from microscale.experiments.compare import CompareConfig, run_compare
@@ -281,11 +282,14 @@ def _plot(path: Path, sizes: dict[str, dict], trends: dict[str, dict]) -> None:
         xs = [p * (1 + 0.03 * i) for p, _ in pts]  # a small offset keeps bars apart
         ys = [c["gap_mean"] for _, c in pts]
         err = [c["gap_half_width"] or 0.0 for _, c in pts]
-        line = ax.errorbar(xs, ys, yerr=err, capsize=3, marker="o", ls="none", label=key)
+        st = style(key.split("_vs_")[0])  # the run's colour in compare's figures
+        color = st.color
+        ax.errorbar(
+            xs, ys, yerr=err, capsize=3, color=color, marker=st.marker, ls="none", label=key
+        )
         f = t["fit"]
         grid = [min(params) * (max(params) / min(params)) ** (j / 40) for j in range(41)]
         pred = [stats.predict(f, g) for g in grid]
-        color = line[0].get_color()
         ax.plot(grid, [p["gap"] for p in pred], color=color, lw=1)
         ax.fill_between(
             grid,

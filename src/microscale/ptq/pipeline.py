@@ -66,6 +66,7 @@ from microscale.ptq.search import (
     DEFAULT_GROUPS,
     Allocation,
     Problem,
+    check_budget,
     effective_bits,
     group_layers,
     model_bits,
@@ -93,6 +94,7 @@ __all__ = [
     "QuantizeConfig",
     "QuantizeResult",
     "allocation_rules",
+    "check_quantize_budget",
     "heuristic_allocation",
     "ptq_recipe",
     "quantize_model",
@@ -201,6 +203,12 @@ class QuantizeConfig:
                 "bits per weight element (e.g. 4.8)"
             )
         object.__setattr__(self, "formats", _check_format_list("formats", self.formats))
+        if not any(get_format(f).quantized for f in self.formats):
+            raise ValueError(
+                f"QuantizeConfig.formats={','.join(self.formats)}: no quantized format, so "
+                "every layer stays as it is and there is nothing to score, search or "
+                "scale (awq); add one, e.g. formats=nvfp4,bf16"
+            )
         object.__setattr__(
             self, "uniform_formats", _check_format_list("uniform_formats", self.uniform_formats)
         )
@@ -603,10 +611,9 @@ def quantize_model(
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
     phases = Phases(log)
-    model, awq = _awq(model, calib, cfg, loss_fn, phases, say) if cfg.awq else (model, None)
-    with phases.phase("setup", total=1, unit="model"):
-        engine = Engine(model, loss_fn=loss_fn)
-    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
+    engine, groups, pinned, trained, awq = _prepare(
+        model, calib, evals, cfg, loss_fn, trained, phases, say
+    )
     paths = engine.paths
     # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
     act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases)
@@ -653,6 +660,29 @@ def quantize_model(
         embedding=embed,
         awq=awq,
     )
+
+
+def _prepare(
+    model: Any,
+    calib,
+    evals,
+    cfg: QuantizeConfig,
+    loss_fn: LossFn | None,
+    trained: Mapping[str, str] | None,
+    phases: Phases,
+    say: Callable[[str], None],
+) -> tuple[Engine, dict[str, str], dict[str, str], dict[str, str] | None, dict | None]:
+    """The engine (of the AWQ-folded model with ``config.awq``), the layers' groups, pins
+    and trained formats, and what AWQ chose; the budget is checked first, before AWQ's
+    phase: the folded model has the same layers and sizes."""
+    with phases.phase("setup", total=1, unit="model"):
+        engine = Engine(model, loss_fn=loss_fn)
+    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
+    awq = None
+    if cfg.awq:
+        model, awq = _awq(model, calib, cfg, loss_fn, phases, say)
+        engine = Engine(model, loss_fn=loss_fn)
+    return engine, groups, pinned, trained, awq
 
 
 def _awq(
@@ -732,11 +762,40 @@ def _setup(
         )
     groups = group_layers(engine.paths, cfg.groups)
     pinned = _pins(engine.paths, cfg.pin)
+    _check_budget(engine, cfg, groups, pinned)
     say(
         f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
         f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
     )
     return groups, pinned, _trained(trained, engine.paths, pinned)
+
+
+def _check_budget(
+    engine: Engine, cfg: QuantizeConfig, groups: Mapping[str, str], pinned: Mapping[str, str]
+) -> None:
+    """Refuse a budget below the cheapest allocation before any work: the cheapest
+    allocation depends on the layers' sizes, candidates, groups and pins, not on scores
+    (:func:`~microscale.ptq.search.check_budget` of the search's problem, scores zero)."""
+    fmts = cfg.searched_embed_formats
+    embed = None
+    if fmts and engine.tables:  # the token embedding item, as _score_embedding makes it
+        embed = {
+            "numel": engine.table_numel,
+            "candidates": list(fmts),
+            "scores": dict.fromkeys(fmts, 0.0),
+        }
+    zero = {p: dict.fromkeys(cfg.formats, 0.0) for p in engine.paths}
+    check_budget(_problem(engine, cfg, zero, groups, pinned, embed), cfg.budget)
+
+
+def check_quantize_budget(model: Any, config: QuantizeConfig) -> None:
+    """Raise the ``ValueError`` :func:`quantize_model` raises for ``config.budget`` below
+    the cheapest allocation of ``model``'s layers, without calibration data (callers
+    check it before loading any)."""
+    engine = Engine(model)
+    _check_budget(
+        engine, config, group_layers(engine.paths, config.groups), _pins(engine.paths, config.pin)
+    )
 
 
 def _pins(paths: Sequence[str], pin: Sequence[tuple[str, str]]) -> dict[str, str]:

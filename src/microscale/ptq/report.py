@@ -13,6 +13,9 @@
     pareto.png             val perplexity vs effective bits: uniform formats, the heuristic,
                            the searched allocations across budgets
     sensitivity.png        layer x format heatmap of log10 scores, the chosen format marked
+    checksums.json         the CRC-32 of every file above but the weight files (which store
+                           their own per tensor): ``microscale verify`` names a file edited
+                           since (:func:`microscale.integrity.write_file_checksums`)
 
 microscale's own checkpoint layout (``checkpoint/manifest.json`` describes every tensor)
 is :mod:`microscale.export.manifest`; each layout is a row of
@@ -29,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.colors import style
 from microscale.export import LayerQuant, flat_params
 from microscale.export.manifest import read_manifest, write_manifest
 from microscale.export.registry import (
@@ -48,6 +52,7 @@ from microscale.files import (
 )
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
+from microscale.integrity import FILE_CHECKSUMS, write_file_checksums
 from microscale.ptq.pipeline import QuantizeResult
 
 __all__ = [
@@ -179,9 +184,10 @@ def _write_outputs(
     write_markdown(report, out / "report.md")
     plot_pareto(report, out / "pareto.png")
     plot_sensitivity(report, out / "sensitivity.png")
+    write_file_checksums(out)  # last: every file above (microscale verify checks them)
     say(
         f"quantize: wrote {shown}/{{precision_rules.json, checkpoint/, report.json, report.md, "
-        "pareto.png, sensitivity.png}"
+        f"pareto.png, sensitivity.png, {FILE_CHECKSUMS}}}"
     )
     return report
 
@@ -415,6 +421,11 @@ def write_markdown(report: Mapping[str, Any], path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------- plots
 
 
+# The allocations that are no format: hues no format of the Pareto plot takes
+# (microscale.colors gives the formats theirs).
+_SEARCHED, _HEURISTIC = "#882255", "#999933"
+
+
 def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Val perplexity vs effective bits (uniform, heuristic, searched across budgets)."""
     import matplotlib
@@ -429,22 +440,24 @@ def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     )
     if curve:
         xs, ys = zip(*curve, strict=True)
-        ax.plot(xs, ys, "-o", color="tab:blue", label="searched (budgets)", zorder=2)
+        ax.plot(xs, ys, "-o", color=_SEARCHED, label="searched (budgets)", zorder=2)
     s = pts["searched"]
     ax.plot(
         [s["effective_bits"]],
         [s["val_ppl"]],
         "*",
         ms=16,
-        color="tab:blue",
+        color=_SEARCHED,
         label=f"searched @ {report['budget']}",
         zorder=3,
     )
     uniform = [(k, p) for k, p in pts.items() if p["kind"] == "uniform"]
     for i, (label, p) in enumerate(sorted(uniform, key=lambda kp: kp[1]["effective_bits"])):
-        ax.plot([p["effective_bits"]], [p["val_ppl"]], "s", ms=8, zorder=3)
+        fmt = label.replace("uniform_", "")
+        color = style(fmt).color  # the format's colour in every figure (microscale.colors)
+        ax.plot([p["effective_bits"]], [p["val_ppl"]], "s", ms=8, color=color, zorder=3)
         ax.annotate(
-            label.replace("uniform_", ""),
+            fmt,
             (p["effective_bits"], p["val_ppl"]),
             textcoords="offset points",
             xytext=(6, 4 if i % 2 == 0 else -11),
@@ -456,7 +469,7 @@ def plot_pareto(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         [h["val_ppl"]],
         "D",
         ms=8,
-        color="tab:red",
+        color=_HEURISTIC,
         label="heuristic (first/last + down in FP8)",
         zorder=3,
     )

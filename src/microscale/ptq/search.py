@@ -54,6 +54,7 @@ __all__ = [
     "Allocation",
     "Problem",
     "brute_force",
+    "check_budget",
     "effective_bits",
     "model_bits",
     "group_layers",
@@ -334,6 +335,24 @@ def _min_bits(problem: Problem, options) -> float:
     return float(low / problem.total_numel())
 
 
+def _below_cheapest(problem: Problem, options, budget: float) -> ValueError:
+    return ValueError(
+        f"budget {budget} bits/element is below the cheapest allocation "
+        f"({_min_bits(problem, options):.4f} bits/element: every layer in its "
+        "cheapest allowed format)"
+    )
+
+
+def check_budget(problem: Problem, budget: float) -> None:
+    """Raise the ``ValueError`` :func:`search` raises when even the cheapest allocation of
+    ``problem`` exceeds ``budget``. The cheapest allocation depends on the layers' sizes,
+    candidates, groups and pins only, not on the scores: a problem of zero scores checks a
+    budget before any calibration or scoring."""
+    _, _, options = problem.group_options()
+    if _integer_costs(problem, options, budget)[0] is None:
+        raise _below_cheapest(problem, options, budget)
+
+
 def search(problem: Problem, budget: float, *, solver: str = "auto") -> Allocation:
     """The allocation of least total score whose effective bits are <= ``budget``.
 
@@ -348,11 +367,7 @@ def search(problem: Problem, budget: float, *, solver: str = "auto") -> Allocati
     _, members, options = problem.group_options()
     costs, cap, _ = _integer_costs(problem, options, budget)
     if costs is None:
-        raise ValueError(
-            f"budget {budget} bits/element is below the cheapest allocation "
-            f"({_min_bits(problem, options):.4f} bits/element: every layer in its "
-            "cheapest allowed format)"
-        )
+        raise _below_cheapest(problem, options, budget)
     scores = [[s for _, _, s in opts] for opts in options]
     if solver == "auto":
         solver = "dp" if len(options) * (cap + 1) <= _DP_MAX_CELLS else "milp"

@@ -261,11 +261,18 @@ class Checkpointer:
         self._mgr.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager (idempotent)."""
+        """Wait for pending saves and for the removal of a killed save's leftovers (started
+        in the background when the manager opens; orbax's ``close`` does not wait for it,
+        so a caller that removes the folder next -- a run that failed before its first
+        step -- would race it into a traceback from orbax's thread), then release the
+        manager (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._mgr.wait_until_finished()
+        await_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:  # orbax >= 0.11; earlier ones clean up in __init__
+            await_cleanup()
         self._mgr.close()
 
     def __enter__(self):

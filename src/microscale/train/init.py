@@ -51,6 +51,7 @@ __all__ = [
     "adopt_source_model",
     "memory_defaults",
     "check_init_shapes",
+    "check_model_source",
     "load_init_weights",
     "quantize_calibration",
     "quantized_run",
@@ -153,6 +154,16 @@ def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
     if isinstance(kind, Layout) and kind.hf_folder:
         return "hf"
     raise _not_a_model_folder(path, what=what)
+
+
+def check_model_source(source: str | os.PathLike, *, what: str = "init_from=") -> tuple[Path, str]:
+    """``(path, kind)`` of a model folder given as ``what`` (``"init_from="``,
+    ``"--checkpoint"``), read from names alone before any work: a missing path, a file
+    (``model.gguf``) or a folder that is none of the three kinds raises the one-line error
+    that names it and what was expected (:func:`~microscale.files.check_input_dir`, then
+    :func:`source_kind`)."""
+    path = check_input_dir(source, what=what, expected=SOURCE_KINDS)
+    return path, source_kind(path, what=what)
 
 
 def _not_a_model_folder(path: str | os.PathLike, *, what: str) -> ValueError:

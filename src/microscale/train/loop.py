@@ -69,7 +69,7 @@ from microscale.ops import get_recipe
 from microscale.train.adaptive import bf16_rules, choose_bf16_layers
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
-from microscale.train.init import check_init_shapes, load_init_weights
+from microscale.train.init import check_init_shapes, check_model_source, load_init_weights
 from microscale.train.mesh import (
     BATCH_AXES,
     build_mesh,
@@ -216,6 +216,8 @@ def train(
         cfg = dataclasses.replace(cfg, out=default_out(cfg))
     assert cfg.out is not None
     out = check_output_dir(cfg.out, what="out=")
+    if cfg.init_from is not None and not (cfg.resume and out.exists()):
+        check_model_source(cfg.init_from)  # a bad source: refused before any folder exists
     # One writer per run folder (on multi-host runs, process 0 speaks for all).
     lock = lock_folder(out) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock:

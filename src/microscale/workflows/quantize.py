@@ -4,7 +4,7 @@ It reads training runs (``microscale.train``) and quantizes them (``microscale.p
 ``train`` is itself a client of ``ptq`` (``train.adaptive``), so it sits above both.
 
 ``quantize_run(checkpoint, out_dir, config)`` takes what ``train init_from=`` takes
-(:func:`microscale.train.init.source_kind`, with its errors):
+(:func:`microscale.train.init.check_model_source`, with its errors):
 
 * a **training run folder**: its latest checkpoint (``microscale.train.load_checkpoint``;
   ``step=`` another), its corpus with its tokenizer (``microscale.data.load_data``;
@@ -49,13 +49,18 @@ from typing import Any
 from microscale.data import DataConfig, check_vocab_fits, load_data
 from microscale.export.reader import build_model
 from microscale.export.registry import get_layout, layout_names
-from microscale.files import check_input_dir, lock_folder
-from microscale.ptq.pipeline import QuantizeConfig, QuantizeResult, quantize_model
+from microscale.files import lock_folder
+from microscale.ptq.pipeline import (
+    QuantizeConfig,
+    QuantizeResult,
+    check_quantize_budget,
+    quantize_model,
+)
 from microscale.ptq.report import check_quantize_out, write_outputs
 from microscale.ptq.run import calibration_windows, trained_allocation
 from microscale.train import load_checkpoint
 from microscale.train.init import (
-    SOURCE_KINDS,
+    check_model_source,
     load_init_weights,
     quantize_calibration,
     quantized_run,
@@ -129,8 +134,7 @@ def quantize_run(
     ("compressed-tensors", "modelopt", "microscale" or "gguf").
     """
     cfg = QuantizeConfig() if config is None else config
-    path = check_input_dir(checkpoint, what="--checkpoint", expected=SOURCE_KINDS)
-    kind = source_kind(path, what="--checkpoint")
+    path, kind = check_model_source(checkpoint, what="--checkpoint")
     if step is not None and kind != "run":
         what = "an HF folder" if kind == "hf" else "a quantize output"
         raise ValueError(
@@ -306,6 +310,7 @@ def _calibrate_and_quantize(
     log,
 ) -> QuantizeResult:
     """Load ``data_cfg``'s corpus, cut evaluation and calibration windows, quantize, write."""
+    check_quantize_budget(model, cfg)  # a budget below the cheapest allocation: no work
     data = load_data(data_cfg)
     check_vocab_fits(
         data.vocab_size,
