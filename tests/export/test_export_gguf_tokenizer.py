@@ -19,6 +19,7 @@ from tokenizers import (  # noqa: E402
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
     trainers,
@@ -26,7 +27,7 @@ from tokenizers import (  # noqa: E402
 
 from microscale.cli import main  # noqa: E402
 from microscale.export import flat_params  # noqa: E402
-from microscale.export.gguf import _LLAMA3_SPLIT, gguf_vocab, write_gguf  # noqa: E402
+from microscale.export.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, gguf_vocab, write_gguf  # noqa: E402
 from microscale.export.llamacpp import LlamaCpp, llama_cpp_available  # noqa: E402
 from microscale.model import ModelConfig, Transformer  # noqa: E402
 
@@ -98,11 +99,19 @@ def _tokenizer(kind: str) -> Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ),
+        "qwen2": pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
         "digits-grouped": pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=False), bytelevel]
         ),
         "whitespace": pre_tokenizers.Whitespace(),
     }[kind]
+    if kind == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC
+        tok.normalizer = normalizers.NFC()
     if kind == "llama3":  # Llama 3 adds <|begin_of_text|> through its post-processor
         tok.add_special_tokens(["<|begin_of_text|>"])
         tok.post_processor = processors.Sequence(
@@ -144,7 +153,8 @@ def _fields(path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind, pre", [("gpt2", "gpt-2"), ("smollm", "smollm"), ("llama3", "llama-bpe")]
+    "kind, pre",
+    [("gpt2", "gpt-2"), ("smollm", "smollm"), ("llama3", "llama-bpe"), ("qwen2", "qwen2")],
 )
 def test_pre_tokenizer_is_chosen_from_tokenizer_json(tmp_path, params, kind, pre):
     d = _folder(tmp_path, kind)
@@ -259,7 +269,7 @@ def test_cli_refuses_the_tokenizer_before_reading_the_model(tmp_path, capsys):
     llama_cpp_available() is None,
     reason="no llama.cpp (pip install '.[llama]' or set MICROSCALE_LIBLLAMA)",
 )
-@pytest.mark.parametrize("kind", ["gpt2", "smollm", "llama3"])
+@pytest.mark.parametrize("kind", ["gpt2", "smollm", "llama3", "qwen2"])
 def test_llama_cpp_tokenizes_like_tokenizers(tmp_path, params, kind):
     d = _folder(tmp_path, kind, {k: v for k, v in INSTRUCT.items() if k != "bos_token"})
     write_gguf(
@@ -280,6 +290,11 @@ def test_llama_cpp_tokenizes_like_tokenizers(tmp_path, params, kind):
             hf.encode_special_tokens = False
             assert llm.tokenize(text, special=False) == plain, text
         assert np.all(np.asarray(want) < CFG.vocab_size)
+        if kind == "qwen2":  # llama.cpp does not apply the NFC normalizer: NFD text differs
+            nfc, nfd = "\u00e9migr\u00e9 caf\u00e9", "e\u0301migre\u0301 cafe\u0301"
+            assert hf.encode(nfd, add_special_tokens=False).ids == hf.encode(nfc).ids
+            assert llm.tokenize(nfc, special=False) == hf.encode(nfc).ids
+            assert llm.tokenize(nfd, special=False) != hf.encode(nfc).ids
     finally:
         llm.close()
 

@@ -93,7 +93,8 @@ symbols that no merge creates, which therefore never fires, and every byte stays
 own token (id = byte value, ``<|eos|>`` = 256). A trained or imported BPE keeps its vocab
 and merges; its pre-tokenizer must be one llama.cpp implements (GPT-2's ByteLevel regex ->
 ``gpt-2``, digits split then GPT-2's regex -> ``smollm``, Llama 3's split regex ->
-``llama-bpe``); anything else is refused, naming it, before any weight is read. Given a
+``llama-bpe``, Qwen2's -> ``qwen2``, with its NFC normalizer, which llama.cpp does not
+apply: text in NFC tokenizes the same, other text may not); anything else is refused, naming it, before any weight is read. Given a
 ``tokenizer.json`` path, the ``tokenizer_config.json`` beside it supplies the bos / eos /
 pad ids, ``add_bos_token`` and the chat template (:func:`gguf_vocab`), so an Instruct
 model stops at its own end-of-turn token in llama.cpp.
@@ -274,6 +275,12 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (Qwen2.5, Qwen3): Llama 3's with single digits -> "qwen2".
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLITS = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+# The one normalizer a pre-tokenizer's tokenizers carry: Qwen2's NFC. llama.cpp applies
+# none, so text already in NFC (what most text is) tokenizes the same, other text not.
+_NORMALIZERS = {"qwen2": ({"type": "NFC"},)}
 # A merge that never fires: no merge creates either multi-character symbol.
 _NOOP_MERGE = "\u0120\u0120 \u0120\u0120"
 
@@ -577,7 +584,8 @@ def _is_bytelevel(p: Any, regex: bool) -> bool:
 def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
     """tokenizer.ggml.pre for an HF byte-level pre-tokenizer (refuses unknown ones):
     GPT-2's ByteLevel regex -> ``gpt-2``; each digit split off, then GPT-2's regex
-    (SmolLM) -> ``smollm``; Llama 3's split regex, then ByteLevel -> ``llama-bpe``."""
+    (SmolLM) -> ``smollm``; Llama 3's split regex, then ByteLevel -> ``llama-bpe``; Qwen2's
+    (Llama 3's with single digits) -> ``qwen2``."""
     if not has_merges and (_is_bytelevel(pre, False) or _is_bytelevel(pre, True)):
         return "default"  # every byte is its own token: how text is split cannot matter
     if _is_bytelevel(pre, True):
@@ -595,19 +603,20 @@ def _pre_tokenizer(pre: Any, has_merges: bool) -> str:
             and _is_bytelevel(seq[1], True)
         ):
             return "smollm"
+        regex = (first.get("pattern") or {}).get("Regex")
         if (
             first.get("type") == "Split"
             and _is_bytelevel(seq[1], False)
-            and (first.get("pattern") or {}).get("Regex") == _LLAMA3_SPLIT
+            and regex in _SPLITS
             and first.get("behavior", "Isolated") == "Isolated"
             and not first.get("invert", False)
         ):
-            return "llama-bpe"
+            return _SPLITS[regex]
     raise ValueError(
         f"tokenizer pre-tokenizer {json.dumps(pre)[:300]} is not one llama.cpp "
         "implements the same way; GGUF export knows GPT-2's ByteLevel regex "
-        "(gpt-2), digits split then GPT-2's regex (smollm) and Llama 3's split "
-        "regex (llama-bpe)"
+        "(gpt-2), digits split then GPT-2's regex (smollm), Llama 3's split "
+        "regex (llama-bpe) and Qwen2's (qwen2)"
     )
 
 
@@ -688,13 +697,20 @@ def gguf_vocab(tokenizer: Any) -> GGUFVocab:
     tokenizer's post-processor template starts with it."""
     tj, eos, file = _tokenizer_json(tokenizer)
     model = tj.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or tj.get("normalizer"):
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pre = _pre_tokenizer(tj.get("pre_tokenizer"), bool(merges))
+    norm = tj.get("normalizer")
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or (norm and norm not in _NORMALIZERS.get(pre, ()))
+    ):
         raise ValueError(
             "tokenizer: GGUF export supports byte-level BPE tokenizers (model "
             f"type {model.get('type')!r}, byte_fallback "
             f"{model.get('byte_fallback')!r}, normalizer "
-            f"{(tj.get('normalizer') or {}).get('type')!r}); expected BPE, no "
-            "byte fallback, no normalizer"
+            f"{(norm or {}).get('type')!r}); expected BPE, no "
+            "byte fallback, no normalizer (NFC with Qwen2's pre-tokenizer)"
         )
     if (tj.get("decoder") or {}).get("type") != "ByteLevel":
         raise ValueError(
@@ -705,8 +721,6 @@ def gguf_vocab(tokenizer: Any) -> GGUFVocab:
     for t in tj.get("added_tokens") or []:
         vocab[t["content"]] = int(t["id"])
         added[int(t["id"])] = bool(t.get("special"))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    pre = _pre_tokenizer(tj.get("pre_tokenizer"), bool(merges))
     cfg: dict = {}
     folder = where = None
     if file is not None:
