@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from microscale.data import ByteTokenizer
 from microscale.export import read_checkpoint
+from microscale.export.registry import get_layout
 from microscale.inference import InferenceModel
-from microscale.model import ModelConfig, Transformer
+from microscale.model import ModelConfig, Transformer, linear_paths
 from microscale.ptq import QuantizeConfig, WeightPTQ, quantize_model, write_outputs
+from microscale.ptq.pipeline import GGUF_CANDIDATES
 
 FAMILIES = {
     "qwen2": dict(family="qwen2"),
@@ -84,3 +87,47 @@ def test_quantize_every_family_with_gptq_and_awq(family, token_batches, tmp_path
         assert np.asarray(plain.engine.params["layers"][0]["attn"]["v_proj"]["bias"]).tolist() == (
             np.asarray(model.layers[0].attn.v_proj.bias[...]).tolist()
         )
+
+
+# llama.cpp's graphs that drop the MLP's tensor scale (export/gguf.py's _Arch.unscaled)
+GGUF_UNSCALED_MLP = {"qwen2": True, "qwen3": False, "mistral": False, "gemma3": True}
+GGUF_CHANGES = {"gemma3": {"sliding_window_pattern": 6}, "mistral": {"sliding_window": None}}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_UNSCALED_MLP))
+def test_gguf_layout_restricts_the_search_where_llama_cpp_drops_the_scale(family):
+    """The GGUF layout's candidates record: no NVFP4 on the MLP of qwen2 and gemma3
+    (llama.cpp's graph applies no tensor scale there), every format elsewhere."""
+    # (gemma3: llama.cpp's own layer pattern, 6; mistral: no window, as llama.cpp runs it)
+    changes = {**FAMILIES[family], **GGUF_CHANGES.get(family, {})}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    cfg = _model(changes).config
+    cands = get_layout("gguf").candidates(cfg, GGUF_CANDIDATES)
+    mlp = [p for p in linear_paths(cfg) if ".mlp." in p]
+    if GGUF_UNSCALED_MLP[family]:
+        assert sorted(cands) == sorted(mlp)
+        assert all("nvfp4" not in f and "mxfp4" in f for f in cands.values())
+    else:
+        assert cands == {}
+    assert get_layout("compressed-tensors").candidates is None
+
+
+@pytest.mark.slow
+def test_quantize_for_gguf_on_qwen2_writes_what_llama_cpp_runs(token_batches, tmp_path):
+    """With the layout's candidates the search keeps NVFP4 off Qwen2's MLP, so the GGUF is
+    written (the export refused the NVFP4 MLP the search used to choose), and the
+    attention may still take NVFP4."""
+    model = _model(FAMILIES["qwen2"])
+    calib, evals = token_batches
+    cfg = QuantizeConfig.for_gguf(budget=4.5, pareto_budgets=(), ptq_effects=False)
+    cands = get_layout("gguf").candidates(model.config, cfg.formats)
+    result = quantize_model(model, calib, evals, cfg, candidates=cands)
+    chosen = result.allocation.formats
+    assert all(chosen[p] != "nvfp4" for p in cands)
+    assert any(f == "nvfp4" for p, f in chosen.items() if p not in cands and p.startswith("layers"))
+    said: list[str] = []
+    write_outputs(
+        result, tmp_path / "q", model_config=model.config, tokenizer=ByteTokenizer(),
+        layout="gguf", log=said.append,
+    )  # fmt: skip
+    assert (tmp_path / "q" / "model.gguf").is_file(), said

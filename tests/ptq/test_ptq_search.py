@@ -218,3 +218,20 @@ def test_monotone_correction():
         for g in FORMATS:
             if bits[g] >= bits[f]:
                 assert out[g] <= out[f]
+
+
+def test_a_group_takes_the_formats_all_its_members_may_take():
+    """Members restricted differently (a layout's candidates on one, every format on the
+    other) share the formats both may take; none in common is refused, naming the group."""
+    scores = {
+        "a": {"nvfp4": 0.0, "mxfp4": 5.0, "bf16": 9.0},
+        "b": {"nvfp4": 0.0, "mxfp4": 5.0, "bf16": 9.0},
+    }
+    kw = dict(formats=("nvfp4", "mxfp4", "bf16"), scores=scores, numel={"a": 64, "b": 64},
+              groups={"a": "g", "b": "g"})  # fmt: skip
+    free = search(Problem(**kw), 16.0)
+    assert free.formats == {"a": "nvfp4", "b": "nvfp4"}
+    kept = search(Problem(**kw, options={"b": ("mxfp4", "bf16")}), 16.0)
+    assert kept.formats == {"a": "mxfp4", "b": "mxfp4"}
+    with pytest.raises(ValueError, match="group 'g' has members with no candidate format"):
+        search(Problem(**kw, options={"a": ("nvfp4",), "b": ("bf16",)}), 16.0)

@@ -113,7 +113,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,7 @@ __all__ = [
     "embed_values",
     "gguf_embed_format",
     "gguf_format",
+    "gguf_layer_candidates",
     "gguf_layer_formats",
     "gguf_tensor",
     "gguf_vocab",
@@ -451,6 +452,20 @@ def _check_layers(cfg: ModelConfig, arch: _Arch, where: str) -> None:
                 f"sliding_window={cfg.sliding_window}): cannot be stored (export it to an HF "
                 "folder instead)"
             )
+
+
+def gguf_layer_candidates(cfg: ModelConfig, formats: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """{linear path: the ``formats`` it may take in a GGUF of ``cfg``} for the layers the
+    file restricts: no global-scale format (NVFP4) where llama.cpp's graph does not apply
+    the ``.scale`` tensor (qwen2's and gemma3's MLP; `_check_scales`). A model the file
+    cannot store at all is refused here, naming why (`_arch`), before any work."""
+    arch = _arch(cfg)
+    kept = tuple(f for f in formats if not get_format(f).has_global_scale)
+    return {
+        p: kept
+        for p in linear_paths(cfg)
+        if p.split(".", 2)[2] in arch.unscaled and len(kept) < len(formats)
+    }
 
 
 def _check_scales(arch: _Arch, formats: Mapping[str, str]) -> None:

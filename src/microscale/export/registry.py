@@ -37,13 +37,13 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from microscale.export.gguf import gguf_vocab, write_gguf
+from microscale.export.gguf import gguf_layer_candidates, gguf_vocab, write_gguf
 from microscale.export.gguf_hf import read_gguf_params
 from microscale.export.hfquant import HF_QUANT, quant_method
 from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
@@ -100,6 +100,10 @@ class Layout(Kind):
     # .layers {linear path: format} and .tensor_bytes. The microscale row stores PTQ's
     # weights instead: write(out, *, params, weights, activations, input_amax, rules).
     write: Callable[..., Any]
+    # candidates(model config, formats) -> {linear path: the formats it may take} for the
+    # layers this layout restricts (GGUF: no NVFP4 where llama.cpp's graph drops the
+    # tensor scale), refusing a model it cannot store at all; None: every format anywhere.
+    candidates: Callable[[ModelConfig, Sequence[str]], dict[str, tuple[str, ...]]] | None
     # read(path) -> ({parameter path: float array, kernels [in, out]}, ModelConfig or None
     # when the layout stores none): every weight decoded.
     read: Callable[[Path], tuple[dict[str, np.ndarray], ModelConfig | None]]
@@ -187,7 +191,12 @@ QUANTIZE_OUTPUT = Kind(
     detect=_is_quantize_output,
 )
 _HF: dict[str, Any] = dict(
-    single_file=False, writes_model=True, hf_folder=True, check_tokenizer=None, read=_hf_params
+    single_file=False,
+    writes_model=True,
+    hf_folder=True,
+    check_tokenizer=None,
+    read=_hf_params,
+    candidates=None,
 )  # what the HF-style folders share
 KINDS: tuple[Kind, ...] = (
     RUN,
@@ -225,6 +234,7 @@ KINDS: tuple[Kind, ...] = (
         hf_folder=False,
         input_scales=False,
         check_tokenizer=gguf_vocab,
+        candidates=gguf_layer_candidates,
         read=read_gguf_params,
         write=_write_gguf,
     ),
@@ -238,6 +248,7 @@ KINDS: tuple[Kind, ...] = (
         hf_folder=False,
         input_scales=True,
         check_tokenizer=None,
+        candidates=None,
         read=manifest_params,
         write=write_manifest,
     ),

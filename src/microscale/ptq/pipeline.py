@@ -590,6 +590,7 @@ def quantize_model(
     loss_fn: LossFn | None = None,
     calibration: Mapping[str, Any] | None = None,
     trained: Mapping[str, str] | None = None,
+    candidates: Mapping[str, Sequence[str]] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> QuantizeResult:
     """Calibrate, score, search and evaluate (see the module doc).
@@ -604,6 +605,8 @@ def quantize_model(
       trained: ``{path: format}`` the model was trained with (QAT): evaluated as the points
         ``"trained"`` (round-to-nearest weights) and ``"trained_ptq"`` (``config.ptq``,
         when it differs), pinned layers keeping their pin, with paired differences.
+      candidates: ``{path: formats}`` the search may give those layers instead of
+        ``config.formats`` (the output layout's restrictions: its ``candidates`` record).
       log: progress messages (e.g. ``print``); None is silent.
     """
     cfg = QuantizeConfig() if config is None else config
@@ -611,8 +614,9 @@ def quantize_model(
     calib = [np.asarray(b) for b in calib_batches]
     evals = [np.asarray(b) for b in eval_batches]
     phases = Phases(log)
+    options = {p: tuple(f) for p, f in (candidates or {}).items()}
     engine, groups, pinned, trained, awq = _prepare(
-        model, calib, evals, cfg, loss_fn, trained, phases, say
+        model, calib, evals, cfg, loss_fn, trained, phases, say, options
     )
     paths = engine.paths
     # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
@@ -621,7 +625,7 @@ def quantize_model(
     embed = _score_embedding(engine, calib, cfg, phases)
     # 3. search
     with phases.phase("search", total=1, unit="solve"):
-        problem = _problem(engine, cfg, scores, groups, pinned, embed)
+        problem = _problem(engine, cfg, scores, groups, pinned, embed, options)
         alloc = search(problem, cfg.budget, solver=cfg.solver)
     if embed is not None:
         embed["format"] = alloc.formats[EMBED_ITEM]
@@ -671,13 +675,14 @@ def _prepare(
     trained: Mapping[str, str] | None,
     phases: Phases,
     say: Callable[[str], None],
+    options: Mapping[str, tuple[str, ...]],
 ) -> tuple[Engine, dict[str, str], dict[str, str], dict[str, str] | None, dict | None]:
     """The engine (of the AWQ-folded model with ``config.awq``), the layers' groups, pins
     and trained formats, and what AWQ chose; the budget is checked first, before AWQ's
     phase: the folded model has the same layers and sizes."""
     with phases.phase("setup", total=1, unit="model"):
         engine = Engine(model, loss_fn=loss_fn)
-    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say)
+    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say, options)
     awq = None
     if cfg.awq:
         model, awq = _awq(model, calib, cfg, loss_fn, phases, say)
@@ -752,6 +757,7 @@ def _setup(
     evals: Sequence[np.ndarray],
     trained: Mapping[str, str] | None,
     say: Callable[[str], None],
+    options: Mapping[str, tuple[str, ...]],
 ) -> tuple[dict[str, str], dict[str, str], dict[str, str] | None]:
     """The layers' groups, pins and trained formats (:func:`_trained`); refuses a run
     without calibration or evaluation batches."""
@@ -762,7 +768,7 @@ def _setup(
         )
     groups = group_layers(engine.paths, cfg.groups)
     pinned = _pins(engine.paths, cfg.pin)
-    _check_budget(engine, cfg, groups, pinned)
+    _check_budget(engine, cfg, groups, pinned, options)
     say(
         f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
         f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
@@ -771,7 +777,11 @@ def _setup(
 
 
 def _check_budget(
-    engine: Engine, cfg: QuantizeConfig, groups: Mapping[str, str], pinned: Mapping[str, str]
+    engine: Engine,
+    cfg: QuantizeConfig,
+    groups: Mapping[str, str],
+    pinned: Mapping[str, str],
+    options: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
     """Refuse a budget below the cheapest allocation before any work: the cheapest
     allocation depends on the layers' sizes, candidates, groups and pins, not on scores
@@ -785,16 +795,22 @@ def _check_budget(
             "scores": dict.fromkeys(fmts, 0.0),
         }
     zero = {p: dict.fromkeys(cfg.formats, 0.0) for p in engine.paths}
-    check_budget(_problem(engine, cfg, zero, groups, pinned, embed), cfg.budget)
+    check_budget(_problem(engine, cfg, zero, groups, pinned, embed, options), cfg.budget)
 
 
-def check_quantize_budget(model: Any, config: QuantizeConfig) -> None:
+def check_quantize_budget(
+    model: Any, config: QuantizeConfig, candidates: Mapping[str, Sequence[str]] | None = None
+) -> None:
     """Raise the ``ValueError`` :func:`quantize_model` raises for ``config.budget`` below
-    the cheapest allocation of ``model``'s layers, without calibration data (callers
-    check it before loading any)."""
+    the cheapest allocation of ``model``'s layers (with ``candidates`` as there), without
+    calibration data (callers check it before loading any)."""
     engine = Engine(model)
     _check_budget(
-        engine, config, group_layers(engine.paths, config.groups), _pins(engine.paths, config.pin)
+        engine,
+        config,
+        group_layers(engine.paths, config.groups),
+        _pins(engine.paths, config.pin),
+        {p: tuple(f) for p, f in (candidates or {}).items()},
     )
 
 
@@ -1001,11 +1017,13 @@ def _problem(
     groups: Mapping[str, str],
     pinned: Mapping[str, str],
     embed: Mapping[str, Any] | None,
+    options: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Problem:
     """The search over the linear layers, the other parameters counted at 16 bits with
     ``count_other_params``, or the token embedding / LM head among them as one more item
     (:data:`EMBED_ITEM`, with its own candidates)."""
     extra = engine.other_numel if cfg.count_other_params else 0
+    options = {p: f for p, f in (options or {}).items() if p in engine.numel}
     if embed is None:
         return Problem(
             formats=cfg.formats,
@@ -1013,6 +1031,7 @@ def _problem(
             numel=engine.numel,
             groups=groups,
             pinned=pinned,
+            options=options,
             extra_numel=extra,
         )
     if EMBED_ITEM in engine.numel:  # pragma: no cover - no module path has "<"
@@ -1023,7 +1042,7 @@ def _problem(
         numel={**engine.numel, EMBED_ITEM: embed["numel"]},
         groups={**groups, EMBED_ITEM: EMBED_ITEM},
         pinned=pinned,
-        options={EMBED_ITEM: tuple(embed["candidates"])},
+        options={**options, EMBED_ITEM: tuple(embed["candidates"])},
         extra_numel=extra - embed["numel"],
     )
 

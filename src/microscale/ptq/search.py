@@ -260,12 +260,14 @@ class Problem:
                     f"{sorted(pins)}: a group shares one format"
                 )
             cands = {self.candidates(p) for p in mem}
-            if len(cands) > 1:
+            # a group shares one format: the formats every member may take
+            common = [f for f in self.candidates(mem[0]) if all(f in c for c in cands)]
+            if not common:
                 raise ValueError(
-                    f"group {g!r} has members with different candidate formats "
+                    f"group {g!r} has members with no candidate format in common "
                     f"{sorted(cands)}: a group shares one format"
                 )
-            fmts = sorted(pins) if pins else list(cands.pop())
+            fmts = sorted(pins) if pins else common
             n = sum(int(self.numel[p]) for p in mem)
             opts = []
             for f in fmts:

@@ -310,7 +310,11 @@ def _calibrate_and_quantize(
     log,
 ) -> QuantizeResult:
     """Load ``data_cfg``'s corpus, cut evaluation and calibration windows, quantize, write."""
-    check_quantize_budget(model, cfg)  # a budget below the cheapest allocation: no work
+    # the layout's restrictions (GGUF: no NVFP4 where llama.cpp drops its scale) become
+    # the search's candidates, and a model it cannot store is refused, before any work
+    row = get_layout(layout)
+    candidates = row.candidates(model_cfg, cfg.formats) if row.candidates else {}
+    check_quantize_budget(model, cfg, candidates)  # below the cheapest allocation: no work
     data = load_data(data_cfg)
     check_vocab_fits(
         data.vocab_size,
@@ -341,7 +345,16 @@ def _calibrate_and_quantize(
                 f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens"
             )
     desc.update(source, tokenizer=data_cfg.tokenizer, seed=cfg.seed)
-    result = quantize_model(model, calib, evals, cfg, calibration=desc, trained=trained, log=log)
+    result = quantize_model(
+        model,
+        calib,
+        evals,
+        cfg,
+        calibration=desc,
+        trained=trained,
+        candidates=candidates,
+        log=log,
+    )
     write_outputs(
         result,
         out_dir,
