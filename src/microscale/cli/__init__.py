@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "import": (
         "microscale.cli.import_hf",
-        "an HF folder (Llama, Mistral, Qwen2, Qwen3) as a run folder (config.json's "
+        "an HF folder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) as a run folder (config.json's "
         "model, its tokenizer, its weights; no training)",
     ),
     "export": (
