@@ -608,6 +608,9 @@ def quantize_model(
       candidates: ``{path: formats}`` the search may give those layers instead of
         ``config.formats`` (the output layout's restrictions: its ``candidates`` record).
       log: progress messages (e.g. ``print``); None is silent.
+
+    Long: the run's five phases in order, one call each, with the arguments each phase
+    hands the next; split, the parts would pass the same dozen names back and forth.
     """
     cfg = QuantizeConfig() if config is None else config
     say = log or (lambda _msg: None)
