@@ -1,5 +1,5 @@
 """One CLI style: ``quantize`` and ``export`` take ``key=value`` (plus ``--list-keys``) like
-``train``; every old flag still works, is the same config as its key, and says so."""
+``train``; every flag from before ``key=value`` is refused, naming the key that replaced it."""
 
 from __future__ import annotations
 
@@ -32,71 +32,42 @@ def _export(argv):
     return export_cli.export_config(_parse(export_cli, argv))
 
 
-# (old flags, the same request as key=value)
-QUANTIZE_TABLE = [
-    (["--budget", "5.5"], ["budget=5.5"]),
-    (["--formats", "nvfp4,fp8,bf16"], ["formats=nvfp4,fp8,bf16"]),
-    (["--formats", "nvfp4,fp8,bf16"], ["formats=nvfp4,fp8_e4m3,bf16"]),
-    (["--target", "gguf"], ["layout=gguf"]),
-    (["--target", "gguf", "--formats", "nvfp4,q8_0"], ["layout=gguf", "formats=nvfp4,q8_0"]),
-    (["--method", "kl"], ["method=kl"]),
-    (["--calib-tokens", "8192"], ["calib_tokens=8192"]),
-    (["--seed", "3"], ["seed=3"]),
-    (["--corpus", "texts/"], ["corpus=texts/"]),
-    (["--step", "40"], ["step=40"]),
-    (["--eval-batches", "2"], ["eval_batches=2"]),
-    (["--w4a4"], ["activations=true"]),
-    (["--w4a4", "--dynamic-act-scales"], ["activations=true", "static_act_scales=false"]),
-    (["--no-mse-scale"], ["ptq.mse_scale=false"]),
-    (["--no-four-over-six"], ["ptq.four_over_six=false"]),
-    (["--weight-method", "gptq"], ["ptq.method=gptq"]),
-    (["--monotone", "on"], ["monotone=true"]),
-    (["--monotone", "off"], ["monotone=false"]),
-    (["--monotone", "auto"], ["monotone=none"]),
-    (["--no-ptq-effects"], ["ptq_effects=false"]),
-    (["--count-other-params"], ["count_other_params=true"]),
-    (["--pareto-budgets", "5,8"], ["pareto_budgets=5,8"]),
-    (["--solver", "milp"], ["solver=milp"]),
-    (["--layout", "microscale"], ["layout=microscale"]),
+REMOVED = [
+    (command, flag, new)
+    for command, module in (("quantize", quantize_cli), ("export", export_cli))
+    for flag, new in module.REMOVED_FLAGS.items()
 ]
 
 
-@pytest.mark.parametrize("old,new", QUANTIZE_TABLE, ids=lambda a: " ".join(a))
-def test_each_old_quantize_flag_is_its_key(old, new, capsys):
-    assert _quantize(old) == _quantize(new)
-    err = capsys.readouterr().out
-    for flag in old:
-        if flag.startswith("--"):
-            assert f"microscale quantize: {flag}" in err and " is now " in err
-    assert _quantize(new) != _quantize([]) or new == ["monotone=none"]
+@pytest.mark.parametrize("command,flag,new", REMOVED, ids=[f"{c} {f}" for c, f, _ in REMOVED])
+def test_each_removed_flag_is_refused_naming_its_key(command, flag, new, capsys):
+    """The flags before key=value are gone: each, with or without a value, exits 2 with
+    one line naming it and the key that replaces it."""
+    for argv in ([flag], [flag, "1"]):
+        with pytest.raises(SystemExit) as e:
+            main([command, *REQ, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} was removed" in err[0] and f"write {new}" in err[0]
 
 
-def test_old_quantize_command_line_builds_the_old_config():
-    """The config the old flag parsing built, field by field (so numbers cannot move)."""
-    old = [
-        "--budget",
-        "6",
-        "--formats",
-        "nvfp4,fp8,bf16",
-        "--method",
-        "gradient",
-        "--calib-tokens",
-        "256",
-        "--seed",
-        "1",
-        "--w4a4",
-        "--dynamic-act-scales",
-        "--no-mse-scale",
-        "--weight-method",
-        "gptq",
-        "--monotone",
-        "off",
-        "--no-ptq-effects",
-        "--count-other-params",
-        "--pareto-budgets",
-        "5,8",
-        "--solver",
-        "dp",
+def test_the_quantize_command_line_builds_the_config():
+    """The config key=value builds, field by field."""
+    argv = [
+        "budget=6",
+        "formats=nvfp4,fp8,bf16",
+        "method=gradient",
+        "calib_tokens=256",
+        "seed=1",
+        "activations=true",
+        "static_act_scales=false",
+        "ptq.mse_scale=false",
+        "ptq.method=gptq",
+        "monotone=false",
+        "ptq_effects=false",
+        "count_other_params=true",
+        "pareto_budgets=5,8",
+        "solver=dp",
     ]
     expected = QuantizeConfig(
         budget=6.0,
@@ -113,41 +84,15 @@ def test_old_quantize_command_line_builds_the_old_config():
         solver="dp",
         pareto_budgets=(5.0, 8.0),
     )
-    assert _quantize(old) == (expected, QuantizeRunConfig())
-    gguf = _quantize(["--target", "gguf", "--budget", "5.0", "--calib-tokens", "256"])
+    assert _quantize(argv) == (expected, QuantizeRunConfig())
+    gguf = _quantize(["layout=gguf", "budget=5.0", "calib_tokens=256"])
     assert gguf == (
         QuantizeConfig.for_gguf(budget=5.0, calib_tokens=256, ptq=WeightPTQ()),
         QuantizeRunConfig(layout="gguf"),
     )
-
-
-def test_keys_win_over_old_flags_and_old_flags_must_agree(capsys):
-    cfg, _ = _quantize(["--budget", "5", "budget=6"])
-    assert cfg.budget == 6.0
-    with pytest.raises(ValueError, match="--target gguf and --layout microscale both set layout"):
-        _quantize(["--target", "gguf", "--layout", "microscale"])
-
-
-EXPORT_TABLE = [
-    (["--format", "gguf"], ["layout=gguf"]),
-    (["--formats", "mxfp4"], ["formats=mxfp4"]),
-    (["--rules", "r.json"], ["rules=r.json"]),
-    (["--activations"], ["activations=true"]),
-    (["--activations", "--calib-batches", "3"], ["activations=true", "calib_batches=3"]),
-    (["--data", "texts/"], ["corpus=texts/"]),
-    (["--step", "7"], ["step=7"]),
-    (["--dtype", "float16"], ["dtype=float16"]),
-    (["--embed-format", "q8_0"], ["embed_format=q8_0"]),
-    (["--shard-size", "0.5"], ["shard_size=0.5"]),
-    (["--overwrite"], ["overwrite=true"]),
-]
-
-
-@pytest.mark.parametrize("old,new", EXPORT_TABLE, ids=lambda a: " ".join(a))
-def test_each_old_export_flag_is_its_key(old, new, capsys):
-    cfg, _ = _export(old)
-    assert cfg == _export(new)[0] != ExportConfig()
-    assert f"microscale export: {old[0]}" in capsys.readouterr().out
+    assert _export(["layout=modelopt", "overwrite=true"]) == ExportConfig(
+        layout="modelopt", overwrite=True
+    )
 
 
 @pytest.mark.parametrize(

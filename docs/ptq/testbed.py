@@ -8,12 +8,12 @@ whose source runs ``src-S`` this driver shares and reuses). Per seed ``S`` and m
 (weights only ``w``, ``w4a4``), every stage skipped when its output exists:
 
 1. ``microscale train`` the test bed with ``seed=S`` -> ``src-S`` (as docs/qat/measure.py);
-2. ``microscale quantize --budget 5.0`` three times, on the same ``--eval-batches`` (32)
+2. ``microscale quantize budget=5.0`` three times, on the same ``eval_batches=`` (32)
    validation batches of 16 x 128 tokens:
-   ``r-S-M`` plain round to nearest (``--no-mse-scale --no-four-over-six``),
+   ``r-S-M`` plain round to nearest (``ptq.mse_scale=false ptq.four_over_six=false``),
    ``q-S-M`` quantize's default RTN choices (MSE tensor scale, four over six; the run
    docs/qat/measure.py makes for its PTQ stage) and
-   ``g-S-M`` GPTQ with those choices (``--weight-method gptq``; under W4A4 with each
+   ``g-S-M`` GPTQ with those choices (``ptq.method=gptq``; under W4A4 with each
    format's quantized-input Hessians).
 
 Per seed, each point's val ppl relative to bf16, the fraction of plain-RTN uniform NVFP4's
@@ -34,9 +34,9 @@ from measure import add_testbed_arguments, ci, ptq_flags, sh, train_source  # no
 
 # run prefix: (label, extra quantize flags)
 RUNS = {
-    "r": ("RTN", ["--no-mse-scale", "--no-four-over-six"]),
+    "r": ("RTN", ["ptq.mse_scale=false", "ptq.four_over_six=false"]),
     "q": ("RTN + MSE scale + four over six", []),
-    "g": ("GPTQ + MSE scale + four over six", ["--weight-method", "gptq"]),
+    "g": ("GPTQ + MSE scale + four over six", ["ptq.method=gptq"]),
 }
 # table rows: (row label, run prefix, point)
 ROWS = (

@@ -5,9 +5,9 @@
 Per seed ``S`` (every stage is skipped when its output exists, so the command resumes):
 
 1. ``microscale train`` the test bed (``TESTBED`` below) with ``seed=S`` -> ``src-S``;
-2. ``microscale quantize --budget 5.0`` weight-only and ``--w4a4`` -> ``q-S-w``, ``q-S-w4a4``:
+2. ``microscale quantize budget=5.0`` weight-only and ``activations=true`` -> ``q-S-w``, ``q-S-w4a4``:
    val ppl of bf16, uniform NVFP4 and the searched allocation (PTQ alone), on
-   ``--eval-batches`` (32) validation batches of 16 x 128 tokens;
+   ``eval_batches=`` (32) validation batches of 16 x 128 tokens;
 3. QAT: ``microscale train init_from=q-S-M rules=q-S-M/precision_rules.json`` for
    ``qat_fraction`` of the test bed's steps (forward-only recipes, straight-through
    gradients; learning rate ``--qat-lr``) -> ``qat-S-M``;
@@ -17,7 +17,7 @@ Per seed ``S`` (every stage is skipped when its output exists, so the command re
    pass trained and as export writes it (static input amax under W4A4, as export), and
    point ``trained_ptq``, through step 2's PTQ choices (MSE tensor scale, 4-over-6); under
    W4A4 also rounded to nearest with the per-batch input amax of its forward pass
-   (``--dynamic-act-scales``) -> ``qqm-S-w4a4``;
+   (``static_act_scales=false``) -> ``qqm-S-w4a4``;
 5. control: the same fine-tune in bf16 (``ft-S``, no rules), then step 2's PTQ search
    (``qf-S-M``) and the round-to-nearest one (``qfm-S-M``): it separates quantization
    awareness from the extra tokens.
@@ -68,15 +68,12 @@ def train_source(root: Path, seed: int) -> Path:
 def ptq_flags(mode: str, eval_batches: str) -> list[str]:
     """``microscale quantize`` flags of the PTQ-alone runs (``mode``: w or w4a4)."""
     return [
-        "--budget",
-        BUDGET,
-        "--no-ptq-effects",
-        "--pareto-budgets",
-        BUDGET,
+        f"budget={BUDGET}",
+        "ptq_effects=false",
+        f"pareto_budgets={BUDGET}",
         "-q",
-        "--eval-batches",
-        eval_batches,
-    ] + (["--w4a4"] if mode == "w4a4" else [])
+        f"eval_batches={eval_batches}",
+    ] + (["activations=true"] if mode == "w4a4" else [])
 
 
 def ci(xs: list[float]) -> dict:
@@ -159,10 +156,10 @@ def main() -> None:
                 sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
             # the control rounded to nearest too; under W4A4 also the QAT model with the
             # per-batch input amax its forward pass trained with (export: static amax)
-            rtn = flags + ["--no-mse-scale", "--no-four-over-six"]
+            rtn = flags + ["ptq.mse_scale=false", "ptq.four_over_six=false"]
             extra = {"qfm": (ft, rtn)}
             if mode == "w4a4":
-                extra["qqm"] = (qat, rtn + ["--dynamic-act-scales"])
+                extra["qqm"] = (qat, rtn + ["static_act_scales=false"])
             for k, (src_dir, f) in extra.items():
                 out = root / f"{k}-{seed}-{mode}"
                 if not (out / "report.json").is_file():

@@ -398,7 +398,30 @@ def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(f"key {key!r}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _unknown_key(cls: type, key: str, local: str, prefix: str) -> ConfigError:
+def _removed(cls: type, key: str) -> ConfigError | None:
+    """The error for a key ``cls`` no longer has (its ``_removed_keys``, ``{old dotted key
+    or group: what replaces it}``, as docs/release-notes.md lists them); None for any
+    other key."""
+    removed: dict[str, str] = getattr(cls, "_removed_keys", None) or {}
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        old = ".".join(parts[:n])
+        if old in removed:
+            return ConfigError(
+                f"key {key!r} was removed ({cls.__name__}, docs/release-notes.md): "
+                f"write {removed[old]}"
+            )
+    return None
+
+
+def _unknown_key(cls: type, key: str, local: str, prefix: str, value: Any = None) -> ConfigError:
+    rel = key[len(prefix) :]
+    while isinstance(value, dict) and value:  # a YAML group: its first key, dotted
+        sub, value = next(iter(value.items()))
+        rel += f".{sub}"
+    removed = _removed(cls, rel)
+    if removed is not None:
+        return removed
     valid = list(_fields(cls))
     all_keys = config_keys(cls, prefix)
     guess = difflib.get_close_matches(local, valid, n=1, cutoff=0.6) or difflib.get_close_matches(
@@ -438,14 +461,13 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
             f"{_prefix.rstrip('.') or cls.__name__}: expected a mapping of "
             f"keys to values, got {type(data).__name__} {data!r}"
         )
-    data = _upgrade_legacy(cls, data, _prefix)
     fields = _fields(cls)
     hints = _hints(cls)  # type: ignore[arg-type]  # a dataclass type: hashable
     kwargs = {}
     for k, v in data.items():
         key = _prefix + str(k)
         if k not in fields:
-            raise _unknown_key(cls, key, str(k), _prefix)
+            raise _unknown_key(cls, key, str(k), _prefix, v)
         tp = hints[k]
         try:
             kwargs[k] = _coerce(v, tp, key)
@@ -464,47 +486,6 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, *, _prefix: str = "") -
             f"key(s) {', '.join(repr(_prefix + m) for m in missing)}"
         )
     return _construct(cls, kwargs, _prefix)
-
-
-def _upgrade_legacy(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``data`` with the deprecated keys of ``cls`` (its ``_legacy_keys``, dotted, read by
-    its ``_upgrade(old) -> {new dotted key: value}``) replaced by their new keys; a key
-    set both ways raises."""
-    legacy = getattr(cls, "_legacy_keys", ())
-    if not legacy:
-        return data
-    fields = _fields(cls)
-    old: dict[str, Any] = {}
-    rest: dict[str, Any] = {}
-    for k, v in data.items():
-        k = str(k)
-        if k in fields or (k not in legacy and not isinstance(v, dict)):
-            rest[k] = v  # an unknown key raises in from_dict
-        elif k in legacy:
-            old[k] = v
-        elif any(name.startswith(k + ".") for name in legacy):
-            for sub, sv in v.items():
-                if f"{k}.{sub}" not in legacy:
-                    raise _unknown_key(cls, f"{prefix}{k}.{sub}", k, prefix)
-                old[f"{k}.{sub}"] = sv
-        else:
-            rest[k] = v
-    if not old:
-        return data
-    for dotted, v in cls._upgrade(old).items():  # type: ignore[attr-defined]
-        node = rest
-        *parents, last = dotted.split(".")
-        for p in parents:
-            child = node.get(p)
-            node[p] = dict(child) if isinstance(child, dict) else {}
-            node = node[p]
-        if last in node:
-            raise ConfigError(
-                f"key {prefix + dotted!r} is set twice: by itself and by the "
-                f"deprecated key(s) {', '.join(map(repr, old))}"
-            )
-        node[last] = v
-    return rest
 
 
 def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
@@ -613,19 +594,14 @@ def apply_overrides(cfg: T, overrides: typing.Iterable[str] | dict[str, Any]) ->
     or a preset name for a nested config (``model=small``). A dict ``{key: value}`` is
     accepted too (values may then be typed already). A config class may define a
     ``_aliases`` class attribute ``{shorthand: dotted key}`` (e.g. ``lr -> optim.lr``), and
-    ``_legacy_keys`` (deprecated dotted keys) with ``_upgrade(old) -> {new key: value}``,
-    which reads them as one request (here and in :func:`from_dict`).
+    ``_removed_keys`` ``{old key: what replaces it}``, which the unknown-key error names
+    (here and in :func:`from_dict`).
     """
     items = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
     aliases: dict[str, str] = getattr(type(cfg), "_aliases", None) or {}
     if not items:
         return cfg
     items = [(aliases.get(k, k), v) for k, v in items]
-    legacy = getattr(type(cfg), "_legacy_keys", ())
-    old = {k: v for k, v in items if k in legacy}
-    if old:  # read as one request, after the current keys
-        items = [(k, v) for k, v in items if k not in legacy]
-        items += list(type(cfg)._upgrade(old).items())  # type: ignore[attr-defined]
     root = _Pending.of(cfg)
     for k, v in items:
         _set(root, k.split("."), v, "")

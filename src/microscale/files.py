@@ -426,7 +426,7 @@ def check_output_file(
         raise IsADirectoryError(f"{what} {str(path)!r} is a folder; expected a file path")
     if p.exists() and not overwrite:
         raise FileExistsError(
-            f"{what} {str(path)!r} exists; pass --overwrite (overwrite=True) to replace it"
+            f"{what} {str(path)!r} exists; pass overwrite=true (overwrite=True) to replace it"
         )
     _check_parent(p, what, path)
     return p

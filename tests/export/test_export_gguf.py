@@ -342,9 +342,9 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
     folder = tmp_path / "ct"
     export_checkpoint(tiny_model, folder, layer_formats=mixed, tokenizer=ByteTokenizer())
     out = tmp_path / "m.gguf"
-    assert (
-        main(["export", "--checkpoint", str(folder), "--format", "gguf", "--out", str(out)]) == 0
-    ), capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(folder), "layout=gguf", "--out", str(out)]) == 0, (
+        capsys.readouterr().err
+    )
     assert "q8_0" in capsys.readouterr().out
     ck = read_checkpoint(folder)
     tensors = {t.name: t for t in GGUFReader(out).tensors}
@@ -360,11 +360,10 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
                 "export",
                 "--checkpoint",
                 str(folder),
-                "--format",
-                "gguf",
+                "layout=gguf",
                 "--out",
                 str(tmp_path / "m2.gguf"),
-                "--activations",
+                "activations=true",
             ]
         )
         == 2
@@ -377,12 +376,10 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
                 "export",
                 "--checkpoint",
                 str(folder),
-                "--format",
-                "gguf",
+                "layout=gguf",
                 "--out",
                 str(tmp_path / "m3.gguf"),
-                "--embed-format",
-                "q8_0",
+                "embed_format=q8_0",
             ]
         )
         == 0
@@ -399,8 +396,7 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
                 str(folder),
                 "--out",
                 str(tmp_path / "ct2"),
-                "--embed-format",
-                "q8_0",
+                "embed_format=q8_0",
             ]
         )
         == 2

@@ -121,13 +121,10 @@ def test_modelopt_w4a4_mixed_export(run_dir, tmp_path, capsys):
                 str(run),
                 "--out",
                 str(out),
-                "--format",
-                "modelopt",
-                "--formats",
-                formats,
-                "--activations",
-                "--calib-batches",
-                "1",
+                "layout=modelopt",
+                f"formats={formats}",
+                "activations=true",
+                "calib_batches=1",
             ]
         )
         == 0
@@ -185,9 +182,7 @@ def test_run_dir_directly_and_errors(run_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "does not exist; expected an exported model folder" in capsys.readouterr().err
     assert (
-        main(
-            ["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--formats", "nvfp5"]
-        )
+        main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "formats=nvfp5"])
         == 2
     )
     assert "unknown format 'nvfp5'" in capsys.readouterr().err
@@ -220,8 +215,7 @@ def test_hf_folder_to_nvfp4(tmp_path, capsys):
                 str(tmp_path / "ct"),
                 "-o",
                 str(tmp_path / "mo"),
-                "--format",
-                "modelopt",
+                "layout=modelopt",
             ]
         )
         == 0
@@ -244,11 +238,9 @@ def test_hf_folder_to_nvfp4(tmp_path, capsys):
                     str(tmp_path / "ct"),
                     "-o",
                     str(tmp_path / "a4"),
-                    "--activations",
-                    "--data",
-                    str(corpus),
-                    "--calib-batches",
-                    "1",
+                    "activations=true",
+                    f"corpus={corpus}",
+                    "calib_batches=1",
                 ]
             )
             == 0

@@ -29,17 +29,12 @@ MODEL = ModelConfig(
     tie_embeddings=False,
 )
 ARGS = (
-    "--budget",
-    "6",
-    "--formats",
-    "nvfp4,fp8,bf16",
-    "--calib-tokens",
-    "256",
-    "--eval-batches",
-    "2",
-    "--pareto-budgets",
-    "5,8",
-    "--no-ptq-effects",
+    "budget=6",
+    "formats=nvfp4,fp8,bf16",
+    "calib_tokens=256",
+    "eval_batches=2",
+    "pareto_budgets=5,8",
+    "ptq_effects=false",
     "--no-compile-cache",
     "-q",
 )
@@ -69,7 +64,7 @@ def _cache(tmp_path_factory, monkeypatch):
 def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     out = tmp_path / "q"
     rc = main(
-        ["quantize", "--checkpoint", str(hf), "--corpus", corpus_dir, "--out", str(out), *ARGS]
+        ["quantize", "--checkpoint", str(hf), f"corpus={corpus_dir}", "--out", str(out), *ARGS]
     )
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
@@ -118,7 +113,7 @@ def test_hf_folder_default_corpus_is_said(hf, tmp_path, capsys):
         ]
     )
     assert rc == 0, capsys.readouterr().err
-    assert "no --corpus: calibrating and evaluating on 'stdlib'" in capsys.readouterr().out
+    assert "no corpus=: calibrating and evaluating on 'stdlib'" in capsys.readouterr().out
     rep = json.loads((tmp_path / "q" / "report.json").read_text())
     assert rep["calibration"]["corpus"] == "stdlib"
 
@@ -136,7 +131,5 @@ def test_model_folder_errors(hf, tmp_path, capsys):
             (notok / f.name).write_bytes(f.read_bytes())
     rc = main(["quantize", "--checkpoint", str(notok), "--out", str(tmp_path / "y"), "-q"])
     assert rc == 2 and "has no tokenizer.json" in capsys.readouterr().err
-    rc = main(
-        ["quantize", "--checkpoint", str(hf), "--step", "3", "--out", str(tmp_path / "z"), "-q"]
-    )
-    assert rc == 2 and "--step 3 applies to a training run folder" in capsys.readouterr().err
+    rc = main(["quantize", "--checkpoint", str(hf), "step=3", "--out", str(tmp_path / "z"), "-q"])
+    assert rc == 2 and "step=3 applies to a training run folder" in capsys.readouterr().err

@@ -84,42 +84,42 @@ CASES = [
         "/proc/microscale/q",
     ),
     ("q-out-someones-folder", ["quantize", "-c", "{run}", "--out", "{full_dir}"], "{full_dir}"),
-    ("q-budget-abc", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--budget", "abc"], "abc"),
-    ("q-budget-negative", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--budget", "-1"], "-1"),
+    ("q-budget-abc", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "budget=abc"], "abc"),
+    ("q-budget-negative", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "budget=-1"], "-1"),
     (
         "q-format-unknown",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--formats", "nvfp4,nosuchfmt"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "formats=nvfp4,nosuchfmt"],
         "nosuchfmt",
     ),
     (
         "q-pareto-xy",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--pareto-budgets", "x,y"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "pareto_budgets=x,y"],
         "x,y",
     ),
     (
         "q-calib-zero",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--calib-tokens", "0"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "calib_tokens=0"],
         "calib",
     ),
     (
         "q-calib-negative",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--calib-tokens", "-5"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "calib_tokens=-5"],
         "-5",
     ),
     (
         "q-eval-batches-zero",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--eval-batches", "0"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "eval_batches=0"],
         "eval",
     ),
     (
         "q-method-unknown",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--method", "magic"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "method=magic"],
         "magic",
     ),
-    ("q-step-missing", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--step", "999"], "999"),
+    ("q-step-missing", ["quantize", "-c", "{run}", "--out", "{tmp}/q", "step=999"], "999"),
     (
         "q-corpus-nowhere",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--corpus", "{tmp}/no-corpus"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "corpus={tmp}/no-corpus"],
         "no-corpus",
     ),
     ("q-bitflip-ckpt", ["quantize", "-c", "{flipped_run}", "--out", "{tmp}/q"], "checkpoints"),
@@ -132,20 +132,20 @@ CASES = [
         ["export", "-c", "{run}", "--out", "/proc/microscale/x"],
         "/proc/microscale/x",
     ),
-    ("x-out-exists", ["export", "-c", "{run}", "--out", "{exp}"], "--overwrite"),
+    ("x-out-exists", ["export", "-c", "{run}", "--out", "{exp}"], "overwrite=true"),
     (
         "x-overwrite-foreign",
-        ["export", "-c", "{run}", "--out", "{full_dir}", "--overwrite"],
+        ["export", "-c", "{run}", "--out", "{full_dir}", "overwrite=true"],
         "{full_dir}",
     ),
     (
         "x-format-unknown",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--formats", "nosuchfmt"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "formats=nosuchfmt"],
         "nosuchfmt",
     ),
     (
         "x-formats-bad-json",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--formats", "{bad"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "formats={bad"],
         "{bad",
     ),
     (
@@ -156,47 +156,46 @@ CASES = [
             "{run}",
             "--out",
             "{tmp}/x",
-            "--formats",
-            '{"layers.0.attn.q_proj": "nosuchfmt"}',
+            'formats={"layers.0.attn.q_proj": "nosuchfmt"}',
         ],
         "nosuchfmt",
     ),
     (
         "x-formats-missing-file",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--formats", "{tmp}/nofile.json"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "formats={tmp}/nofile.json"],
         "nofile.json",
     ),
     (
         "x-rules-missing",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--rules", "{tmp}/norules.json"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "rules={tmp}/norules.json"],
         "norules.json",
     ),
     (
         "x-rules-empty",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--rules", "{empty_json}"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "rules={empty_json}"],
         "empty.json",
     ),
     (
         "x-rules-non-utf8",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--rules", "{latin1_json}"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "rules={latin1_json}"],
         "latin1.json",
     ),
     (
         "x-rules-wrong-shape",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--rules", "{list_json}"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "rules={list_json}"],
         "list.json",
     ),
-    ("x-step-missing", ["export", "-c", "{run}", "--out", "{tmp}/x", "--step", "999"], "999"),
-    ("x-shard-zero", ["export", "-c", "{run}", "--out", "{tmp}/x", "--shard-size", "0"], "shard"),
+    ("x-step-missing", ["export", "-c", "{run}", "--out", "{tmp}/x", "step=999"], "999"),
+    ("x-shard-zero", ["export", "-c", "{run}", "--out", "{tmp}/x", "shard_size=0"], "shard"),
     (
         "x-calib-zero",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--activations", "--calib-batches", "0"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "activations=true", "calib_batches=0"],
         "calib",
     ),
     ("x-bitflip-ckpt", ["export", "-c", "{flipped_run}", "--out", "{tmp}/x"], "checkpoints"),
     (
         "x-bitflip-safetensors",
-        ["export", "-c", "{flipped_exp}", "--out", "{tmp}/x", "--formats", "nvfp4"],
+        ["export", "-c", "{flipped_exp}", "--out", "{tmp}/x", "formats=nvfp4"],
         "model.safetensors",
     ),
     ("x-huge-layers", ["export", "-c", "{huge_exp}", "--out", "{tmp}/x"], "num_hidden_layers"),
@@ -249,22 +248,22 @@ CASES = [
     ("seeds-repeated", ["compare", "--seeds", "0,0"], "0,0"),
     (
         "q-formats-empty",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--formats", ""],
-        "--formats",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "formats="],
+        "formats=: '' is empty",
     ),
     (
         "q-formats-repeated",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--formats", "nvfp4,bf16,nvfp4"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "formats=nvfp4,bf16,nvfp4"],
         "nvfp4",
     ),
     (
         "q-pareto-empty",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--pareto-budgets", ""],
-        "--pareto-budgets",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "pareto_budgets="],
+        "pareto_budgets=: '' is empty",
     ),
     (
         "q-pareto-repeated",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--pareto-budgets", "5,6,5"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "pareto_budgets=5,6,5"],
         "5,6,5",
     ),
     # -- options that the combination ignores: refused, never dropped
@@ -275,44 +274,85 @@ CASES = [
         "--tokens-per-param",
     ),
     (
-        "q-gguf-layout",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--target", "gguf", "--layout", "modelopt"],
-        "--layout modelopt",
-    ),
-    (
-        "q-gguf-layout-default-name",
-        [
-            "quantize",
-            "-c",
-            "{run}",
-            "--out",
-            "{tmp}/q",
-            "--target",
-            "gguf",
-            "--layout",
-            "compressed-tensors",
-        ],
-        "--layout",
-    ),
-    (
         "q-dynamic-without-w4a4",
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--dynamic-act-scales"],
-        "--dynamic-act-scales",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "static_act_scales=false"],
+        "static_act_scales=false has no effect",
     ),
     (
         "x-gguf-shard-size",
-        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "--format", "gguf", "--shard-size", "2"],
-        "--shard-size",
+        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "layout=gguf", "shard_size=2"],
+        "shard_size=2.0 has no effect",
     ),
     (
         "x-calib-without-activations",
-        ["export", "-c", "{run}", "--out", "{tmp}/x", "--calib-batches", "4"],
-        "--calib-batches",
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "calib_batches=4"],
+        "calib_batches=4 has no effect",
     ),
     (
         "x-data-without-activations",
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "corpus={corpus}"],
+        "corpus={corpus} has no effect",
+    ),
+    # -- the flags and keys removed at 0.1.0 (docs/release-notes.md): refused by name, with
+    # what replaces them
+    (
+        "q-removed-budget",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--budget", "5"],
+        "--budget was removed (docs/release-notes.md); write budget=",
+    ),
+    (
+        "q-removed-w4a4",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--w4a4"],
+        "--w4a4 was removed (docs/release-notes.md); write activations=true",
+    ),
+    (
+        "q-removed-target",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--target", "gguf"],
+        "--target was removed (docs/release-notes.md); write layout=gguf",
+    ),
+    (
+        "q-removed-weight-method",
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--weight-method", "gptq"],
+        "write ptq.method=",
+    ),
+    (
+        "x-removed-format",
+        ["export", "-c", "{run}", "--out", "{tmp}/x", "--format", "gguf"],
+        "--format was removed (docs/release-notes.md); write layout=",
+    ),
+    (
+        "x-removed-data",
         ["export", "-c", "{run}", "--out", "{tmp}/x", "--data", "{corpus}"],
-        "--data",
+        "--data was removed (docs/release-notes.md); write corpus=",
+    ),
+    (
+        "x-removed-overwrite",
+        ["export", "-c", "{run}", "--out", "{exp}", "--overwrite"],
+        "--overwrite was removed (docs/release-notes.md); write overwrite=true",
+    ),
+    (
+        "train-removed-bf16-first",
+        ["train", "bf16_first=1"],
+        "key 'bf16_first' was removed (TrainConfig, docs/release-notes.md): write "
+        "precision.bf16_first",
+    ),
+    (
+        "train-removed-rules-mode",
+        ["train", "rules_mode=full"],
+        "key 'rules_mode' was removed (TrainConfig, docs/release-notes.md): write "
+        "precision.rules_bf16",
+    ),
+    (
+        "train-removed-late-switch",
+        ["train", "late_switch.fraction=0.2"],
+        "key 'late_switch.fraction' was removed (TrainConfig, docs/release-notes.md): write "
+        "precision.late.",
+    ),
+    (
+        "train-removed-adaptive-yaml",
+        ["train", "--config", "{old_keys_yaml}"],
+        "key 'adaptive.method' was removed (TrainConfig, docs/release-notes.md): write "
+        "precision.sensitivity.",
     ),
     # -- a file where a folder is expected: say what it is
     (
@@ -425,6 +465,7 @@ def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, s
     (root / "latin1.yaml").write_bytes("steps: 3 # caf\xe9\n".encode("latin-1"))
     (root / "broken.yaml").write_text("steps: [3\n")
     (root / "list.yaml").write_text("- 1\n- 2\n")
+    (root / "old_keys.yaml").write_text("adaptive:\n  method: kl\n")  # before precision:
     (root / "empty.json").write_text("")
     (root / "latin1.json").write_bytes('{"default": "caf\xe9"}'.encode("latin-1"))
     (root / "list.json").write_text("[1, 2]\n")
@@ -470,6 +511,7 @@ def places(tmp_path_factory, tiny_run, tiny_export, words_corpus) -> dict[str, s
         "latin1_yaml": str(root / "latin1.yaml"),
         "broken_yaml": str(root / "broken.yaml"),
         "list_yaml": str(root / "list.yaml"),
+        "old_keys_yaml": str(root / "old_keys.yaml"),
         "empty_json": str(root / "empty.json"),
         "latin1_json": str(root / "latin1.json"),
         "list_json": str(root / "list.json"),

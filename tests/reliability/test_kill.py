@@ -1,4 +1,4 @@
-"""kill -9 of `export --overwrite` and `quantize` at several moments: the output folder
+"""kill -9 of `export overwrite=true` and `quantize` at several moments: the output folder
 holds the old complete output or the new complete one, never a mix, a stub or nothing."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _export_layers(out: Path) -> set[str]:
 @pytest.mark.parametrize("moment", ["started", "writing", "late", "done"])
 def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "exp"
-    assert main(["export", "-c", str(tiny_run), "--out", str(out), "--formats", "mxfp4"]) == 0
+    assert main(["export", "-c", str(tiny_run), "--out", str(out), "formats=mxfp4"]) == 0
     old = {p.name: p.read_bytes() for p in out.iterdir()}
     cond = {
         "started": lambda: _started(out),
@@ -95,7 +95,7 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
         "done": lambda: False,
     }[moment]
     killed = _kill_when(
-        ["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"], cond, hang_guard_s
+        ["export", "-c", str(tiny_run), "--out", str(out), "overwrite=true"], cond, hang_guard_s
     )
     assert killed == (moment != "done")
     formats = _export_layers(out)  # complete and intact, whichever it is
@@ -104,19 +104,16 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
     else:
         assert formats == {"nvfp4"}
     # leftovers of the killed writer go away with the next export, which succeeds
-    assert main(["export", "-c", str(tiny_run), "--out", str(out), "--overwrite"]) == 0
+    assert main(["export", "-c", str(tiny_run), "--out", str(out), "overwrite=true"]) == 0
     assert _export_layers(out) == {"nvfp4"}
     assert [p.name for p in out.parent.iterdir()] == ["exp"]
 
 
 _Q = [
-    "--formats",
-    "nvfp4,fp8,bf16",
-    "--calib-tokens",
-    "256",
-    "--pareto-budgets",
-    "5,8",
-    "--no-ptq-effects",
+    "formats=nvfp4,fp8,bf16",
+    "calib_tokens=256",
+    "pareto_budgets=5,8",
+    "ptq_effects=false",
     "--no-compile-cache",
     "-q",
 ]
@@ -142,7 +139,7 @@ def _quantize_complete(out: Path) -> dict:
 @pytest.mark.parametrize("moment", ["started", "writing", "late"])
 def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "q"
-    first = ["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "8", *_Q]
+    first = ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=8", *_Q]
     assert main(first) == 0
     old_budget = _quantize_complete(out)["budget"]
     cond = {
@@ -151,12 +148,12 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
         "late": lambda: _late(out),
     }[moment]
     _kill_when(
-        ["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q],
+        ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", *_Q],
         cond,
         hang_guard_s,
     )
     assert _quantize_complete(out)["budget"] in (old_budget, 5.0)
-    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "--budget", "5", *_Q]) == 0
+    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", *_Q]) == 0
     assert _quantize_complete(out)["budget"] == 5.0
     assert [p.name for p in out.parent.iterdir()] == ["q"]
 

@@ -76,12 +76,10 @@ def gguf_file(tmp_path_factory, tiny_run) -> Path:
                 "export",
                 "--checkpoint",
                 str(tiny_run),
-                "--format",
-                "gguf",
+                "layout=gguf",
                 "--out",
                 str(out),
-                "--formats",
-                json.dumps(ALLOC),
+                f"formats={json.dumps(ALLOC)}",
             ]
         )
         == 0
@@ -93,8 +91,7 @@ def gguf_file(tmp_path_factory, tiny_run) -> Path:
 def modelopt_export(tmp_path_factory, tiny_run) -> Path:
     out = tmp_path_factory.mktemp("verify-mo") / "mo"
     assert (
-        main(["export", "--checkpoint", str(tiny_run), "--format", "modelopt", "--out", str(out)])
-        == 0
+        main(["export", "--checkpoint", str(tiny_run), "layout=modelopt", "--out", str(out)]) == 0
     )
     return out
 
@@ -110,15 +107,11 @@ def quantize_out(tmp_path_factory, tiny_run) -> Path:
                 str(tiny_run),
                 "--out",
                 str(out),
-                "--budget",
-                "6",
-                "--formats",
-                "nvfp4,bf16",
-                "--calib-tokens",
-                "128",
-                "--pareto-budgets",
-                "6",
-                "--no-ptq-effects",
+                "budget=6",
+                "formats=nvfp4,bf16",
+                "calib_tokens=128",
+                "pareto_budgets=6",
+                "ptq_effects=false",
                 "--no-compile-cache",
                 "-q",
             ]
@@ -391,9 +384,7 @@ def test_safetensors_without_checksums_says_so(tiny_export, tmp_path, capsys):
 def test_sharded_export_checks_every_shard_and_the_index(tiny_run, tmp_path, capsys):
     exp = tmp_path / "exp"
     assert (
-        main(
-            ["export", "--checkpoint", str(tiny_run), "--out", str(exp), "--shard-size", "0.00005"]
-        )
+        main(["export", "--checkpoint", str(tiny_run), "--out", str(exp), "shard_size=0.00005"])
         == 0
     )
     shards = sorted(exp.glob("model-*.safetensors"))

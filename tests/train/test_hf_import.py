@@ -163,7 +163,7 @@ def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
 
 def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
     out = tmp_path / "ct"
-    assert main(["export", "-c", str(run), "--out", str(out), "--formats", "bf16"]) == 0
+    assert main(["export", "-c", str(run), "--out", str(out), "formats=bf16"]) == 0
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
@@ -173,19 +173,14 @@ def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
         assert (out / name).read_bytes() == (run / name).read_bytes(), name
     gguf = pytest.importorskip("gguf", exc_type=ImportError)
     path = tmp_path / "m.gguf"
-    assert (
-        main(
-            ["export", "-c", str(run), "--out", str(path), "--format", "gguf", "--formats", "bf16"]
-        )
-        == 0
-    )
+    assert main(["export", "-c", str(run), "--out", str(path), "layout=gguf", "formats=bf16"]) == 0
     field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
     assert field.contents() == (run / "chat_template.jinja").read_text()
 
 
 @pytest.mark.slow
 def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path, capsys):
-    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"), "--formats", "nvfp4"]) == 0
+    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"), "formats=nvfp4"]) == 0
     out = capsys.readouterr().out
     lin = MODEL.num_linear_params()
     whole = (4.5 * lin + 16 * (MODEL.num_params() - lin)) / MODEL.num_params()
@@ -430,9 +425,9 @@ def mismatched(hf, run, big_tokenizer, tmp_path_factory) -> dict[str, Path]:
         ["eval", "-m", "{hf}", "--data", "{corpus}"],
         ["generate", "-m", "{run}", "-p", "hello"],
         ["generate", "-m", "{hf}", "-p", "hello"],
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "--corpus", "{corpus}"],
+        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "corpus={corpus}"],
         ["export", "-c", "{run}", "--out", "{tmp}/x"],
-        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "--format", "gguf"],
+        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "layout=gguf"],
     ],
     ids=[
         "train-run",

@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 
@@ -96,34 +95,23 @@ def refuse_unused(*cases: tuple[bool, str, str]) -> None:
 # ----------------------------------------------------------------------------- key=value
 
 
-@dataclasses.dataclass(frozen=True)
-class OldFlag:
-    """An option kept as an alias of a config key: ``--w4a4`` is ``activations=true``."""
+class _Removed(argparse.Action):
+    """A removed option: refused with one line naming what replaces it."""
 
-    # The option strings (the first one is named in the notice).
-    flags: tuple[str, ...]
-    # The dotted config key it sets.
-    key: str
-    # A switch's value (the flag takes no argument); None: the flag takes a value.
-    const: Any = None
-    # argparse type of the flag's value (the old validation, the old error messages).
-    type: Callable[[str], Any] | None = None
-    # The accepted values, or {accepted value: the key's value} to translate them.
-    choices: tuple[str, ...] | dict[str, Any] | None = None
+    def __init__(self, option_strings, dest, *, new: str, **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed (docs/release-notes.md); write {self.new}")
 
 
-def add_old_flags(parser: argparse.ArgumentParser, table: tuple[OldFlag, ...]) -> None:
-    """Register every ``table`` flag (under ``old flags``, each saying its key)."""
-    g = parser.add_argument_group("old flags (each an alias of a key; prints a notice)")
-    for i, f in enumerate(table):
-        kw: dict[str, Any] = {"dest": f"_old_{i}", "default": None}
-        if f.const is not None:
-            kw.update(action="store_const", const=f.const, help=f"{f.key}={_shown(f.const)}")
-        else:
-            kw.update(type=f.type, metavar=f.key.upper().replace(".", "_"), help=f"{f.key}=VALUE")
-            if f.choices is not None:
-                kw["choices"] = list(f.choices)
-        g.add_argument(*f.flags, **kw)
+def add_removed_flags(parser: argparse.ArgumentParser, removed: dict[str, str]) -> None:
+    """Register the options ``removed`` (``{old flag: the key=value that replaces it}``,
+    the release notes' table) as hidden ones that refuse themselves with one line naming
+    their replacement (an unregistered option would be refused without it)."""
+    for flag, new in removed.items():
+        parser.add_argument(flag, dest=f"_removed_{flag}", default=None, action=_Removed, new=new)
 
 
 def _shown(v: Any) -> str:
@@ -137,41 +125,17 @@ def _shown(v: Any) -> str:
     return str(v)
 
 
-def old_flag_values(
-    args: argparse.Namespace, table: tuple[OldFlag, ...], command: str
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """``{key: value}`` of the old flags given and ``{key: the flag as given}`` (for error
-    messages in the user's words), with one notice per flag on stdout (``--w4a4 is now
-    activations=true``; stderr keeps an error to its one line). Two flags setting one key
-    differently raise a ``ValueError`` naming both."""
-    out: dict[str, Any] = {}
-    said: dict[str, str] = {}
-    for i, f in enumerate(table):
-        v = getattr(args, f"_old_{i}")
-        if v is None:
-            continue
-        if isinstance(f.choices, dict):
-            v = f.choices[v]
-        given = f.flags[0] if f.const is not None else f"{f.flags[0]} {_shown(v)}"
-        if f.key in out and out[f.key] != v:
-            raise ValueError(f"{said[f.key]} and {given} both set {f.key}; give one")
-        out[f.key], said[f.key] = v, given
-        print(f"microscale {command}: {given} is now {f.key}={_shown(v)}", flush=True)
-    return out, said
+def spelled(key: str, value: Any) -> str:
+    """``key=value`` as the user writes it (``shard_size=2``)."""
+    return f"{key}={_shown(value)}"
 
 
-def spelled(said: dict[str, str], key: str, value: Any) -> str:
-    """How the user gave ``key``: the old flag (``--data x``) or ``key=value``."""
-    return said.get(key, f"{key}={_shown(value)}")
-
-
-def split_keys(overrides: list[str], old: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
-    """The old flags' values, then the ``key=value`` overrides (which win), split by the
-    config class whose field the key's first part names; an unknown key raises a
-    ``ConfigError`` naming it and every valid key."""
+def split_keys(overrides: list[str], *classes: type) -> list[dict[str, Any]]:
+    """The ``key=value`` overrides split by the config class whose field the key's first
+    part names; an unknown key raises a ``ConfigError`` naming it and every valid key."""
     from microscale.config import ConfigError, config_keys, parse_overrides
 
-    items = {**old, **dict(parse_overrides(overrides))}
+    items = dict(parse_overrides(overrides))
     owner = {f.name: i for i, c in enumerate(classes) for f in dataclasses.fields(c)}
     parts: list[dict[str, Any]] = [{} for _ in classes]
     for k, v in items.items():

@@ -23,8 +23,8 @@ held-out data (the run's corpus or ``corpus=``). ``layout=gguf`` writes one llam
 (:mod:`microscale.export.gguf`): NVFP4, MXFP4 and Q8_0 layers natively, FP8 / MXFP8 layers
 as Q8_0, bf16 layers as ``dtype``. From a packed folder or a ``microscale quantize``
 output (its ``checkpoint/``) each layer keeps its format, and NVFP4 / MXFP4 layers their
-bytes. The old flags (``--format gguf``, ``--data``, ``--activations``, ...) still work,
-each printing the key it now is.
+bytes. The flags before ``key=value`` (``--format gguf``, ``--data``, ``--activations``,
+...) are gone: each is refused with one line naming its key (:data:`REMOVED_FLAGS`).
 Exit codes: 0 done, 2 bad arguments or inconsistent inputs.
 """
 
@@ -37,33 +37,28 @@ import sys
 from pathlib import Path
 
 from microscale.cli.args import (
-    OldFlag,
-    add_old_flags,
+    add_removed_flags,
     describe_keys,
-    nonnegative_int,
-    old_flag_values,
-    positive_float,
-    positive_int,
     refuse_unused,
     require,
     spelled,
     split_keys,
 )
 
-# The flags before key=value: each sets the key it names.
-OLD_FLAGS = (
-    OldFlag(("--format",), "layout", choices=("compressed-tensors", "modelopt", "hf", "gguf")),
-    OldFlag(("--formats",), "formats"),
-    OldFlag(("--rules",), "rules"),
-    OldFlag(("--activations",), "activations", const=True),
-    OldFlag(("--calib-batches",), "calib_batches", type=positive_int),
-    OldFlag(("--data",), "corpus"),
-    OldFlag(("--step",), "step", type=nonnegative_int),
-    OldFlag(("--dtype",), "dtype", choices=("bfloat16", "float16", "float32")),
-    OldFlag(("--embed-format",), "embed_format"),
-    OldFlag(("--shard-size",), "shard_size", type=positive_float),
-    OldFlag(("--overwrite",), "overwrite", const=True),
-)
+# The flags before key=value (removed; docs/release-notes.md) -> what replaces each.
+REMOVED_FLAGS = {
+    "--format": "layout=NAME",
+    "--formats": "formats=NAME|JSON",
+    "--rules": "rules=PATH",
+    "--activations": "activations=true",
+    "--calib-batches": "calib_batches=N",
+    "--data": "corpus=PATH",
+    "--step": "step=N",
+    "--dtype": "dtype=NAME",
+    "--embed-format": "embed_format=NAME",
+    "--shard-size": "shard_size=GB",
+    "--overwrite": "overwrite=true",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,18 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="list every key with its value and meaning, and exit",
     )
-    add_old_flags(parser, OLD_FLAGS)
+    add_removed_flags(parser, REMOVED_FLAGS)
 
 
 def export_config(args: argparse.Namespace):
-    """The :class:`ExportConfig` of the command line (the old flags, then the
-    ``key=value`` overrides, which win) and ``{key: old flag as given}``."""
+    """The :class:`ExportConfig` of the command line's ``key=value`` overrides."""
     from microscale.config import apply_overrides
     from microscale.inference.export_run import ExportConfig
 
-    old, said = old_flag_values(args, OLD_FLAGS, "export")
-    (keys,) = split_keys(args.overrides, old, ExportConfig)
-    return apply_overrides(ExportConfig(), keys), said
+    (keys,) = split_keys(args.overrides, ExportConfig)
+    return apply_overrides(ExportConfig(), keys)
 
 
 def parse_formats(text: str | None):
@@ -163,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     from microscale.model import PrecisionRules
 
     try:
-        cfg, said = export_config(args)
-    except ValueError as e:  # a ConfigError, or two old flags setting one key
+        cfg = export_config(args)
+    except ValueError as e:  # a ConfigError
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
     if args.list_keys:
@@ -184,17 +177,17 @@ def run(args: argparse.Namespace) -> int:
         refuse_unused(
             (
                 layout.single_file and cfg.shard_size is not None,
-                spelled(said, "shard_size", cfg.shard_size),
+                spelled("shard_size", cfg.shard_size),
                 f"with layout={layout.name} (it writes one file)",
             ),
             (
                 not cfg.activations and cfg.calib_batches is not None,
-                spelled(said, "calib_batches", cfg.calib_batches),
+                spelled("calib_batches", cfg.calib_batches),
                 "without activations=true (only layer inputs are calibrated)",
             ),
             (
                 not cfg.activations and cfg.corpus is not None,
-                spelled(said, "corpus", cfg.corpus),
+                spelled("corpus", cfg.corpus),
                 "without activations=true (only layer inputs are calibrated)",
             ),
         )

@@ -16,8 +16,9 @@
 The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the nested
 ``ptq.``) and of :class:`~microscale.workflows.quantize.QuantizeRunConfig` (``layout``,
 ``corpus``, ``step``, ``eval_batches``); ``layout=gguf`` starts from
-``QuantizeConfig.for_gguf()``. The old flags (``--budget 5``, ``--w4a4``, ``--target
-gguf``, ...) still work, each printing the key it now is. Everything else is
+``QuantizeConfig.for_gguf()``. The flags before ``key=value`` (``--budget 5``,
+``--w4a4``, ``--target gguf``, ...) are gone: each is refused with one line naming its key
+(:data:`REMOVED_FLAGS`, docs/release-notes.md). Everything else is
 :func:`microscale.workflows.quantize_run`. Exit codes: 0 done, 2 bad arguments (unknown
 key or format, infeasible budget, not a model folder).
 """
@@ -30,15 +31,10 @@ import sys
 from pathlib import Path
 
 from microscale.cli.args import (
-    OldFlag,
-    add_old_flags,
+    add_removed_flags,
     describe_keys,
     name_list,
-    nonnegative_int,
-    old_flag_values,
-    positive_float,
     positive_float_list,
-    positive_int,
     refuse_unused,
     require,
     spelled,
@@ -54,29 +50,29 @@ def _formats(text: str) -> tuple[str, ...]:
     return tuple(_ALIASES.get(f, f) for f in name_list(text))
 
 
-# The flags before key=value: each sets the key it names.
-OLD_FLAGS = (
-    OldFlag(("--budget",), "budget", type=positive_float),
-    OldFlag(("--formats",), "formats", type=_formats),
-    OldFlag(("--target",), "layout", choices=("gguf",)),
-    OldFlag(("--method",), "method", choices=("taylor", "gradient", "kl", "loss")),
-    OldFlag(("--calib-tokens",), "calib_tokens", type=positive_int),
-    OldFlag(("--seed",), "seed", type=nonnegative_int),
-    OldFlag(("--corpus",), "corpus"),
-    OldFlag(("--step",), "step", type=nonnegative_int),
-    OldFlag(("--eval-batches",), "eval_batches", type=positive_int),
-    OldFlag(("--w4a4",), "activations", const=True),
-    OldFlag(("--dynamic-act-scales",), "static_act_scales", const=False),
-    OldFlag(("--no-mse-scale",), "ptq.mse_scale", const=False),
-    OldFlag(("--no-four-over-six",), "ptq.four_over_six", const=False),
-    OldFlag(("--weight-method",), "ptq.method", choices=("rtn", "gptq")),
-    OldFlag(("--monotone",), "monotone", choices={"auto": None, "on": True, "off": False}),
-    OldFlag(("--no-ptq-effects",), "ptq_effects", const=False),
-    OldFlag(("--count-other-params",), "count_other_params", const=True),
-    OldFlag(("--pareto-budgets",), "pareto_budgets", type=positive_float_list),
-    OldFlag(("--solver",), "solver", choices=("auto", "dp", "milp")),
-    OldFlag(("--layout",), "layout", choices=("compressed-tensors", "modelopt", "microscale")),
-)
+# The flags before key=value (removed; docs/release-notes.md) -> what replaces each.
+REMOVED_FLAGS = {
+    "--budget": "budget=BITS",
+    "--formats": "formats=A,B",
+    "--target": "layout=gguf",
+    "--method": "method=NAME",
+    "--calib-tokens": "calib_tokens=N",
+    "--seed": "seed=N",
+    "--corpus": "corpus=PATH",
+    "--step": "step=N",
+    "--eval-batches": "eval_batches=N",
+    "--w4a4": "activations=true",
+    "--dynamic-act-scales": "static_act_scales=false",
+    "--no-mse-scale": "ptq.mse_scale=false",
+    "--no-four-over-six": "ptq.four_over_six=false",
+    "--weight-method": "ptq.method=gptq",
+    "--monotone": "monotone=true|false|none",
+    "--no-ptq-effects": "ptq_effects=false",
+    "--count-other-params": "count_other_params=true",
+    "--pareto-budgets": "pareto_budgets=A,B",
+    "--solver": "solver=NAME",
+    "--layout": "layout=NAME",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,28 +104,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not use JAX's persistent compilation cache",
     )
-    add_old_flags(parser, OLD_FLAGS)
+    add_removed_flags(parser, REMOVED_FLAGS)
 
 
 def configs(args: argparse.Namespace):
-    """``(QuantizeConfig, QuantizeRunConfig)`` of the command line: the old flags, then the
-    ``key=value`` overrides (which win). ``ValueError`` (a ``ConfigError`` for a key)
-    naming what is wrong."""
+    """``(QuantizeConfig, QuantizeRunConfig)`` of the command line's ``key=value``
+    overrides. ``ValueError`` (a ``ConfigError`` for a key) naming what is wrong."""
     from microscale.config import apply_overrides
     from microscale.ptq import QuantizeConfig
     from microscale.workflows.quantize import QuantizeRunConfig
 
-    old, said = old_flag_values(args, OLD_FLAGS, "quantize")
-    qkeys, rkeys = split_keys(args.overrides, old, QuantizeConfig, QuantizeRunConfig)
-    if isinstance(qkeys.get("formats"), str):
-        qkeys["formats"] = _formats(qkeys["formats"])
+    qkeys, rkeys = split_keys(args.overrides, QuantizeConfig, QuantizeRunConfig)
+    for key, parse in (("formats", _formats), ("pareto_budgets", positive_float_list)):
+        if isinstance(qkeys.get(key), str):  # a list: empty or repeated items refused
+            try:
+                qkeys[key] = parse(qkeys[key])
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{key}={qkeys[key]}: {e}") from None
     runc = apply_overrides(QuantizeRunConfig(), rkeys)
     gguf = runc.layout == "gguf"
     cfg = apply_overrides(QuantizeConfig.for_gguf() if gguf else QuantizeConfig(), qkeys)
     refuse_unused(
         (
             not cfg.static_act_scales and not cfg.activations,
-            spelled(said, "static_act_scales", False),
+            spelled("static_act_scales", False),
             "without activations=true (only quantized layer inputs have scales)",
         )
     )

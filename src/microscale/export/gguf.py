@@ -905,7 +905,7 @@ def write_gguf(
             f"--out {str(out)!r} is a folder; GGUF export writes one file (e.g. model.gguf)"
         )
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True (CLI: --overwrite)")
+        raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True (CLI: overwrite=true)")
     if tokenizer is None:
         raise ValueError(
             "GGUF export needs the model's tokenizer (llama.cpp stores the vocab "

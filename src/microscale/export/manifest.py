@@ -1,6 +1,6 @@
 """microscale's own checkpoint layout: ``model.safetensors`` + ``manifest.json``.
 
-What ``microscale quantize --layout microscale`` writes (and what it falls back to when an
+What ``microscale quantize layout=microscale`` writes (and what it falls back to when an
 export to another layout fails): PTQ's quantized weights exactly as PTQ holds them, with
 what only PTQ knows (each layer's amax and scale multiplier). ``manifest.json``
 describes every tensor:

@@ -233,7 +233,7 @@ def check_export_out(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
         if not overwrite:
             raise FileExistsError(
                 f"output folder {str(out)!r} is not empty; pass "
-                "overwrite=True (CLI: --overwrite) to replace it"
+                "overwrite=True (CLI: overwrite=true) to replace it"
             )
         if not (out / "config.json").is_file():
             raise FileExistsError(

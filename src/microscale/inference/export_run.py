@@ -214,7 +214,7 @@ def _source_folder(source) -> Path:
     if not (isinstance(found, Layout) and found.hf_folder):
         raise FileNotFoundError(
             f"--checkpoint {str(src)!r}: a quantize output without an "
-            "HF-style checkpoint/ (quantized with --layout microscale?)"
+            "HF-style checkpoint/ (quantized with layout=microscale?)"
         )
     return model
 
@@ -223,7 +223,7 @@ def _calibrate_inputs(model, config, tokenizer, data, seq_len: int, calib_batche
     """Each linear layer's input amax over the calibration batches of ``data``, for
     static activation scales."""
     if data is None:
-        raise ValueError("--activations needs calibration data: pass --data")
+        raise ValueError("activations=true needs calibration data: pass corpus=PATH")
     dense = InferenceModel.from_params(
         model.params if isinstance(model, Checkpoint) else model, config
     )

@@ -29,11 +29,10 @@ from microscale.data import DataConfig
 from microscale.model import ModelConfig, PrecisionRules, list_presets
 from microscale.ops import get_recipe
 from microscale.train.precision import (
-    LEGACY_KEYS,
+    REMOVED_KEYS,
     LateSwitchConfig,
     PrecisionConfig,
     SensitivityConfig,
-    upgrade_legacy_keys,
 )
 
 __all__ = [
@@ -178,10 +177,9 @@ class TrainConfig:
         "corpus": "data.corpus",
         "lr": "optim.lr",
     }
-    # Keys before the precision sub-config, read (with a deprecation message) for one
-    # release: deprecated dotted key -> upgraded by _upgrade into precision.* keys.
-    _legacy_keys = LEGACY_KEYS
-    _upgrade = staticmethod(upgrade_legacy_keys)
+    # Keys before the precision sub-config (removed): old key -> what replaces it, named by
+    # the unknown-key error.
+    _removed_keys = REMOVED_KEYS
 
     def __post_init__(self):
         for name in ("steps", "log_every", "keep_checkpoints", "max_nonfinite_in_a_row"):

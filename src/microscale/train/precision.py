@@ -24,15 +24,14 @@ training recipe) or ``"as_written"``.
 A new kind is one :class:`PrecisionKind` row in :data:`PRECISION_KINDS` (its fields, its
 rules, its flags) plus its tests; the checks that a kind's fields are the only ones set are
 generic. The keys before this sub-config (``bf16_first``, ``bf16_last``, ``bf16_layout``,
-``rules``, ``rules_mode``, ``bf16_policy``, ``adaptive.*``, ``late_switch.*``) are read
-for one release by :func:`upgrade_legacy_keys`, with a one-line deprecation message each.
+``rules``, ``rules_mode``, ``bf16_policy``, ``adaptive.*``, ``late_switch.*``) are gone:
+each is refused with one line naming what replaces it (:data:`REMOVED_KEYS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 from microscale.model import BF16_LAYOUTS, PrecisionRules, rules_for_training
@@ -40,11 +39,11 @@ from microscale.ptq.sensitivity import METHODS
 
 __all__ = [
     "PRECISION_KINDS",
+    "REMOVED_KEYS",
     "LateSwitchConfig",
     "PrecisionConfig",
     "PrecisionKind",
     "SensitivityConfig",
-    "upgrade_legacy_keys",
 ]
 
 
@@ -314,96 +313,19 @@ PRECISION_KINDS: dict[str, PrecisionKind] = {
 }
 
 
-# ----------------------------------------------------------------------------- old keys
+# ----------------------------------------------------------------------------- removed keys
 
-# Old top-level key -> its key under precision (values unchanged).
-_MOVED = {
-    "bf16_first": "bf16_first",
-    "bf16_last": "bf16_last",
-    "late_switch.fraction": "late.fraction",
-    **{
-        f"adaptive.{f.name}": f"sensitivity.{f.name}" for f in dataclasses.fields(SensitivityConfig)
-    },
-}
-# adaptive.warmup_fraction's default (bf16_policy sensitivity and position_warmup).
-_OLD_WARMUP = 0.1
-# Old keys whose values are renamed into the one vocabulary (what runs in bf16).
-_RENAMED = {
-    "rules_mode": (
-        "rules_bf16",
-        {"forward": "backward", "full": "nothing", "as_written": "as_written"},
-    ),
-    "late_switch.mode": ("late.bf16", {"full": "all", "fwd_only": "forward"}),
-}
-# The old keys: these, the two above, and the ones that choose a kind.
-LEGACY_KEYS = (
-    *_MOVED,
-    *_RENAMED,
-    "bf16_layout",
-    "rules",
-    "bf16_policy",
-    "adaptive.warmup_fraction",
-)
-
-
-def _is_none(v: Any) -> bool:
-    return v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null", "~", ""))
-
-
-def upgrade_legacy_keys(old: Mapping[str, Any]) -> dict[str, Any]:
-    """``{old dotted key: value}`` (keys of :data:`LEGACY_KEYS`) -> ``{"precision.<key>":
-    value}``, with one :class:`FutureWarning` naming each old key's new key. Read as one
-    request, so the order of the old keys does not matter; one that names a policy or
-    rules but no other kind (``bf16_policy: position``, ``rules: null``) means
-    ``position``, and ``bf16_policy: position`` means no warm-up."""
-    new: dict[str, Any] = {}
-    for key, value in old.items():
-        if key in _MOVED:
-            new[_MOVED[key]] = value
-        elif key in _RENAMED:
-            to, names = _RENAMED[key]
-            new[to] = names.get(str(value).strip(), value)  # unknown values fail later
-        elif key in ("bf16_layout", "rules"):
-            to = "layout" if key == "bf16_layout" else "rules"
-            new[to] = None if _is_none(value) else value
-            if new[to] is not None:
-                new["kind"] = to
-    policy = str(old.get("bf16_policy", "position")).strip()
-    warmup = old.get("adaptive.warmup_fraction", _OLD_WARMUP)
-    if "kind" not in new and ("bf16_policy" in old or ("rules" in old and _is_none(old["rules"]))):
-        new["kind"] = "position"  # an old request that names no other kind
-    if policy == "sensitivity":
-        new["kind"] = "sensitivity"
-        if _is_none(warmup) or float(warmup) != PRECISION_KINDS["sensitivity"].default_warmup:
-            new["warmup"] = warmup  # (the kind's default is the old one: a config as new)
-    elif policy == "position_warmup":
-        new["warmup"] = warmup
-    elif policy == "position" and "bf16_policy" in old:
-        new["warmup"] = None
-    elif policy != "position":
-        new["kind"] = f"bf16_policy={policy}"  # fails, listing the kinds
-    if old:
-        moves = "; ".join(
-            f"{k} -> {_NEW_NAME.get(k, 'precision.' + _MOVED.get(k, k))}" for k in old
-        )
-        warnings.warn(
-            f"deprecated config keys (read for one more release): {moves}. "
-            "`microscale train --config FILE --print-config` prints a config file "
-            "in the new keys",
-            FutureWarning,
-            stacklevel=3,
-        )
-    return {f"precision.{k}": v for k, v in new.items()}
-
-
-# What the deprecation message says of the old keys that do not simply move.
-_NEW_NAME = {
-    **{
-        k: f"precision.{to} ({', '.join(f'{a}->{b}' for a, b in names.items())})"
-        for k, (to, names) in _RENAMED.items()
-    },
+# The keys before this sub-config (removed; docs/release-notes.md) -> what replaces each, as
+# the one-line error for an old key says (a dotted group: any key under it).
+REMOVED_KEYS = {
+    "bf16_first": "precision.bf16_first",
+    "bf16_last": "precision.bf16_last",
     "bf16_layout": "precision.kind=layout precision.layout=NAME",
     "rules": "precision.kind=rules precision.rules=PATH",
-    "bf16_policy": "precision.kind=sensitivity (position_warmup: precision.warmup=FRACTION)",
+    "rules_mode": "precision.rules_bf16 (forward->backward, full->nothing, as_written)",
+    "bf16_policy": "precision.kind=sensitivity (position_warmup: precision.warmup=0.1)",
     "adaptive.warmup_fraction": "precision.warmup",
+    "adaptive": "precision.sensitivity.* (adaptive.warmup_fraction: precision.warmup)",
+    "late_switch.mode": "precision.late.bf16 (full->all, fwd_only->forward)",
+    "late_switch": "precision.late.* (late_switch.mode: precision.late.bf16)",
 }

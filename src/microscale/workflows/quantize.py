@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 
-# A model folder (HF, or a quantize output without its run): the text without --corpus,
+# A model folder (HF, or a quantize output without its run): the text without corpus=,
 # the window length (at most the model's context), windows per batch, evaluation batches.
 MODEL_DEFAULT_CORPUS = "stdlib"
 MODEL_SEQ_LEN = 512
@@ -138,7 +138,7 @@ def quantize_run(
     if step is not None and kind != "run":
         what = "an HF folder" if kind == "hf" else "a quantize output"
         raise ValueError(
-            f"--step {step} applies to a training run folder, but --checkpoint "
+            f"step={step} applies to a training run folder, but --checkpoint "
             f"{str(checkpoint)!r} is {what}"
         )
     check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
@@ -227,11 +227,11 @@ def _quantize_folder(
         recorded = _recorded_corpus(path) if kind == "quantize" else None
         corpus = recorded or MODEL_DEFAULT_CORPUS
         say(
-            f"quantize: no --corpus: calibrating and evaluating on {corpus!r}"
+            f"quantize: no corpus=: calibrating and evaluating on {corpus!r}"
             + (
                 " (the corpus the report names)"
                 if recorded
-                else " (the Python standard library's sources, no download); pass --corpus "
+                else " (the Python standard library's sources, no download); pass corpus="
                 "FOLDER|FILE.jsonl for text of the model's own domain"
             )
         )
