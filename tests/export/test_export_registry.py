@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -220,7 +221,27 @@ def test_export_run_is_the_library_function_behind_the_cli(tiny_model, tmp_path)
         export_run(plain.path, tmp_path / "x", layout="onnx")
     with pytest.raises(ValueError, match="calib_batches=2 has no effect without activations"):
         export_run(plain.path, tmp_path / "y", calib_batches=2)
-    with pytest.raises(ValueError, match="the gguf layout stores weights only"):
+    with pytest.raises(
+        ValueError, match="activations=True with layout=gguf: a GGUF stores weights only"
+    ):
         export_run(plain.path, tmp_path / "z.gguf", layout="gguf", activations=True)
     with pytest.raises(FileNotFoundError, match="neither a training run"):
         export_run(tmp_path, tmp_path / "w")  # a folder of folders, none a model
+
+
+def test_the_refusals_come_from_the_row():
+    """Each capability a caller reads is a field: weights-only layouts refuse input scales
+    with their own reason, and the table formats a search may score are the rows'."""
+    from microscale.export.registry import KINDS, Layout, stored_embed_formats, table_values
+
+    for row in (k for k in KINDS if isinstance(k, Layout)):
+        if row.weights_only is None:
+            row.refuse_activations()  # stores input scales: nothing to refuse
+            assert row.input_scales
+        else:
+            with pytest.raises(ValueError, match=re.escape(row.weights_only)):
+                row.refuse_activations()
+        assert bool(row.embed_formats) == (row.embed_values is not None), row.name
+    assert set(stored_embed_formats()) == set(get_layout("gguf").embed_formats)
+    with pytest.raises(ValueError, match="no layout stores a token embedding in it"):
+        table_values(np.zeros((4, 32), np.float32), "nvfp4")

@@ -125,7 +125,10 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
                     str(tmp_path / "again.gguf"),
                 ]
             )
-            assert rc == 2 and "already holds its GGUF" in capsys.readouterr().err
+            assert (
+                rc == 2
+                and "already holds its model as a llama.cpp GGUF file" in capsys.readouterr().err
+            )
             continue
         rc = main(
             [

@@ -170,10 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if cfg.rules:
             formats = PrecisionRules.load(cfg.rules)
         layout = get_layout(cfg.layout)
-        if cfg.activations and not layout.input_scales:
-            raise ValueError(
-                f"activations=true: the {layout.name} layout stores weights only; drop it"
-            )
+        if cfg.activations:
+            layout.refuse_activations()
         refuse_unused(
             (
                 layout.single_file and cfg.shard_size is not None,

@@ -15,8 +15,8 @@
 
 The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the nested
 ``ptq.``) and of :class:`~microscale.workflows.quantize.QuantizeRunConfig` (``layout``,
-``corpus``, ``step``, ``eval_batches``); ``layout=gguf`` starts from
-``QuantizeConfig.for_gguf()``. The flags before ``key=value`` (``--budget 5``,
+``corpus``, ``step``, ``eval_batches``); a layout's ``quantize_preset`` comes first
+(``layout=gguf``: ``QuantizeConfig.for_gguf()``'s formats and heuristic), then the keys. The flags before ``key=value`` (``--budget 5``,
 ``--w4a4``, ``--target gguf``, ...) are gone: each is refused with one line naming its key
 (:data:`REMOVED_FLAGS`, docs/release-notes.md). Everything else is
 :func:`microscale.workflows.quantize_run`. Exit codes: 0 done, 2 bad arguments (unknown
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from microscale.cli.args import (
     add_removed_flags,
@@ -111,6 +110,7 @@ def configs(args: argparse.Namespace):
     """``(QuantizeConfig, QuantizeRunConfig)`` of the command line's ``key=value``
     overrides. ``ValueError`` (a ``ConfigError`` for a key) naming what is wrong."""
     from microscale.config import apply_overrides
+    from microscale.export.registry import get_layout
     from microscale.ptq import QuantizeConfig
     from microscale.workflows.quantize import QuantizeRunConfig
 
@@ -122,8 +122,8 @@ def configs(args: argparse.Namespace):
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"{key}={qkeys[key]}: {e}") from None
     runc = apply_overrides(QuantizeRunConfig(), rkeys)
-    gguf = runc.layout == "gguf"
-    cfg = apply_overrides(QuantizeConfig.for_gguf() if gguf else QuantizeConfig(), qkeys)
+    row = get_layout(runc.layout)  # its preset first, then the user's keys
+    cfg = apply_overrides(QuantizeConfig(), {**row.quantize_preset, **qkeys})
     refuse_unused(
         (
             not cfg.static_act_scales and not cfg.activations,
@@ -131,25 +131,15 @@ def configs(args: argparse.Namespace):
             "without activations=true (only quantized layer inputs have scales)",
         )
     )
-    if gguf:
-        from microscale.export.gguf import gguf_format
-
-        if cfg.activations:
-            raise ValueError(
-                "activations=true with layout=gguf: a GGUF stores weights only "
-                "(llama.cpp quantizes activations itself)"
-            )
-        for f in cfg.formats if "formats" in qkeys else ():
-            if gguf_format(f) != f:
-                raise ValueError(
-                    f"formats: llama.cpp has no native {f} (it would run as "
-                    f"{gguf_format(f)}); layout=gguf searches nvfp4, mxfp4, "
-                    "q8_0, bf16"
-                )
+    if cfg.activations:
+        row.refuse_activations()
+    if row.check_formats is not None and "formats" in qkeys:
+        row.check_formats(cfg.formats)
     return cfg, runc
 
 
 def run(args: argparse.Namespace) -> int:
+    from microscale.export.registry import get_layout, quantize_output_model
     from microscale.workflows import quantize_run
 
     try:
@@ -172,9 +162,10 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
-    if runc.layout == "gguf" and not (Path(args.out) / "model.gguf").is_file():
+    row = get_layout(runc.layout)
+    if row.single_file and not quantize_output_model(args.out, single_file=True).is_file():
         print(
-            f"microscale quantize: error: the GGUF export failed (see "
+            f"microscale quantize: error: the {row.name} export failed (see "
             f"{args.out}/report.json, checkpoint.fallback_reason); the allocation was "
             f"written in microscale's layout to {args.out}/checkpoint",
             file=sys.stderr,

@@ -15,6 +15,15 @@ microscale          ``model.safetensors`` + ``manifest.json``: PTQ's        no
                     weights as PTQ holds them (:mod:`~.manifest`)
 ==================  =====================================================  ===============
 
+A row is also what its callers know of a layout (no module outside ``export/`` branches
+on a layout's name; ``tests/test_layout_names.py``): whether it stores input scales
+(``weights_only`` says why not, and :meth:`Layout.refuse_activations` is the one refusal),
+one file or a folder, whether a quantize output may hold it, the token embedding formats it
+stores and how a reader decodes them (``embed_formats``, ``embed_values``;
+:func:`table_values` for the search), the formats it stores as themselves
+(``check_formats``), the layers it restricts (``candidates``) and ``microscale quantize``'s
+preset for it (``quantize_preset``).
+
 Two more **folder kinds** are inputs only (:class:`Kind` rows, ``detect`` alone): a
 training run (``config.yaml`` + ``checkpoints/``, :data:`RUN`) and a ``microscale
 quantize`` output (``report.json`` + ``precision_rules.json``, :data:`QUANTIZE_OUTPUT`;
@@ -37,13 +46,21 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from microscale.export.gguf import gguf_layer_candidates, gguf_vocab, write_gguf
+from microscale.export.gguf import (
+    EMBED_FORMATS,
+    GGUF_FORMATS,
+    embed_values,
+    gguf_format,
+    gguf_layer_candidates,
+    gguf_vocab,
+    write_gguf,
+)
 from microscale.export.gguf_hf import read_gguf_params
 from microscale.export.hfquant import HF_QUANT, quant_method
 from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
@@ -52,6 +69,7 @@ from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint
 from microscale.model import ModelConfig
 
 __all__ = [
+    "DEFAULT_LAYOUT",
     "KINDS",
     "QUANTIZE_OUTPUT",
     "RUN",
@@ -61,6 +79,8 @@ __all__ = [
     "get_layout",
     "layout_names",
     "quantize_output_model",
+    "stored_embed_formats",
+    "table_values",
 ]
 
 
@@ -90,8 +110,23 @@ class Layout(Kind):
     # An HF-style folder: read_checkpoint reads it with its packed bytes (a re-export
     # keeps them).
     hf_folder: bool
-    # Whether it stores static scales of quantized layer inputs (W4A4 / W8A8).
-    input_scales: bool
+    # Why it stores no static scales of quantized layer inputs (W4A4 / W8A8), as the
+    # refusal of activations=true says it; None: it stores them.
+    weights_only: str | None
+    # A `microscale quantize` output may hold it (its checkpoint/ or model.gguf).
+    quantize_output: bool
+    # What `microscale quantize layout=NAME` starts from: QuantizeConfig overrides (the
+    # formats it searches, its uniform points, the heuristic's), before the user's keys.
+    quantize_preset: Mapping[str, Any]
+    # check_formats(formats) raises for a format the layout cannot store as itself (the
+    # search's candidates, checked before any work); None: it stores any.
+    check_formats: Callable[[Sequence[str]], None] | None
+    # The formats it stores the token embedding / tied LM head in (export's embed_format,
+    # the search's table candidates); (): as the float dtype only.
+    embed_formats: tuple[str, ...]
+    # embed_values(table [vocab, d_model], fmt) -> the float32 values a reader decodes from
+    # the table stored in fmt (one of embed_formats); None when embed_formats is ().
+    embed_values: Callable[[Any, str], Any] | None
     # check_tokenizer(tokenizer.json) raises for a tokenizer the layout cannot store
     # (called before any work); None: it stores any.
     check_tokenizer: Callable[[Path], Any] | None
@@ -107,6 +142,17 @@ class Layout(Kind):
     # read(path) -> ({parameter path: float array, kernels [in, out]}, ModelConfig or None
     # when the layout stores none): every weight decoded.
     read: Callable[[Path], tuple[dict[str, np.ndarray], ModelConfig | None]]
+
+    @property
+    def input_scales(self) -> bool:
+        """Whether it stores static scales of quantized layer inputs."""
+        return self.weights_only is None
+
+    def refuse_activations(self, given: str = "activations=true") -> None:
+        """The one refusal of quantized layer inputs for a layout that stores weights
+        only: a ValueError naming ``given`` (the option as the caller spelled it) and why."""
+        if self.weights_only is not None:
+            raise ValueError(f"{given} with layout={self.name}: {self.weights_only}; drop it")
 
 
 # ----------------------------------------------------------------------------- detection
@@ -173,13 +219,23 @@ def _write_gguf(
     **options,
 ) -> Any:
     if activations or input_amax is not None:
-        raise ValueError(
-            "activations: GGUF stores weights only (llama.cpp quantizes activations itself)"
-        )
+        get_layout("gguf").refuse_activations("activations")
     if shard_bytes is not None:
         raise ValueError(f"shard_bytes={shard_bytes}: a GGUF is one file, never sharded")
     return write_gguf(model, out, **options)
 
+
+def _check_gguf_formats(formats: Sequence[str]) -> None:
+    for f in formats:
+        if gguf_format(f) != f:
+            raise ValueError(
+                f"formats: llama.cpp has no native {f} (it would run as {gguf_format(f)}); "
+                f"layout=gguf searches {', '.join(_GGUF_CANDIDATES)}"
+            )
+
+
+# What ggml / llama.cpp runs natively: the GGUF layout's quantize search.
+_GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 
 RUN = Kind(
     name="run", description="a microscale training run (config.yaml + checkpoints/)", detect=_is_run
@@ -197,6 +253,10 @@ _HF: dict[str, Any] = dict(
     check_tokenizer=None,
     read=_hf_params,
     candidates=None,
+    quantize_preset={},
+    check_formats=None,
+    embed_formats=(),
+    embed_values=None,
 )  # what the HF-style folders share
 KINDS: tuple[Kind, ...] = (
     RUN,
@@ -208,7 +268,8 @@ KINDS: tuple[Kind, ...] = (
             description=q.description,
             detect=functools.partial(lambda p, name: _quant_method(p) == name, name=q.name),
             quantized=True,
-            input_scales=True,
+            weights_only=None,
+            quantize_output=True,
             write=functools.partial(_write_hf_family, layout=q.name),
             **_HF,
         )
@@ -220,7 +281,8 @@ KINDS: tuple[Kind, ...] = (
         # any other config.json: read_checkpoint names the unsupported quant_method
         detect=lambda p: _quant_method(p) not in (None, *HF_QUANT),
         quantized=False,
-        input_scales=False,
+        weights_only="the hf layout stores float weights only (no quantization)",
+        quantize_output=False,
         write=functools.partial(_write_hf_family, layout="hf"),
         **_HF,
     ),
@@ -232,7 +294,16 @@ KINDS: tuple[Kind, ...] = (
         writes_model=True,
         quantized=True,
         hf_folder=False,
-        input_scales=False,
+        weights_only="a GGUF stores weights only (llama.cpp quantizes activations itself)",
+        quantize_output=True,
+        quantize_preset={
+            "formats": _GGUF_CANDIDATES,
+            "uniform_formats": _GGUF_CANDIDATES,
+            "heuristic": ("q8_0", "nvfp4"),  # the heuristic's 8-bit layers in Q8_0
+        },
+        check_formats=_check_gguf_formats,
+        embed_formats=EMBED_FORMATS,
+        embed_values=embed_values,
         check_tokenizer=gguf_vocab,
         candidates=gguf_layer_candidates,
         read=read_gguf_params,
@@ -246,13 +317,46 @@ KINDS: tuple[Kind, ...] = (
         writes_model=False,
         quantized=True,
         hf_folder=False,
-        input_scales=True,
+        weights_only=None,
+        quantize_output=True,
+        quantize_preset={},
+        check_formats=None,
+        embed_formats=(),
+        embed_values=None,
         check_tokenizer=None,
         candidates=None,
         read=manifest_params,
         write=write_manifest,
     ),
 )
+
+
+# What `microscale export` and `microscale quantize` write without layout=.
+DEFAULT_LAYOUT = "compressed-tensors"
+
+
+def stored_embed_formats() -> tuple[str, ...]:
+    """Every format some layout stores a token embedding / tied LM head in (the union of
+    the rows' ``embed_formats``, in registry order): the search's table candidates."""
+    out: list[str] = []
+    for k in KINDS:
+        for f in getattr(k, "embed_formats", ()):
+            if f not in out:
+                out.append(f)
+    return tuple(out)
+
+
+def table_values(table: Any, fmt: str) -> Any:
+    """The float32 values a reader decodes from the token embedding ``table`` ``[vocab,
+    d_model]`` stored in ``fmt``, by the first layout that stores it so (what the search
+    scores a table format with); ValueError for a format no layout stores a table in."""
+    for k in KINDS:
+        if isinstance(k, Layout) and fmt in k.embed_formats and k.embed_values is not None:
+            return k.embed_values(table, fmt)
+    raise ValueError(
+        f"embed format {fmt!r}: no layout stores a token embedding in it; expected one of "
+        f"{', '.join(stored_embed_formats())}"
+    )
 
 
 def layout_names(**where: bool) -> tuple[str, ...]:

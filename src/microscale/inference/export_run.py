@@ -19,6 +19,7 @@ from microscale.data import load_tokenizer
 from microscale.export import Checkpoint, read_checkpoint
 from microscale.export.layouts import LayerFormats
 from microscale.export.registry import (
+    DEFAULT_LAYOUT,
     QUANTIZE_OUTPUT,
     RUN,
     Layout,
@@ -47,7 +48,7 @@ class ExportConfig:
 
     # Output layout: compressed-tensors, modelopt, hf (float weights) or gguf (llama.cpp,
     # one file).
-    layout: str = "compressed-tensors"
+    layout: str = DEFAULT_LAYOUT
     # Number formats: one format name for every layer (nvfp4, fp8_e4m3, mxfp4, mxfp8, q8_0,
     # bf16) or JSON {layer path: format} (text or a file); None: NVFP4, a packed folder's
     # own formats, or the allocation a run trained with.
@@ -92,7 +93,7 @@ def export_run(
     source: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    layout: str = "compressed-tensors",
+    layout: str = DEFAULT_LAYOUT,
     formats: LayerFormats = None,
     activations: bool = False,
     calib_batches: int | None = None,
@@ -153,11 +154,8 @@ def _check_options(
     row: Layout, *, activations: bool, calib_batches, data, shard_bytes, embed_format
 ) -> None:
     """ValueError naming an option ``row`` or the other options leave without effect."""
-    if activations and not row.input_scales:
-        raise ValueError(
-            f"activations=True: the {row.name} layout stores weights only; "
-            "export without activations"
-        )
+    if activations:
+        row.refuse_activations("activations=True")
     unused = [
         (
             row.single_file and shard_bytes is not None,
@@ -175,9 +173,9 @@ def _check_options(
             "without activations (only layer inputs are calibrated)",
         ),
         (
-            row.name != "gguf" and embed_format is not None,
+            not row.embed_formats and embed_format is not None,
             f"embed_format={embed_format!r}",
-            f"with layout={row.name!r} (GGUF only)",
+            f"with layout={row.name!r} (it stores the token embedding as dtype)",
         ),
     ]
     for bad, what, why in unused:
@@ -205,12 +203,12 @@ def _source_folder(source) -> Path:
     if detect(src) is not QUANTIZE_OUTPUT:
         return src
     model = quantize_output_model(src)
-    if model.suffix == ".gguf":
+    found = detect(model)
+    if isinstance(found, Layout) and found.single_file:
         raise ValueError(
             f"--checkpoint {str(src)!r} is a quantize output that already holds "
-            f"its GGUF: {str(model)!r}"
+            f"its model as {found.description}: {str(model)!r}"
         )
-    found = detect(model)
     if not (isinstance(found, Layout) and found.hf_folder):
         raise FileNotFoundError(
             f"--checkpoint {str(src)!r}: a quantize output without an "
@@ -261,7 +259,7 @@ def _export_run(
         shard_bytes=shard_bytes,
         embed_format=embed_format,
     )
-    if embed_format is None and row.name == "gguf":
+    if embed_format is None and row.embed_formats:
         embed_format = _searched_embed_format(source)
     src = _source_folder(source)
     tokenizer, seq_len = None, 128

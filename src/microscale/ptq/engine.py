@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from microscale.export.gguf import embed_values
+from microscale.export.registry import table_values
 from microscale.formats import QArray, dequantize, get_format, quantize_dequantize, tensor_amax
 from microscale.model import PrecisionRules, apply_rules
 from microscale.ops.loss import cross_entropy
@@ -204,14 +204,14 @@ class Engine:
     def with_tables(self, fmt: str, params: dict | None = None) -> dict:
         """A params tree (default: the model's) whose token embedding and untied LM head
         (:attr:`tables`) hold the values llama.cpp decodes from them stored in ``fmt``
-        (:func:`microscale.export.gguf.embed_values`); ``fmt`` unquantized: unchanged."""
+        (:func:`microscale.export.registry.table_values`); ``fmt`` unquantized: unchanged."""
         out = dict(self.params if params is None else params)
         if not get_format(fmt).quantized:
             return out
         for key, transposed in self.tables.items():
             ref = self._get(self.params, key)
             table = ref.T if transposed else ref
-            values = embed_values(table, fmt)
+            values = table_values(table, fmt)
             _set(out, key, jnp.asarray(values.T if transposed else values, ref.dtype))
         return out
 

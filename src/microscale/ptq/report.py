@@ -36,6 +36,7 @@ from microscale.colors import style
 from microscale.export import LayerQuant, flat_params
 from microscale.export.manifest import read_manifest, write_manifest
 from microscale.export.registry import (
+    DEFAULT_LAYOUT,
     QUANTIZE_OUTPUT,
     Layout,
     detect,
@@ -97,10 +98,10 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
         p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
         for p, f in result.allocation.formats.items()
     }
-    # the searched token embedding / LM head format: only a GGUF stores the table quantized
-    # (other layouts keep it bf16; report.json's embed_format serves a later GGUF export)
+    # the searched token embedding / LM head format, for a layout that stores the table
+    # quantized (the others keep it bf16; report.json's embed_format serves a later export)
     embed = result.embed_format
-    options = {"embed_format": embed} if embed is not None and layout.name == "gguf" else {}
+    options = {"embed_format": embed} if embed is not None and layout.embed_formats else {}
     res = layout.write(
         flat,
         out,
@@ -121,7 +122,7 @@ def write_outputs(
     *,
     model_config=None,
     tokenizer=None,
-    layout: str = "compressed-tensors",
+    layout: str = DEFAULT_LAYOUT,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Write every output file under ``out_dir`` (see the module doc); returns the report.

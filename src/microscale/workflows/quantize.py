@@ -48,7 +48,7 @@ from typing import Any
 
 from microscale.data import DataConfig, check_vocab_fits, load_data
 from microscale.export.reader import build_model
-from microscale.export.registry import get_layout, layout_names
+from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
 from microscale.ptq.pipeline import (
     QuantizeConfig,
@@ -93,7 +93,7 @@ class QuantizeRunConfig:
 
     # Output layout: compressed-tensors, modelopt, microscale (own safetensors + manifest)
     # or gguf (searches only what llama.cpp runs natively; writes OUT/model.gguf).
-    layout: str = "compressed-tensors"
+    layout: str = DEFAULT_LAYOUT
     # Calibration/evaluation corpus (a text file or folder, a .jsonl, stdlib, ...) tokenized
     # with the model's own tokenizer; None: a run's own corpus, stdlib for an HF folder.
     corpus: str | None = None
@@ -104,7 +104,7 @@ class QuantizeRunConfig:
     eval_batches: int | None = None
 
     def __post_init__(self):
-        valid = (*layout_names(single_file=False, quantized=True), "gguf")
+        valid = layout_names(quantize_output=True)
         if self.layout not in valid:
             raise ValueError(f"layout={self.layout!r}: expected one of {', '.join(valid)}")
         for name, lo in (("step", 0), ("eval_batches", 1)):
@@ -121,7 +121,7 @@ def quantize_run(
     corpus: str | None = None,
     step: int | None = None,
     eval_batches: int | None = None,
-    layout: str = "compressed-tensors",
+    layout: str = DEFAULT_LAYOUT,
     log: Callable[[str], None] | None = None,
 ) -> QuantizeResult:
     """Quantize a training run, an HF Llama folder or a quantize output's model (see the
@@ -136,7 +136,7 @@ def quantize_run(
     cfg = QuantizeConfig() if config is None else config
     path, kind = check_model_source(checkpoint, what="--checkpoint")
     if step is not None and kind != "run":
-        what = "an HF folder" if kind == "hf" else "a quantize output"
+        what = "a quantize output" if kind == "quantize" else "an HF folder"
         raise ValueError(
             f"step={step} applies to a training run folder, but --checkpoint "
             f"{str(checkpoint)!r} is {what}"

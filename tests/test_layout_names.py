@@ -1,0 +1,108 @@
+"""No module outside ``export/`` branches on a layout's name: what a layout stores (weights
+only or not, one file or a folder, its embedding formats, its quantize preset) is a field of
+its :class:`~microscale.export.registry.Layout` row, read by the callers
+(docs/design.md#architecture). A string literal equal to a layout's name anywhere else in
+``src/microscale`` fails here, unless :data:`NOT_A_LAYOUT` says why it names something
+else; docstrings, comments and help text inside longer strings do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from microscale.export.registry import layout_names
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "microscale"
+
+# (module, literal): a literal that equals a layout's name but names something else.
+NOT_A_LAYOUT = {
+    ("fingerprint.py", "microscale"): "the package's name (the modules a hash covers)",
+    ("cli/__init__.py", "microscale"): "the program's name (argparse's prog)",
+    ("data/corpus.py", "microscale"): "the cache folder's name (~/.cache/microscale)",
+    ("train/init.py", "hf"): "init_from's source kind (run, quantize or hf), not a layout",
+    ("verify.py", "gguf"): "verify's check kind of a GGUF file, not a layout",
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that stand alone as statements (docstrings and the
+    attribute docstrings under a field)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+
+
+def _layout_literals(src: Path = SRC) -> dict[tuple[str, str], list[int]]:
+    """``{(module, literal): [line, ...]}`` of the layout names spelled under ``src``."""
+    names = set(layout_names())
+    found: dict[tuple[str, str], list[int]] = {}
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel.startswith("export/"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in names
+                and id(node) not in skip
+            ):
+                found.setdefault((rel, node.value), []).append(node.lineno)
+    return found
+
+
+def test_no_layout_name_outside_export():
+    found = _layout_literals()
+    named = [
+        f"{rel}:{','.join(map(str, lines))}: {name!r}"
+        for (rel, name), lines in found.items()
+        if (rel, name) not in NOT_A_LAYOUT
+    ]
+    assert named == [], (
+        "a layout's name spelled outside export/ (read a field of its Layout row "
+        f"instead, or say in NOT_A_LAYOUT why it is not a layout): {named}"
+    )
+
+
+def test_every_exception_is_still_needed():
+    found = _layout_literals()
+    stale = [k for k in NOT_A_LAYOUT if k not in found]
+    assert stale == [], f"NOT_A_LAYOUT lists literals no longer there: {stale}"
+
+
+def test_the_check_sees_a_branch_on_a_name(tmp_path):
+    """The check itself: a module comparing a layout's name is caught, its docstrings and
+    a module under export/ are not."""
+    (tmp_path / "ptq").mkdir()
+    (tmp_path / "export").mkdir()
+    (tmp_path / "ptq" / "x.py").write_text(
+        '"""gguf"""\n\n\ndef f(row):\n    """hf"""\n    return row.name == "gguf"\n'
+    )
+    (tmp_path / "export" / "y.py").write_text('NAME = "gguf"\n')
+    assert _layout_literals(tmp_path) == {("ptq/x.py", "gguf"): [6]}
+
+
+# ptq/ modules that still import a layout's module (why): everything else reads the record.
+IMPORTS_A_LAYOUT = {
+    "ptq/pipeline.py": "EMBED_FORMATS / GGUF_FORMATS for QuantizeConfig.for_gguf (issue 38's "
+    "pipeline split moves them to the row's quantize_preset and stored_embed_formats())",
+}
+
+
+def test_ptq_reads_layouts_through_the_registry():
+    """ptq/ imports no layout's internals (``export.gguf``'s tables, ``embed_values``):
+    what it needs is a field of the row or a function of ``export.registry``."""
+    found = {}
+    for path in sorted((SRC / "ptq").rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            mod = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [mod or ""]
+            if any(n.startswith("microscale.export.gguf") for n in names):
+                found[rel] = node.lineno
+    assert sorted(found) == sorted(IMPORTS_A_LAYOUT), found
