@@ -21,6 +21,11 @@ q8_0       ``Q8_0 = 8``           34 bytes per 32 values: float16 scale, 32 int8
 bf16       ``BF16`` (or F16/F32)  unquantized layers, embeddings, LM head.
 =========  =====================  ==================================================
 
+ggml's own integer types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K, IQ4_NL, IQ4_XS:
+``formats.spec.GGML_FORMATS``) are written from float weights by :func:`gguf_ggml_tensor`,
+bit for bit as ggml's quantizer writes them (``formats/ggml.py``); ``write_gguf``'s layer
+formats do not take them yet (its layer table is the JAX formats').
+
 Norm weights, biases and ``.scale`` tensors are F32. ggml decodes E2M1 codes as doubled
 integers (``kvalues = 2 * e2m1``) times half the block scale; both products are exact in
 float32, so decoding a file gives microscale's ``dequantize`` bit for bit (tested with the
@@ -138,6 +143,8 @@ from microscale.formats import (
     quantize,
     unpack_nibbles,
 )
+from microscale.formats.ggml import fallback_format, quantize_ggml
+from microscale.formats.spec import get_ggml_format
 from microscale.integrity import crc32_many
 from microscale.model import ModelConfig, block_param_shapes, linear_paths
 
@@ -150,6 +157,7 @@ __all__ = [
     "embed_values",
     "gguf_embed_format",
     "gguf_format",
+    "gguf_ggml_tensor",
     "gguf_layer_candidates",
     "gguf_layer_formats",
     "gguf_tensor",
@@ -555,6 +563,32 @@ def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
     blocks = np.concatenate([sbytes, elems], axis=-1)
     assert blocks.shape[-1] == type_size and sbytes.shape[-1] == groups * scales.itemsize
     return np.ascontiguousarray(blocks.reshape(n, -1)), qtype
+
+
+def gguf_ggml_tensor(w: Any, fmt: str, name: str, imatrix: Any = None) -> tuple[np.ndarray, Any]:
+    """(uint8 ``[N, bytes per row]``, GGMLQuantizationType) of a float weight ``[N, K]`` (HF
+    orientation, blocks along ``K``) in one of ggml's own block types (``GGML_FORMATS``:
+    Q4_0 ... Q6_K, IQ4_NL, IQ4_XS), encoded as ggml's ``ggml_quantize_chunk`` encodes it
+    (``formats/ggml.py``), with ``imatrix`` (one importance weight per input, llama.cpp's
+    imatrix) where ggml uses one. A ``K`` the type's blocks do not divide is refused, naming
+    the type llama.cpp would write instead."""
+    gguf = _gguf()
+    spec = get_ggml_format(fmt)
+    x = np.asarray(jnp.asarray(w, jnp.float32))
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a [N, K] weight, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: non-finite weights; refusing to write them")
+    k = x.shape[1]
+    fallback = fallback_format(spec, k)
+    if fallback != spec.name:
+        raise ValueError(
+            f"{name}: input dimension {k} is not a multiple of "
+            f"{spec.super_block or spec.block_size}, the {spec.name} block length; "
+            f"llama.cpp writes such a tensor as {fallback}"
+        )
+    qtype = gguf.GGMLQuantizationType(spec.ggml_type)
+    return np.ascontiguousarray(quantize_ggml(x, spec, imatrix)), qtype
 
 
 def _float_tensor(x, dtype: str) -> tuple[np.ndarray, Any]:

@@ -61,6 +61,7 @@ refused naming it and the supported ones.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from microscale.model import (
@@ -73,6 +74,7 @@ from microscale.model import (
     linear_paths,
     param_shapes,
 )
+from microscale.model.family import Family
 from microscale.model.rope import RopeKind
 
 __all__ = [
@@ -207,7 +209,7 @@ def hf_config(
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        **({} if fam.name == "gemma3" else {"hidden_act": "silu"}),
+        **({"hidden_act": "silu"} if fam.mlp_act == "silu" else {}),  # GeGLU: its own key
         "max_position_embeddings": _hf_context(cfg),
         "rms_norm_eps": cfg.norm_eps,
         **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
@@ -341,38 +343,48 @@ def _text_config(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Keys that change the math, with the one value microscale's block computes, per family
-# (None: every family). A config.json that sets one otherwise is refused, naming it.
-_NOT_GEMMA = ("llama", "mistral", "qwen2", "qwen3")
-_MUST = {
-    "hidden_act": ("silu", _NOT_GEMMA),
-    "hidden_activation": ("gelu_pytorch_tanh", ("gemma3",)),
-    "attn_logit_softcapping": (None, ("gemma3",)),
-    "final_logit_softcapping": (None, ("gemma3",)),
-    "use_bidirectional_attention": (False, ("gemma3",)),
-    "mlp_bias": (False, None),
-    "rope_interleaved": (False, None),
-    "attention_bias": (False, ("llama", "mistral", "qwen3", "gemma3")),
-    "use_sliding_window": (False, ("qwen2", "qwen3")),
-    "pretraining_tp": (1, None),
+# Keys that change the math, with the one value microscale's block computes, and which
+# families' rows the key applies to (a predicate of the row). A config.json that sets one
+# otherwise is refused, naming it.
+def _silu(f: Family) -> bool:
+    return f.mlp_act == "silu"
+
+
+def _geglu(f: Family) -> bool:
+    return f.mlp_act == "gelu_tanh"
+
+
+_MUST: dict[str, tuple[Any, Callable[[Family], bool]]] = {
+    "hidden_act": ("silu", _silu),
+    "hidden_activation": ("gelu_pytorch_tanh", _geglu),
+    # Gemma's config class is the one that has these keys (Gemma 2's values are refused).
+    "attn_logit_softcapping": (None, _geglu),
+    "final_logit_softcapping": (None, _geglu),
+    "use_bidirectional_attention": (False, _geglu),
+    "mlp_bias": (False, lambda f: True),
+    "rope_interleaved": (False, lambda f: True),
+    "attention_bias": (False, lambda f: not f.qkv_bias),
+    # Qwen's configs carry a window switch that their block (no window) must leave off.
+    "use_sliding_window": (False, lambda f: not (f.sliding_window or f.local_global)),
+    "pretraining_tp": (1, lambda f: True),
 }
 
 
 def _check_math_keys(d: dict[str, Any], family: str) -> None:
-    for key, (want, families) in _MUST.items():
-        applies = families is None or family in families
-        if applies and d.get(key) is not None and d[key] != want:
+    row = FAMILIES[family]
+    for key, (want, applies_to) in _MUST.items():
+        if applies_to(row) and d.get(key) is not None and d[key] != want:
             raise ValueError(
                 f"config.json: {key}={d[key]!r}: microscale's {family} block computes "
                 f"only {key}={want!r}"
             )
     types = d.get("layer_types")
-    if types is not None and family != "gemma3":  # gemma3's: `_gemma3_layers`
+    if types is not None and not row.local_global:  # local/global: `_gemma3_layers`
         kinds = sorted(set(types)) if isinstance(types, list) else [repr(types)]
         if kinds != ["full_attention"] and not (
-            family == "mistral" and kinds == ["sliding_attention"]
+            row.sliding_window and kinds == ["sliding_attention"]
         ):
-            one = "full attention" + (", or the sliding window" if family == "mistral" else "")
+            one = "full attention" + (", or the sliding window" if row.sliding_window else "")
             raise ValueError(
                 f"config.json: layer_types={kinds}: microscale's {family} block runs one "
                 f"attention kind on every layer ({one})"
@@ -402,11 +414,12 @@ def model_config_from_hf(
     derived = hd is None or (hidden % heads == 0 and hd == hidden // heads)
     hd = hidden // heads if hd is None else hd
     window = None
-    if family in ("mistral", "gemma3"):
+    row = FAMILIES[family]
+    if row.sliding_window or row.local_global:
         window = _get(d, "sliding_window", int, _unset(d, family, "sliding_window", None))
     context = _get(d, "max_position_embeddings", int, _ABSENT[family]["max_position_embeddings"])
     extra: dict[str, Any] = {}
-    if family == "gemma3":
+    if row.local_global:
         theta, rope, extra = _gemma3_from_hf(d, context)
     else:
         theta, rope = rope_from_hf(d, context)

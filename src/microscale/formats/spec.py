@@ -24,6 +24,14 @@ codes ``roundf(x * (1 / d))`` (round half away from zero; ``d == 0`` gives zeros
 stored as float16; decoding is ``code * float32(float16(d))``. It exists so that an 8-bit
 choice runs natively in llama.cpp (GGUF export, ``quantize --target gguf``).
 
+``GGML_FORMATS`` holds ggml's own block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K,
+IQ4_NL, IQ4_XS) as rows with their block layout as data (``ggml_type``, ``block_bytes``,
+``super_block``, ``sub_scale_bits``, ``has_block_min``, ``elem_values``, ``ggml_search``,
+``ggml_fallback``). Their codecs are numpy, in ``formats/ggml.py`` (bit-identical to ggml's
+``ggml_quantize_chunk``); ``microscale.quantize`` (JAX) does not take them, so they are not
+in ``REGISTRY`` (its callers and tests assume a JAX quantizer for every row). Q8_0 is in
+both: the same row.
+
 MX scale rounding (OCP Microscaling v1.0 vs NVIDIA): ``"floor"`` is the OCP rule
 ``2^(floor(log2 amax) - emax_elem)`` (the largest values may saturate); ``"ceil"`` is
 NVIDIA's ``2^ceil(log2(amax / elem_max))`` (never saturates; what cuDNN, Transformer
@@ -40,6 +48,12 @@ import ml_dtypes
 import numpy as np
 
 ScaleKind = Literal["e4m3", "e8m0", "f16", "tensor", "none"]
+# The rule family of a ggml block type's numpy encoder (formats/ggml.py): "q8" (Q8_0),
+# "sym" (Q4_0, Q5_0: d = max / -2^(b-1)), "asym" (Q4_1, Q5_1: a scale and a minimum),
+# "k_asym" (Q2_K, Q4_K, Q5_K: sub-block scales and minimums under a float16 pair),
+# "k_sym" (Q3_K, Q6_K: signed sub-block scales under one float16), "iq4" (IQ4_NL, IQ4_XS:
+# a non-uniform codebook).
+GgmlCodec = Literal["q8", "sym", "asym", "k_asym", "k_sym", "iq4"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +81,31 @@ class FormatSpec:
     has_global_scale: bool = False
     # Default MX scale rounding: "floor" (OCP) or "ceil" (NVIDIA); None if not MX.
     scale_rounding: Literal["floor", "ceil"] | None = None
+    # ggml's ``enum ggml_type`` id when formats/ggml.py encodes and decodes the row to
+    # ggml's exact block bytes (a GGUF tensor of that type); None otherwise.
+    ggml_type: int | None = None
+    # The encoder's rule family in formats/ggml.py (None: not a ggml block type).
+    ggml_codec: GgmlCodec | None = None
+    # Bytes of one ggml block: a super-block where ``super_block`` is set.
+    block_bytes: int | None = None
+    # Elements per super-block (256: the K-quants, IQ4_XS): one float16 scale (and float16
+    # minimum) per super-block scales each ``block_size`` sub-block's small integer scale
+    # (and minimum); None: each block stores its own float16 scale.
+    super_block: int | None = None
+    # Bits of each sub-block's integer scale and minimum under the super-block's float16
+    # (Q2_K 4, Q3_K / Q4_K / Q5_K / IQ4_XS 6, Q6_K 8); None without super-blocks.
+    sub_scale_bits: int | None = None
+    # True when a block decodes as ``d * q - m`` (an unsigned code and a stored minimum:
+    # Q4_1, Q5_1, Q2_K, Q4_K, Q5_K); False for ``d * (q - offset)`` or a codebook.
+    has_block_min: bool = False
+    # The integer codebook a 4-bit code indexes (IQ4's kvalues_iq4nl); None: uniform levels.
+    elem_values: tuple[int, ...] | None = None
+    # ggml's reference encoder's sub-block scale search for a K-quant with minimums
+    # (make_qkx2_quants: rmin, rdelta, nstep, mean absolute instead of squared error).
+    ggml_search: tuple[float, float, int, bool] | None = None
+    # The type llama.cpp writes instead (llama-quant.cpp, tensor_type_fallback) when a
+    # row's width is not a multiple of ``super_block``; None for the 32-wide types.
+    ggml_fallback: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -90,7 +129,10 @@ class FormatSpec:
 
     @property
     def bits_per_element(self) -> float:
-        """Storage cost of one element including its share of the block scale."""
+        """Storage cost of one element including its share of the block scale (a ggml
+        block type: its block's bytes over its elements, minimums and sub-scales included)."""
+        if self.block_bytes is not None and self.block_size is not None:
+            return self.block_bytes * 8 / (self.super_block or self.block_size)
         if self.block_size is None:
             return float(self.elem_bits)
         return self.elem_bits + self.scale_bits / self.block_size
@@ -152,6 +194,9 @@ REGISTRY: dict[str, FormatSpec] = {
             block_size=32,
             scale_kind="f16",
             scale_dtype=np.float16,
+            ggml_type=8,
+            ggml_codec="q8",
+            block_bytes=34,
         ),
         FormatSpec(
             name="bf16",
@@ -165,6 +210,181 @@ REGISTRY: dict[str, FormatSpec] = {
         ),
     )
 }
+
+
+_GGML = dict(scale_kind="f16", scale_dtype=np.float16)
+_K = dict(_GGML, super_block=256)
+# IQ4's codebook (ggml-common.h, kvalues_iq4nl).
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _ggml(name: str, *, elem_bits: int, elem_max: float, **kw: Any) -> FormatSpec:
+    """A ggml row: integer elements (unsigned codes, or signed after the offset), the
+    largest binade ``elem_bits - 1``."""
+    return FormatSpec(
+        name=name, elem_bits=elem_bits, elem_max=elem_max, elem_emax=elem_bits - 1, **kw
+    )
+
+
+# ggml's block types with an exact numpy codec (formats/ggml.py) and no JAX quantizer:
+# what ``microscale.quantize`` takes is REGISTRY. Q8_0 is in both (the same row).
+GGML_FORMATS: dict[str, FormatSpec] = {
+    spec.name: spec
+    for spec in (
+        _ggml(
+            "q4_0",
+            elem_dtype=np.int8,
+            elem_bits=4,
+            elem_max=8,
+            block_size=32,
+            ggml_type=2,
+            ggml_codec="sym",
+            block_bytes=18,
+            **_GGML,
+        ),
+        _ggml(
+            "q4_1",
+            elem_dtype=np.uint8,
+            elem_bits=4,
+            elem_max=15,
+            block_size=32,
+            ggml_type=3,
+            ggml_codec="asym",
+            block_bytes=20,
+            has_block_min=True,
+            **_GGML,
+        ),
+        _ggml(
+            "q5_0",
+            elem_dtype=np.int8,
+            elem_bits=5,
+            elem_max=16,
+            block_size=32,
+            ggml_type=6,
+            ggml_codec="sym",
+            block_bytes=22,
+            **_GGML,
+        ),
+        _ggml(
+            "q5_1",
+            elem_dtype=np.uint8,
+            elem_bits=5,
+            elem_max=31,
+            block_size=32,
+            ggml_type=7,
+            ggml_codec="asym",
+            block_bytes=24,
+            has_block_min=True,
+            **_GGML,
+        ),
+        REGISTRY["q8_0"],
+        _ggml(
+            "q2_k",
+            elem_dtype=np.uint8,
+            elem_bits=2,
+            elem_max=3,
+            block_size=16,
+            ggml_type=10,
+            ggml_codec="k_asym",
+            block_bytes=84,
+            sub_scale_bits=4,
+            has_block_min=True,
+            ggml_search=(-0.5, 0.1, 15, True),
+            ggml_fallback="q4_0",
+            **_K,
+        ),
+        _ggml(
+            "q3_k",
+            elem_dtype=np.int8,
+            elem_bits=3,
+            elem_max=4,
+            block_size=16,
+            ggml_type=11,
+            ggml_codec="k_sym",
+            block_bytes=110,
+            sub_scale_bits=6,
+            ggml_fallback="q4_0",
+            **_K,
+        ),
+        _ggml(
+            "q4_k",
+            elem_dtype=np.uint8,
+            elem_bits=4,
+            elem_max=15,
+            block_size=32,
+            ggml_type=12,
+            ggml_codec="k_asym",
+            block_bytes=144,
+            sub_scale_bits=6,
+            has_block_min=True,
+            ggml_search=(-1.0, 0.1, 20, False),
+            ggml_fallback="q5_0",
+            **_K,
+        ),
+        _ggml(
+            "q5_k",
+            elem_dtype=np.uint8,
+            elem_bits=5,
+            elem_max=31,
+            block_size=32,
+            ggml_type=13,
+            ggml_codec="k_asym",
+            block_bytes=176,
+            sub_scale_bits=6,
+            has_block_min=True,
+            ggml_search=(-0.5, 0.1, 15, False),
+            ggml_fallback="q5_1",
+            **_K,
+        ),
+        _ggml(
+            "q6_k",
+            elem_dtype=np.int8,
+            elem_bits=6,
+            elem_max=32,
+            block_size=16,
+            ggml_type=14,
+            ggml_codec="k_sym",
+            block_bytes=210,
+            sub_scale_bits=8,
+            ggml_fallback="q8_0",
+            **_K,
+        ),
+        _ggml(
+            "iq4_nl",
+            elem_dtype=np.int8,
+            elem_bits=4,
+            elem_max=127,
+            block_size=32,
+            ggml_type=20,
+            ggml_codec="iq4",
+            block_bytes=18,
+            elem_values=KVALUES_IQ4NL,
+            **_GGML,
+        ),
+        _ggml(
+            "iq4_xs",
+            elem_dtype=np.int8,
+            elem_bits=4,
+            elem_max=127,
+            block_size=32,
+            ggml_type=23,
+            ggml_codec="iq4",
+            block_bytes=136,
+            sub_scale_bits=6,
+            elem_values=KVALUES_IQ4NL,
+            ggml_fallback="iq4_nl",
+            **_K,
+        ),
+    )
+}
+
+
+def get_ggml_format(fmt: str | FormatSpec) -> FormatSpec:
+    """A ggml block type by name (or a spec with a ggml codec passed through)."""
+    spec = GGML_FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(spec, FormatSpec) or spec.ggml_codec is None:
+        raise ValueError(f"not a ggml block type: {fmt!r}; expected one of {sorted(GGML_FORMATS)}")
+    return spec
 
 
 def get_format(fmt: str | FormatSpec) -> FormatSpec:
