@@ -105,7 +105,7 @@ def main() -> int:
 
     from microscale.export.reader import build_model, read_checkpoint
     from microscale.ptq import Engine, WeightPTQ
-    from microscale.ptq.pipeline import _Weights
+    from microscale.ptq.weights import WeightCache
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ def main() -> int:
                 f"hessians over {setup['calib_tokens']} tokens in {time.perf_counter() - t:.1f}s",
                 flush=True,
             )
-        weights = _Weights(eng, {p: p for p in eng.paths}, hessians)
+        weights = WeightCache(eng, {p: p for p in eng.paths}, hessians)
         qw = weights.for_assignment({p: fmt for p in eng.paths}, ptq)
         t_q = time.perf_counter() - t
         params = eng.with_kernels({p: w.values for p, w in qw.items()})

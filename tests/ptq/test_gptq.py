@@ -21,8 +21,8 @@ from microscale.ptq import (
     next_token_loss,
     quantize_model,
 )
-from microscale.ptq.pipeline import _uniform, _Weights
-from microscale.ptq.weights import quantize_group
+from microscale.ptq.evaluate import uniform_allocation
+from microscale.ptq.weights import WeightCache, quantize_group
 
 
 def reference_gptq(w_t, hessian, fmt, *, amax=None, damp=0.01, four_over_six=False):
@@ -190,11 +190,11 @@ def test_gptq_brings_the_model_closer_to_bf16(tiny_model, fmt):
     toks = rng.integers(0, 257, size=(20, 4, 33)).astype(np.int32)
     calib, evals = toks[:16], toks[16:]
     eng = Engine(tiny_model)
-    weights = _Weights(eng, {p: p for p in eng.paths}, eng.input_hessians(calib))
+    weights = WeightCache(eng, {p: p for p in eng.paths}, eng.input_hessians(calib))
     kl = {}
     for method in ("rtn", "gptq"):
         ptq = WeightPTQ(method=method, mse_scale=False, four_over_six=False)
-        qw = weights.for_assignment(_uniform(eng.paths, fmt, {}), ptq)
+        qw = weights.for_assignment(uniform_allocation(eng.paths, fmt, {}), ptq)
         params = eng.with_kernels({p: w.values for p, w in qw.items()})
         kl[method] = np.array([eng.kl_and_loss(params, b, eng.ref_logp(b))[0] for b in evals])
     assert np.all(kl["gptq"] < kl["rtn"]), kl

@@ -24,7 +24,6 @@ from microscale.export.registry import get_layout
 from microscale.inference import InferenceModel
 from microscale.model import ModelConfig, Transformer, linear_paths
 from microscale.ptq import QuantizeConfig, WeightPTQ, quantize_model, write_outputs
-from microscale.ptq.pipeline import GGUF_CANDIDATES
 
 FAMILIES = {
     "qwen2": dict(family="qwen2"),
@@ -102,7 +101,7 @@ def test_gguf_layout_restricts_the_search_where_llama_cpp_drops_the_scale(family
     changes = {**FAMILIES[family], **GGUF_CHANGES.get(family, {})}
     changes = {k: v for k, v in changes.items() if v is not None}
     cfg = _model(changes).config
-    cands = get_layout("gguf").candidates(cfg, GGUF_CANDIDATES)
+    cands = get_layout("gguf").candidates(cfg, get_layout("gguf").quantize_preset["formats"])
     mlp = [p for p in linear_paths(cfg) if ".mlp." in p]
     if GGUF_UNSCALED_MLP[family]:
         assert sorted(cands) == sorted(mlp)

@@ -84,10 +84,10 @@ def test_released_weights_are_computed_again_the_same(tiny_model):
     """The PTQ-effects table forgets each variant's weights after use (memory): the
     variant's entries go, the others stay, and asking again gives the same bits."""
     from microscale.ptq.engine import Engine
-    from microscale.ptq.pipeline import _Weights
+    from microscale.ptq.weights import WeightCache
 
     engine = Engine(tiny_model)
-    w = _Weights(engine, {p: p for p in engine.paths})
+    w = WeightCache(engine, {p: p for p in engine.paths})
     rtn, kept = WeightPTQ.rtn(), WeightPTQ()
     first = {f: w.get(f, rtn) for f in ("nvfp4", "fp8_e4m3")}
     held = w.get("nvfp4", kept)

@@ -20,30 +20,27 @@ Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
 :mod:`~microscale.ptq.awq` (activation-aware per-channel scales folded into the model),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
-:mod:`~microscale.ptq.pipeline` (the run), :mod:`~microscale.ptq.run` (calibration
-windows, a run's trained allocation), :mod:`~microscale.ptq.report` (files and plots).
+:mod:`~microscale.ptq.pipeline` (the run's phases), :mod:`~microscale.ptq.config` (its
+options), :mod:`~microscale.ptq.evaluate` (validation of allocations, the PTQ-effects
+table), :mod:`~microscale.ptq.result` (what it decided, ``report.json``),
+:mod:`~microscale.ptq.run` (calibration windows, a run's trained allocation),
+:mod:`~microscale.ptq.report` (files and plots).
 ``quantize_run`` (a model folder in, quantized outputs out) reads training runs, so it
 sits above ``ptq`` and ``train``: :mod:`microscale.workflows`.
 """
 
 from microscale.ptq.awq import awq_fold
+from microscale.ptq.config import DEFAULT_FORMATS, QuantizeConfig
 from microscale.ptq.engine import ActQuant, Engine, next_token_loss
+from microscale.ptq.evaluate import heuristic_allocation
 from microscale.ptq.gptq import gptq_quantize
-from microscale.ptq.pipeline import (
-    DEFAULT_FORMATS,
-    EMBED_ITEM,
-    QuantizeConfig,
-    QuantizeResult,
-    allocation_rules,
-    check_quantize_budget,
-    heuristic_allocation,
-    ptq_recipe,
-    quantize_model,
-)
+from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import read_own_checkpoint, write_outputs
+from microscale.ptq.result import QuantizeResult, allocation_rules, ptq_recipe
 from microscale.ptq.run import calibration_windows, trained_allocation
 from microscale.ptq.search import (
     DEFAULT_GROUPS,
+    EMBED_ITEM,
     Allocation,
     Problem,
     brute_force,

@@ -54,7 +54,7 @@ from microscale.files import (
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
 from microscale.integrity import FILE_CHECKSUMS, write_file_checksums
-from microscale.ptq.pipeline import QuantizeResult
+from microscale.ptq.result import QuantizeResult
 
 __all__ = [
     "check_quantize_out",

@@ -51,6 +51,7 @@ from microscale.model import FUSED_LINEARS
 
 __all__ = [
     "DEFAULT_GROUPS",
+    "EMBED_ITEM",
     "Allocation",
     "Problem",
     "brute_force",
@@ -58,6 +59,7 @@ __all__ = [
     "effective_bits",
     "model_bits",
     "group_layers",
+    "linear_formats",
     "search",
 ]
 
@@ -163,6 +165,16 @@ class Allocation:
         for f in self.formats.values():
             out[f] = out.get(f, 0) + 1
         return dict(sorted(out.items()))
+
+
+# The item of quantize's search for the token embedding / LM head (QuantizeConfig.
+# embed_formats, one item with its own ``options``): a name no linear layer path takes.
+EMBED_ITEM = "<embedding>"
+
+
+def linear_formats(assignment: Mapping[str, str]) -> dict[str, str]:
+    """``assignment`` without the embedding item: the linear layers' formats."""
+    return {p: f for p, f in assignment.items() if p != EMBED_ITEM}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

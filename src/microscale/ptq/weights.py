@@ -42,12 +42,17 @@ The per-block choice is ``microscale.formats.quantize(..., four_over_six=True)``
 amax chosen as above, each kernel is quantized column by column with its input Hessian,
 each column's rounding error moved onto the columns still to come; block scales (and the
 four-over-six choice) are fixed from the updated weights as each block is reached.
+
+A quantize run asks for every layer in many (format, PTQ options) pairs: :class:`WeightCache`
+quantizes each fused group once per pair and keeps the packed results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +61,19 @@ import numpy as np
 from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize, tensor_amax
 from microscale.ptq.gptq import gptq_quantize
 
+if TYPE_CHECKING:
+    from microscale.ptq.engine import Engine
+
 __all__ = [
     "WEIGHT_METHODS",
     "QuantizedWeight",
+    "WeightCache",
     "WeightPTQ",
     "four_over_six",
     "quantize_group",
     "quantize_weight",
     "supports_four_over_six",
+    "weight_stats",
 ]
 
 
@@ -307,4 +317,87 @@ def quantize_group(
                 four_fraction=frac,
             )
         )
+    return out
+
+
+class WeightCache:
+    """Quantized kernels per (format, PTQ options), computed once per group."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        groups: Mapping[str, str],
+        hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None,
+    ):
+        self.engine = engine
+        # {path: input Hessian} for GPTQ, or format -> {path: Hessian} (W4A4: the inputs
+        # quantized in that format; computed when GPTQ first needs the format, the latest
+        # kept); None: only round-to-nearest is available
+        self.hessians = hessians
+        self._hessians_of: tuple[str, Mapping[str, Any]] | None = None
+        self.members: dict[str, list[str]] = {}
+        for p in engine.paths:
+            self.members.setdefault(groups[p], []).append(p)
+        # (format, PTQ options or None for an unquantized format) -> {path: weight}; the
+        # weights hold only their packed QArrays (QuantizedWeight.values decodes on demand)
+        self._cache: dict[tuple[str, WeightPTQ | None], dict[str, QuantizedWeight]] = {}
+
+    def get(self, fmt: str, ptq: WeightPTQ) -> dict[str, QuantizedWeight]:
+        # an unquantized format ignores the PTQ options: one entry serves them all
+        key = (fmt, ptq if get_format(fmt).quantized else None)
+        if key not in self._cache:
+            out: dict[str, QuantizedWeight] = {}
+            by_path = self._hessians(fmt, ptq)
+            for mem in self.members.values():
+                hs = None if by_path is None else [by_path[p] for p in mem]
+                qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq, hs)
+                out.update(zip(mem, qs, strict=True))
+            self._cache[key] = {p: out[p] for p in self.engine.paths}
+        return self._cache[key]
+
+    def _hessians(self, fmt: str, ptq: WeightPTQ) -> Mapping[str, Any] | None:
+        if not callable(self.hessians):
+            return self.hessians
+        if ptq.method != "gptq" or not get_format(fmt).quantized:
+            return None
+        if self._hessians_of is None or self._hessians_of[0] != fmt:
+            self._hessians_of = None  # the previous format's arrays go first
+            self._hessians_of = (fmt, self.hessians(fmt))
+        return self._hessians_of[1]
+
+    def for_assignment(
+        self, assignment: Mapping[str, str], ptq: WeightPTQ
+    ) -> dict[str, QuantizedWeight]:
+        return {p: self.get(f, ptq)[p] for p, f in assignment.items()}
+
+    def release(self, ptq: WeightPTQ) -> None:
+        """Forget the quantized formats' weights under ``ptq`` (computed again if asked
+        for): the PTQ-effects table's variants, one at a time."""
+        for key in [k for k in self._cache if k[1] == ptq]:
+            del self._cache[key]
+
+
+def weight_stats(
+    engine: Engine, cand: Mapping[str, Mapping[str, QuantizedWeight]]
+) -> dict[str, dict[str, Any]]:
+    """Each layer's kernel amax, rms and shape, and per candidate format its quantization
+    error (``rel_mse``, ``rel_mse_rtn``), scale multiplier and four-over-six fraction: the
+    report's ``weight_stats``."""
+    out = {}
+    for p in engine.paths:
+        k = np.asarray(engine.kernels[p], np.float32)
+        row: dict[str, Any] = {
+            "amax": float(np.max(np.abs(k))),
+            "rms": float(np.sqrt(np.mean(k * k))),
+            "shape": list(k.shape),
+        }
+        for f, qw in cand.items():
+            w = qw[p]
+            row[f] = {
+                "rel_mse": w.rel_mse,
+                "rel_mse_rtn": w.rel_mse_rtn,
+                "scale_multiplier": w.scale_multiplier,
+                "four_fraction": w.four_fraction,
+            }
+        out[p] = row
     return out

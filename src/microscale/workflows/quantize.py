@@ -50,13 +50,10 @@ from microscale.data import DataConfig, check_vocab_fits, load_data
 from microscale.export.reader import build_model
 from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
-from microscale.ptq.pipeline import (
-    QuantizeConfig,
-    QuantizeResult,
-    check_quantize_budget,
-    quantize_model,
-)
+from microscale.ptq.config import QuantizeConfig
+from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import check_quantize_out, write_outputs
+from microscale.ptq.result import QuantizeResult
 from microscale.ptq.run import calibration_windows, trained_allocation
 from microscale.train import load_checkpoint
 from microscale.train.init import (
