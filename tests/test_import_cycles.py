@@ -5,8 +5,9 @@ at module level or inside a function (``if TYPE_CHECKING:`` blocks excepted: the
 run). Four rules:
 
 1. **Layers.** Each subpackage (and top-level module) has a layer (`LAYERS`, low to high:
-   formats -> ops -> model -> train/ptq/export -> experiments/plan/inference/workflows ->
-   cli); an import may only reach the same layer or a lower one.
+   formats -> ops -> model -> outputs -> export -> ptq -> train ->
+   experiments/plan/inference/workflows -> cli); an import may only reach the same layer
+   or a lower one.
 2. **No cycle between subpackages**, counting function-level imports: importing any module
    of a subpackage runs that subpackage's ``__init__``, so a cycle of subpackages is a
    cycle of modules.
@@ -41,7 +42,10 @@ LAYERS: list[set[str]] = [
     {"config", "data", "formats"},
     {"ops"},
     {"microscale", "model"},
-    {"train", "ptq", "export"},
+    {"outputs"},  # the output folders' owners: file names, detection, what verify checks
+    {"export"},
+    {"ptq"},  # writes its outputs through export
+    {"train"},  # train/adaptive.py and train/precision.py are clients of ptq
     {"experiments", "plan", "inference", "verify", "workflows"},
     {"cli", "__main__"},
 ]

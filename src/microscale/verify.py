@@ -22,9 +22,10 @@ training run               every finished step under ``checkpoints/`` (or a
                            ``checkpoints/`` folder, or one step folder): the step's
                            ``meta`` JSON, then each array of ``state/`` restored by orbax
                            into numpy one batch at a time and compared with the CRC-32s
-                           stored in ``meta["checksums"]`` (``train/checkpoint.py``),
-                           floats finite. Steps set aside in ``damaged-checkpoints/`` are
-                           listed, not checked.
+                           stored in ``meta["checksums"]``, floats finite: the
+                           checkpointer's own check (:func:`microscale.train.checkpoint.
+                           check_step`). Steps set aside in ``damaged-checkpoints/``
+                           are listed, not checked.
 quantize output            its ``checkpoint/`` folder or ``model.gguf``, then every other
                            file (``report.json``, ``precision_rules.json``, configs,
                            tokenizer, plots) against the CRC-32s of its
@@ -40,37 +41,45 @@ still parsed, and safetensors / checkpoint floats checked for being finite). A q
 output's listed files are one report (kind ``"file checksums"``, counted in files); JSON
 and tokenizer files elsewhere carry no checksums and are not checked.
 
+What a path is and which files are checked is its owner's answer
+(:func:`microscale.outputs.kind_of`, each kind's ``verify_plan``); this module only checks.
 Anything else (a missing path, a folder or file that is not one of the above) raises
 :class:`NotAnOutputError` (or ``FileNotFoundError``) before any work.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import json
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
 from microscale.integrity import (
-    FILE_CHECKSUMS,
     CorruptDataError,
     check_file_checksums,
-    check_finite,
-    crc32_many,
     listed_bytes,
-    root_cause,
     silence_checkpoint_reader_noise,
-    tree_path_parts,
 )
+from microscale.outputs import (
+    CheckpointStep,
+    ExportFolder,
+    NotAnOutputError,
+    QuantizeOutput,
+    TrainingRun,
+    kind_of,
+)
+from microscale.outputs.folders import (
+    FILE_LISTING,
+    GGUF,
+    MISSING,
+    ORBAX,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+)
+from microscale.train.checkpoint import check_step
 
 __all__ = [
     "FileReport",
@@ -81,16 +90,6 @@ __all__ = [
     "silence_orbax_noise",
     "verify_path",
 ]
-
-# train/checkpoint.py's layout: <step>/state (orbax StandardSave), <step>/meta (orbax
-# JsonSave, file "metadata") with the state's CRC-32s under "checksums".
-_STATE, _META, _META_FILE, _META_CRC = "state", "meta", "metadata", "checksums"
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
-_BATCH_BYTES = 1 << 28  # checkpoint arrays restored per orbax call (then verified, dropped)
-
-
-class NotAnOutputError(ValueError):
-    """The path is not something microscale writes (or holds nothing to verify)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,96 +197,40 @@ class _Item:
 # ---------------------------------------------------------------------- discovery
 
 
-def _folder_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
-def _steps(ckpt_dir: Path) -> list[Path]:
-    """Finished orbax steps (folders named by an integer) in step order."""
-    return sorted(
-        (d for d in ckpt_dir.iterdir() if d.is_dir() and d.name.isdigit()),
-        key=lambda d: int(d.name),
-    )
-
-
-def _is_step(p: Path) -> bool:
-    return (p / _STATE).is_dir() and (p / _META).is_dir()
-
-
-def _safetensors_items(folder: Path) -> list[_Item]:
-    index = folder / _SAFETENSORS_INDEX
-    if index.is_file():
-        items = [_Item("safetensors index", index, 0)]
-        try:
-            shards = sorted(set(json.loads(index.read_text("utf-8"))["weight_map"].values()))
-        except Exception:  # noqa: BLE001 - reported when the index is checked
-            shards = []
-        for name in shards:
-            if isinstance(name, str) and Path(name).name == name and (folder / name).is_file():
-                items.append(_Item("safetensors", folder / name, (folder / name).stat().st_size))
-        return items
-    files = sorted(folder.glob("*.safetensors"))
-    return [_Item("safetensors", f, f.stat().st_size) for f in files]
+def _nbytes(how: str, path: Path) -> int:
+    """Bytes an item's check reads (a progress bar's total)."""
+    if how == ORBAX:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if how == FILE_LISTING:
+        return listed_bytes(path.parent)
+    return path.stat().st_size if how != MISSING else 0
 
 
 def _discover(path: Path) -> tuple[str, list[_Item], list[str]]:
-    """(what the path is, the items to check, notes); raises for anything else."""
+    """(what the path is, the items to check, notes): its owner's ``verify_plan``
+    (:func:`microscale.outputs.kind_of`); raises for anything else."""
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
-    kind = detect(path)
-    if path.is_file():
-        if isinstance(kind, Layout) and kind.single_file:
-            return "GGUF file", [_Item("gguf", path, path.stat().st_size)], []
-        if path.suffix == ".safetensors":
-            return "safetensors file", [_Item("safetensors", path, path.stat().st_size)], []
+    kind = kind_of(path)
+    if path.is_file() and kind is None:
         raise NotAnOutputError(
             f"{str(path)!r} is not a microscale output: expected a .gguf or .safetensors "
             "file, or a folder (training run, export, quantize output, checkpoint step)"
         )
-    if not path.is_dir():
+    if not path.is_dir() and kind is None:
         raise NotAnOutputError(f"{str(path)!r} is neither a file nor a folder")
-    notes: list[str] = []
-    ckpts, what = None, None
-    if kind is RUN:
-        ckpts, what = path / "checkpoints", "training run"
-        aside = path / "damaged-checkpoints"
-        if aside.is_dir() and any(aside.iterdir()):
-            names = sorted(d.name for d in aside.iterdir())
-            notes.append(
-                f"{aside}: {len(names)} step(s) set aside as damaged by an earlier "
-                f"resume ({', '.join(names)}); not checked"
-            )
-    elif _is_step(path):
-        return "checkpoint step", [_Item("orbax checkpoint", path, _folder_bytes(path))], []
-    elif any(_is_step(d) for d in _steps(path)):
-        ckpts, what = path, "checkpoint folder"
-    if ckpts is not None:
-        steps = _steps(ckpts)
-        assert what is not None  # set with ckpts
-        if not steps:
-            raise NotAnOutputError(
-                f"{what} {str(path)!r} has no finished checkpoint under {ckpts} to verify"
-            )
-        return what, [_Item("orbax checkpoint", d, _folder_bytes(d)) for d in steps], notes
-    if kind is QUANTIZE_OUTPUT:
-        ck = quantize_output_model(path)
-        files = _Item("file checksums", path / FILE_CHECKSUMS, listed_bytes(path))
-        if ck.is_file():
-            return "quantize output", [_Item("gguf", ck, ck.stat().st_size), files], []
-        items = _safetensors_items(ck) if ck.is_dir() else []
-        if not items:
-            items = [_Item("missing", ck, 0)]
-        return "quantize output", [*items, files], []
-    if isinstance(kind, Layout):  # an HF-style or microscale-layout folder
-        items = _safetensors_items(path)
-        if items:
-            return _folder_kind(path), items, []
-    raise NotAnOutputError(
-        f"{str(path)!r} is not a microscale output: expected a training run (config.yaml + "
-        "checkpoints/), a checkpoint step (state/ + meta/), an export folder (config.json + "
-        "*.safetensors), a quantize output (report.json + checkpoint/ or model.gguf), or a "
-        ".gguf / .safetensors file"
-    )
+    plan = kind.verify_plan(path) if kind is not None else None
+    if plan is None or not plan.items:
+        raise NotAnOutputError(
+            f"{str(path)!r} is not a microscale output: expected a training run "
+            f"({TrainingRun.CONFIG} + {TrainingRun.CHECKPOINTS}/), a checkpoint step "
+            f"({CheckpointStep.STATE}/ + {CheckpointStep.META}/), an export folder "
+            f"({ExportFolder.CONFIG} + *.safetensors), a quantize output "
+            f"({QuantizeOutput.REPORT} + {QuantizeOutput.CHECKPOINT}/ or "
+            f"{QuantizeOutput.MODEL_GGUF}), or a .gguf / .safetensors file"
+        )
+    items = [_Item(how, p, _nbytes(how, p)) for how, p in plan.items]
+    return plan.what, items, list(plan.notes)
 
 
 def output_kind(path) -> str:
@@ -295,16 +238,6 @@ def output_kind(path) -> str:
     raises ``FileNotFoundError`` / :class:`NotAnOutputError` when it is nothing microscale
     writes. Reads only names and small JSON files."""
     return _discover(Path(path))[0]
-
-
-def _folder_kind(path: Path) -> str:
-    for name in ("microscale_export.json", "manifest.json"):
-        with contextlib.suppress(Exception):
-            obj = json.loads((path / name).read_text("utf-8"))
-            layout = obj.get("layout") or obj.get("format")
-            if isinstance(layout, str):
-                return f"export folder ({layout})"
-    return "model folder (safetensors)"
 
 
 # ---------------------------------------------------------------------- checks
@@ -400,16 +333,6 @@ def _check_index(item: _Item, step: _Progress) -> FileReport:
     return FileReport(item.path, "safetensors index", len(store), 0, True)
 
 
-_KEYSTR_TOKEN = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|-?\d+)\]|\.([A-Za-z_]\w*)")
-
-
-def _keystr_parts(s: str) -> tuple[str, ...]:
-    """``"['opt_state'][1].mu['layers'][0]"`` -> ``('opt_state', '1', 'mu', 'layers', '0')``:
-    a ``jax.tree_util.keystr`` (the names ``meta["checksums"]`` uses) as plain strings,
-    comparable with the paths of an orbax metadata tree (dict keys there are strings)."""
-    return tuple(str(ast.literal_eval(a)) if a else b for a, b in _KEYSTR_TOKEN.findall(s))
-
-
 def silence_orbax_noise() -> Callable[[], None]:
     """Keep orbax's and tensorstore's side noise off the terminal: the unraisable
     exceptions of its readers after a failed read
@@ -443,195 +366,12 @@ def _quiet_orbax() -> Iterator[None]:
         undo()
 
 
-def _read_meta_checksums(step_dir: Path, problems: list[Problem]) -> dict[str, str] | None:
-    """``meta["checksums"]`` of a step (None when none are stored or meta is unreadable)."""
-    meta_file = step_dir / _META / _META_FILE
-    try:
-        meta = json.loads(meta_file.read_text("utf-8"))
-    except FileNotFoundError:
-        problems.append(Problem(None, f"{meta_file} is missing"))
-        return None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(Problem(None, f"{meta_file} is not JSON ({e}); the metadata is damaged"))
-        return None
-    sums = meta.get(_META_CRC) if isinstance(meta, dict) else None
-    if sums is not None and not (
-        isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())
-    ):
-        problems.append(
-            Problem(
-                None,
-                f"{meta_file}: {_META_CRC!r} is not an object of "
-                "checksums; the metadata is damaged",
-            )
-        )
-        return None
-    return sums
-
-
-def _nbytes(m) -> int:
-    """Bytes of an array (or its metadata: ``shape`` and ``dtype``)."""
-    return int(np.prod(m.shape, dtype=np.int64)) * np.dtype(m.dtype).itemsize
-
-
-def _batches(leaves: list) -> list[list]:
-    """``(path, metadata)`` leaves in restore batches of at most ``_BATCH_BYTES`` (a larger
-    array alone)."""
-    batches: list[list] = [[]]
-    size = 0
-    for leaf in leaves:
-        if batches[-1] and size + _nbytes(leaf[1]) > _BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(leaf)
-        size += _nbytes(leaf[1])
-    return batches
-
-
-def _check_arrays(
-    named: dict[str, np.ndarray], sums: dict[str, str] | None, where: Path, problems: list[Problem]
-) -> int:
-    """Check restored arrays against the stored checksums (``sums``; None: none stored)
-    and for non-finite values, appending to ``problems``; returns how many were hashed."""
-    stored: dict[str, str] = sums or {}
-    got = crc32_many({n: a for n, a in named.items() if sums and n in sums})
-    for n, a in named.items():
-        if n in got and got[n] != str(stored[n]).lower():
-            problems.append(
-                Problem(n, f"tensor {n!r} fails its checksum (crc32 {got[n]}, stored {stored[n]})")
-            )
-            continue
-        if sums and n not in sums:
-            problems.append(
-                Problem(
-                    n,
-                    f"tensor {n!r} has no stored checksum although "
-                    "the step stores them; the metadata is damaged",
-                )
-            )
-        try:
-            check_finite([(n, a)], where=str(where))
-        except CorruptDataError as e:
-            problems.append(Problem(n, _strip(str(e), where)))
-    return len(got)
-
-
-def _is_array(m: Any) -> bool:
-    """Whether an orbax metadata leaf describes an array."""
-    return hasattr(m, "shape") and hasattr(m, "dtype")
-
-
-def _orbax_tree(ckptr, state: Path) -> tuple[Any, str]:
-    """The array metadata tree of an orbax step's ``state`` (None when unreadable) and
-    what is wrong when it is None."""
-    try:
-        tree = getattr(ckptr.metadata(state).item_metadata, "tree", None)
-        why = (
-            "orbax reads no array metadata from it (state/_METADATA or its OCDBT index is "
-            "damaged, truncated or missing)"
-        )
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-        tree, why = (
-            None,
-            f"its array metadata cannot be read (a damaged, truncated or "
-            f"missing file): {root_cause(e)}",
-        )
-    return tree, why
-
-
-def _restore_selected(ckptr, state: Path, tree: Any, selected: list) -> dict:
-    """The arrays of ``selected`` (``(path, metadata)`` pairs) restored into numpy, keyed
-    by tree path; every other array is skipped (a placeholder)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    chosen = {p for p, _ in selected}
-
-    def pick(make):
-        return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if _is_array(m) else m
-
-    out = ckptr.restore(
-        state,
-        args=ocp.args.PyTreeRestore(
-            item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=_is_array),
-            restore_args=jax.tree_util.tree_map_with_path(
-                pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree, is_leaf=_is_array
-            ),
-        ),
-    )
-    return {
-        p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0] if p in chosen
-    }
-
-
 def _check_step(item: _Item, step: _Progress) -> FileReport:
-    """One orbax step folder of ``train/checkpoint.py`` (see the module doc): arrays are
-    restored into numpy a batch at a time (a failed batch again one array at a time, to
-    name the damaged one), hashed, checked finite and dropped."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    kind = "orbax checkpoint"
-    state = item.path.absolute() / _STATE  # orbax resolves relative paths elsewhere
-    problems: list[Problem] = []
-    sums = _read_meta_checksums(item.path, problems)
-    by_parts = {_keystr_parts(k): k for k in (sums or {})}
-    ckptr = ocp.PyTreeCheckpointer()
-    tree, why = _orbax_tree(ckptr, state)
-    if tree is None:
-        problems.append(Problem(None, f"{state}: {why}"))
-        return FileReport(item.path, kind, 0, 0, sums is not None, tuple(problems))
-    leaves = [
-        (p, m)
-        for p, m in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array)[0]
-        if _is_array(m)
-    ]
-
-    def name_of(path) -> str:
-        return by_parts.get(tree_path_parts(path), jax.tree_util.keystr(path))
-
-    def restore(selected: list) -> dict:
-        return _restore_selected(ckptr, state, tree, selected)
-
-    batches = _batches(leaves)
-    seen: set[tuple[str, ...]] = set()
-    checked = 0
-    for batch in batches:
-        try:
-            arrays = restore(batch)
-        except Exception:  # noqa: BLE001 - find which arrays, one at a time (below)
-            arrays = None
-        if arrays is None:  # outside the handler: each error's own cause, not the batch's
-            arrays = {}
-            for p, m in batch:
-                try:
-                    arrays.update(restore([(p, m)]))
-                except Exception as e:  # noqa: BLE001
-                    seen.add(tree_path_parts(p))
-                    problems.append(
-                        Problem(
-                            name_of(p),
-                            f"tensor {name_of(p)!r} cannot be "
-                            "restored (a damaged, truncated or "
-                            f"missing file): {root_cause(e)}",
-                        )
-                    )
-        named = {name_of(p): a for p, a in arrays.items()}
-        seen.update(tree_path_parts(p) for p in arrays)
-        del arrays
-        checked += _check_arrays(named, sums, item.path, problems)
-        step(sum(_nbytes(m) for _, m in batch))
-        del named
-    for parts, n in sorted(by_parts.items(), key=lambda kv: kv[1]):
-        if parts not in seen:
-            problems.append(
-                Problem(
-                    n,
-                    f"tensor {n!r} has a stored checksum but is not in "
-                    f"{state}; the checkpoint is damaged",
-                )
-            )
-    return FileReport(item.path, kind, len(leaves), checked, sums is not None, tuple(problems))
+    """One step folder, by the checkpointer's own check (:func:`~microscale.train.
+    checkpoint.check_step`: restore into numpy, CRC-32s, finiteness)."""
+    res = check_step(item.path, step)
+    problems = tuple(Problem(t, m) for t, m in res.problems)
+    return FileReport(item.path, ORBAX, res.tensors, res.checked, res.checksums, problems)
 
 
 def _check_files(item: _Item, step: _Progress) -> FileReport:
@@ -660,12 +400,12 @@ def _check_missing(item: _Item, step: _Progress) -> FileReport:
 
 
 _CHECKS = {
-    "gguf": _check_gguf,
-    "safetensors": _check_safetensors,
-    "safetensors index": _check_index,
-    "orbax checkpoint": _check_step,
-    "file checksums": _check_files,
-    "missing": _check_missing,
+    GGUF: _check_gguf,
+    SAFETENSORS: _check_safetensors,
+    SAFETENSORS_INDEX: _check_index,
+    ORBAX: _check_step,
+    FILE_LISTING: _check_files,
+    MISSING: _check_missing,
 }
 
 

@@ -560,6 +560,7 @@ QUANTIZE_EDITS = [
     ("report-budget", "report.json", _json_edit("report.json", lambda r: r.update(budget=4.5))),
     ("report-md", "report.md", lambda q: (q / "report.md").write_text("# edited\n")),
     ("plot-byte", "pareto.png", _flip_file("pareto.png")),
+    ("sensitivity-plot-byte", "sensitivity.png", _flip_file("sensitivity.png")),
     (
         "checkpoint-config",
         "checkpoint/config.json",
@@ -583,6 +584,26 @@ def test_quantize_output_edited_file_is_named(quantize_out, tmp_path, capsys, ca
     assert rc == 1 and _line(out, "DAMAGED", q / "checksums.json"), out
     assert f"{q / name} fails its checksum" in out and "1 of " in out and " files damaged" in out
     assert _line(out, "ok", q / "checkpoint" / "model.safetensors"), out
+
+
+def test_every_file_the_owner_names_is_checked(quantize_out):
+    """Each file :class:`~microscale.outputs.QuantizeOutput` names is covered: the model by
+    its tensors' own CRC-32s (verify's model items), every other one by checksums.json."""
+    from microscale.outputs import QuantizeOutput
+
+    listed = json.loads((quantize_out / QuantizeOutput.CHECKSUMS).read_text())["files"]
+    plan = QuantizeOutput.verify_plan(quantize_out)
+    model = QuantizeOutput.model(quantize_out)
+    assert any(p.parent == model for _, p in plan.items)
+    for name in QuantizeOutput.VERIFIED:
+        path = quantize_out / name
+        if name == QuantizeOutput.CHECKSUMS or not path.exists():
+            continue  # the listing itself; model.gguf of the other kind of layout
+        if path == model:
+            inside = [f for f in path.rglob("*") if f.is_file() and f.suffix != ".safetensors"]
+            assert all(f.relative_to(quantize_out).as_posix() in listed for f in inside)
+        else:
+            assert name in listed, name
 
 
 # (id, what is done to the output, exit code, text of verify's output)

@@ -17,11 +17,17 @@ until the last save is committed.
 
 Integrity: ``meta`` also carries a CRC-32 of every array of the state, computed from the
 host copy at save time (:mod:`microscale.integrity`); :meth:`Checkpointer.restore` checks
-them and that every float is finite, and reports a checkpoint that does not restore (a
+them and that every float is finite (:func:`array_problems`, the one check of restored
+arrays), and reports a checkpoint that does not restore (a
 truncated or missing file, a bit flip, bad JSON) as :class:`CheckpointCorruptError`
 naming the step folder and the tensor. :meth:`Checkpointer.restore_newest_intact` (used to
 resume) then moves the damaged step to ``OUT/damaged-checkpoints/`` and falls back to the
 next older one.
+
+:func:`check_step` checks one step folder without a restore target (``microscale
+verify``): its arrays restored into numpy a batch at a time, through the same
+:func:`array_problems`, every problem named. The folder names are
+:class:`microscale.outputs.CheckpointStep`'s.
 
 Restoring needs an *abstract* target (``jax.ShapeDtypeStruct`` leaves with shardings), so
 the arrays come back directly sharded on the current mesh, which may differ from the
@@ -30,9 +36,13 @@ mesh that saved them.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import json
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +57,22 @@ from microscale.integrity import (
     root_cause,
     silence_checkpoint_reader_noise,
     tree_path_parts,
-    verify_crc32,
 )
+from microscale.outputs import CheckpointStep, TrainingRun
 
-__all__ = ["CheckpointCorruptError", "Checkpointer", "abstract_like", "host_leaves"]
+__all__ = [
+    "CheckpointCorruptError",
+    "Checkpointer",
+    "StepCheck",
+    "abstract_like",
+    "array_problems",
+    "check_step",
+    "host_leaves",
+]
+
+# (tensor or None for the step as a whole, message naming it)
+_Problem = tuple[str | None, str]
+_RESTORE_BYTES = 1 << 28  # arrays check_step restores per orbax call (then checks, drops)
 
 
 class CheckpointCorruptError(CorruptDataError):
@@ -105,7 +127,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self._mgr = ocp.CheckpointManager(
-            self.directory, options=opts, item_names=("state", "meta")
+            self.directory, options=opts, item_names=(CheckpointStep.STATE, CheckpointStep.META)
         )
 
     # ------------------------------------------------------------------ queries
@@ -124,7 +146,7 @@ class Checkpointer:
         state's checksums are stored in ``meta["checksums"]``."""
         if step in self._mgr.all_steps():
             return
-        meta = {**meta, "checksums": crc32_many(host_leaves(state))}
+        meta = {**meta, CheckpointStep.CHECKSUMS: crc32_many(host_leaves(state))}
         self._mgr.save(
             int(step),
             args=ocp.args.Composite(
@@ -161,16 +183,15 @@ class Checkpointer:
                 f"{where} cannot be restored (a damaged, truncated "
                 f"or missing file): {root_cause(e)}"
             ) from e
-        meta = dict(out["meta"] or {})
-        sums = meta.pop("checksums", None)
-        host = host_leaves(out["state"])
-        try:
-            if isinstance(sums, dict):
-                verify_crc32(host, sums, where=where)
-            check_finite(host.items(), where=where)
-        except CorruptDataError as e:
-            raise CheckpointCorruptError(str(e)) from None
-        return out["state"], meta
+        meta = dict(out[CheckpointStep.META] or {})
+        sums = meta.pop(CheckpointStep.CHECKSUMS, None)
+        problems, _ = array_problems(
+            host_leaves(out[CheckpointStep.STATE]), sums if isinstance(sums, dict) else None
+        )
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointCorruptError(f"{where}: {problems[0][1]}{more}: the file is damaged")
+        return out[CheckpointStep.STATE], meta
 
     def _check_shapes(self, step: int, target: Any, where: str) -> None:
         """Raise :class:`CheckpointMismatchError` naming the tensors whose stored shapes
@@ -180,7 +201,7 @@ class Checkpointer:
         try:
             handler = ocp.StandardCheckpointHandler()
             try:
-                meta = handler.metadata(self.directory / str(step) / "state")
+                meta = handler.metadata(self.directory / str(step) / CheckpointStep.STATE)
             finally:
                 handler.close()
         except Exception:  # noqa: BLE001 - damaged metadata: restore() names it
@@ -232,7 +253,7 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int) -> Path:
-        dest = self.directory.parent / "damaged-checkpoints" / f"{step}-{int(time.time())}"
+        dest = self.directory.parent / TrainingRun.DAMAGED / f"{step}-{int(time.time())}"
         if jax.process_index() == 0:
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(self.directory / str(step), dest)
@@ -252,8 +273,8 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: its "
                 f"metadata cannot be read: {root_cause(e)}"
             ) from e
-        meta = dict(out["meta"] or {})
-        meta.pop("checksums", None)
+        meta = dict(out[CheckpointStep.META] or {})
+        meta.pop(CheckpointStep.CHECKSUMS, None)
         return meta
 
     def wait(self) -> None:
@@ -280,3 +301,227 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ------------------------------------------------------------------ checking a step alone
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheck:
+    """What :func:`check_step` found in one step folder."""
+
+    # Arrays in the step's state (0 when its metadata cannot be read).
+    tensors: int
+    # Arrays compared with a stored CRC-32.
+    checked: int
+    # Whether the step stores checksums (meta["checksums"]).
+    checksums: bool
+    problems: tuple[_Problem, ...] = ()
+
+
+_KEYSTR_TOKEN = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|-?\d+)\]|\.([A-Za-z_]\w*)")
+
+
+def _keystr_parts(s: str) -> tuple[str, ...]:
+    """``"['opt_state'][1].mu['layers'][0]"`` -> ``('opt_state', '1', 'mu', 'layers', '0')``:
+    a ``jax.tree_util.keystr`` (the names ``meta["checksums"]`` uses) as plain strings,
+    comparable with the paths of an orbax metadata tree (dict keys there are strings)."""
+    return tuple(str(ast.literal_eval(a)) if a else b for a, b in _KEYSTR_TOKEN.findall(s))
+
+
+def _read_meta_checksums(step_dir: Path, problems: list[_Problem]) -> dict[str, str] | None:
+    """``meta["checksums"]`` of a step (None when none are stored or meta is unreadable)."""
+    meta_file = step_dir / CheckpointStep.META / CheckpointStep.META_FILE
+    try:
+        meta = json.loads(meta_file.read_text("utf-8"))
+    except FileNotFoundError:
+        problems.append((None, f"{meta_file} is missing"))
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append((None, f"{meta_file} is not JSON ({e}); the metadata is damaged"))
+        return None
+    sums = meta.get(CheckpointStep.CHECKSUMS) if isinstance(meta, dict) else None
+    if sums is not None and not (
+        isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())
+    ):
+        problems.append(
+            (
+                None,
+                f"{meta_file}: {CheckpointStep.CHECKSUMS!r} is not an object of "
+                "checksums; the metadata is damaged",
+            )
+        )
+        return None
+    return sums
+
+
+def _nbytes(m) -> int:
+    """Bytes of an array (or its metadata: ``shape`` and ``dtype``)."""
+    return int(np.prod(m.shape, dtype=np.int64)) * np.dtype(m.dtype).itemsize
+
+
+def _batches(leaves: list) -> list[list]:
+    """``(path, metadata)`` leaves in restore batches of at most ``_RESTORE_BYTES`` (a larger
+    array alone)."""
+    batches: list[list] = [[]]
+    size = 0
+    for leaf in leaves:
+        if batches[-1] and size + _nbytes(leaf[1]) > _RESTORE_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(leaf)
+        size += _nbytes(leaf[1])
+    return batches
+
+
+def array_problems(
+    named: Mapping[str, np.ndarray], sums: Mapping[str, str] | None
+) -> tuple[list[_Problem], int]:
+    """The one check of restored arrays (:meth:`Checkpointer.restore` and
+    :func:`check_step`): each against its stored CRC-32 (``sums``, ``meta["checksums"]``;
+    None: none stored), a missing checksum where the step stores them, and non-finite
+    values. Returns ``([(tensor, message), ...], how many were hashed)``."""
+    stored: Mapping[str, str] = sums or {}
+    got = crc32_many({n: a for n, a in named.items() if n in stored})
+    problems: list[_Problem] = []
+    for n, a in named.items():
+        if n in got and got[n] != str(stored[n]).lower():
+            problems.append(
+                (n, f"tensor {n!r} fails its checksum (crc32 {got[n]}, stored {stored[n]})")
+            )
+            continue
+        if sums and n not in sums:
+            problems.append(
+                (
+                    n,
+                    f"tensor {n!r} has no stored checksum although "
+                    "the step stores them; the metadata is damaged",
+                )
+            )
+        try:
+            check_finite([(n, a)], where="-")
+        except CorruptDataError as e:
+            problems.append((n, str(e).removeprefix("-: ")))
+    return problems, len(got)
+
+
+def _hashed(
+    named: dict[str, np.ndarray], sums: dict[str, str] | None, where: Path, problems: list[_Problem]
+) -> int:
+    found, hashed = array_problems(named, sums)
+    problems.extend(found)
+    return hashed
+
+
+def _is_array(m: Any) -> bool:
+    """Whether an orbax metadata leaf describes an array."""
+    return hasattr(m, "shape") and hasattr(m, "dtype")
+
+
+def _orbax_tree(ckptr, state: Path) -> tuple[Any, str]:
+    """The array metadata tree of an orbax step's ``state`` (None when unreadable) and
+    what is wrong when it is None."""
+    try:
+        tree = getattr(ckptr.metadata(state).item_metadata, "tree", None)
+        why = (
+            "orbax reads no array metadata from it (state/_METADATA or its OCDBT index is "
+            "damaged, truncated or missing)"
+        )
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+        tree, why = (
+            None,
+            f"its array metadata cannot be read (a damaged, truncated or "
+            f"missing file): {root_cause(e)}",
+        )
+    return tree, why
+
+
+def _restore_selected(ckptr, state: Path, tree: Any, selected: list) -> dict:
+    """The arrays of ``selected`` (``(path, metadata)`` pairs) restored into numpy, keyed
+    by tree path; every other array is skipped (a placeholder)."""
+    chosen = {p for p, _ in selected}
+
+    def pick(make):
+        return lambda p, m: (make(m) if p in chosen else ocp.PLACEHOLDER) if _is_array(m) else m
+
+    out = ckptr.restore(
+        state,
+        args=ocp.args.PyTreeRestore(
+            item=jax.tree_util.tree_map_with_path(pick(lambda m: m), tree, is_leaf=_is_array),
+            restore_args=jax.tree_util.tree_map_with_path(
+                pick(lambda _: ocp.RestoreArgs(restore_type=np.ndarray)), tree, is_leaf=_is_array
+            ),
+        ),
+    )
+    return {
+        p: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(out)[0] if p in chosen
+    }
+
+
+def check_step(step_dir: Path, progress: Callable[[int], None] = lambda n: None) -> StepCheck:
+    """Check one finished step folder without a restore target (``microscale verify``;
+    the module doc): arrays are restored into numpy a batch at a time (a failed batch
+    again one array at a time, to name the damaged one), compared with ``meta``'s CRC-32s
+    and checked finite by :func:`array_problems` (as :meth:`Checkpointer.restore` does),
+    and dropped. ``progress(n)`` counts the bytes of each batch."""
+    step_dir = Path(step_dir)
+    state = step_dir.absolute() / CheckpointStep.STATE  # orbax resolves relative paths elsewhere
+    problems: list[_Problem] = []
+    sums = _read_meta_checksums(step_dir, problems)
+    by_parts = {_keystr_parts(k): k for k in (sums or {})}
+    ckptr = ocp.PyTreeCheckpointer()
+    tree, why = _orbax_tree(ckptr, state)
+    if tree is None:
+        problems.append((None, f"{state}: {why}"))
+        return StepCheck(0, 0, sums is not None, tuple(problems))
+    leaves = [
+        (p, m)
+        for p, m in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array)[0]
+        if _is_array(m)
+    ]
+
+    def name_of(path) -> str:
+        return by_parts.get(tree_path_parts(path), jax.tree_util.keystr(path))
+
+    def restore(selected: list) -> dict:
+        return _restore_selected(ckptr, state, tree, selected)
+
+    batches = _batches(leaves)
+    seen: set[tuple[str, ...]] = set()
+    checked = 0
+    for batch in batches:
+        try:
+            arrays = restore(batch)
+        except Exception:  # noqa: BLE001 - find which arrays, one at a time (below)
+            arrays = None
+        if arrays is None:  # outside the handler: each error's own cause, not the batch's
+            arrays = {}
+            for p, m in batch:
+                try:
+                    arrays.update(restore([(p, m)]))
+                except Exception as e:  # noqa: BLE001
+                    seen.add(tree_path_parts(p))
+                    problems.append(
+                        (
+                            name_of(p),
+                            f"tensor {name_of(p)!r} cannot be "
+                            "restored (a damaged, truncated or "
+                            f"missing file): {root_cause(e)}",
+                        )
+                    )
+        named = {name_of(p): a for p, a in arrays.items()}
+        seen.update(tree_path_parts(p) for p in arrays)
+        del arrays
+        checked += _hashed(named, sums, step_dir, problems)
+        progress(sum(_nbytes(m) for _, m in batch))
+        del named
+    for parts, n in sorted(by_parts.items(), key=lambda kv: kv[1]):
+        if parts not in seen:
+            problems.append(
+                (
+                    n,
+                    f"tensor {n!r} has a stored checksum but is not in "
+                    f"{state}; the checkpoint is damaged",
+                )
+            )
+    return StepCheck(len(leaves), checked, sums is not None, tuple(problems))
