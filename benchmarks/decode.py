@@ -106,8 +106,8 @@ def _llama_cpp_rows(model, cfg: ModelConfig, prompt: list[int], args) -> None:
     from pathlib import Path
 
     from microscale.data import ByteTokenizer
-    from microscale.export.gguf import write_gguf
-    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available
+    from microscale.export.gguf.llamacpp import LlamaCpp, llama_cpp_available
+    from microscale.export.gguf.writer import write_gguf
 
     if llama_cpp_available() is None:
         print("\n(llama.cpp rows skipped: pip install '.[llama]' or set MICROSCALE_LIBLLAMA)")

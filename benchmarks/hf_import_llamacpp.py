@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     a = ap.parse_args(argv)
 
-    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
+    from microscale.export.gguf.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
     from microscale.inference.evaldata import eval_batches
     from microscale.inference.model import load_model
 

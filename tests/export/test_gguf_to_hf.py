@@ -16,7 +16,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from microscale.cli import main  # noqa: E402
-from microscale.export.gguf_hf import gguf_to_hf  # noqa: E402
+from microscale.export.gguf.to_hf import gguf_to_hf  # noqa: E402
 
 D, LAYERS, HEADS, KV, FF = 64, 2, 4, 2, 64
 TEXT = [

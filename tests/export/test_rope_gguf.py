@@ -1,4 +1,4 @@
-"""RoPE scaling in GGUF (microscale.export.gguf_rope): llama.cpp's keys and rope_freqs tensor
+"""RoPE scaling in GGUF (microscale.export.gguf.rope): llama.cpp's keys and rope_freqs tensor
 written, read back by the ``gguf`` package and by microscale, and refused where llama.cpp
 cannot compute the kind (skipped without the ``gguf`` package)."""
 
@@ -14,9 +14,10 @@ gguf = pytest.importorskip("gguf", exc_type=ImportError)
 from flax import nnx  # noqa: E402
 
 from microscale.data import ByteTokenizer  # noqa: E402
-from microscale.export.gguf import write_gguf  # noqa: E402
-from microscale.export.gguf_hf import gguf_model_config  # noqa: E402
-from microscale.export.gguf_rope import read_gguf_rope  # noqa: E402
+from microscale.export.gguf.rope import read_gguf_rope  # noqa: E402
+from microscale.export.gguf.to_hf import gguf_model_config  # noqa: E402
+from microscale.export.gguf.writer import write_gguf  # noqa: E402
+from microscale.export.gguffile import open_gguf  # noqa: E402
 from microscale.model import ModelConfig, RopeScaling, Transformer  # noqa: E402
 from microscale.model.rope import frequency_divisors  # noqa: E402
 
@@ -110,20 +111,8 @@ def test_gguf_holds_llama_cpps_rope_metadata_and_reads_back(rope, theta, keys, t
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
     else:
         assert "rope_freqs.weight" not in tensors
-    back = gguf_model_config(reader)
+    back = gguf_model_config(open_gguf(tmp_path / "m.gguf"))
     assert back.rope_scaling == rope and back.rope_theta == theta
-
-
-def _field(reader):
-    def get(key, default=...):
-        f = reader.fields.get(key)
-        if f is None:
-            if default is ...:
-                raise KeyError(key)
-            return default
-        return f.contents()
-
-    return get
 
 
 def _llama_cpp_file(path, theta, keys=None, freqs=None):
@@ -143,7 +132,7 @@ def _llama_cpp_file(path, theta, keys=None, freqs=None):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf.GGUFReader(path)
+    return open_gguf(path)
 
 
 @pytest.mark.parametrize(
@@ -152,9 +141,9 @@ def _llama_cpp_file(path, theta, keys=None, freqs=None):
 )
 def test_a_llama_cpp_llama3_file_is_solved_for_its_parameters(name, head_dim, factor, tmp_path):
     freqs = _llama_cpp_rope_freqs(head_dim, 500000.0, factor, 1.0, 4.0, 8192)
-    reader = _llama_cpp_file(tmp_path / "m.gguf", 500000.0, freqs=freqs)
+    file = _llama_cpp_file(tmp_path / "m.gguf", 500000.0, freqs=freqs)
     cfg = BASE.replace(d_model=head_dim * 2, rope_theta=500000.0)
-    assert read_gguf_rope(reader, _field(reader), cfg) == RopeScaling(
+    assert read_gguf_rope(file, cfg) == RopeScaling(
         kind="llama3", factor=factor, original_max_position_embeddings=8192
     )
 
@@ -188,9 +177,9 @@ def test_a_llama_cpp_llama3_file_is_solved_for_its_parameters(name, head_dim, fa
 def test_llama_cpp_rope_keys_microscale_does_not_compute_are_refused(
     keys, freqs, message, tmp_path
 ):
-    reader = _llama_cpp_file(tmp_path / "m.gguf", 10000.0, keys, freqs)
+    file = _llama_cpp_file(tmp_path / "m.gguf", 10000.0, keys, freqs)
     with pytest.raises(ValueError) as e:
-        read_gguf_rope(reader, _field(reader), BASE)
+        read_gguf_rope(file, BASE)
     assert message in str(e.value)
 
 

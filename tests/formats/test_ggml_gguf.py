@@ -1,4 +1,4 @@
-"""ggml's block types in a GGUF file: written by ``export.gguf.gguf_ggml_tensor`` through the
+"""ggml's block types in a GGUF file: written by ``export.gguf.tensors.gguf_ggml_tensor`` through the
 ``gguf`` package's writer, read back by its reader as the same type and bytes, and decoded
 by its dequantizers to what ``formats.ggml`` decodes."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from microscale.export.gguf import gguf_ggml_tensor
+from microscale.export.gguf.tensors import gguf_ggml_tensor
 from microscale.formats.ggml import dequantize_ggml, quantize_ggml
 from microscale.formats.spec import GGML_FORMATS
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from microscale.config import apply_overrides
-from microscale.export.gguf import EMBED_FORMATS, embed_values
+from microscale.export.gguf.tensors import EMBED_FORMATS, embed_values
 from microscale.model import Transformer
 from microscale.ptq import (
     EMBED_ITEM,
@@ -189,7 +189,7 @@ def test_tables_hold_what_a_gguf_stores(tied, fmt, tmp_path):
     import gguf
 
     from microscale.data.tokenizers import ByteTokenizer
-    from microscale.export.gguf import write_gguf
+    from microscale.export.gguf.writer import write_gguf
 
     cfg = dataclasses.replace(TINY, tie_embeddings=tied)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -88,7 +88,7 @@ def test_quantize_every_family_with_gptq_and_awq(family, token_batches, tmp_path
         )
 
 
-# llama.cpp's graphs that drop the MLP's tensor scale (export/gguf.py's _Arch.unscaled)
+# llama.cpp's graphs that drop the MLP's tensor scale (export/gguf/arch.py's Arch.unscaled)
 GGUF_UNSCALED_MLP = {"qwen2": True, "qwen3": False, "mistral": False, "gemma3": True}
 GGUF_CHANGES = {"gemma3": {"sliding_window_pattern": 6}, "mistral": {"sliding_window": None}}
 

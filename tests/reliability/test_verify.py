@@ -193,7 +193,7 @@ def test_gguf_tensor_flip_is_named(gguf_file, tmp_path, capsys, case, tensor, at
 def test_llama_cpp_loader_refuses_a_damaged_gguf(gguf_file, tmp_path):
     """microscale's own way of reading a GGUF (into llama.cpp) checks it first: the error
     names the file and the tensor, whether or not llama.cpp is installed."""
-    from microscale.export.llamacpp import LlamaCpp
+    from microscale.export.gguf.llamacpp import LlamaCpp
 
     path = tmp_path / "m.gguf"
     path.write_bytes(gguf_file.read_bytes())

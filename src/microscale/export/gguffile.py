@@ -13,9 +13,13 @@ A GGUF file (llama.cpp's ``gguf.h`` / ``gguf-py``; version 3, little-endian) is:
 :func:`read_gguf_header` walks that structure checking every length, count and offset
 against the file before using it, so a damaged header fails at once with the byte where it
 went wrong. (The ``gguf`` package's reader instead loops over every element of an array
-whose length was flipped to 2^32 + n: still running after 20 s in a test.)
+whose length was flipped to 2^32 + n: still running after 20 s in a test.) It is
+microscale's one GGUF reader: :func:`open_gguf` gives the metadata values (decoded on
+demand from the validated spans) and each tensor's bytes (:class:`GGUFContents`), what the
+GGUF -> HF conversion reads. The ``gguf`` package (:func:`gguf_package`) is used for its
+tables of ggml types and its decoders only.
 
-Integrity: :func:`~microscale.export.gguf.write_gguf` stores two metadata entries, which
+Integrity: :func:`~microscale.export.gguf.writer.write_gguf` stores two metadata entries, which
 llama.cpp and the ``gguf`` package read as ordinary strings and otherwise ignore:
 
 * ``microscale.crc32.tensors``: a JSON object ``{tensor name: 8 hex digits}``, the CRC-32
@@ -54,12 +58,15 @@ __all__ = [
     "CRC_HEADER_KEY",
     "CRC_TENSORS_KEY",
     "GGUFCheck",
+    "GGUFContents",
     "GGUFFormatError",
     "GGUFHeader",
     "GGUFTensorInfo",
     "GGUFValue",
     "check_gguf",
+    "gguf_package",
     "header_crc",
+    "open_gguf",
     "read_gguf_header",
     "seal_gguf_header",
     "verify_gguf",
@@ -75,6 +82,20 @@ _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 # GGUFValueType -> byte size of a scalar (8: STRING and 9: ARRAY are variable).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUFValueType -> numpy dtype of a scalar (little-endian).
+_SCALAR_DTYPES = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
@@ -123,14 +144,21 @@ class GGUFHeader:
         return value if isinstance(value, str) else None  # None: absent, or not decoded
 
 
-def _gguf_types():
+def gguf_package(need: str = "reading GGUF files") -> Any:
+    """The ``gguf`` package (ggml's type tables, its quant decoders, ``GGUFWriter``);
+    without it an ImportError says that ``need`` needs it and how to install it."""
     try:
         import gguf
     except ImportError:  # pragma: no cover - the [gguf] extra
         raise ImportError(
-            "reading GGUF files needs the gguf package: pip install "
+            f"{need} needs the gguf package: pip install "
             "'microscale[gguf]' (or pip install 'gguf>=0.19')"
         ) from None
+    return gguf
+
+
+def _gguf_types():
+    gguf = gguf_package()
     return gguf.GGMLQuantizationType, gguf.GGML_QUANT_SIZES
 
 
@@ -167,26 +195,38 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8", start) from None
 
-    def skip_value(self, vtype: int, what: str, depth: int = 0) -> None:
+    def value(self, vtype: int, what: str, decode: bool = False, depth: int = 0) -> Any:
+        """Walks one value of type ``vtype``, checking every length against the file;
+        returns it decoded (a Python scalar, str or list) when ``decode``, else None."""
         if vtype in _SCALAR_SIZES:
-            self.take(_SCALAR_SIZES[vtype], what)
-        elif vtype == _STRING:
-            self.string(what, decode=False)
-        elif vtype == _ARRAY and depth < 4:
+            start = self.take(_SCALAR_SIZES[vtype], what)
+            return _scalars(self.buf, vtype, 1, start)[0] if decode else None
+        if vtype == _STRING:
+            return self.string(what, decode)[1]
+        if vtype == _ARRAY and depth < 4:
             itype = self.u32(f"{what} element type")
             count = self.u64(f"{what} element count")
             if itype in _SCALAR_SIZES:
-                self.take(count * _SCALAR_SIZES[itype], f"{what} ({count} elements)")
-            elif itype in (_STRING, _ARRAY):
+                start = self.take(count * _SCALAR_SIZES[itype], f"{what} ({count} elements)")
+                return _scalars(self.buf, itype, count, start) if decode else None
+            if itype in (_STRING, _ARRAY):
                 # each element takes at least 8 bytes: a bad count fails before it loops long
                 if count * 8 > self.size - self.pos:
                     raise self.fail(f"{what}: {count} elements do not fit the file")
+                items = []
                 for _ in range(count):
-                    self.skip_value(itype, what, depth + 1)
-            else:
-                raise self.fail(f"{what}: unknown array element type {itype}")
-        else:
-            raise self.fail(f"{what}: unknown value type {vtype}")
+                    item = self.value(itype, what, decode, depth + 1)
+                    if decode:
+                        items.append(item)
+                return items if decode else None
+            raise self.fail(f"{what}: unknown array element type {itype}")
+        raise self.fail(f"{what}: unknown value type {vtype}")
+
+
+def _scalars(buf, vtype: int, count: int, start: int) -> list:
+    """``count`` scalars of GGUF value type ``vtype`` at byte ``start``, as Python values
+    (what ``gguf.GGUFReader``'s ``contents()`` gives: float32 widened, bools as bool)."""
+    return np.frombuffer(buf, _SCALAR_DTYPES[vtype], count, start).tolist()
 
 
 def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
@@ -204,6 +244,57 @@ def _map(path: str | os.PathLike) -> tuple[np.ndarray, GGUFHeader]:
         raise GGUFFormatError(f"{path}: the file is empty (truncated?)")
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     return buf, _parse(buf, path, size)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFContents:
+    """A GGUF file to read: its header parsed and validated (:func:`read_gguf_header`), its
+    metadata values and tensors' bytes read through it (:class:`GGUFContents`)."""
+    buf, header = _map(path)
+    return GGUFContents(header=header, buf=buf)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GGUFContents:
+    """A GGUF file read through its validated header: each metadata value decoded when
+    asked for (only from the span the parse checked), each tensor's stored bytes."""
+
+    header: GGUFHeader
+    buf: np.ndarray  # the file, memory-mapped read-only
+
+    @property
+    def tensors(self) -> list[GGUFTensorInfo]:
+        return self.header.tensors
+
+    def value(self, key: str, default: Any = ...) -> Any:
+        """The metadata value of ``key``: a str, a Python scalar, or a list for an array;
+        ``default`` when the file has no ``key`` (without one: a ValueError naming it)."""
+        v = self.header.kv.get(key)
+        if v is None:
+            if default is ...:
+                raise ValueError(f"GGUF metadata has no {key!r}")
+            return default
+        c = _Cursor(self.buf, self.header.path)
+        c.pos = v.begin
+        c.string(f"metadata key {key!r}", decode=False)
+        return c.value(c.u32(f"type of {key!r}"), f"value of {key!r}", decode=True)
+
+    def data(self, tensor: GGUFTensorInfo) -> np.ndarray:
+        """The stored bytes of ``tensor`` as uint8 ``[..., bytes per row]`` (ggml's ``ne``
+        reversed, the contiguous dimension as its bytes): what ``gguf.quants.dequantize``
+        decodes, for every ggml type."""
+        shape = tuple(reversed(tensor.shape[1:]))
+        rows = int(np.prod(shape, dtype=np.int64))
+        row_bytes = (tensor.end - tensor.begin) // rows if rows else 0
+        return np.asarray(self.buf[tensor.begin : tensor.end]).reshape(*shape, row_bytes)
+
+    def decode(self, tensor: GGUFTensorInfo) -> np.ndarray:
+        """``tensor``'s values as float32, row-major (ggml's ``ne`` reversed), decoded by
+        the ``gguf`` package's ``quants.dequantize`` (ggml's own decoders)."""
+        gguf = gguf_package()
+        vals = gguf.quants.dequantize(
+            self.data(tensor), gguf.GGMLQuantizationType(tensor.ggml_type)
+        )
+        return np.asarray(vals, np.float32).reshape(tuple(reversed(tensor.shape)))
 
 
 def _place_tensors(
@@ -276,11 +367,9 @@ def _read_kv(c: _Cursor, n_kv: int) -> dict[str, GGUFValue]:
                 decode=key.startswith("microscale.") or key == "general.alignment",
             )
         elif vtype in _SCALAR_SIZES:
-            c.skip_value(vtype, f"value of {key!r}")
-            if vtype == _UINT32:
-                value = struct.unpack_from("<I", c.buf, vbegin)[0]
+            value = c.value(vtype, f"value of {key!r}", decode=vtype == _UINT32)
         else:
-            c.skip_value(vtype, f"value of {key!r}")
+            c.value(vtype, f"value of {key!r}")
         kv[key] = GGUFValue(vtype, begin, vbegin, c.pos, value)
     return kv
 

@@ -52,16 +52,11 @@ from typing import Any
 
 import numpy as np
 
-from microscale.export.gguf import (
-    EMBED_FORMATS,
-    GGUF_FORMATS,
-    embed_values,
-    gguf_format,
-    gguf_layer_candidates,
-    gguf_vocab,
-    write_gguf,
-)
-from microscale.export.gguf_hf import read_gguf_params
+from microscale.export.gguf.arch import gguf_layer_candidates
+from microscale.export.gguf.tensors import EMBED_FORMATS, GGUF_FORMATS, embed_values, gguf_format
+from microscale.export.gguf.to_hf import read_gguf_params
+from microscale.export.gguf.vocab import gguf_vocab
+from microscale.export.gguf.writer import write_gguf
 from microscale.export.hfquant import HF_QUANT, quant_method
 from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
 from microscale.export.reader import read_checkpoint

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from microscale.export.gguffile import GGUFContents, gguf_package
 from microscale.model import ModelConfig, RopeScaling
 from microscale.model.rope import frequency_divisors, yarn_attention_factor
 
@@ -78,8 +79,7 @@ class GGUFRope:
     def write(self, w: Any, scaling: RopeScaling | None) -> None:
         """The keys into a ``gguf.GGUFWriter`` (the tensor goes with the others), and
         ``scaling`` under `MS_ROPE_KEY`."""
-        import gguf
-
+        gguf = gguf_package("GGUF export")
         if self.type != "none":
             w.add_rope_scaling_type(gguf.RopeScalingType(self.type))
         for name, add in _ADD.items():
@@ -167,9 +167,10 @@ def gguf_rope(cfg: ModelConfig) -> GGUFRope:
 # ---------------------------------------------------------------------- reading
 
 
-def _in_file(reader: Any, field: Callable[..., Any]) -> GGUFRope:
+def _in_file(file: GGUFContents) -> GGUFRope:
     """The file's RoPE scaling keys and tensor; a key that would change the rotation in
     a way microscale does not compute is refused naming it."""
+    field = file.value
     a = field("general.architecture") + "."
     for key, neutral in _NEUTRAL.items():
         v = field(a + key, None)
@@ -182,7 +183,7 @@ def _in_file(reader: Any, field: Callable[..., Any]) -> GGUFRope:
         raise ValueError(
             f"GGUF {a}rope.scaling.type={kind!r}: microscale reads 'none', 'linear' or 'yarn'"
         )
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
     got = {name: field(a + f"rope.scaling.{name}", None) for name in _ADD}
     found = GGUFRope(
         type=kind,
@@ -192,7 +193,7 @@ def _in_file(reader: Any, field: Callable[..., Any]) -> GGUFRope:
         ),
         yarn_beta_fast=None if got["yarn_beta_fast"] is None else float(got["yarn_beta_fast"]),
         yarn_beta_slow=None if got["yarn_beta_slow"] is None else float(got["yarn_beta_slow"]),
-        freqs=None if freqs is None else np.asarray(freqs.data, np.float32).reshape(-1),
+        freqs=None if freqs is None else file.decode(freqs).reshape(-1),
     )
     attn = field(a + "rope.scaling.yarn_attn_factor", None)
     default = (
@@ -271,12 +272,12 @@ def _check_freqs(div: np.ndarray, sc: RopeScaling, cfg: ModelConfig, what: str) 
         raise ValueError(f"GGUF {ROPE_FREQS} disagrees with the llama3 scaling {what}: {sc}")
 
 
-def read_gguf_rope(reader: Any, field: Callable[..., Any], cfg: ModelConfig) -> RopeScaling | None:
-    """The RopeScaling of a GGUF (a ``gguf.GGUFReader``; ``field(key, default)`` reads a
-    key; ``cfg`` the rest of its model): microscale's own record when the file has one,
-    checked against llama.cpp's keys and tensor, else solved from those."""
-    found = _in_file(reader, field)
-    own = field(MS_ROPE_KEY, None)
+def read_gguf_rope(file: GGUFContents, cfg: ModelConfig) -> RopeScaling | None:
+    """The RopeScaling of a GGUF (read by :func:`~microscale.export.gguffile.open_gguf`;
+    ``cfg`` the rest of its model): microscale's own record when the file has one, checked
+    against llama.cpp's keys and tensor, else solved from those."""
+    found = _in_file(file)
+    own = file.value(MS_ROPE_KEY, None)
     if own is None:
         return _from_keys(found, cfg)
     try:
