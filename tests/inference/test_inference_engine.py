@@ -13,13 +13,13 @@ from microscale.formats import QArray, dequantize
 from microscale.inference import (
     GenerationConfig,
     InferenceModel,
-    collect_input_amax,
     evaluate_ppl,
     forward,
     init_cache,
     sample_logits,
 )
 from microscale.model import ModelConfig, Transformer
+from microscale.ptq.run import input_amax
 
 CFG = ModelConfig(
     vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
@@ -174,7 +174,7 @@ def test_weights_stay_packed_and_memory_ratio(packed32):
 def test_w4a4_emulation_and_calibration(model):
     tokens = _tokens(t=16)
     w4a16 = InferenceModel.from_params(model, CFG32, formats="nvfp4")
-    amax = collect_input_amax(w4a16, tokens[None])
+    amax = input_amax(model, tokens[None])  # the calibrator quantize and export share
     assert set(amax) == set(linear_paths(CFG)) and min(amax.values()) > 0
     # layers sharing an input see the same amax
     assert amax["layers.0.attn.q_proj"] == amax["layers.0.attn.k_proj"]

@@ -555,7 +555,7 @@ def input_decode_scales(
             raise ValueError(
                 f"{missing[0]}: its inputs are quantized to {spec.name} (W4A4/W8A8), which "
                 "needs a static input scale, but input_amax has no calibrated amax for it; "
-                "pass input_amax (e.g. from microscale.inference.collect_input_amax) or "
+                "pass input_amax (e.g. from microscale.ptq.run.input_amax) or "
                 "export weight-only (activations=False)"
             )
         vals = [float(np.asarray(amax[p])) for p in group]

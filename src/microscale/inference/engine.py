@@ -52,7 +52,7 @@ from microscale.export.layouts import (
     row_blocks,
     to_hf_orientation,
 )
-from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize, tensor_amax
+from microscale.formats import FormatSpec, QArray, dequantize, quantize_dequantize
 from microscale.model import ModelConfig, block_param_shapes
 from microscale.model.block import attention, block_forward, embed_residual, layer_rope_tables
 from microscale.model.layers import rms_norm
@@ -123,7 +123,6 @@ class _CacheOps:
     without one, over the call's own tokens."""
 
     weights: Mapping[str, Any]  # {path inside the block: Linear or array}
-    prefix: str  # "layers.<i>"
     cdt: Any
     window: int | None
     scale: float  # the attention scores' factor (ModelConfig.attn_scale)
@@ -131,12 +130,9 @@ class _CacheOps:
     start: jax.Array  # [B] first real slot per row
     index: Any
     cache: dict[str, jax.Array] | None  # this layer's {"k", "v"}; None: no cache
-    amax: dict[str, jax.Array] | None  # {linear path: max |input|} when collecting
     new_cache: dict[str, jax.Array] | None = None
 
     def _linear(self, name: str, x: jax.Array) -> jax.Array:
-        if self.amax is not None:
-            self.amax[f"{self.prefix}.{name}"] = tensor_amax(x)
         return _apply_linear(self.weights[name], x, self.cdt)
 
     def column(self, names, x):
@@ -179,7 +175,6 @@ def forward(
     cache: list | None = None,
     index: Any = 0,
     start: jax.Array | None = None,
-    collect_amax: bool = False,
 ):
     """Logits ``[B, T, V]`` (float32) of ``tokens [B, T]`` at slots ``index ... index+T-1``.
 
@@ -187,7 +182,6 @@ def forward(
     ``cache`` the new keys/values are written at those slots and attention reads the
     whole cache (returns ``(logits, cache)``); without, attention is over ``tokens`` only
     (returns ``(logits, None)``). ``start [B]``: first non-padding slot of each row.
-    ``collect_amax`` adds a third output, {linear path: max |input|} (calibration).
     """
     b, t = tokens.shape
     cdt = jnp.dtype(cdt)
@@ -197,13 +191,11 @@ def forward(
     q_slot = index + jnp.arange(t, dtype=jnp.int32)
     positions = jnp.maximum(q_slot[None, :] - start[:, None], 0)
     tables = layer_rope_tables(cfg, positions)
-    amax: dict[str, jax.Array] | None = {} if collect_amax else None
     x = embed_residual(cfg, jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32))
     new_cache: list[dict[str, Any]] = []
     for i, lw in enumerate(weights["layers"]):
         ops = _CacheOps(
             lw,
-            f"layers.{i}",
             cdt,
             cfg.layer_window(i),
             cfg.attn_scale,
@@ -211,7 +203,6 @@ def forward(
             start,
             index,
             None if cache is None else cache[i],
-            amax,
         )
         x = block_forward(cfg, ops, x, *tables[i])
         if ops.new_cache is not None:
@@ -220,8 +211,6 @@ def forward(
     head = weights["embed"] if weights["lm_head"] is None else weights["lm_head"]  # [V, D]
     head, x = jax.lax.optimization_barrier((head, x))  # no hoisted copy (see _apply_linear)
     logits = jnp.einsum("...d,vd->...v", x, head.astype(cdt), preferred_element_type=jnp.float32)
-    if collect_amax:
-        return logits, (new_cache if cache is not None else None), amax
     return logits, (new_cache if cache is not None else None)
 
 

@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from microscale.data import load_tokenizer
+from microscale.data import DataConfig, check_vocab_fits, load_data, load_tokenizer
 from microscale.export import Checkpoint, read_checkpoint
 from microscale.export.layouts import LayerFormats
+from microscale.export.reader import build_model
 from microscale.export.registry import (
     DEFAULT_LAYOUT,
     QUANTIZE_OUTPUT,
@@ -30,9 +31,13 @@ from microscale.export.registry import (
 )
 from microscale.export.writer import check_export_out
 from microscale.files import check_input_dir, check_output_file, lock_folder, read_json
-from microscale.inference.evaldata import eval_batches
-from microscale.inference.model import InferenceModel, collect_input_amax
 from microscale.model import PrecisionRules
+from microscale.ptq.run import (
+    calibration_batches,
+    folder_data_config,
+    input_amax,
+    run_data_config,
+)
 from microscale.train import load_checkpoint
 
 __all__ = ["CALIB_BATCHES", "ExportConfig", "export_run"]
@@ -123,7 +128,7 @@ def export_run(
       dtype: dtype of the unquantized tensors.
       shard_bytes: shard a folder's weights above this many bytes (default 5 GB).
       embed_format: the token embedding / LM head's format in a GGUF (``bf16``, ``q8_0``,
-        ``mxfp4``; :func:`~microscale.export.gguf.writer.write_gguf`); None: the format a
+        ``mxfp4``; :func:`~microscale.export.gguf.write_gguf`); None: the format a
         quantize output's search chose (``report.json``'s ``embed_format``, written with
         ``count_other_params=true``), else unquantized.
       overwrite: replace an existing output (an earlier export).
@@ -217,23 +222,18 @@ def _source_folder(source) -> Path:
     return model
 
 
-def _calibrate_inputs(model, config, tokenizer, data, seq_len: int, calib_batches) -> Any:
-    """Each linear layer's input amax over the calibration batches of ``data``, for
-    static activation scales."""
+def _calibrate_inputs(model, config, data: DataConfig | None, calib_batches) -> Any:
+    """Each linear layer's input amax for static activation scales: quantize's calibrator
+    (:mod:`microscale.ptq.run`) on ``calib_batches`` of the batches it cuts from ``data``
+    (seed 0, quantize's default), so ``quantize activations=true calib_tokens=`` the same
+    number of tokens writes the same scales."""
     if data is None:
         raise ValueError("activations=true needs calibration data: pass corpus=PATH")
-    dense = InferenceModel.from_params(
-        model.params if isinstance(model, Checkpoint) else model, config
-    )
-    batches = eval_batches(
-        data,
-        tokenizer,
-        seq_len=seq_len,
-        batch_size=8,
-        max_batches=calib_batches or CALIB_BATCHES,
-        vocab_size=config.vocab_size,
-    )
-    return collect_input_amax(dense, batches)
+    loaded = load_data(data)
+    check_vocab_fits(loaded.vocab_size, config.vocab_size, what=f"data {data.corpus!r}")
+    batches, _ = calibration_batches(loaded, seed=0, n_batches=calib_batches or CALIB_BATCHES)
+    nnx_model = build_model(config, model.params) if isinstance(model, Checkpoint) else model
+    return input_amax(nnx_model, batches)
 
 
 def _export_run(
@@ -262,7 +262,7 @@ def _export_run(
     if embed_format is None and row.embed_formats:
         embed_format = _searched_embed_format(source)
     src = _source_folder(source)
-    tokenizer, seq_len = None, 128
+    tokenizer = None
     tok_file = src / "tokenizer.json"
     if row.check_tokenizer is not None and tok_file.is_file():
         row.check_tokenizer(tok_file)  # one it cannot store: refused before the model is read
@@ -276,7 +276,7 @@ def _export_run(
             formats = PrecisionRules.load(src / "precision_rules.json")
         if tok_file.is_file():
             tokenizer = load_tokenizer(tok_file)
-        data, seq_len = data or tcfg.data.corpus, tcfg.data.seq_len
+        calib_data: DataConfig | None = run_data_config(tcfg.data, corpus=data)
     elif isinstance(kind, Layout) and kind.hf_folder:
         # A packed folder without formats is re-written as is (layout conversion keeps
         # its bytes); otherwise its weights are decoded and quantized again (with
@@ -287,16 +287,16 @@ def _export_run(
         if formats is None and not kind.quantized and row.quantized:
             formats = "nvfp4"  # a float folder written in a quantized layout
         model, config, tokenizer = ck, ck.config, ck.tokenizer()
-        seq_len = min(config.max_seq_len, 256)
+        calib_data = (
+            None if data is None else folder_data_config(data, tok_file, config.max_seq_len)
+        )
     else:
         raise FileNotFoundError(
             f"--checkpoint {str(src)!r}: neither a training run "
             "(config.yaml + checkpoints/) nor an HF model folder"
         )
     input_amax = (
-        _calibrate_inputs(model, config, tokenizer, data, seq_len, calib_batches)
-        if activations
-        else None
+        _calibrate_inputs(model, config, calib_data, calib_batches) if activations else None
     )
     # a tokenizer.json brings its tokenizer_config.json (special tokens, chat template)
     extra = {} if embed_format is None else {"embed_format": embed_format}

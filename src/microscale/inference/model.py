@@ -47,7 +47,6 @@ __all__ = [
     "GenerationResult",
     "InferenceModel",
     "MemoryStats",
-    "collect_input_amax",
     "evaluate_ppl",
     "load_model",
 ]
@@ -471,23 +470,6 @@ def _nll_fn(cfg: ModelConfig, cdt):
         return jnp.sum(token_nll(logits, batch[:, 1:]))
 
     return fn
-
-
-def collect_input_amax(model: InferenceModel, batches) -> dict[str, float]:
-    """{linear path: max |input|} over ``batches`` (calibration for static W4A4 / W8A8
-    input scales; pass it as ``export_checkpoint(..., input_amax=...)``)."""
-    arr = _as_batches(batches)
-    cfg, cdt = model.config, model.compute_dtype
-
-    @jax.jit
-    def fn(weights, tokens):
-        return forward(weights, tokens, cfg=cfg, cdt=cdt, collect_amax=True)[2]
-
-    out: dict[str, float] = {}
-    for batch in arr:
-        for k, v in fn(model.weights, jnp.asarray(batch[:, :-1], jnp.int32)).items():
-            out[k] = max(out.get(k, 0.0), float(v))
-    return out
 
 
 # ---------------------------------------------------------------------- loading

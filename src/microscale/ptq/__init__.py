@@ -23,8 +23,8 @@ traced functions: per-layer inputs and output gradients from one backward pass),
 :mod:`~microscale.ptq.pipeline` (the run's phases), :mod:`~microscale.ptq.config` (its
 options), :mod:`~microscale.ptq.evaluate` (validation of allocations, the PTQ-effects
 table), :mod:`~microscale.ptq.result` (what it decided, ``report.json``),
-:mod:`~microscale.ptq.run` (calibration windows, a run's trained allocation),
-:mod:`~microscale.ptq.report` (files and plots).
+:mod:`~microscale.ptq.run` (the calibrator quantize and export share, a run's trained
+allocation), :mod:`~microscale.ptq.report` (files and plots).
 ``quantize_run`` (a model folder in, quantized outputs out) reads training runs, so it
 sits above ``ptq`` and ``train``: :mod:`microscale.workflows`.
 """
@@ -37,7 +37,12 @@ from microscale.ptq.gptq import gptq_quantize
 from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import read_own_checkpoint, write_outputs
 from microscale.ptq.result import QuantizeResult, allocation_rules, ptq_recipe
-from microscale.ptq.run import calibration_windows, trained_allocation
+from microscale.ptq.run import (
+    calibration_batches,
+    calibration_windows,
+    input_amax,
+    trained_allocation,
+)
 from microscale.ptq.search import (
     DEFAULT_GROUPS,
     EMBED_ITEM,
@@ -82,6 +87,7 @@ __all__ = [
     "allocation_rules",
     "awq_fold",
     "brute_force",
+    "calibration_batches",
     "calibration_windows",
     "check_budget",
     "check_quantize_budget",
@@ -92,6 +98,7 @@ __all__ = [
     "gradient_scores",
     "group_layers",
     "heuristic_allocation",
+    "input_amax",
     "intercept_linears",
     "kl_loss_scores",
     "monotone",

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from microscale.data import DataConfig, check_vocab_fits, load_data
+from microscale.data import check_vocab_fits, load_data
 from microscale.export.reader import build_model
 from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
@@ -54,7 +54,15 @@ from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import check_quantize_out, write_outputs
 from microscale.ptq.result import QuantizeResult
-from microscale.ptq.run import calibration_windows, trained_allocation
+from microscale.ptq.run import (
+    MODEL_EVAL_BATCHES,
+    MODEL_ROWS,
+    MODEL_SEQ_LEN,
+    calibration_batches,
+    folder_data_config,
+    run_data_config,
+    trained_allocation,
+)
 from microscale.train import load_checkpoint
 from microscale.train.init import (
     check_model_source,
@@ -75,12 +83,9 @@ __all__ = [
 ]
 
 
-# A model folder (HF, or a quantize output without its run): the text without corpus=,
-# the window length (at most the model's context), windows per batch, evaluation batches.
+# A model folder (HF, or a quantize output without its run): the text without corpus=
+# (its windows: microscale.ptq.run's MODEL_SEQ_LEN, MODEL_ROWS, MODEL_EVAL_BATCHES).
 MODEL_DEFAULT_CORPUS = "stdlib"
-MODEL_SEQ_LEN = 512
-MODEL_ROWS = 2
-MODEL_EVAL_BATCHES = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -236,14 +241,7 @@ def _quantize_folder(
     flat, init = load_init_weights(path)
     model = build_model(model_cfg, flat)
     del flat
-    data_cfg = DataConfig(
-        corpus=corpus,
-        heldout="none",
-        tokenizer=str(tok.absolute()),
-        seq_len=min(MODEL_SEQ_LEN, model_cfg.max_seq_len),
-        batch_size=MODEL_ROWS,
-        eval_batches=int(eval_batches or MODEL_EVAL_BATCHES),
-    )
+    data_cfg = folder_data_config(corpus, tok, model_cfg.max_seq_len, eval_batches)
     source = {
         "source": {"kind": kind, "path": str(path), "weights": init.weights, "note": init.note}
     }
@@ -271,11 +269,7 @@ def _quantize_run(
     run_dir: Path, out_dir, cfg: QuantizeConfig, *, corpus, step, eval_batches, layout, log
 ) -> QuantizeResult:
     model, train_cfg, meta = load_checkpoint(run_dir, step)
-    data_cfg = train_cfg.data
-    if corpus is not None:
-        data_cfg = dataclasses.replace(data_cfg, corpus=corpus, heldout="none")
-    if eval_batches is not None:
-        data_cfg = dataclasses.replace(data_cfg, eval_batches=int(eval_batches))
+    data_cfg = run_data_config(train_cfg.data, corpus=corpus, eval_batches=eval_batches)
     tok_file = run_dir / "tokenizer.json"  # with its tokenizer_config.json, if any
     return _calibrate_and_quantize(
         model,
@@ -319,28 +313,7 @@ def _calibrate_and_quantize(
         what=what if data.tokenizer else f"corpus {data_cfg.corpus!r}",
     )
     evals = data.val_batches("val")
-    rows, seq = evals.shape[1], evals.shape[2] - 1
-    val_tokens = data.eval_sets()["val"]
-    used = evals.shape[0] * rows * seq + 1  # evaluation windows start at k * seq_len
-    calib = calibration_windows(
-        val_tokens, n_tokens=cfg.calib_tokens, seq_len=seq, rows=rows, seed=cfg.seed, start=used
-    )
-    desc: dict[str, Any] = {"split": "val", "offset": used, "corpus": data_cfg.corpus}
-    if calib is None:
-        calib = calibration_windows(
-            data.corpus.train, n_tokens=cfg.calib_tokens, seq_len=seq, rows=rows, seed=cfg.seed
-        )
-        desc = {
-            "split": "train",
-            "offset": 0,
-            "corpus": data_cfg.corpus,
-            "note": "val split too short for disjoint calibration windows",
-        }
-        if calib is None:
-            raise ValueError(
-                f"corpus {data_cfg.corpus!r} is too small for calib_tokens="
-                f"{cfg.calib_tokens} at seq_len={seq}; lower calib_tokens"
-            )
+    calib, desc = calibration_batches(data, n_tokens=cfg.calib_tokens, seed=cfg.seed)
     desc.update(source, tokenizer=data_cfg.tokenizer, seed=cfg.seed)
     result = quantize_model(
         model,
