@@ -128,7 +128,7 @@ def export_run(
       dtype: dtype of the unquantized tensors.
       shard_bytes: shard a folder's weights above this many bytes (default 5 GB).
       embed_format: the token embedding / LM head's format in a GGUF (``bf16``, ``q8_0``,
-        ``mxfp4``; :func:`~microscale.export.gguf.write_gguf`); None: the format a
+        ``mxfp4``; :func:`~microscale.export.gguf.writer.write_gguf`); None: the format a
         quantize output's search chose (``report.json``'s ``embed_format``, written with
         ``count_other_params=true``), else unquantized.
       overwrite: replace an existing output (an earlier export).
