@@ -1,4 +1,5 @@
-"""The trainer's named parts, each alone: the phases, the clock, evaluate, write_summary."""
+"""The trainer's named parts, each alone: the phases and a phase change, the clock, evaluate,
+write_summary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 from flax import nnx
 
 from microscale.train import build_state, make_eval_step
-from microscale.train.loop import Clock, Phases, RunFacts, evaluate, write_summary
+from microscale.train.adaptive import bf16_rules
+from microscale.train.loop import Clock, RunFacts, evaluate, write_summary
+from microscale.train.metrics import MetricsLogger
+from microscale.train.phases import Phases, enter_phase, start_precision
 from microscale.train.step import lm_loss
 
 from .conftest import TEST_MODEL
@@ -34,6 +38,29 @@ def test_phases_of_run(make_cfg):
     cfg = make_cfg("recipe=nvfp4", "precision.late.fraction=0.25", "steps=20")
     assert Phases.of_run(cfg, {"main": None, "late": None}) == Phases(warmup_end=0, late_start=15)
     assert Phases.of_run(cfg, {"main": None}).late_start is None
+
+
+def test_a_phase_change_returns_a_new_precision(make_cfg, tmp_path):
+    """A restored allocation and a phase change each return a new Precision; the state and
+    the precision they start from are left as they were."""
+    cfg = make_cfg("recipe=nvfp4", "precision.late.fraction=0.25", "steps=20")
+    st = build_state(cfg)
+    rules = dict(st.rules)
+    main = start_precision(st, "main", None)
+    assert (main.phase, main.st, main.allocation) == ("main", st, None)
+    alloc = {"bf16_layers": ["layers.0.attn.q_proj"]}
+    chosen = start_precision(st, "main", alloc)
+    assert chosen.st is not st and st.rules == rules  # st untouched
+    assert chosen.st.rules["main"] == bf16_rules("nvfp4", alloc["bf16_layers"])
+    assert chosen.allocation is alloc and chosen.programs is not main.programs
+    records: list[dict] = []
+    logger = MetricsLogger(tmp_path, total_steps=20, main=False, callbacks=[records.append])
+    late = enter_phase(chosen, "late", 15, logger=logger)
+    assert (late.phase, chosen.phase) == ("late", "main")
+    assert (late.st, late.programs, late.allocation) == (chosen.st, chosen.programs, alloc)
+    assert [(r["event"], r["step"], r["tokens"]) for r in records] == [
+        ("late_switch", 15, 15 * cfg.tokens_per_step)
+    ]
 
 
 def test_clock_time_split_and_pause():

@@ -28,13 +28,18 @@ are checkpointed; batches and keys are functions of the step. 20 steps straight 
 resume + 10 give identical losses (``tests/train/test_train_loop.py``).
 
 The parts, each a top-level name with explicit arguments (``tests/train/test_train_parts.py``
-tests them alone): :class:`Phases` (which compiled program trains each step), :class:`Clock`
-(the counters and timers), :func:`compile_programs` (the train / eval steps of ``step.py``
-per phase), :func:`evaluate` (an ``"eval"`` record), :func:`checkpoint_meta` and
-:func:`write_summary` (``summary.json``). One start of a run (:func:`_run_start`) is
-:func:`_prepare` (files, data, model, weights), :func:`_announce`, :func:`_load_eval_sets`,
-:func:`_train_steps` (with :func:`_change_phase`, :func:`_read_back`, :func:`_evaluate`),
-then :func:`_finish` or :func:`_abort`; ``_Run`` holds what they share.
+tests them alone): :class:`Clock` (the counters and timers), :func:`evaluate` (an
+``"eval"`` record), :func:`checkpoint_meta` and :func:`write_summary` (``summary.json``);
+the phases and their compiled programs are in :mod:`~microscale.train.phases`.
+
+One start of a run (:func:`_run_start`) builds what is fixed for it once, a frozen
+``_Run`` (config, folder, data, checkpointer, logger, phases, eval batches, the summary's
+facts), from :func:`_prepare` (files, data, mesh, state) and :func:`_restore` (the weights
+it starts from). :func:`_train_steps` then carries the weights, the optimizer state and
+the :class:`~microscale.train.phases.Precision` from step to step (:func:`_train_step`,
+:func:`_read_back`, :func:`_evaluate`, :func:`_save`); a phase change
+(:func:`_change_phase`) returns a new precision. It returns where it stopped (``_End``)
+to :func:`_finish` or :func:`_abort`.
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale import __version__
 from microscale.config import dump_yaml, load_yaml, to_dict
@@ -66,20 +70,22 @@ from microscale.model import (
     quantized_blocks,
 )
 from microscale.ops import get_recipe
-from microscale.train.adaptive import bf16_rules, choose_bf16_layers
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
 from microscale.train.init import check_init_shapes, check_model_source, load_init_weights
-from microscale.train.mesh import (
-    BATCH_AXES,
-    build_mesh,
-    maybe_initialize_distributed,
-    shard_batch,
-)
+from microscale.train.mesh import build_mesh, maybe_initialize_distributed, shard_batch
 from microscale.train.metrics import MetricsLogger, format_duration, weight_quant_stats
-from microscale.train.optim import lr_schedule
+from microscale.train.phases import (
+    BATCH_SPEC,
+    EVAL_SPEC,
+    Phases,
+    Precision,
+    choose_allocation,
+    enter_phase,
+    save_rules,
+    start_precision,
+)
 from microscale.train.state import _leaf_diff, _State, build_state
-from microscale.train.step import make_eval_step, make_train_step
 
 __all__ = ["TrainingAborted", "default_out", "enable_compilation_cache", "train"]
 
@@ -283,31 +289,6 @@ def _train_locked(
 # ----------------------------------------------------------------------------- the loop's parts
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Phases:
-    """Which phase (compiled program) trains each step: an all-bf16 ``"warmup"`` first
-    (``precision.warmup``), then ``"main"``, then ``"late"`` (the late
-    precision switch)."""
-
-    # First step after the all-bf16 warm-up (0: no warm-up).
-    warmup_end: int
-    # First step of the late high-precision phase (None: no late switch).
-    late_start: int | None
-
-    @classmethod
-    def of_run(cls, cfg: TrainConfig, graphdefs: dict[str, Any]) -> Phases:
-        """The phases of ``cfg`` (``graphdefs``: the phases its state was built with)."""
-        return cls(
-            warmup_end=cfg.warmup_steps, late_start=cfg.switch_step if "late" in graphdefs else None
-        )
-
-    def of(self, step: int) -> str:
-        """The phase that trains batch ``step`` (0-based)."""
-        if step < self.warmup_end:
-            return "warmup"
-        return "late" if self.late_start is not None and step >= self.late_start else "main"
-
-
 @dataclasses.dataclass(kw_only=True)
 class Clock:
     """The loop's counters and timers, updated once per step read back.
@@ -406,46 +387,6 @@ class Clock:
     def train_loss(self) -> float | None:
         """Mean of the last finite losses (None before the first)."""
         return float(np.mean(self.recent)) if self.recent else None
-
-
-@dataclasses.dataclass(kw_only=True)
-class Programs:
-    """The compiled train and eval steps of every phase (``step.py``)."""
-
-    # phase -> step(params, opt_state, rest, batch, step[, poison]) (make_train_step)
-    train: dict[str, Callable]
-    # phase -> eval(params, rest, batch) -> mean loss (make_eval_step)
-    eval: dict[str, Callable]
-
-
-_BATCH_SPEC = PartitionSpec(None, BATCH_AXES, None)  # [grad_accum, micro, seq_len + 1]
-_EVAL_SPEC = PartitionSpec(BATCH_AXES, None)  # [rows, seq_len + 1]
-
-
-def compile_programs(st: _State) -> Programs:
-    """The train / eval steps of every phase of ``st`` (jitted; they compile on first use)."""
-    cfg, mesh = st.cfg, st.mesh
-    schedule = lr_schedule(cfg.optim, cfg.steps)
-    inject = bool(cfg.inject_nonfinite_steps)
-    train_fns, eval_fns = {}, {}
-    for ph, g in st.graphdefs.items():
-        train_fns[ph] = make_train_step(
-            g,
-            st.tx,
-            schedule,
-            seed=cfg.seed,
-            inject=inject,
-            param_shardings=st.param_shardings,
-            opt_shardings=st.opt_shardings,
-            batch_sharding=NamedSharding(mesh, _BATCH_SPEC),
-        )
-        eval_fns[ph] = make_eval_step(
-            g,
-            seed=cfg.seed,
-            param_shardings=st.param_shardings,
-            batch_sharding=NamedSharding(mesh, _EVAL_SPEC),
-        )
-    return Programs(train=train_fns, eval=eval_fns)
 
 
 def evaluate(
@@ -583,10 +524,10 @@ def write_summary(
 # ----------------------------------------------------------------------------- one start of a run
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Run:
-    """One start of a run: its parts (built by :func:`_prepare`) and what the loop
-    updates."""
+    """What is fixed for one start of a run, built once by :func:`_run_start` (the weights,
+    the precision and the latest evaluation are the loop's, passed and returned)."""
 
     # The resolved config.
     cfg: TrainConfig
@@ -598,44 +539,63 @@ class _Run:
     data: Any
     # This process's training batcher.
     batcher: Any
-    # Model graphs, shardings and optimizer of every phase.
-    st: _State
     # The run's checkpoints.
     ckpt: Checkpointer
-    # The compiled steps of every phase.
-    programs: Programs
+    # metrics.jsonl / TensorBoard / progress display.
+    logger: MetricsLogger
     # Which phase trains each step.
     phases: Phases
-    # The float32 master weights (replaced every step).
-    params: Any
-    # The AdamW state (replaced every step).
-    opt_state: Any
     # The step this start begins at (0, or the restored checkpoint's).
     start: int
     # The init_from record (weights of another run or model), or None.
     init_source: dict | None
-    # The bf16_allocation record (precision.kind=sensitivity), None until chosen.
-    allocation: dict | None
-    # metrics.jsonl / TensorBoard / progress display (set by _run_start before any part
-    # logs).
-    logger: MetricsLogger = dataclasses.field(init=False)
     # Eval set name -> its fixed validation batches on the devices.
-    val: dict[str, list] = dataclasses.field(default_factory=dict)
-    # What the summary reports (set with `val`).
-    facts: RunFacts = dataclasses.field(init=False)
-    # The phase of the latest step (that of `start` before the first).
-    phase: str = "main"
-    # The latest "eval" record, or None.
-    last_eval: dict | None = None
+    val: dict[str, list]
+    # What the summary reports.
+    facts: RunFacts
 
     @property
     def tps(self) -> int:
         """Tokens per step."""
         return self.cfg.tokens_per_step
 
-    def model(self, phase: str):
-        """The model of ``phase`` holding the current weights."""
-        return nnx.merge(self.st.graphdefs[phase], nnx.State(self.params), self.st.rest)
+    @property
+    def rules_out(self) -> Path | None:
+        """Where the precision rules are saved (None on processes other than the main one)."""
+        return self.out if self.main else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Start:
+    """Where one start of a run begins: restored from a checkpoint, from ``init_from``'s
+    weights, or fresh."""
+
+    # The float32 master weights.
+    params: Any
+    # The AdamW state.
+    opt_state: Any
+    # The first step (0, or the restored checkpoint's).
+    step: int
+    # The init_from record, or None.
+    init_source: dict | None
+    # The restored bf16_allocation record, or None.
+    allocation: dict | None
+    # The restored checkpoint's metadata (empty when none was).
+    meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _End:
+    """Where the steps of one start stopped."""
+
+    # The weights after the last step.
+    params: Any
+    # The precision of the last step.
+    precision: Precision
+    # The latest "eval" record, or None.
+    last_eval: dict | None
+    # The step ending too many non-finite steps in a row (None: all steps ran).
+    aborted_at: int | None = None
 
 
 def _run_start(
@@ -650,41 +610,57 @@ def _run_start(
     label: str,
 ) -> dict[str, Any]:
     """One start of the run in ``out``: prepare, log the start, train, summarize."""
-    run, meta = _prepare(cfg, out, ckpt, resume_from)
-    clock = Clock.resumed(meta, t_start=t_start, start=run.start)
-    run.logger = MetricsLogger(
+    main = jax.process_index() == 0
+    data, batcher, st, init = _prepare(cfg, out, main=main, fresh=resume_from is None)
+    begin = _restore(cfg, st, ckpt, resume_from, init, out)
+    phases = Phases.of_run(cfg, st.graphdefs)
+    prec = start_precision(st, phases.of(begin.step), begin.allocation)
+    clock = Clock.resumed(begin.meta, t_start=t_start, start=begin.step)
+    logger = MetricsLogger(
         out,
         total_steps=cfg.steps,
-        start_step=run.start,
+        start_step=begin.step,
         progress=progress,
         tensorboard=cfg.tensorboard,
-        main=run.main,
+        main=main,
         callbacks=callbacks,
         description=label,
     )
     try:
-        _announce(run)
-        _load_eval_sets(run)
-        _train_steps(run, clock)
-    except _Abort as a:
-        _abort(run, clock, a.step)
+        _announce(cfg, logger, prec, begin, warmup_end=phases.warmup_end, out=out)
+        val = _eval_batches(data, st.mesh)
+        run = _Run(
+            cfg=cfg,
+            out=out,
+            main=main,
+            data=data,
+            batcher=batcher,
+            ckpt=ckpt,
+            logger=logger,
+            phases=phases,
+            start=begin.step,
+            init_source=begin.init_source,
+            val=val,
+            facts=_facts(cfg, out, data, st.mesh, names=list(val), late_start=phases.late_start),
+        )
+        end = _train_steps(run, clock, prec, begin.params, begin.opt_state)
     except BaseException:
-        run.logger.close()
+        logger.close()
         raise
-    return _finish(run, clock, progress=progress)
+    if end.aborted_at is not None:
+        _abort(run, clock, end)
+    return _finish(run, clock, end, progress=progress)
 
 
 def _prepare(
-    cfg: TrainConfig, out: Path, ckpt: Checkpointer, resume_from: int | None
-) -> tuple[_Run, dict[str, Any]]:
-    """The run's files, data, mesh, model and compiled steps, and its weights: restored
-    from the checkpoint at or before ``resume_from``, those of ``init_from``, or fresh.
-    Returns the run and the restored checkpoint's metadata (empty when none was)."""
-    main = jax.process_index() == 0
+    cfg: TrainConfig, out: Path, *, main: bool, fresh: bool
+) -> tuple[Any, Any, _State, Any]:
+    """The run's files, data, mesh and state (fresh weights): ``(data, batcher, state,
+    init)``, ``init`` the weights of ``init_from`` on a ``fresh`` start (else None)."""
     if main:
         dump_yaml(cfg, out / "config.yaml")
     init = None  # read first: a bad init_from fails before data and model are built
-    if cfg.init_from is not None and resume_from is None:
+    if cfg.init_from is not None and fresh:
         init = load_init_weights(cfg.init_from, step=cfg.init_step)
     data = load_data(cfg.data)
     check_vocab_fits(
@@ -702,28 +678,20 @@ def _prepare(
     mesh = build_mesh(cfg.mesh)
     _check_divisible(cfg, mesh)
     st = build_state(cfg, mesh)
-    if not cfg.precision.spec.chosen_in_run:
-        _save_rules(st, out, main)  # a sensitivity-chosen allocation is saved once chosen
-    run = _Run(
-        cfg=cfg,
-        out=out,
-        main=main,
-        data=data,
-        batcher=batcher,
-        st=st,
-        ckpt=ckpt,
-        programs=compile_programs(st),
-        phases=Phases.of_run(cfg, st.graphdefs),
-        params=st.params,
-        opt_state=st.opt_state,
-        start=0,
-        init_source=None,
-        allocation=None,
-    )
+    if not cfg.precision.spec.chosen_in_run:  # a sensitivity-chosen allocation: once chosen
+        save_rules(st, out if main else None)
+    return data, batcher, st, init
+
+
+def _restore(
+    cfg: TrainConfig, st: _State, ckpt: Checkpointer, resume_from: int | None, init, out: Path
+) -> _Start:
+    """The start's weights: restored from the newest intact checkpoint at or before
+    ``resume_from``, those of ``init_from`` (``init``), or ``st``'s fresh ones."""
     restored = None
     if resume_from is not None:
         restored = ckpt.restore_newest_intact(
-            {"params": run.params, "opt_state": run.opt_state},
+            {"params": st.params, "opt_state": st.opt_state},
             upto=resume_from,
             say=lambda m: print(f"[microscale train] {m}", file=sys.stderr, flush=True),
         )
@@ -734,21 +702,22 @@ def _prepare(
                 file=sys.stderr,
                 flush=True,
             )
-    meta: dict[str, Any] = {}
     if restored is not None:
         state, meta, _ = restored
-        run.params, run.opt_state = state["params"], state["opt_state"]
-        run.start = int(meta["step"])
-        run.init_source = meta.get("init_from")
-        run.allocation = meta.get("bf16_allocation")
-        if run.allocation:
-            st.set_main_rules(bf16_rules(cfg.recipe, run.allocation["bf16_layers"]))
-            run.programs = compile_programs(st)
-    elif init is not None:
-        run.params = _init_params(cfg, st, *init)
-        run.init_source = init[1].to_dict()
-    run.phase = run.phases.of(run.start)
-    return run, meta
+        return _Start(
+            params=state["params"],
+            opt_state=state["opt_state"],
+            step=int(meta["step"]),
+            init_source=meta.get("init_from"),
+            allocation=meta.get("bf16_allocation"),
+            meta=meta,
+        )
+    params, source = st.params, None
+    if init is not None:
+        params, source = _init_params(cfg, st, *init), init[1].to_dict()
+    return _Start(
+        params=params, opt_state=st.opt_state, step=0, init_source=source, allocation=None, meta={}
+    )
 
 
 def _check_divisible(cfg: TrainConfig, mesh) -> None:
@@ -768,25 +737,24 @@ def _check_divisible(cfg: TrainConfig, mesh) -> None:
             )
 
 
-def _save_rules(st: _State, out: Path, main: bool) -> None:
-    """``precision_rules.json`` (and ``precision_rules_late.json``) from ``st``'s rules."""
-    if main:
-        st.rules["main"].save(out / "precision_rules.json")
-        if "late" in st.rules:
-            st.rules["late"].save(out / "precision_rules_late.json")
-
-
-def _announce(run: _Run) -> None:
+def _announce(
+    cfg: TrainConfig,
+    logger: MetricsLogger,
+    prec: Precision,
+    begin: _Start,
+    *,
+    warmup_end: int,
+    out: Path,
+) -> None:
     """The start's first records and messages: init_from, the precision, the resume."""
-    cfg, logger, start = run.cfg, run.logger, run.start
-    if run.init_source is not None and not start:
-        logger.log({"kind": "event", "event": "init_from", "step": 0, "source": run.init_source})
-        logger.message(f"init_from: {run.init_source['note']}")
+    start = begin.step
+    if begin.init_source is not None and not start:
+        logger.log({"kind": "event", "event": "init_from", "step": 0, "source": begin.init_source})
+        logger.message(f"init_from: {begin.init_source['note']}")
     # recipes, not names: a rules file may hold custom recipes (QAT on a quantize output)
-    warm_step = run.phases.warmup_end
-    start_rules = run.st.rules["warmup" if start < warm_step else "main"]
+    start_rules = prec.st.rules["warmup" if start < warmup_end else "main"]
     q_blocks, hp_blocks = quantized_blocks(
-        {p: start_rules.resolve(p) for p, _ in iter_linears(run.model("main"))}
+        {p: start_rules.resolve(p) for p, _ in iter_linears(prec.model("main", begin.params))}
     )
     logger.log(
         {
@@ -805,163 +773,156 @@ def _announce(run: _Run) -> None:
             f"attention_chunk={m.attention_chunk} (change with model.<key>=)"
         )
     what = cfg.recipe if cfg.precision.rules is None else f"rules {cfg.precision.rules}"
-    if start < warm_step:
-        what = f"{cfg.recipe} after a {warm_step}-step bf16 warm-up; warm-up"
+    if start < warmup_end:
+        what = f"{cfg.recipe} after a {warmup_end}-step bf16 warm-up; warm-up"
     logger.message(
         f"{what}: {len(q_blocks)} of {len(q_blocks) + len(hp_blocks)} "
         f"blocks quantized" + (f"; blocks {hp_blocks} in high precision" if hp_blocks else "")
     )
     if start:
-        logger.log({"kind": "event", "event": "resume", "step": start, "tokens": start * run.tps})
-        logger.message(f"resumed from {run.out / 'checkpoints'} at step {start}")
+        logger.log(
+            {
+                "kind": "event",
+                "event": "resume",
+                "step": start,
+                "tokens": start * cfg.tokens_per_step,
+            }
+        )
+        logger.message(f"resumed from {out / 'checkpoints'} at step {start}")
 
 
-def _load_eval_sets(run: _Run) -> None:
-    """The fixed validation batches of every eval set onto the devices, and the facts the
-    summary reports."""
-    data, mesh = run.data, run.st.mesh
+def _eval_batches(data, mesh) -> dict[str, list]:
+    """The fixed validation batches of every eval set, on the devices."""
     val_sets = {
         name: data.val_batches(
             name, process_index=jax.process_index(), process_count=jax.process_count()
         )
         for name in data.eval_sets()
     }
-    run.val = {
-        name: [shard_batch(mesh, b, _EVAL_SPEC) for b in arr] for name, arr in val_sets.items()
-    }
-    run.facts = RunFacts(
-        cfg=run.cfg,
-        out=run.out,
-        n_params=run.cfg.model.num_params(),
+    return {name: [shard_batch(mesh, b, EVAL_SPEC) for b in arr] for name, arr in val_sets.items()}
+
+
+def _facts(cfg: TrainConfig, out: Path, data, mesh, *, names, late_start: int | None) -> RunFacts:
+    """What the summary reports of a run on ``data`` (``names``: its eval sets)."""
+    return RunFacts(
+        cfg=cfg,
+        out=out,
+        n_params=cfg.model.num_params(),
         corpus_hash=data.corpus.content_hash,
-        entropy={name: data.unigram_entropy(name) for name in val_sets},
-        late_switch_step=run.phases.late_start,
+        entropy={name: data.unigram_entropy(name) for name in names},
+        late_switch_step=late_start,
         mesh_shape=dict(mesh.shape),
         data={k: v for k, v in data.describe().items() if k != "config"},
     )
 
 
-def _choose_allocation(run: _Run, step: int) -> None:
-    """precision.kind=sensitivity at the end of the warm-up: measure, choose the bf16 layers,
-    recompile the phases with them, save and log the choice."""
-    model = run.model("warmup")
-    rules, allocation = choose_bf16_layers(model, run.cfg, run.data.corpus.train)
-    allocation["step"] = step
-    run.allocation = allocation
-    run.st.set_main_rules(rules)
-    run.programs = compile_programs(run.st)
-    _save_rules(run.st, run.out, run.main)
-    run.logger.log(
-        {"kind": "event", "event": "bf16_allocation", "tokens": step * run.tps, **allocation}
-    )
-    run.logger.message(
-        f"step {step}: {allocation['method']} sensitivity keeps "
-        f"{len(allocation['bf16_layers'])} layers in bf16 "
-        f"({allocation['bf16_flops']:.1%} of linear FLOPs, budget "
-        f"{allocation['budget_bf16_flops']:.1%}): "
-        + (", ".join(allocation["bf16_layers"]) or "none")
-    )
-
-
-def _train_steps(run: _Run, clock: Clock) -> None:
-    """The steps from ``run.start`` to ``cfg.steps``, with their evaluations and
-    checkpoints. Each step's metrics are read back one step late (the host never stalls
-    the device), and at once before a phase change, an evaluation or a checkpoint."""
+def _train_steps(run: _Run, clock: Clock, prec: Precision, params, opt_state) -> _End:
+    """The steps from ``run.start`` to ``cfg.steps`` from ``params`` / ``opt_state`` in
+    ``prec``, with their evaluations and checkpoints. Each step's metrics are read back one
+    step late (the host never stalls the device), and at once before a phase change, an
+    evaluation or a checkpoint."""
     cfg = run.cfg
     clock.win_t0 = time.perf_counter()
     if (
         cfg.precision.spec.chosen_in_run
-        and run.allocation is None
+        and prec.allocation is None
         and run.start >= run.phases.warmup_end
-    ):
-        _choose_allocation(run, run.start)  # resumed from the checkpoint taken just before
-    if run.start == 0 and cfg.eval_every:
-        _evaluate(run, 0)
+    ):  # resumed from the checkpoint taken just before the choice
+        prec = _choose_allocation(run, prec, params, run.start)
+    last_eval = _evaluate(run, prec, params, 0) if run.start == 0 and cfg.eval_every else None
     # the first step of a compiled program: compile time, not throughput
     compiling = {run.start, cfg.switch_step, run.phases.warmup_end}
     pending: tuple[int, dict] | None = None  # (batch index, metrics) not read back yet
     clock.t_prev = time.perf_counter()
-    with run.batcher.iterate(
-        run.start, cfg.steps - run.start, prefetch=cfg.data.prefetch, microbatches=True
-    ) as it:
-        for idx, batch in it:
-            phase = run.phases.of(idx)
-            if phase != run.phase:
+    try:
+        with run.batcher.iterate(
+            run.start, cfg.steps - run.start, prefetch=cfg.data.prefetch, microbatches=True
+        ) as it:
+            for idx, batch in it:
+                phase = run.phases.of(idx)
+                if phase != prec.phase:
+                    if pending is not None:
+                        _read_back(run, clock, *pending, compiling=compiling)
+                        pending = None
+                    prec = _change_phase(run, clock, prec, params, phase, idx)
+                params, opt_state, m = _train_step(run, prec, params, opt_state, batch, idx)
                 if pending is not None:
                     _read_back(run, clock, *pending, compiling=compiling)
+                pending = (idx, m)
+                step = idx + 1
+                do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
+                do_ckpt = (
+                    cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                ) or step == cfg.steps
+                if do_eval or do_ckpt:
+                    _read_back(run, clock, *pending, compiling=compiling)
                     pending = None
-                _change_phase(run, clock, phase, idx)
-            args = [
-                run.params,
-                run.opt_state,
-                run.st.rest,
-                shard_batch(run.st.mesh, batch, _BATCH_SPEC),
-                jnp.int32(idx),
-            ]
-            if cfg.inject_nonfinite_steps:
-                args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
-            run.params, run.opt_state, m = run.programs.train[phase](*args)
+                    t0 = time.perf_counter()
+                    if do_eval:
+                        last_eval = _evaluate(run, prec, params, step)
+                    if do_ckpt:
+                        _save(run, clock, prec, params, opt_state, step)
+                    clock.pause(time.perf_counter() - t0)
             if pending is not None:
                 _read_back(run, clock, *pending, compiling=compiling)
-            pending = (idx, m)
-            step = idx + 1
-            do_eval = cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps
-            do_ckpt = (
-                cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-            ) or step == cfg.steps
-            if do_eval or do_ckpt:
-                _read_back(run, clock, *pending, compiling=compiling)
-                pending = None
-                t0 = time.perf_counter()
-                if do_eval:
-                    _evaluate(run, step)
-                if do_ckpt:
-                    run.ckpt.save(
-                        step,
-                        {"params": run.params, "opt_state": run.opt_state},
-                        checkpoint_meta(
-                            cfg,
-                            clock,
-                            step,
-                            phase=run.phases.of(step),
-                            init_source=run.init_source,
-                            allocation=run.allocation,
-                        ),
-                    )
-                clock.pause(time.perf_counter() - t0)
-        if pending is not None:
-            _read_back(run, clock, *pending, compiling=compiling)
+    except _Abort as a:
+        return _End(params=params, precision=prec, last_eval=last_eval, aborted_at=a.step)
+    return _End(params=params, precision=prec, last_eval=last_eval)
 
 
-def _change_phase(run: _Run, clock: Clock, phase: str, idx: int) -> None:
-    """Leave ``run.phase`` for ``phase`` at batch ``idx``: the end of the warm-up (the
-    sensitivity choice, or the positional rules) or the late switch."""
-    cfg, logger = run.cfg, run.logger
-    if run.phase == "warmup" and cfg.precision.spec.chosen_in_run:
+def _train_step(run: _Run, prec: Precision, params, opt_state, batch, idx: int):
+    """Batch ``idx`` trained in ``prec``'s phase: ``(params, opt_state, metrics)``."""
+    cfg = run.cfg
+    args = [
+        params,
+        opt_state,
+        prec.st.rest,
+        shard_batch(prec.st.mesh, batch, BATCH_SPEC),
+        jnp.int32(idx),
+    ]
+    if cfg.inject_nonfinite_steps:
+        args.append(jnp.bool_(idx + 1 in cfg.inject_nonfinite_steps))
+    return prec.programs.train[prec.phase](*args)
+
+
+def _save(run: _Run, clock: Clock, prec: Precision, params, opt_state, step: int) -> None:
+    """The checkpoint of ``step``: the weights, the optimizer state and their metadata."""
+    run.ckpt.save(
+        step,
+        {"params": params, "opt_state": opt_state},
+        checkpoint_meta(
+            run.cfg,
+            clock,
+            step,
+            phase=run.phases.of(step),
+            init_source=run.init_source,
+            allocation=prec.allocation,
+        ),
+    )
+
+
+def _choose_allocation(run: _Run, prec: Precision, params, step: int) -> Precision:
+    """:func:`~microscale.train.phases.choose_allocation` on the run's training split."""
+    return choose_allocation(
+        prec,
+        params,
+        step,
+        train_tokens=run.data.corpus.train,
+        logger=run.logger,
+        rules_out=run.rules_out,
+    )
+
+
+def _change_phase(
+    run: _Run, clock: Clock, prec: Precision, params, phase: str, idx: int
+) -> Precision:
+    """``prec`` leaving its phase for ``phase`` at batch ``idx``: after a warm-up the
+    sensitivity choice (excluded from the clocks), then the new phase."""
+    if prec.phase == "warmup" and run.cfg.precision.spec.chosen_in_run:
         t0 = time.perf_counter()
-        _choose_allocation(run, idx)
+        prec = _choose_allocation(run, prec, params, idx)
         clock.pause(time.perf_counter() - t0)
-    elif run.phase == "warmup":  # a warm-up before fixed rules: those rules from here
-        logger.log({"kind": "event", "event": "warmup_end", "step": idx, "tokens": idx * run.tps})
-        logger.message(
-            f"step {idx}: bf16 warm-up over; {cfg.recipe} with the positional bf16 blocks"
-        )
-    run.phase = phase
-    if phase == "late":
-        logger.log(
-            {
-                "kind": "event",
-                "event": "late_switch",
-                "step": idx,
-                "tokens": idx * run.tps,
-                "bf16": cfg.precision.late.bf16,
-            }
-        )
-        logger.message(
-            f"step {idx}: late switch to high precision "
-            f"(bf16: {cfg.precision.late.bf16}) for the last "
-            f"{cfg.steps - idx} steps"
-        )
+    return enter_phase(prec, phase, idx, logger=run.logger)
 
 
 def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *, compiling: set[int]) -> None:
@@ -1016,21 +977,20 @@ def _read_back(run: _Run, clock: Clock, idx: int, metrics: dict, *, compiling: s
         logger.progress(step, loss=loss, tokens_per_s=rate, lr=lr)
 
 
-def _evaluate(run: _Run, step: int) -> dict[str, Any]:
-    """:func:`evaluate` at ``step`` in the current phase, logged and displayed."""
+def _evaluate(run: _Run, prec: Precision, params, step: int) -> dict[str, Any]:
+    """:func:`evaluate` of ``params`` at ``step`` in ``prec``'s phase, logged and displayed."""
     rec = evaluate(
-        run.programs.eval[run.phase],
-        run.params,
-        run.st.rest,
+        prec.programs.eval[prec.phase],
+        params,
+        prec.st.rest,
         run.val,
-        run.st.graphdefs[run.phase],
+        prec.st.graphdefs[prec.phase],
         step=step,
         tokens=step * run.tps,
-        phase=run.phase,
+        phase=prec.phase,
     )
     run.logger.log(rec)
     run.logger.progress(step, val_loss=rec["val_loss"], force=True)
-    run.last_eval = rec
     return rec
 
 
@@ -1062,25 +1022,25 @@ def checkpoint_meta(
     }
 
 
-def _summary(run: _Run, clock: Clock, status: str, **extra) -> dict[str, Any]:
-    """:func:`write_summary` of ``run`` (written by the main process only)."""
+def _summary(run: _Run, clock: Clock, end: _End, status: str, **extra) -> dict[str, Any]:
+    """:func:`write_summary` of ``run`` ended at ``end`` (written by the main process only)."""
     return write_summary(
         run.out / "summary.json" if run.main else None,
         status,
         facts=run.facts,
         clock=clock,
-        last_eval=run.last_eval,
-        precision=assignments(run.model("main")),
+        last_eval=end.last_eval,
+        precision=assignments(end.precision.model("main", end.params)),
         init_source=run.init_source,
-        allocation=run.allocation,
+        allocation=end.precision.allocation,
         **extra,
     )
 
 
-def _abort(run: _Run, clock: Clock, step: int) -> None:
-    """Too many non-finite steps in a row ending at ``step``: log it, write the
+def _abort(run: _Run, clock: Clock, end: _End) -> None:
+    """Too many non-finite steps in a row ending at ``end.aborted_at``: log it, write the
     ``"aborted"`` summary and raise :class:`TrainingAborted`."""
-    cfg, out, logger = run.cfg, run.out, run.logger
+    cfg, out, logger, step = run.cfg, run.out, run.logger, end.aborted_at
     run.ckpt.wait()  # an asynchronous save of the last good step finishes first
     good = run.ckpt.latest_step()
     msg = (
@@ -1098,20 +1058,21 @@ def _abort(run: _Run, clock: Clock, step: int) -> None:
     logger.log({"kind": "event", "event": "abort", "step": step, "message": msg})
     logger.message(msg)
     logger.close()
-    summary = _summary(run, clock, "aborted", error=msg, last_good_checkpoint=good)
+    summary = _summary(run, clock, end, "aborted", error=msg, last_good_checkpoint=good)
     raise TrainingAborted(msg, summary) from None
 
 
-def _finish(run: _Run, clock: Clock, *, progress: bool) -> dict[str, Any]:
+def _finish(run: _Run, clock: Clock, end: _End, *, progress: bool) -> dict[str, Any]:
     """The final evaluation (unless the last step had one), the last checkpoint written,
     the ``"completed"`` summary and the closing line."""
     try:
-        if run.last_eval is None or run.last_eval["step"] != clock.step:
-            _evaluate(run, clock.step)
+        if end.last_eval is None or end.last_eval["step"] != clock.step:
+            last = _evaluate(run, end.precision, end.params, clock.step)
+            end = dataclasses.replace(end, last_eval=last)
         run.ckpt.wait()
     finally:
         run.logger.close()
-    summary = _summary(run, clock, "completed")
+    summary = _summary(run, clock, end, "completed")
     if run.main and progress:
         ent = run.facts.entropy["val"]
         val = summary["final_val_loss"]
