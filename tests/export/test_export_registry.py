@@ -186,7 +186,7 @@ def test_microscale_row_stores_ptq_weights(tiny_model, tmp_path):
 
 def test_hf_quant_rows_are_the_registry_rows_of_hf_style_layouts(tiny_cfg, tmp_path):
     from microscale.export import LAYOUTS, CheckpointError, hf_config, read_checkpoint
-    from microscale.export.hfquant import HF_QUANT, hf_quant
+    from microscale.export.hflayouts import HF_QUANT, hf_quant
 
     assert LAYOUTS == tuple(HF_QUANT) == ("compressed-tensors", "modelopt")
     for name, q in HF_QUANT.items():

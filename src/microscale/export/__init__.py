@@ -37,6 +37,7 @@ Safety: only JSON and safetensors are read (never pickle); names, dtypes, shapes
 config are validated before any tensor is used, and errors name the offending tensor.
 """
 
+from microscale.export.compressed_tensors import CT_SCHEMES
 from microscale.export.hf import (
     fused_groups,
     hf_config,
@@ -48,10 +49,9 @@ from microscale.export.hf import (
     ms_param_name,
     param_shapes,
 )
-from microscale.export.hfquant import HF_QUANT, HFQuant
+from microscale.export.hflayouts import HF_QUANT
+from microscale.export.hfquant import HFQuant
 from microscale.export.layouts import (
-    CT_SCHEMES,
-    MODELOPT_ALGOS,
     LayerQuant,
     exact_reciprocal,
     input_decode_scales,
@@ -61,6 +61,7 @@ from microscale.export.layouts import (
     to_hf_orientation,
     to_kernel_orientation,
 )
+from microscale.export.modelopt import MODELOPT_ALGOS
 from microscale.export.params import check_params, flat_params
 from microscale.export.reader import (
     Checkpoint,

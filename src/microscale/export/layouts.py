@@ -1,34 +1,13 @@
-"""Per-layer quantization choices and how each deployment layout names them.
+"""Per-layer quantization choices, and the scales and orientation every layout shares.
 
 A linear layer is stored by a :class:`LayerQuant`: the format of its weights and,
 optionally, of its input activations (W4A4 / W8A8 deployment; ``inputs=None`` is
 weight-only, W4A16 / W8A16). All numerics come from ``microscale.formats``; this module
-only holds *tables* that map a format to an external layout's vocabulary:
+holds what every layout shares: the per-layer choices, scales, orientation.
 
-compressed-tensors (vLLM), per quantized linear ``<module>``:
-
-===========  ========================  =====================================  ==========
-weights      config group ``format``   tensors                                scale dtype
-===========  ========================  =====================================  ==========
-nvfp4        nvfp4-pack-quantized      weight_packed U8 [N, K/2],             F8_E4M3
-                                       weight_scale [N, K/16],
-                                       weight_global_scale F32 [1] = 2688/amax
-mxfp4        mxfp4-pack-quantized      weight_packed U8 [N, K/2],             U8 (E8M0
-                                       weight_scale [N, K/32]                 exponent)
-mxfp8        mxfp8-quantized           weight F8_E4M3 [N, K], weight_scale    U8
-                                       [N, K/32]
-fp8_e4m3     float-quantized           weight F8_E4M3 [N, K], weight_scale    F32
-                                       F32 [1] = amax/448
-===========  ========================  =====================================  ==========
-
-With quantized inputs, NVFP4 adds ``input_global_scale`` F32 [1] (``2688/amax`` of the
-calibrated input, the *encode* direction like ``weight_global_scale``) and FP8 adds
-``input_scale`` F32 [1] (``amax/448``, decode direction); MX inputs are dynamic (no tensor).
-
-ModelOpt (TensorRT-LLM, vLLM ``modelopt``): ``weight`` (packed U8 or F8_E4M3),
-``weight_scale`` (F8_E4M3 blocks, or an F32 scalar for FP8), ``weight_scale_2`` = amax/2688
-(NVFP4's global scale in the *decode* direction), ``input_scale`` (decode direction) as
-0-d F32 tensors; per-layer ``quant_algo`` ``NVFP4`` (W4A4), ``W4A16_NVFP4`` or ``FP8``.
+Each HF-style layout names a format in its own vocabulary, one module each with its table:
+:mod:`microscale.export.compressed_tensors` (``CT_SCHEMES``) and
+:mod:`microscale.export.modelopt` (``MODELOPT_ALGOS``).
 
 Element packing is the same everywhere: element ``2i`` of a row in the low nibble of byte
 ``i``, sign in bit 3 (``[[0, .5, 4, -0], [-0, 1, -6, 3]] -> [[0x10, 0x86], [0x28, 0x5F]]``).
@@ -68,16 +47,10 @@ from microscale.model import ModelConfig, PrecisionRules, fused_groups, linear_p
 from microscale.ops import get_recipe
 
 __all__ = [
-    "CT_SCHEMES",
-    "MODELOPT_ALGOS",
     "LayerQuant",
     "amax_from_decode_scale",
-    "ct_format_of",
-    "ct_input_format_of",
-    "ct_scheme",
     "exact_reciprocal",
     "input_decode_scales",
-    "modelopt_algo",
     "quantize_linear_weights",
     "resolve_layers",
     "row_blocks",
@@ -125,173 +98,6 @@ class LayerQuant:
 
     def __str__(self) -> str:
         return self.weights if self.inputs is None else f"{self.weights}/a:{self.inputs}"
-
-
-# ---------------------------------------------------------------------- layout tables
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CTScheme:
-    """compressed-tensors vocabulary for one microscale format."""
-
-    # The config group's ``format`` (a compressed-tensors CompressionFormat value).
-    format: str
-    # QuantizationArgs JSON of weights in this format.
-    weights: dict[str, Any]
-    # QuantizationArgs JSON of input activations in this format.
-    inputs: dict[str, Any]
-    # safetensors dtype the block scales are stored as, when it differs from the
-    # QArray's (E8M0 scales are stored as their raw exponent byte, U8).
-    scale_storage: str | None = None
-
-
-_F = dict(type="float", symmetric=True)
-CT_SCHEMES: dict[str, CTScheme] = {
-    "nvfp4": CTScheme(
-        format="nvfp4-pack-quantized",
-        weights=dict(
-            num_bits=4,
-            **_F,
-            group_size=16,
-            strategy="tensor_group",
-            dynamic=False,
-            scale_dtype="torch.float8_e4m3fn",
-        ),
-        inputs=dict(
-            num_bits=4,
-            **_F,
-            group_size=16,
-            strategy="tensor_group",
-            dynamic="local",
-            scale_dtype="torch.float8_e4m3fn",
-            observer="static_minmax",
-        ),
-    ),
-    "mxfp4": CTScheme(
-        format="mxfp4-pack-quantized",
-        weights=dict(
-            num_bits=4,
-            **_F,
-            group_size=32,
-            strategy="group",
-            dynamic=False,
-            scale_dtype="torch.uint8",
-        ),
-        inputs=dict(
-            num_bits=4,
-            **_F,
-            group_size=32,
-            strategy="group",
-            dynamic=True,
-            scale_dtype="torch.uint8",
-        ),
-        scale_storage="U8",
-    ),
-    "mxfp8": CTScheme(
-        format="mxfp8-quantized",
-        weights=dict(
-            num_bits=8,
-            **_F,
-            group_size=32,
-            strategy="group",
-            dynamic=False,
-            scale_dtype="torch.uint8",
-        ),
-        inputs=dict(
-            num_bits=8,
-            **_F,
-            group_size=32,
-            strategy="group",
-            dynamic=True,
-            scale_dtype="torch.uint8",
-        ),
-        scale_storage="U8",
-    ),
-    "fp8_e4m3": CTScheme(
-        format="float-quantized",
-        weights=dict(num_bits=8, **_F, group_size=None, strategy="tensor", dynamic=False),
-        inputs=dict(
-            num_bits=8,
-            **_F,
-            group_size=None,
-            strategy="tensor",
-            dynamic=False,
-            observer="static_minmax",
-        ),
-    ),
-}
-
-# ModelOpt quant_algo -> (weight format, input format or None); its group_size field.
-MODELOPT_ALGOS: dict[str, tuple[str, str | None]] = {
-    "NVFP4": ("nvfp4", "nvfp4"),
-    "W4A16_NVFP4": ("nvfp4", None),
-    "FP8": ("fp8_e4m3", "fp8_e4m3"),
-}
-
-
-def modelopt_algo(lq: LayerQuant) -> dict[str, Any]:
-    """The ``quantized_layers`` entry of a layer (``{"quant_algo": ..., "group_size"}``)."""
-    for algo, (w, i) in MODELOPT_ALGOS.items():
-        if (lq.weights, lq.inputs) == (w, i):
-            bs = lq.weight_spec.block_size
-            return {"quant_algo": algo} if bs is None else {"quant_algo": algo, "group_size": bs}
-    supported = ", ".join(f"{w}+{i or 'weight-only'}" for w, i in MODELOPT_ALGOS.values())
-    raise ValueError(
-        f"the ModelOpt layout has no quant_algo for weights {lq.weights!r} with "
-        f"inputs {lq.inputs!r}; it supports {supported} (use the "
-        "compressed-tensors layout for other formats)"
-    )
-
-
-def ct_scheme(fmt: str) -> CTScheme:
-    if fmt not in CT_SCHEMES:
-        raise ValueError(
-            f"format {fmt!r} has no compressed-tensors scheme; expected one of "
-            f"{sorted(CT_SCHEMES)} (or bf16 for an unquantized layer)"
-        )
-    return CT_SCHEMES[fmt]
-
-
-_CT_KEY = ("num_bits", "type", "group_size", "strategy")
-
-
-def _ct_match(args: Mapping[str, Any], role: str) -> str | None:
-    """The format whose ``role`` ("weights" / "inputs") QuantizationArgs agree with
-    ``args`` on :data:`_CT_KEY` (unique per role), or None."""
-    key = tuple(args.get(k) for k in _CT_KEY)
-    for name, s in CT_SCHEMES.items():
-        if key == tuple(getattr(s, role)[k] for k in _CT_KEY):
-            return name
-    return None
-
-
-def ct_format_of(weights: Mapping[str, Any], where: str) -> str:
-    """microscale format of a compressed-tensors weights QuantizationArgs dict."""
-    name = _ct_match(weights, "weights")
-    if name is not None and weights.get("symmetric", True) is True:
-        return name
-    raise ValueError(
-        f"{where}: compressed-tensors weights {dict(weights)!r} match no format "
-        "microscale can read; expected one of "
-        + "; ".join(
-            f"{n}: num_bits={s.weights['num_bits']} type=float "
-            f"group_size={s.weights['group_size']} "
-            f"strategy={s.weights['strategy']}"
-            for n, s in CT_SCHEMES.items()
-        )
-    )
-
-
-def ct_input_format_of(inputs: Mapping[str, Any], where: str) -> str:
-    """microscale format of a compressed-tensors input_activations QuantizationArgs dict."""
-    name = _ct_match(inputs, "inputs")
-    if name is None:
-        raise ValueError(
-            f"{where}: input activations {dict(inputs)!r} match no format "
-            "microscale can emulate (expected NVFP4 tensor_group 16, MX group 32 "
-            "or FP8 per-tensor)"
-        )
-    return name
 
 
 # ---------------------------------------------------------------------- scales

@@ -43,7 +43,8 @@ from microscale.export.hf import (
     param_shapes,
     text_model_prefix,
 )
-from microscale.export.hfquant import HF_QUANT, CheckpointError, hf_quant, load_json, quant_method
+from microscale.export.hflayouts import HF_QUANT, hf_quant
+from microscale.export.hfquant import CheckpointError, load_json, quant_method
 from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorStore
 from microscale.formats import QArray, dequantize
 from microscale.model import ModelConfig, Transformer
@@ -150,7 +151,7 @@ def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
         ("q_proj", cfg.n_heads, "num_attention_heads"),
         ("k_proj", cfg.n_kv_heads, "num_key_value_heads"),
     ):
-        for suffix in ("weight", "weight_packed"):
+        for suffix in dict.fromkeys(("weight", *(q.packed_data for q in HF_QUANT.values()))):
             name = f"model.layers.0.self_attn.{proj}.{suffix}"
             info = store.infos.get(name)
             if info is not None and info.shape and info.shape[0] != heads * cfg.head_dim:

@@ -30,7 +30,7 @@ quantize`` output (``report.json`` + ``precision_rules.json``, :data:`QUANTIZE_O
 its model in ``checkpoint/`` or ``model.gguf``, :func:`quantize_output_model`).
 
 The HF-style quantized layouts (compressed-tensors, modelopt) get their rows from
-:data:`microscale.export.hfquant.HF_QUANT`: how each names its tensors and describes its
+:data:`microscale.export.hflayouts.HF_QUANT`: how each names its tensors and describes its
 quantization, which :func:`~microscale.export.export_checkpoint` and
 :func:`~microscale.export.read_checkpoint` use; a new one is one ``HFQuant`` row there.
 Any other layout is one :class:`Layout` row in :data:`KINDS` plus its tests (the
@@ -57,7 +57,8 @@ from microscale.export.gguf.tensors import EMBED_FORMATS, GGUF_FORMATS, embed_va
 from microscale.export.gguf.to_hf import read_gguf_params
 from microscale.export.gguf.vocab import gguf_vocab
 from microscale.export.gguf.writer import write_gguf
-from microscale.export.hfquant import HF_QUANT, quant_method
+from microscale.export.hflayouts import HF_QUANT
+from microscale.export.hfquant import quant_method
 from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
 from microscale.export.reader import read_checkpoint
 from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint

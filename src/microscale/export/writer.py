@@ -11,27 +11,8 @@ Output folder::
     microscale_export.json          provenance: producer, layout, {layer: formats}
                                     (informative; readers use config.json only)
 
-``quantization_config`` (compressed-tensors)::
-
-    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"
-                                                     | "mixed-precision" | ...,
-     "quantization_status": "compressed",
-     "config_groups": {"group_0": {"targets": ["Linear"] or [module names],
-                                   "weights": {QuantizationArgs}, "input_activations":
-                                   {QuantizationArgs} | null, "format": ...}, ...},
-     "ignore": ["lm_head", "model.embed_tokens", <bf16 linears>], ...}
-
-One config group per distinct (weight format, input format) pair; a single group covering
-every linear targets ``"Linear"``, otherwise groups list their modules by name.
-
-ModelOpt (``hf_quant_config.json`` = ``{"producer": {...}, "quantization": Q}`` and
-``config.json["quantization_config"] = {"quant_method": "modelopt", **Q}``)::
-
-    Q = {"quant_algo": "NVFP4" | "W4A16_NVFP4" | "FP8", "group_size": 16,
-         "kv_cache_quant_algo": null, "exclude_modules": [...]}                (one algo)
-    Q = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": null,
-         "quantized_layers": {module: {"quant_algo": ..., "group_size": ...}},
-         "exclude_modules": [...]}                                          (several)
+``quantization_config`` (and ModelOpt's ``hf_quant_config.json``) is written by the layout's
+row (:mod:`~microscale.export.compressed_tensors`, :mod:`~microscale.export.modelopt`).
 
 A model with no quantized layer is written as a plain HF checkpoint (no
 ``quantization_config``). Unquantized tensors (embeddings, norms, LM head, bf16 linears)
@@ -54,7 +35,7 @@ from microscale import __version__
 from microscale.data import check_vocab_fits, load_tokenizer
 from microscale.export import layouts as L
 from microscale.export.hf import hf_config, hf_module, hf_param_name, linear_paths
-from microscale.export.hfquant import HF_QUANT, hf_quant
+from microscale.export.hflayouts import HF_QUANT, hf_quant
 from microscale.export.params import check_params, flat_params
 from microscale.export.tensorfile import DTYPES, write_sharded
 from microscale.export.tokenizer import write_tokenizer
