@@ -22,10 +22,12 @@ The NVFP4 tensors of one linear ``y = x W^T`` (``W`` is ``[N, K]``, blocks of 16
 * decoding: ``W[r, k] = e2m1(code[r, k]) * scale[r, k // 16] * amax / 2688``.
 
 q/k/v and gate/up are fused by the engines, so they share one format and one global
-scale (quantized with the group's amax). The per-format tables of both layouts, W4A4
-input scales and mixed precision are in :mod:`microscale.export.layouts`; the file
+scale (quantized with the group's amax). Each layout's per-format table is in its own
+module (:mod:`microscale.export.compressed_tensors`, :mod:`microscale.export.modelopt`);
+W4A4 input scales and mixed precision in :mod:`microscale.export.layouts`; the file
 format and its validation in :mod:`microscale.export.tensorfile`; HF names, the config
-mapping and the RoPE convention in :mod:`microscale.export.hf`.
+mapping and the RoPE convention in :mod:`microscale.export.hf`; GGUF (llama.cpp) in
+:mod:`microscale.export.gguf`.
 
 Each layout (compressed-tensors, modelopt, hf, gguf, microscale's manifest) is one row of
 :mod:`microscale.export.registry` with ``detect``, ``write`` and ``read``;
@@ -37,7 +39,6 @@ Safety: only JSON and safetensors are read (never pickle); names, dtypes, shapes
 config are validated before any tensor is used, and errors name the offending tensor.
 """
 
-from microscale.export.compressed_tensors import CT_SCHEMES
 from microscale.export.hf import (
     fused_groups,
     hf_config,
@@ -45,23 +46,18 @@ from microscale.export.hf import (
     hf_param_name,
     linear_paths,
     model_config_from_hf,
-    ms_module,
     ms_param_name,
     param_shapes,
 )
 from microscale.export.hflayouts import HF_QUANT
-from microscale.export.hfquant import HFQuant
 from microscale.export.layouts import (
     LayerQuant,
     exact_reciprocal,
     input_decode_scales,
     quantize_linear_weights,
     resolve_layers,
-    tensor_decode_scale,
     to_hf_orientation,
-    to_kernel_orientation,
 )
-from microscale.export.modelopt import MODELOPT_ALGOS
 from microscale.export.params import check_params, flat_params
 from microscale.export.reader import (
     Checkpoint,
@@ -81,19 +77,15 @@ from microscale.export.registry import (
     layout_names,
 )
 from microscale.export.tensorfile import SafetensorsError, TensorStore, write_safetensors
-from microscale.export.tokenizer import byte_tokenizer_hf, write_tokenizer
-from microscale.export.writer import DEFAULT_SHARD_BYTES, ExportResult, export_checkpoint
+from microscale.export.writer import ExportResult, export_checkpoint
 
 LAYOUTS = tuple(HF_QUANT)  # the HF-style quantized layouts export_checkpoint writes
 
+# ExportResult and Kind have no caller by name: they are what export_checkpoint and detect
+# return (and KINDS holds), so the API page shows them with those functions.
 __all__ = [
-    "CT_SCHEMES",
-    "DEFAULT_SHARD_BYTES",
-    "HF_QUANT",
-    "HFQuant",
     "KINDS",
     "LAYOUTS",
-    "MODELOPT_ALGOS",
     "QUANTIZE_OUTPUT",
     "RUN",
     "Checkpoint",
@@ -108,7 +100,6 @@ __all__ = [
     "get_layout",
     "layout_names",
     "build_model",
-    "byte_tokenizer_hf",
     "check_params",
     "exact_reciprocal",
     "export_checkpoint",
@@ -121,15 +112,11 @@ __all__ = [
     "input_decode_scales",
     "linear_paths",
     "model_config_from_hf",
-    "ms_module",
     "ms_param_name",
     "param_shapes",
     "quantize_linear_weights",
     "read_checkpoint",
     "resolve_layers",
-    "tensor_decode_scale",
     "to_hf_orientation",
-    "to_kernel_orientation",
     "write_safetensors",
-    "write_tokenizer",
 ]
