@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from microscale.cli import main  # noqa: E402
 from microscale.export.gguf.to_hf import gguf_to_hf  # noqa: E402
+from microscale.export.gguffile import GGUFFormatError, open_gguf  # noqa: E402
 
 D, LAYERS, HEADS, KV, FF = 64, 2, 4, 2, 64
 TEXT = [
@@ -132,11 +133,11 @@ def synthetic(tmp_path_factory):
     w.write_tensors_to_file()
     w.close()
     out = gguf_to_hf(path, tmp_path_factory.mktemp("hf") / "model")
-    return hf, emb_q8, tok, out
+    return hf, emb_q8, tok, out, path
 
 
 def test_weights_round_trip_exactly(synthetic):
-    hf, emb_q8, _, out = synthetic
+    hf, emb_q8, _, out, _ = synthetic
     got = load_file(str(out / "model.safetensors"))
     assert set(got) == set(hf)
     for name, want in hf.items():
@@ -147,7 +148,7 @@ def test_weights_round_trip_exactly(synthetic):
 
 
 def test_config_and_tokenizer(synthetic):
-    _, _, tok, out = synthetic
+    _, _, tok, out, _ = synthetic
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
     assert (
@@ -178,9 +179,38 @@ def test_config_and_tokenizer(synthetic):
 
 
 def test_microscale_import_reads_it(synthetic, tmp_path, capsys):
-    *_, out = synthetic
+    *_, out, _ = synthetic
     assert main(["import", str(out), "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "tokenizer.json").is_file()
+
+
+def test_the_validating_reader_reads_what_the_gguf_package_reads(synthetic):
+    """gguf_to_hf reads through microscale's parser (gguffile.open_gguf): every metadata
+    value and every decoded tensor equal the ``gguf`` package's reader's."""
+    path = synthetic[-1]
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):  # the reader's own pseudo-fields (version, counts)
+            assert ours.value(key) == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
+        want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        np.testing.assert_array_equal(ours.decode(mine), want.reshape(ours.decode(mine).shape))
+
+
+def test_a_damaged_array_length_fails_at_once(synthetic, tmp_path):
+    """A token-type count flipped to 2^32 + n (the ``gguf`` package's reader loops on it)
+    fails in the parser, naming the byte, before anything is written."""
+    path = synthetic[-1]
+    ours = open_gguf(path)
+    v = ours.header.kv["tokenizer.ggml.token_type"]
+    raw = bytearray(path.read_bytes())
+    raw[v.value_begin + 4 + 4] ^= 0x01  # the count's fifth byte: + 2^32
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(GGUFFormatError, match=r"damaged or truncated at byte"):
+        gguf_to_hf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_refusals_name_the_value(tmp_path):
