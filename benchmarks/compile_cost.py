@@ -69,12 +69,12 @@ def measure(
     x = jax.ShapeDtypeStruct((4, 32, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 128), jnp.float32)
     dy = jax.ShapeDtypeStruct((4, 32, 128), jnp.float32)
-    step, args = (_step(recipe), (x, w, dy, jax.random.key(0)))
-    if model:
-        step, args = _model_step(recipe)
+    key = jax.random.key(0)
     lowers, times, text = [], [], ""
     for _ in range(repeats):
-        fn = jax.jit(step)  # a fresh function: traced and compiled again
+        # a fresh function each time: traced and compiled again (jit caches by function)
+        step, args = _model_step(recipe) if model else (_step(recipe), (x, w, dy, key))
+        fn = jax.jit(step)
         t0 = time.perf_counter()
         lowered = fn.lower(*args)
         t1 = time.perf_counter()

@@ -231,3 +231,30 @@ def test_float_round_matches_ml_dtypes_on_all_midpoints(dtype):
     want = x.astype(dtype).astype(np.float32)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize(
+    "dtype,elem_max",
+    [
+        (ml_dtypes.float4_e2m1fn, 6.0),
+        (ml_dtypes.float8_e4m3fn, 448.0),
+        (ml_dtypes.float8_e5m2, 57344.0),
+    ],
+)
+def test_float_round_sign_is_the_inputs_on_every_bit_pattern_class(dtype, elem_max, rounding):
+    """The sign comes from ``y``'s sign bit on zeros, infinities, NaNs (any payload; a
+    payload that carries into the sign bit rounds to -0), subnormals and saturating values:
+    the bits equal ``where(signbit(y), -v, v)`` of the rounded magnitude ``v``."""
+    mags = np.array(
+        [0, 1, 0x00000001, 0x007FFFFF, 0x3F800000, 0x3FC00001, 0x7F7FFFFF, 0x7F800000,
+         0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x3E800000, 0x40A00000],
+        np.uint32,
+    )  # fmt: skip
+    bits = np.concatenate([mags, mags | np.uint32(0x80000000)])
+    y = jnp.asarray(bits.view(np.float32))
+    u = jnp.linspace(0.0, 0.99, y.shape[0], dtype=jnp.float32)
+    got = np.asarray(elements.float_round(y, dtype, elem_max, rounding, u)).view(np.uint32)
+    mag = np.asarray(elements.float_round(jnp.abs(y), dtype, elem_max, rounding, u))
+    want = np.where(np.signbit(np.asarray(y)), -mag, mag).view(np.uint32)
+    np.testing.assert_array_equal(got, want)

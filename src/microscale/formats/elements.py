@@ -113,11 +113,19 @@ def float_round(
     of ``y`` is kept (tiny negatives become -0).
     """
     fi = ml_dtypes.finfo(elem_dtype)
+    y = jnp.asarray(y)
     a = jnp.minimum(jnp.abs(y), jnp.float32(elem_max))
     v = jnp.minimum(
         round_to_float(a, int(fi.nmant), int(fi.minexp), rounding, u), jnp.float32(elem_max)
     )
-    return jnp.where(jnp.signbit(y), -v, v)
+    if y.dtype != jnp.float32:
+        return jnp.where(jnp.signbit(y), -v, v)
+    # ``where(signbit(y), -v, v)`` on every bit pattern (negation flips the sign bit) as
+    # one XOR of bit patterns: two operations fewer per element to compile.
+    sign = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(v, jnp.uint32) ^ sign, jnp.float32
+    )
 
 
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
