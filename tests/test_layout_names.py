@@ -21,7 +21,7 @@ NOT_A_LAYOUT = {
     ("cli/__init__.py", "microscale"): "the program's name (argparse's prog)",
     ("data/corpus.py", "microscale"): "the cache folder's name (~/.cache/microscale)",
     ("train/init.py", "hf"): "init_from's source kind (run, quantize or hf), not a layout",
-    ("verify.py", "gguf"): "verify's check kind of a GGUF file, not a layout",
+    ("outputs/folders.py", "gguf"): "verify's check kind of a GGUF file, not a layout",
 }
 
 # (module, literal): a row read by its name in a function named after that layout, which

@@ -104,8 +104,8 @@ class FileReport:
     """The result for one file (or checkpoint step folder)."""
 
     path: Path
-    # "gguf", "safetensors", "safetensors index", "orbax checkpoint", "file checksums"
-    # or "missing".
+    # How it was checked: one of microscale.outputs.CHECKS ("gguf", "safetensors",
+    # "safetensors index", "orbax checkpoint", "file checksums" or "missing").
     kind: str
     # Tensors found (0 when the file cannot be parsed); files listed for "file checksums".
     tensors: int
@@ -276,7 +276,7 @@ def _check_gguf(item: _Item, step: _Progress) -> FileReport:
     res = check_gguf(item.path, progress=step)
     return FileReport(
         item.path,
-        "gguf",
+        GGUF,
         res.tensors,
         res.checked,
         res.checksums,
@@ -291,7 +291,7 @@ def _check_safetensors(item: _Item, step: _Progress) -> FileReport:
         store = TensorStore(item.path)
     except (CorruptDataError, SafetensorsError, OSError, ValueError) as e:
         return FileReport(
-            item.path, "safetensors", 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
+            item.path, SAFETENSORS, 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
         )
     sums = store.checksums
     problems = []
@@ -312,7 +312,7 @@ def _check_safetensors(item: _Item, step: _Progress) -> FileReport:
         step(info.end - info.begin)
     return FileReport(
         item.path,
-        "safetensors",
+        SAFETENSORS,
         len(store),
         len(set(sums) & set(store.infos)),
         bool(sums),
@@ -327,10 +327,10 @@ def _check_index(item: _Item, step: _Progress) -> FileReport:
         store = TensorStore(item.path.parent)
     except (CorruptDataError, SafetensorsError, OSError, ValueError) as e:
         return FileReport(
-            item.path, "safetensors index", 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
+            item.path, SAFETENSORS_INDEX, 0, 0, True, (Problem(None, _strip(str(e), item.path)),)
         )
     # The index has no checksum of its own; consistent with every shard = as good as it gets.
-    return FileReport(item.path, "safetensors index", len(store), 0, True)
+    return FileReport(item.path, SAFETENSORS_INDEX, len(store), 0, True)
 
 
 def silence_orbax_noise() -> Callable[[], None]:
@@ -391,7 +391,7 @@ def _check_files(item: _Item, step: _Progress) -> FileReport:
 def _check_missing(item: _Item, step: _Progress) -> FileReport:
     return FileReport(
         item.path,
-        "missing",
+        MISSING,
         0,
         0,
         True,

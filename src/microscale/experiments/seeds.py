@@ -58,6 +58,7 @@ from microscale.data import check_vocab_fits, load_data
 from microscale.data.batching import PrefetchIterator
 from microscale.files import check_output_dir, lock_folder
 from microscale.model import assignments
+from microscale.outputs import TrainingRun
 from microscale.plan.run import shape_memory
 from microscale.train import TrainConfig, build_mesh
 from microscale.train.checkpoint import Checkpointer
@@ -214,7 +215,8 @@ def train_seeds(
         for out in outs:
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(lock_folder(out))
-            if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+            ckpts = out / TrainingRun.CHECKPOINTS
+            if ckpts.is_dir() and any(ckpts.iterdir()):
                 raise FileExistsError(
                     f"{out} already holds checkpoints: a seed batch starts its runs from "
                     "step 0; resume that run alone (microscale train resume=true) or remove it"
@@ -378,10 +380,10 @@ def _start_replicates(cfgs, outs, data, st, t_start, callbacks) -> list[_Replica
     """Each run's startup files, logger and facts (as ``microscale train`` writes them)."""
     reps = []
     for i, (c, out) in enumerate(zip(cfgs, outs, strict=True)):
-        dump_yaml(c, out / "config.yaml")
-        st.rules["main"].save(out / "precision_rules.json")
+        dump_yaml(c, out / TrainingRun.CONFIG)
+        st.rules["main"].save(out / TrainingRun.RULES)
         if data.tokenizer is not None:
-            data.save_tokenizer(out / "tokenizer.json")
+            data.save_tokenizer(out / TrainingRun.TOKENIZER)
         logger = MetricsLogger(
             out,
             total_steps=c.steps,
@@ -469,7 +471,7 @@ def _read_back(reps: list[_Replicate], idx: int, metrics: dict, *, compiling: bo
 
 def _summary(r: _Replicate, status: str, model, s: int, **extra) -> dict[str, Any]:
     return write_summary(
-        r.out / "summary.json",
+        r.out / TrainingRun.SUMMARY,
         status,
         facts=r.facts,
         clock=r.clock,
@@ -500,7 +502,7 @@ def _finish(r: _Replicate, params, opt_state, st, s: int) -> dict[str, Any]:
     if r.aborted is not None:
         return _summary(r, "aborted", model, s, **r.aborted)
     step = r.clock.step
-    ckpt = Checkpointer(r.out / "checkpoints", keep=r.cfg.keep_checkpoints)
+    ckpt = Checkpointer(r.out / TrainingRun.CHECKPOINTS, keep=r.cfg.keep_checkpoints)
     try:
         ckpt.save(
             step,

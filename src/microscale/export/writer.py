@@ -42,6 +42,7 @@ from microscale.export.tokenizer import write_tokenizer
 from microscale.files import atomic_folder, atomic_write_json, check_output_dir, lock_folder
 from microscale.formats import QArray
 from microscale.model import ModelConfig
+from microscale.outputs import ExportFolder
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -54,7 +55,6 @@ __all__ = [
 # Shard above 5 GB (the Hugging Face default ``max_shard_size="5GB"``).
 DEFAULT_SHARD_BYTES = 5 * 10**9
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-_MARKER = "microscale_export.json"
 _LAYOUTS = (*HF_QUANT, "hf")  # "hf": a plain HF folder, every linear unquantized
 
 
@@ -337,8 +337,8 @@ def _export(
             "layout": layout,
             "layers": {p: lq.to_dict() for p, lq in layers.items()},
         }
-        atomic_write_json(tmp / _MARKER, marker)
-        files.append(_MARKER)
+        atomic_write_json(tmp / ExportFolder.MARKER, marker)
+        files.append(ExportFolder.MARKER)
     return ExportResult(
         path=out,
         layout=layout,

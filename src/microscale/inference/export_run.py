@@ -21,17 +21,15 @@ from microscale.export.layouts import LayerFormats
 from microscale.export.reader import build_model
 from microscale.export.registry import (
     DEFAULT_LAYOUT,
-    QUANTIZE_OUTPUT,
-    RUN,
     Layout,
     detect,
     get_layout,
     layout_names,
-    quantize_output_model,
 )
 from microscale.export.writer import check_export_out
-from microscale.files import check_input_dir, check_output_file, lock_folder, read_json
+from microscale.files import check_input_dir, check_output_file, lock_folder
 from microscale.model import PrecisionRules
+from microscale.outputs import ExportFolder, QuantizeOutput, TrainingRun
 from microscale.ptq.run import (
     calibration_batches,
     folder_data_config,
@@ -192,9 +190,9 @@ def _searched_embed_format(source) -> str | None:
     """The token embedding / LM head format a quantize output's search chose (its
     ``report.json``'s ``embed_format``); None for another source or an unsearched one."""
     src = Path(source)
-    if not src.is_dir() or detect(src) is not QUANTIZE_OUTPUT:
+    if not src.is_dir() or not QuantizeOutput.detect(src):
         return None
-    got = read_json(src / "report.json", what="quantize report").get("embed_format")
+    got = QuantizeOutput.read_report(src).embed_format
     return got if isinstance(got, str) else None
 
 
@@ -205,9 +203,9 @@ def _source_folder(source) -> Path:
         what="--checkpoint",
         expected="a training run folder, a quantize output or an HF model folder",
     )
-    if detect(src) is not QUANTIZE_OUTPUT:
+    if not QuantizeOutput.detect(src):
         return src
-    model = quantize_output_model(src)
+    model = QuantizeOutput.model(src)
     found = detect(model)
     if isinstance(found, Layout) and found.single_file:
         raise ValueError(
@@ -263,17 +261,17 @@ def _export_run(
         embed_format = _searched_embed_format(source)
     src = _source_folder(source)
     tokenizer = None
-    tok_file = src / "tokenizer.json"
+    tok_file = src / ExportFolder.TOKENIZER  # a run's too (TrainingRun.TOKENIZER)
     if row.check_tokenizer is not None and tok_file.is_file():
         row.check_tokenizer(tok_file)  # one it cannot store: refused before the model is read
     kind = detect(src)
-    if kind is RUN:
+    if TrainingRun.detect(src):
         model, tcfg, _ = load_checkpoint(src, step)
         config = tcfg.model
         if formats is None and tcfg.own_allocation:
             # a run trained with an allocation (QAT, sensitivity-chosen bf16 layers)
             # exports that allocation
-            formats = PrecisionRules.load(src / "precision_rules.json")
+            formats = PrecisionRules.load(src / TrainingRun.RULES)
         if tok_file.is_file():
             tokenizer = load_tokenizer(tok_file)
         calib_data: DataConfig | None = run_data_config(tcfg.data, corpus=data)

@@ -20,6 +20,7 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,12 +37,13 @@ from microscale.export.layouts import (
 )
 from microscale.export.params import check_params, flat_params
 from microscale.export.reader import Checkpoint, read_checkpoint
-from microscale.export.registry import RUN, Layout, detect
+from microscale.export.registry import Layout, detect
 from microscale.formats import QArray
 from microscale.inference.engine import Linear, build_weights, forward, init_cache
 from microscale.inference.sampling import GenerationConfig, sample_logits
 from microscale.model import ModelConfig, linear_paths
 from microscale.ops.loss import token_nll
+from microscale.outputs import TrainingRun
 
 __all__ = [
     "GenerationResult",
@@ -476,8 +478,8 @@ def _nll_fn(cfg: ModelConfig, cdt):
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a training run folder (:data:`~microscale.export.registry.RUN`)."""
-    return detect(path) is RUN
+    """Whether ``path`` is a training run folder (:class:`~microscale.outputs.TrainingRun`)."""
+    return TrainingRun.detect(Path(path))
 
 
 def load_model(
@@ -504,12 +506,13 @@ def load_model(
         "microscale training run (config.yaml + checkpoints/)",
     )
     kind = detect(p)
-    if kind is RUN:
+    if TrainingRun.detect(p):
         from microscale.data import load_tokenizer
         from microscale.train import load_checkpoint
 
         model, tcfg, _ = load_checkpoint(p, step)
-        tok = load_tokenizer(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
+        tok_file = p / TrainingRun.TOKENIZER
+        tok = load_tokenizer(tok_file) if tok_file.is_file() else None
         return InferenceModel.from_params(
             model,
             tcfg.model,

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from microscale.outputs import TrainingRun
+
 __all__ = ["compile_in_subprocess", "compile_step"]
 
 
@@ -158,7 +160,8 @@ def compile_in_subprocess(
     from microscale.config import dump_yaml
 
     with tempfile.TemporaryDirectory(prefix="microscale-plan-") as tmp:
-        cfg_path, res_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
+        # the child reads the config as a run folder stores it
+        cfg_path, res_path = Path(tmp) / TrainingRun.CONFIG, Path(tmp) / "result.json"
         dump_yaml(cfg, cfg_path)
         flags = [
             f

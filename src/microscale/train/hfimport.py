@@ -47,6 +47,7 @@ from microscale.files import (
     lock_folder,
     read_json,
 )
+from microscale.outputs import ExportFolder, TrainingRun
 
 __all__ = ["import_hf"]
 
@@ -66,7 +67,7 @@ def import_hf(
     src = check_input_dir(
         folder, what="", expected="an HF Llama folder (config.json, *.safetensors, tokenizer.json)"
     )
-    if not (src / "config.json").is_file():
+    if not (src / ExportFolder.CONFIG).is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has no config.json; expected an HF Llama "
             "folder (config.json, *.safetensors, tokenizer.json)"
@@ -75,22 +76,26 @@ def import_hf(
     if out.exists():
         raise FileExistsError(f"--out {str(out)!r} already exists; choose a new folder")
     try:
-        model = model_config_from_hf(read_json(src / "config.json", what="config.json"))
+        model = model_config_from_hf(read_json(src / ExportFolder.CONFIG, what=ExportFolder.CONFIG))
     except ValueError as e:
         # its messages name config.json's keys as "config.json: key=value: ..."
-        raise ValueError(f"{src / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
-    if not (src / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{src / ExportFolder.CONFIG}: {str(e).removeprefix(ExportFolder.CONFIG + ': ')}"
+        ) from None
+    if not (src / ExportFolder.TOKENIZER).is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has no tokenizer.json; a run needs the model's own tokenizer"
         )
-    tok = load_tokenizer(src / "tokenizer.json")
+    tok = load_tokenizer(src / ExportFolder.TOKENIZER)
     check_vocab_fits(
-        tok.vocab_size, model.vocab_size, what=f"the tokenizer {str(src / 'tokenizer.json')!r}"
+        tok.vocab_size,
+        model.vocab_size,
+        what=f"the tokenizer {str(src / ExportFolder.TOKENIZER)!r}",
     )
     cfg = TrainConfig(
         model=model,
         data=DataConfig(
-            tokenizer=str(out / "tokenizer.json"), seq_len=min(_SEQ_LEN, model.max_seq_len)
+            tokenizer=str(out / TrainingRun.TOKENIZER), seq_len=min(_SEQ_LEN, model.max_seq_len)
         ),
         init_from=str(src.absolute()),
         out=str(out),
@@ -100,10 +105,10 @@ def import_hf(
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
-        dump_yaml(cfg, tmp / "config.yaml")
-        cfg.precision_rules().save(tmp / "precision_rules.json")
+        dump_yaml(cfg, tmp / TrainingRun.CONFIG)
+        cfg.precision_rules().save(tmp / TrainingRun.RULES)
         say(f"import: reading the weights of {src}")
-        init = _save_step0(cfg, src, tmp / "checkpoints")
+        init = _save_step0(cfg, src, tmp / TrainingRun.CHECKPOINTS)
         summary = {
             "status": "imported",
             "steps": 0,
@@ -114,7 +119,7 @@ def import_hf(
             "config": to_dict(cfg),
             "microscale_version": __version__,
         }
-        atomic_write_json(tmp / "summary.json", summary)
+        atomic_write_json(tmp / TrainingRun.SUMMARY, summary)
     say(f"import: {model.num_params():,} parameters ({init.note}) -> {out}")
     return summary
 

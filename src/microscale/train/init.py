@@ -40,9 +40,10 @@ import numpy as np
 from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides
 from microscale.export import flat_params, read_checkpoint
 from microscale.export.hf import model_config_from_hf
-from microscale.export.registry import QUANTIZE_OUTPUT, RUN, Layout, detect, quantize_output_model
+from microscale.export.registry import Layout, detect
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
+from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun, kind_of
 from microscale.train.config import TrainConfig
 from microscale.train.state import load_checkpoint
 
@@ -136,24 +137,27 @@ def _is_hf_folder(path: Path) -> bool:
     return isinstance(kind, Layout) and kind.hf_folder
 
 
+# The output kinds a model source may be, by InitSource.kind's name.
+_SOURCE_KINDS: dict[type[OutputKind] | None, str] = {
+    TrainingRun: "run",
+    QuantizeOutput: "quantize",
+    ExportFolder: "hf",
+}
 # What a model source folder may be (the expected part of the errors).
 SOURCE_KINDS = "a microscale run folder, a `microscale quantize` output or an HF Llama folder"
 
 
 def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
     """``"run"``, ``"quantize"`` or ``"hf"``: which model folder ``path`` is
-    (``export.registry.detect``: a run's ``config.yaml`` + ``checkpoints/``; a quantize
-    output's ``precision_rules.json`` + ``report.json``; an HF-style folder's
+    (:func:`microscale.outputs.kind_of`: a run's ``config.yaml`` + ``checkpoints/``; a
+    quantize output's ``precision_rules.json`` + ``report.json``; an HF-style folder's
     ``config.json``), or a ``ValueError`` naming ``what`` (``"init_from="``,
     ``"--checkpoint"``) and the three kinds."""
-    kind = detect(Path(path).expanduser())
-    if kind is RUN:
-        return "run"
-    if kind is QUANTIZE_OUTPUT:
-        return "quantize"
-    if isinstance(kind, Layout) and kind.hf_folder:
-        return "hf"
-    raise _not_a_model_folder(path, what=what)
+    p = Path(path).expanduser()
+    kind = _SOURCE_KINDS.get(kind_of(p))
+    if kind is None or (kind == "hf" and not _is_hf_folder(p)):
+        raise _not_a_model_folder(path, what=what)
+    return kind
 
 
 def check_model_source(source: str | os.PathLike, *, what: str = "init_from=") -> tuple[Path, str]:
@@ -180,9 +184,8 @@ def _not_a_model_folder(path: str | os.PathLike, *, what: str) -> ValueError:
 def quantize_calibration(path: str | os.PathLike) -> dict[str, Any]:
     """The ``calibration`` record of a quantize output's ``report.json`` (source run, step,
     corpus, ...); empty where the report has none."""
-    report = read_json(Path(path) / "report.json", what="quantize report")
-    calib = report.get("calibration") if isinstance(report, dict) else None
-    return calib if isinstance(calib, dict) else {}
+    calib = QuantizeOutput.read_report(path).calibration
+    return dict(calib) if isinstance(calib, Mapping) else {}
 
 
 def quantized_run(path: str | os.PathLike) -> tuple[str | None, int | None]:
@@ -215,8 +218,8 @@ def load_init_weights(
     """``({parameter path: float array}, InitSource)`` from a run folder, a quantize output
     or an HF Llama folder (see the module doc). ``step`` applies to a run folder only."""
     path = check_input_dir(source, what="init_from=", expected=SOURCE_KINDS)
-    kind = detect(path)
-    if kind is RUN:
+    kind = kind_of(path)
+    if kind is TrainingRun:
         flat, got, model = _from_run(path, step)
         return flat, InitSource(
             path=str(source),
@@ -231,13 +234,13 @@ def load_init_weights(
             f"init_step={step} applies to a run folder, but init_from="
             f"{str(source)!r} is not one (no config.yaml + checkpoints/)"
         )
-    if kind is QUANTIZE_OUTPUT:
+    if kind is QuantizeOutput:
         run_dir, run_step = quantized_run(path)
         why = "the report names no source run"
         if run_dir:
             run = Path(run_dir)
             why = f"its source run {run_dir!r} is gone"
-            if detect(run) is RUN:
+            if TrainingRun.detect(run):
                 try:
                     flat, got, model = _from_run(run, run_step)
                 except FileNotFoundError:
@@ -251,7 +254,7 @@ def load_init_weights(
                         model=model,
                         note=f"master weights of step {got} of {run}, the run {path} quantized",
                     )
-        packed = quantize_output_model(path)
+        packed = QuantizeOutput.model(path)
         flat, packed_model = _from_packed(packed)
         return flat, InitSource(
             path=str(source),
@@ -262,9 +265,10 @@ def load_init_weights(
             note=f"dequantized weights of {packed} ({why}): training starts "
             "from the quantized model, not from its master weights",
         )
-    if isinstance(kind, Layout) and kind.hf_folder:
+    layout = detect(path)
+    if isinstance(layout, Layout) and layout.hf_folder:
         ck = read_checkpoint(path, dequantize=True)
-        is_packed = kind.quantized
+        is_packed = layout.quantized
         return (
             {k: np.asarray(v) for k, v in ck.params.items()},
             InitSource(
@@ -330,20 +334,21 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
     in microscale's layout, its source run's). None for anything else (a path that is not
     a model folder: :func:`load_init_weights` says what is wrong)."""
     path = Path(source).expanduser()
-    if detect(path) is QUANTIZE_OUTPUT:
+    if QuantizeOutput.detect(path):
         run, _ = quantized_run(path)
-        packed = quantize_output_model(path)
+        packed = QuantizeOutput.model(path)
         path = packed if _is_hf_folder(packed) else Path(run or path)
     if not path.is_dir():
         return None
-    tok_file = path / "tokenizer.json"
+    tok_file = path / TrainingRun.TOKENIZER
     tok = tok_file if tok_file.is_file() else None
-    if detect(path) is RUN:
-        return load_yaml(TrainConfig, path / "config.yaml").model, tok, str(path / "config.yaml")
+    if TrainingRun.detect(path):
+        config = path / TrainingRun.CONFIG
+        return load_yaml(TrainConfig, config).model, tok, str(config)
     if _is_hf_folder(path):
-        where = str(path / "config.json")
+        where = str(path / ExportFolder.CONFIG)
         try:
-            model = model_config_from_hf(read_json(where, what="config.json"))
+            model = model_config_from_hf(read_json(where, what=ExportFolder.CONFIG))
         except ValueError as e:
             raise ValueError(f"init_from={str(source)!r}: {e}") from None
         return model, tok, where
@@ -358,7 +363,7 @@ def adopt_source_model(cfg, overridden: set[str]):
     if found is None:
         return cfg
     src, tok, where = found
-    hf = where.endswith("config.json")
+    hf = where.endswith(ExportFolder.CONFIG)
     keys = (
         {f.name for f in dataclasses.fields(ModelConfig)}
         if "model" in overridden

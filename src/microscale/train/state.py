@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from microscale.config import load_yaml, to_dict
 from microscale.integrity import CorruptDataError
 from microscale.model import ModelConfig, PrecisionRules, Transformer, late_switch, partition_specs
+from microscale.outputs import TrainingRun
 from microscale.train.adaptive import bf16_rules
 from microscale.train.checkpoint import Checkpointer, CheckpointMismatchError
 from microscale.train.config import TrainConfig
@@ -154,12 +155,13 @@ def load_checkpoint(
     in). Useful for evaluation, PTQ, export and generation.
     """
     run_dir = Path(run_dir)
-    cfg = load_yaml(TrainConfig, run_dir / "config.yaml")
+    config = run_dir / TrainingRun.CONFIG
+    cfg = load_yaml(TrainConfig, config)
     mesh = build_mesh(dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1, device_ids=()))
     st = build_state(cfg, mesh, abstract=True)
-    ck = Checkpointer(run_dir / "checkpoints", async_save=False)
+    ck = Checkpointer(run_dir / TrainingRun.CHECKPOINTS, async_save=False)
     try:
-        _check_stored_model(ck, step, cfg, run_dir / "config.yaml")
+        _check_stored_model(ck, step, cfg, config)
         state, meta = ck.restore(step, {"params": st.params, "opt_state": st.opt_state})
     finally:
         ck.close()
