@@ -70,6 +70,7 @@ from microscale.model import (
     quantized_blocks,
 )
 from microscale.ops import get_recipe
+from microscale.outputs import TrainingRun
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
 from microscale.train.init import check_init_shapes, check_model_source, load_init_weights
@@ -145,7 +146,7 @@ def default_out(cfg: TrainConfig) -> str:
 
 
 def _check_resume_compatible(out: Path, cfg: TrainConfig) -> None:
-    path = out / "config.yaml"
+    path = out / TrainingRun.CONFIG
     if not path.exists():
         return
     old = load_yaml(TrainConfig, path)
@@ -240,7 +241,9 @@ def train(
 
 
 # What a run writes before it starts logging: a folder holding only these was never a run.
-_STARTUP_FILES = frozenset({"config.yaml", "precision_rules.json", "tokenizer.json", "checkpoints"})
+_STARTUP_FILES = frozenset(
+    {TrainingRun.CONFIG, TrainingRun.RULES, TrainingRun.TOKENIZER, TrainingRun.CHECKPOINTS}
+)
 
 
 def _remove_unstarted(out: Path) -> None:
@@ -248,7 +251,7 @@ def _remove_unstarted(out: Path) -> None:
     anything (a bad ``init_from``, data or mesh): no half-made run folder is left behind. A
     run that has written metrics or a checkpoint keeps its folder."""
     names = {p.name for p in out.iterdir()}
-    ckpts = out / "checkpoints"
+    ckpts = out / TrainingRun.CHECKPOINTS
     if names <= _STARTUP_FILES and not (ckpts.is_dir() and any(ckpts.iterdir())):
         shutil.rmtree(out, ignore_errors=True)
 
@@ -256,7 +259,7 @@ def _remove_unstarted(out: Path) -> None:
 def _train_locked(
     cfg: TrainConfig, out: Path, *, t_start: float, progress: bool, callbacks, label
 ) -> dict[str, Any]:
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(out / TrainingRun.CHECKPOINTS, keep=cfg.keep_checkpoints)
     try:
         latest = ckpt.latest_step()
         if latest is not None and not cfg.resume:
@@ -267,7 +270,7 @@ def _train_locked(
         if cfg.resume:
             _check_resume_compatible(out, cfg)
         if cfg.resume and latest is not None:
-            done = out / "summary.json"
+            done = out / TrainingRun.SUMMARY
             if latest >= cfg.steps and done.exists():
                 summary = read_json(done, what="run summary")
                 if summary.get("status") == "completed":
@@ -658,7 +661,7 @@ def _prepare(
     """The run's files, data, mesh and state (fresh weights): ``(data, batcher, state,
     init)``, ``init`` the weights of ``init_from`` on a ``fresh`` start (else None)."""
     if main:
-        dump_yaml(cfg, out / "config.yaml")
+        dump_yaml(cfg, out / TrainingRun.CONFIG)
     init = None  # read first: a bad init_from fails before data and model are built
     if cfg.init_from is not None and fresh:
         init = load_init_weights(cfg.init_from, step=cfg.init_step)
@@ -674,7 +677,7 @@ def _prepare(
         process_index=jax.process_index(), process_count=jax.process_count()
     )
     if main and data.tokenizer is not None:
-        data.save_tokenizer(out / "tokenizer.json")
+        data.save_tokenizer(out / TrainingRun.TOKENIZER)
     mesh = build_mesh(cfg.mesh)
     _check_divisible(cfg, mesh)
     st = build_state(cfg, mesh)
@@ -697,7 +700,7 @@ def _restore(
         )
         if restored is None:
             print(
-                f"[microscale train] no intact checkpoint left in {out / 'checkpoints'}; "
+                f"[microscale train] no intact checkpoint left in {out / TrainingRun.CHECKPOINTS}; "
                 "starting from step 0",
                 file=sys.stderr,
                 flush=True,
@@ -788,7 +791,7 @@ def _announce(
                 "tokens": start * cfg.tokens_per_step,
             }
         )
-        logger.message(f"resumed from {out / 'checkpoints'} at step {start}")
+        logger.message(f"resumed from {out / TrainingRun.CHECKPOINTS} at step {start}")
 
 
 def _eval_batches(data, mesh) -> dict[str, list]:
@@ -1025,7 +1028,7 @@ def checkpoint_meta(
 def _summary(run: _Run, clock: Clock, end: _End, status: str, **extra) -> dict[str, Any]:
     """:func:`write_summary` of ``run`` ended at ``end`` (written by the main process only)."""
     return write_summary(
-        run.out / "summary.json" if run.main else None,
+        run.out / TrainingRun.SUMMARY if run.main else None,
         status,
         facts=run.facts,
         clock=clock,
@@ -1048,7 +1051,7 @@ def _abort(run: _Run, clock: Clock, end: _End) -> None:
         f"losses/gradients in a row (max_nonfinite_in_a_row="
         f"{cfg.max_nonfinite_in_a_row}); their updates were skipped. "
         + (
-            f"The last good checkpoint is step {good} in {out / 'checkpoints'} "
+            f"The last good checkpoint is step {good} in {out / TrainingRun.CHECKPOINTS} "
             "(resume=true continues from it). "
             if good is not None
             else "No checkpoint was saved before the failure. "

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from microscale.model import PrecisionRules
+from microscale.outputs import TrainingRun
 from microscale.train.adaptive import bf16_rules, choose_bf16_layers
 from microscale.train.config import TrainConfig
 from microscale.train.mesh import BATCH_AXES
@@ -150,7 +151,7 @@ def save_rules(st: _State, out: Path | None) -> None:
     """``precision_rules.json`` (and ``precision_rules_late.json``) from ``st``'s rules,
     in ``out`` (None: not written, a process other than the main one)."""
     if out is not None:
-        st.rules["main"].save(out / "precision_rules.json")
+        st.rules["main"].save(out / TrainingRun.RULES)
         if "late" in st.rules:
             st.rules["late"].save(out / "precision_rules_late.json")
 
