@@ -1,4 +1,5 @@
-"""The layout registry: one row per layout and folder kind, one detect(path)."""
+"""The layout registry: one row per layout, one detect(path) for which layout a path holds
+(what kind of output it is: tests/test_outputs.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ import pytest
 from microscale.export import flat_params
 from microscale.export.registry import (
     KINDS,
-    QUANTIZE_OUTPUT,
-    RUN,
     Layout,
     detect,
     get_layout,
     layout_names,
-    quantize_output_model,
 )
 from microscale.formats import dequantize, quantize
+from microscale.outputs import QuantizeOutput, TrainingRun, kind_of
 
 
 def _folder(root, name, files=(), dirs=()):
@@ -35,11 +34,11 @@ def _folder(root, name, files=(), dirs=()):
 def test_detect_recognizes_each_kind_by_its_files(tmp_path):
     ct = json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}})
     mo = json.dumps({"quantization_config": {"quant_method": "modelopt"}})
+    run = _folder(tmp_path, "run", [("config.yaml", "")], ["checkpoints"])
+    q = _folder(tmp_path, "q", [("report.json", "{}"), ("precision_rules.json", "{}")])
+    assert detect(run) is None and detect(q) is None  # output kinds: microscale.outputs
+    assert kind_of(run) is TrainingRun and kind_of(q) is QuantizeOutput
     cases = {
-        "run": _folder(tmp_path, "run", [("config.yaml", "")], ["checkpoints"]),
-        "quantize output": _folder(
-            tmp_path, "q", [("report.json", "{}"), ("precision_rules.json", "{}")]
-        ),
         "compressed-tensors": _folder(tmp_path, "ct", [("config.json", ct)]),
         "modelopt": _folder(tmp_path, "mo", [("config.json", mo)]),
         "hf": _folder(tmp_path, "hf", [("config.json", "{}")]),
@@ -54,7 +53,6 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
     cases["gguf"] = gguf
     for name, path in cases.items():
         assert detect(path).name == name.split(" (")[0], name
-    assert detect(cases["run"]) is RUN and detect(cases["quantize output"]) is QUANTIZE_OUTPUT
     # unknown or unreadable configs are left to the reader, which names the problem
     assert (
         detect(
@@ -76,7 +74,7 @@ def test_detect_recognizes_each_kind_by_its_files(tmp_path):
 def test_first_matching_row_wins(tmp_path):
     # a run folder that also holds an HF config.json is a run (the kinds come first)
     both = _folder(tmp_path, "both", [("config.yaml", ""), ("config.json", "{}")], ["checkpoints"])
-    assert detect(both) is RUN
+    assert kind_of(both) is TrainingRun
     # an HF folder beside a manifest is read as the HF folder
     assert (
         detect(_folder(tmp_path, "x", [("config.json", "{}"), ("manifest.json", "{}")])).name
@@ -95,14 +93,6 @@ def test_layout_rows_and_names():
         assert r.description and callable(r.write) and callable(r.read)
     with pytest.raises(ValueError, match=r"layout 'onnx': expected one of compressed-tensors"):
         get_layout("onnx")
-
-
-def test_quantize_output_model(tmp_path):
-    q = _folder(tmp_path, "q")
-    assert quantize_output_model(q) == q / "checkpoint"
-    assert quantize_output_model(q, single_file=True) == q / "model.gguf"
-    (q / "model.gguf").write_bytes(b"GGUF")
-    assert quantize_output_model(q) == q / "model.gguf"
 
 
 @pytest.mark.parametrize("name", ["compressed-tensors", "modelopt", "hf"])

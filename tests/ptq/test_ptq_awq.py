@@ -240,7 +240,7 @@ def test_quantize_model_with_awq_writes_loadable_outputs(tiny_model, token_batch
     assert scaled, awq  # something was folded, or the test shows nothing
     # the folded bf16 reference: the same function up to bf16 rounding
     plain = quantize_model(tiny_model, calib, evals, dataclasses.replace(CFG, awq=False))
-    assert "awq" not in plain.report()
+    assert "awq" not in plain.report().to_dict()
     assert result.points["bf16"]["val_ppl"] == pytest.approx(
         plain.points["bf16"]["val_ppl"], rel=1e-2
     )

@@ -38,7 +38,7 @@ def result(tiny_model, token_batches):
 
 @pytest.mark.slow
 def test_report_contents(result):
-    rep = result.report()
+    rep = result.report().to_dict()
     for key in (
         "budget",
         "effective_bits",
@@ -283,14 +283,14 @@ def test_default_method_is_taylor_and_monotone_follows_the_sign(result):
     assert QuantizeConfig(method="taylor", monotone=True).use_monotone
     assert not QuantizeConfig(method="gradient", monotone=False).use_monotone
     # the fixture run (default method): raw taylor scores go to the search as they are
-    assert result.config.method == "taylor" and result.report()["monotone"] is False
+    assert result.config.method == "taylor" and result.report().monotone is False
     assert result.scores == result.scores_raw
 
 
 def test_paired_comparisons_and_markdown(result, tmp_path):
     from microscale.ptq.report import write_markdown
 
-    rep = result.report()
+    rep = result.report().to_dict()
     comp = rep["comparisons"]
     assert set(comp) == {"searched - heuristic", "searched - uniform_nvfp4", "searched - bf16"}
     pts = rep["points"]
@@ -368,7 +368,7 @@ def test_trained_allocation_point(tiny_model, token_batches, activations, tmp_pa
                 t["val_loss"] - got.points["bf16"]["val_loss"], abs=1e-9
             )
         assert {"trained - uniform_nvfp4", "searched - bf16"} <= set(got.comparisons)
-    rep = got.report()
+    rep = got.report().to_dict()
     write_markdown(rep, tmp_path / "r.md")
     assert "`trained_ptq`: the same allocation" in (tmp_path / "r.md").read_text()
     # with round-to-nearest PTQ the two points would be one: only "trained"

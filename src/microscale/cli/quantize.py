@@ -139,7 +139,8 @@ def configs(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from microscale.export.registry import get_layout, quantize_output_model
+    from microscale.export.registry import get_layout
+    from microscale.outputs import QuantizeOutput
     from microscale.workflows import quantize_run
 
     try:
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
     row = get_layout(runc.layout)
-    if row.single_file and not quantize_output_model(args.out, single_file=True).is_file():
+    if row.single_file and not QuantizeOutput.model(args.out, single_file=True).is_file():
         print(
             f"microscale quantize: error: the {row.name} export failed (see "
             f"{args.out}/report.json, checkpoint.fallback_reason); the allocation was "

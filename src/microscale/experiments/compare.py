@@ -42,6 +42,7 @@ from microscale.experiments.report import write_report
 from microscale.experiments.runs import BASELINES, RUNS
 from microscale.experiments.seeds import seed_batch_size, train_seeds, why_not_batched
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
+from microscale.outputs import TrainingRun
 from microscale.train import TrainConfig, TrainingAborted, train
 
 # Compare presets: (what it is for, overrides of the `tiny` training preset, runs, seeds).
@@ -204,7 +205,7 @@ def _cpu_seconds() -> float:
 
 def _completed(run_dir: Path) -> bool:
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("status") == "completed"
+        return json.loads((run_dir / TrainingRun.SUMMARY).read_text()).get("status") == "completed"
     except (OSError, ValueError):
         return False
 
@@ -236,7 +237,7 @@ def _groups(
 
 
 def _started(run_dir: Path) -> bool:
-    ckpts = run_dir / "checkpoints"
+    ckpts = run_dir / TrainingRun.CHECKPOINTS
     return ckpts.is_dir() and any(ckpts.iterdir())
 
 

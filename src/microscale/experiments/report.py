@@ -27,6 +27,7 @@ from microscale.experiments import stats
 from microscale.experiments.runs import ABLATIONS, CONTROLS
 from microscale.files import atomic_write_text, save_figure
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
+from microscale.outputs import TrainingRun
 
 if TYPE_CHECKING:
     from microscale.experiments.compare import CompareConfig
@@ -91,7 +92,7 @@ def weight_bits_per_param(cfg: TrainConfig, precision: dict | None = None) -> fl
 def _curves(run_dir: Path) -> list[tuple[int, float]]:
     """(tokens, loss) per evaluation; the logged training loss when there are fewer than
     two evaluations (``eval_every=0``: only the final one)."""
-    recs = _read_jsonl(run_dir / "metrics.jsonl")
+    recs = _read_jsonl(run_dir / TrainingRun.METRICS)
     for kind, key in (("eval", "val_loss"), ("train", "loss_avg")):
         by_step = {}
         for r in recs:  # a resumed run may repeat a step: keep the last
@@ -264,7 +265,7 @@ def write_report(cfg: CompareConfig) -> dict[str, Any]:
     dirs = cfg.run_dirs()
     per_seed: dict[str, dict[int, dict]] = {r: {} for r in cfg.runs}
     for (name, seed), d in dirs.items():
-        p = d / "summary.json"
+        p = d / TrainingRun.SUMMARY
         if not p.exists():
             raise FileNotFoundError(
                 f"run {name!r} (seed {seed}) has no summary at {p}; re-run compare"

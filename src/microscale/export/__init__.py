@@ -68,8 +68,6 @@ from microscale.export.reader import (
 )
 from microscale.export.registry import (
     KINDS,
-    QUANTIZE_OUTPUT,
-    RUN,
     Kind,
     Layout,
     detect,
@@ -86,8 +84,6 @@ LAYOUTS = tuple(HF_QUANT)  # the HF-style quantized layouts export_checkpoint wr
 __all__ = [
     "KINDS",
     "LAYOUTS",
-    "QUANTIZE_OUTPUT",
-    "RUN",
     "Checkpoint",
     "CheckpointError",
     "ExportResult",

@@ -24,10 +24,9 @@ stores and how a reader decodes them (``embed_formats``, ``embed_values``;
 (``check_formats``), the layers it restricts (``candidates``) and ``microscale quantize``'s
 preset for it (``quantize_preset``).
 
-Two more **folder kinds** are inputs only (:class:`Kind` rows, ``detect`` alone): a
-training run (``config.yaml`` + ``checkpoints/``, :data:`RUN`) and a ``microscale
-quantize`` output (``report.json`` + ``precision_rules.json``, :data:`QUANTIZE_OUTPUT`;
-its model in ``checkpoint/`` or ``model.gguf``, :func:`quantize_output_model`).
+What kind of *output* a path is (a training run, a quantize output, an export folder, a
+GGUF file) is :func:`microscale.outputs.kind_of`'s answer, and the file names are its
+owners'; :func:`detect` here says which *layout* a model folder or file holds.
 
 The HF-style quantized layouts (compressed-tensors, modelopt) get their rows from
 :data:`microscale.export.hflayouts.HF_QUANT`: how each names its tensors and describes its
@@ -36,8 +35,8 @@ quantization, which :func:`~microscale.export.export_checkpoint` and
 Any other layout is one :class:`Layout` row in :data:`KINDS` plus its tests (the
 ``microscale`` row was moved here from ``ptq/report.py`` that way).
 
-:func:`detect` returns the first row of :data:`KINDS` whose ``detect`` matches: the two
-kinds, then the layouts in the order above.
+:func:`detect` returns the first row of :data:`KINDS` whose ``detect`` matches, in the
+order above.
 """
 
 from __future__ import annotations
@@ -63,18 +62,16 @@ from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
 from microscale.export.reader import read_checkpoint
 from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint
 from microscale.model import ModelConfig
+from microscale.outputs import ExportFolder, GGUFFile
 
 __all__ = [
     "DEFAULT_LAYOUT",
     "KINDS",
-    "QUANTIZE_OUTPUT",
-    "RUN",
     "Kind",
     "Layout",
     "detect",
     "get_layout",
     "layout_names",
-    "quantize_output_model",
     "stored_embed_formats",
     "table_values",
 ]
@@ -154,19 +151,11 @@ class Layout(Kind):
 # ----------------------------------------------------------------------------- detection
 
 
-def _is_run(p: Path) -> bool:
-    return (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()
-
-
-def _is_quantize_output(p: Path) -> bool:
-    return (p / "report.json").is_file() and (p / "precision_rules.json").is_file()
-
-
 def _quant_method(p: Path) -> str | None:
     """The quantization method of an HF-style folder as :func:`read_checkpoint` decides it
     ("hf" for none); None when ``p`` has no ``config.json``. An unreadable config.json
     counts as "hf" (the reader then says what is wrong with it)."""
-    f = p / "config.json"
+    f = p / ExportFolder.CONFIG
     if not f.is_file():
         return None
     try:
@@ -174,15 +163,6 @@ def _quant_method(p: Path) -> str | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return "hf"
     return quant_method(cfg, p) or "hf"
-
-
-def _is_gguf(p: Path) -> bool:
-    if not p.is_file():
-        return False
-    if p.suffix.lower() == ".gguf":
-        return True
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 # ----------------------------------------------------------------------------- the rows' I/O
@@ -233,15 +213,6 @@ def _check_gguf_formats(formats: Sequence[str]) -> None:
 # What ggml / llama.cpp runs natively: the GGUF layout's quantize search.
 _GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 
-RUN = Kind(
-    name="run", description="a microscale training run (config.yaml + checkpoints/)", detect=_is_run
-)
-QUANTIZE_OUTPUT = Kind(
-    name="quantize output",
-    description="a `microscale quantize` output (report.json + "
-    "precision_rules.json + checkpoint/ or model.gguf)",
-    detect=_is_quantize_output,
-)
 _HF: dict[str, Any] = dict(
     single_file=False,
     writes_model=True,
@@ -255,8 +226,6 @@ _HF: dict[str, Any] = dict(
     embed_values=None,
 )  # what the HF-style folders share
 KINDS: tuple[Kind, ...] = (
-    RUN,
-    QUANTIZE_OUTPUT,
     # one row per HF-style quantized layout (microscale.export.hfquant)
     *(
         Layout(
@@ -285,7 +254,7 @@ KINDS: tuple[Kind, ...] = (
     Layout(
         name="gguf",
         description="a llama.cpp GGUF file",
-        detect=_is_gguf,
+        detect=GGUFFile.detect,
         single_file=True,
         writes_model=True,
         quantized=True,
@@ -377,17 +346,7 @@ def get_layout(name: str) -> Layout:
 
 
 def detect(path: str | os.PathLike) -> Kind | None:
-    """What ``path`` is: the first row of :data:`KINDS` that matches, None for anything
-    else (a missing path, an unrelated folder)."""
+    """Which layout ``path`` holds: the first row of :data:`KINDS` that matches, None for
+    anything else (a missing path, a training run, an unrelated folder)."""
     p = Path(path).expanduser()
     return next((k for k in KINDS if k.detect(p)), None)
-
-
-def quantize_output_model(path: str | os.PathLike, *, single_file: bool | None = None) -> Path:
-    """Where a quantize output (:data:`QUANTIZE_OUTPUT`) keeps its model: ``model.gguf``
-    for a single-file layout, else ``checkpoint/`` (an HF-style or a microscale-layout
-    folder). ``single_file=None``: whichever the output at ``path`` holds."""
-    p = Path(path)
-    if single_file is None:
-        single_file = (p / "model.gguf").is_file()
-    return p / "model.gguf" if single_file else p / "checkpoint"

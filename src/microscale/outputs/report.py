@@ -36,8 +36,8 @@ class QuantizeReport:
     # ... over the linear layers only, and over the whole model.
     linear_bits: float | None = None
     model_bits: float | None = None
-    # Validation perplexity of the searched allocation.
-    val_ppl: float | None = None
+    # {allocation: validation perplexity} (bf16, uniform_<fmt>, heuristic, searched, ...).
+    val_ppl: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # {linear path: format} of the searched allocation.
     layers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # The score method, candidate formats, and whether layer inputs are quantized.

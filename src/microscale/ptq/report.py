@@ -24,6 +24,7 @@ is :mod:`microscale.export.manifest`; each layout is a row of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -35,17 +36,9 @@ import numpy as np
 from microscale.colors import style
 from microscale.export import LayerQuant, flat_params
 from microscale.export.manifest import read_manifest, write_manifest
-from microscale.export.registry import (
-    DEFAULT_LAYOUT,
-    QUANTIZE_OUTPUT,
-    Layout,
-    detect,
-    get_layout,
-    quantize_output_model,
-)
+from microscale.export.registry import DEFAULT_LAYOUT, Layout, get_layout
 from microscale.files import (
     atomic_folder,
-    atomic_write_json,
     atomic_write_text,
     check_output_dir,
     lock_folder,
@@ -53,7 +46,8 @@ from microscale.files import (
 )
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
-from microscale.integrity import FILE_CHECKSUMS, write_file_checksums
+from microscale.integrity import write_file_checksums
+from microscale.outputs import QuantizeOutput
 from microscale.ptq.result import QuantizeResult
 
 __all__ = [
@@ -146,10 +140,10 @@ def write_outputs(
 
 def check_quantize_out(out_dir: str | os.PathLike) -> Path:
     """Fail fast unless ``out_dir`` can take quantize outputs: a writable new or empty
-    folder, or an earlier quantize output (:data:`~microscale.export.registry.QUANTIZE_OUTPUT`),
+    folder, or an earlier quantize output (:class:`~microscale.outputs.QuantizeOutput`),
     which is replaced."""
     out = check_output_dir(out_dir, what="quantize output folder")
-    if out.is_dir() and any(out.iterdir()) and detect(out) is not QUANTIZE_OUTPUT:
+    if out.is_dir() and any(out.iterdir()) and not QuantizeOutput.detect(out):
         raise FileExistsError(
             f"quantize output folder {str(out_dir)!r} is not empty and is "
             "not an earlier quantize output (no report.json + "
@@ -163,8 +157,8 @@ def _write_outputs(
 ) -> dict[str, Any]:
     say = log or (lambda _m: None)
     row = get_layout(layout)
-    result.rules.save(out / "precision_rules.json")
-    ck_dir = quantize_output_model(out, single_file=row.single_file)
+    result.rules.save(out / QuantizeOutput.RULES)
+    ck_dir = QuantizeOutput.model(out, single_file=row.single_file)
     checkpoint: dict[str, Any]
     if model_config is not None and row.writes_model:
         try:
@@ -172,23 +166,25 @@ def _write_outputs(
         except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
             reason = f"{type(e).__name__}: {e}"
             say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")
-            checkpoint = write_own_checkpoint(result, out / "checkpoint")
+            checkpoint = write_own_checkpoint(result, out / QuantizeOutput.CHECKPOINT)
             checkpoint["fallback_reason"] = reason
     else:
-        checkpoint = write_own_checkpoint(result, out / "checkpoint")
+        checkpoint = write_own_checkpoint(result, out / QuantizeOutput.CHECKPOINT)
     # where it will be once the temporary folder is renamed into place
     checkpoint["path"] = str(shown / Path(checkpoint["path"]).name)
-    report = result.report()
-    report["checkpoint"] = checkpoint
-    report["numerics"] = numerics_fingerprint("quantize")
-    atomic_write_json(out / "report.json", report)
-    write_markdown(report, out / "report.md")
-    plot_pareto(report, out / "pareto.png")
-    plot_sensitivity(report, out / "sensitivity.png")
+    record = dataclasses.replace(
+        result.report(), checkpoint=checkpoint, numerics=numerics_fingerprint("quantize")
+    )
+    QuantizeOutput.write_report(out, record)
+    report = record.to_dict()
+    write_markdown(report, out / QuantizeOutput.REPORT_MD)
+    plot_pareto(report, out / QuantizeOutput.PARETO)
+    plot_sensitivity(report, out / QuantizeOutput.SENSITIVITY)
     write_file_checksums(out)  # last: every file above (microscale verify checks them)
+    q = QuantizeOutput
     say(
-        f"quantize: wrote {shown}/{{precision_rules.json, checkpoint/, report.json, report.md, "
-        f"pareto.png, sensitivity.png, {FILE_CHECKSUMS}}}"
+        f"quantize: wrote {shown}/{{{q.RULES}, {q.CHECKPOINT}/, {q.REPORT}, {q.REPORT_MD}, "
+        f"{q.PARETO}, {q.SENSITIVITY}, {q.CHECKSUMS}}}"
     )
     return report
 

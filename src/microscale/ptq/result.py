@@ -1,7 +1,8 @@
 """What a quantize run decided and measured: :class:`QuantizeResult` and its report.
 
-:meth:`QuantizeResult.report` is ``report.json``'s content (:mod:`~microscale.ptq.report`
-writes it beside the checkpoint); :func:`allocation_rules` turns the searched allocation
+:meth:`QuantizeResult.report` is ``report.json``'s record
+(:class:`~microscale.outputs.QuantizeReport`; :mod:`~microscale.ptq.report` writes it
+beside the checkpoint through :class:`~microscale.outputs.QuantizeOutput`); :func:`allocation_rules` turns the searched allocation
 into the :class:`~microscale.model.PrecisionRules` training and export use, each layer's
 recipe :func:`ptq_recipe`.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from microscale.formats import get_format
 from microscale.model import PrecisionRules
 from microscale.ops import SLOTS, OperandSpec, Recipe
+from microscale.outputs import QuantizeReport
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine
 from microscale.ptq.search import Allocation
@@ -120,52 +122,50 @@ class QuantizeResult:
         """{"bf16", "uniform_<fmt>", "heuristic", "searched", ...}: validation perplexity."""
         return {k: v["val_ppl"] for k, v in self.points.items() if not k.startswith("pareto_")}
 
-    def report(self) -> dict[str, Any]:
-        """The JSON report (``report.json``)."""
+    def report(self) -> QuantizeReport:
+        """The report's record (``report.json``; the writer adds ``checkpoint`` and
+        ``numerics``). ``embedding`` / ``embed_format`` are set only when searched and
+        ``awq`` only with AWQ, so a default report is what it was before they existed."""
         a = self.allocation
-        return {
-            "budget": self.config.budget,
+        return QuantizeReport(
+            budget=self.config.budget,
             # the budget's measure: linear layers only, or the whole model with
             # count_other_params; both are named in linear_bits / model_bits
-            "effective_bits": a.effective_bits,
-            "linear_bits": self.points["searched"]["linear_bits"],
-            "model_bits": self.points["searched"]["model_bits"],
-            "val_ppl": self.val_ppl,
-            "layers": dict(a.formats),
-            "method": self.config.method,
-            "formats": list(self.config.formats),
-            "activations": self.config.activations,
-            "static_act_scales": self.config.static_act_scales,
-            "ptq": dataclasses.asdict(self.config.ptq),
-            "seed": self.config.seed,
-            "solver": a.solver,
-            "solve_time_s": a.solve_time_s,
-            "total_score": a.total_score,
-            "counts": a.counts(),
-            "points": self.points,
-            "pareto": [dict(label=k, **v) for k, v in self.points.items()],
-            "ptq_effects": self.ptq_effects,
-            "comparisons": self.comparisons,
-            "monotone": self.config.use_monotone,
-            "groups": self.groups,
-            "pinned": self.pinned,
-            "numel": self.numel,
-            "scores": self.scores,
-            "scores_raw": self.scores_raw,
-            "act_amax": self.act_amax,
-            "weight_stats": self.weight_stats,
-            "calibration": self.calibration,
-            "timings": self.timings,
-            "peak_rss_gb": self.peak_rss_gb,
-            "config": _jsonable(self.config.to_dict()),
-            # only when searched: a default report is what it was before the item existed
-            **(
-                {}
-                if self.embedding is None
-                else {"embedding": self.embedding, "embed_format": self.embed_format}
-            ),
-            **({} if self.awq is None else {"awq": self.awq}),
-        }
+            effective_bits=a.effective_bits,
+            linear_bits=self.points["searched"]["linear_bits"],
+            model_bits=self.points["searched"]["model_bits"],
+            val_ppl=self.val_ppl,
+            layers=dict(a.formats),
+            method=self.config.method,
+            formats=list(self.config.formats),
+            activations=self.config.activations,
+            static_act_scales=self.config.static_act_scales,
+            ptq=dataclasses.asdict(self.config.ptq),
+            seed=self.config.seed,
+            solver=a.solver,
+            solve_time_s=a.solve_time_s,
+            total_score=a.total_score,
+            counts=a.counts(),
+            points=self.points,
+            pareto=[dict(label=k, **v) for k, v in self.points.items()],
+            ptq_effects=self.ptq_effects,
+            comparisons=self.comparisons,
+            monotone=self.config.use_monotone,
+            groups=self.groups,
+            pinned=self.pinned,
+            numel=self.numel,
+            scores=self.scores,
+            scores_raw=self.scores_raw,
+            act_amax=self.act_amax,
+            weight_stats=self.weight_stats,
+            calibration=self.calibration,
+            timings=self.timings,
+            peak_rss_gb=self.peak_rss_gb,
+            config=_jsonable(self.config.to_dict()),
+            embedding=self.embedding,
+            embed_format=self.embed_format,
+            awq=self.awq,
+        )
 
 
 def _jsonable(x):

@@ -36,6 +36,7 @@ import numpy as np
 from microscale.data import Data, DataConfig
 from microscale.export.layouts import resolve_layers
 from microscale.model import PrecisionRules
+from microscale.outputs import TrainingRun
 from microscale.ptq.engine import Engine, LossFn
 
 __all__ = [
@@ -64,7 +65,7 @@ def trained_allocation(run_dir: str | os.PathLike, train_cfg: Any) -> dict[str, 
     ``microscale export`` writes for it. None for a run with the positional rule."""
     if not train_cfg.own_allocation:
         return None
-    path = Path(run_dir) / "precision_rules.json"
+    path = Path(run_dir) / TrainingRun.RULES
     if not path.is_file():
         raise FileNotFoundError(
             f"{str(path)!r} is missing: the run trained with an "

@@ -47,6 +47,7 @@ import numpy as np
 
 from microscale.files import atomic_write_text
 from microscale.formats import block_scales_f32, e2m1_decode, quantize
+from microscale.outputs import TrainingRun
 
 __all__ = ["MetricsLogger", "format_duration", "weight_quant_stats"]
 
@@ -166,7 +167,7 @@ class MetricsLogger:
         self.main = main
         self.callbacks = list(callbacks or [])
         self.stream = stream if stream is not None else sys.stdout
-        self.path = self.out / "metrics.jsonl"
+        self.path = self.out / TrainingRun.METRICS
         self._file = None
         self._tb = None
         self._bar = None

@@ -50,6 +50,7 @@ from microscale.data import check_vocab_fits, load_data
 from microscale.export.reader import build_model
 from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
+from microscale.outputs import ExportFolder, QuantizeOutput, TrainingRun
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import check_quantize_out, write_outputs
@@ -192,15 +193,15 @@ def _live_source_run(path: Path) -> tuple[Path, int | None] | None:
             return None
     except ValueError:
         return None
-    if step is not None and not (run / "checkpoints" / str(step)).is_dir():
+    if step is not None and not (run / TrainingRun.CHECKPOINTS / str(step)).is_dir():
         return None
     return run, step
 
 
 def _tokenizer_file(path: Path, kind: str) -> Path | None:
     """The tokenizer.json a model folder (or a run that saved one) carries."""
-    folder = path / "checkpoint" if kind == "quantize" else path
-    tok = folder / "tokenizer.json"
+    folder = path / QuantizeOutput.CHECKPOINT if kind == "quantize" else path
+    tok = folder / ExportFolder.TOKENIZER
     return tok if tok.is_file() else None
 
 
@@ -270,7 +271,7 @@ def _quantize_run(
 ) -> QuantizeResult:
     model, train_cfg, meta = load_checkpoint(run_dir, step)
     data_cfg = run_data_config(train_cfg.data, corpus=corpus, eval_batches=eval_batches)
-    tok_file = run_dir / "tokenizer.json"  # with its tokenizer_config.json, if any
+    tok_file = run_dir / TrainingRun.TOKENIZER  # with its tokenizer_config.json, if any
     return _calibrate_and_quantize(
         model,
         train_cfg.model,
