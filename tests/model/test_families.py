@@ -1,11 +1,8 @@
 """Every family through the one block definition: the training `Transformer` and the
 inference engine (full forward and KV-cache decode) give the same logits, per family.
 
-The table holds one tiny configuration per family, each exercising its switches: Qwen2's
-q/k/v biases (non-zero here), Qwen3's per-head q/k norms with an explicit head_dim unlike
-d_model / n_heads, Mistral's sliding window shorter than the sequence, Gemma 3's everything (offset norms,
-post-norms, GeGLU, scaled embedding, local and global layers with their own RoPE, a
-scores' scale of its own). Bounds:
+The table (tests/family_configs.py) holds one tiny configuration per family, each
+exercising its switches (Qwen2's biases non-zero here). Bounds:
 
 * dense engine vs `Transformer` (bf16 recipe, bfloat16 compute): atol one bfloat16 eps
   (2^-7) of the largest logit. Both run `microscale.model.block.block_forward`; only the
@@ -30,31 +27,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from family_configs import CONFIGS, moved_model
 from microscale.export import flat_params
 from microscale.inference import InferenceModel, forward, init_cache
-from microscale.model import FAMILIES, ModelConfig, RopeScaling, Transformer, param_shapes
+from microscale.model import FAMILIES, Transformer, param_shapes
 
-BASE = dict(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-            max_seq_len=64)  # fmt: skip
-CONFIGS = {
-    "llama": ModelConfig(**BASE),
-    "mistral": ModelConfig(**BASE, family="mistral", sliding_window=5),
-    "qwen2": ModelConfig(**BASE, family="qwen2"),
-    "qwen3": ModelConfig(**BASE, family="qwen3", attn_head_dim=32),
-    # local, global, local: a window, two RoPE bases (the global one scaled), a scores'
-    # scale unlike head_dim's
-    "gemma3": ModelConfig(
-        **{**BASE, "n_layers": 3},
-        family="gemma3",
-        attn_head_dim=32,
-        sliding_window=5,
-        sliding_window_pattern=2,
-        rope_theta=1e6,
-        rope_local_theta=1e4,
-        query_pre_attn_scalar=24.0,
-        rope_scaling=RopeScaling(kind="linear", factor=4.0),
-    ),
-}
 T = 20  # > the sliding window
 
 
@@ -62,26 +39,10 @@ def test_every_family_is_in_the_table():
     assert set(CONFIGS) == set(FAMILIES)
 
 
-def _model(cfg: ModelConfig) -> Transformer:
-    """A random model whose family parameters matter: biases and norm scales moved off
-    their init (zeros, ones), so a bias or norm left out would show."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    moved = [
-        leaf + 0.3 * jax.random.normal(k, leaf.shape) if ("bias" in p or "norm" in p) else leaf
-        for leaf, k, p in zip(leaves, keys, paths, strict=True)
-    ]
-    nnx.update(model, jax.tree.unflatten(tree, moved))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def family(request):
     cfg = CONFIGS[request.param]
-    return request.param, cfg, _model(cfg)
+    return request.param, cfg, moved_model(cfg)
 
 
 def _tokens(b=2, t=T, seed=3):
@@ -129,7 +90,7 @@ def test_sliding_window_changes_what_is_seen():
     """Mistral's window is live: the same weights without it give other logits past the
     window, and the same logits inside it."""
     cfg = CONFIGS["mistral"]
-    model = _model(cfg)
+    model = moved_model(cfg)
     tokens = _tokens()
     windowed = np.asarray(InferenceModel.from_params(model, cfg).logits(tokens))
     full = np.asarray(
@@ -168,7 +129,7 @@ def test_gemma3_local_and_global_layers():
     cfg = CONFIGS["gemma3"]
     assert [cfg.layer_window(i) for i in range(3)] == [5, None, 5]
     assert cfg.layer_rope(0) == (1e4, None) and cfg.layer_rope(1) == (1e6, cfg.rope_scaling)
-    model = _model(cfg)
+    model = moved_model(cfg)
     params = flat_params(model)
     tokens = _tokens()
     ref = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))

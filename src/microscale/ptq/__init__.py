@@ -24,7 +24,9 @@ traced functions: per-layer inputs and output gradients from one backward pass),
 options), :mod:`~microscale.ptq.evaluate` (validation of allocations, the PTQ-effects
 table), :mod:`~microscale.ptq.result` (what it decided, ``report.json``),
 :mod:`~microscale.ptq.run` (the calibrator quantize and export share, a run's trained
-allocation), :mod:`~microscale.ptq.report` (files and plots).
+allocation), :mod:`~microscale.ptq.report` (files and plots),
+:mod:`~microscale.ptq.sequential`
+(calibration and GPTQ one decoder block at a time, from memory-mapped weights).
 ``quantize_run`` (a model folder in, quantized outputs out) reads training runs, so it
 sits above ``ptq`` and ``train``: :mod:`microscale.workflows`.
 """
@@ -63,6 +65,7 @@ from microscale.ptq.sensitivity import (
     table_scores,
     taylor_scores,
 )
+from microscale.ptq.sequential import folder_source, params_source, sequential_gptq
 from microscale.ptq.tap import intercept_linears
 from microscale.ptq.weights import (
     QuantizedWeight,
@@ -110,6 +113,9 @@ __all__ = [
     "read_own_checkpoint",
     "score",
     "search",
+    "sequential_gptq",
+    "folder_source",
+    "params_source",
     "table_scores",
     "taylor_scores",
     "trained_allocation",

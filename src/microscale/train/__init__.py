@@ -11,7 +11,8 @@ Library use (what ``microscale train`` and ``microscale compare`` call)::
 
 Modules: :mod:`~microscale.train.config` (TrainConfig and presets),
 :mod:`~microscale.train.step` (the jitted step), :mod:`~microscale.train.loop`
-(``train``), :mod:`~microscale.train.state` (``build_state``, ``load_checkpoint``),
+(``train``), :mod:`~microscale.train.phases` (the precision phases and the change
+between them), :mod:`~microscale.train.state` (``build_state``, ``load_checkpoint``),
 :mod:`~microscale.train.optim`, :mod:`~microscale.train.mesh`,
 :mod:`~microscale.train.checkpoint`, :mod:`~microscale.train.metrics`.
 """
