@@ -27,7 +27,8 @@ reference implementation and llm-compressor / torchao do them:
   same again one level down: inside a format block (16 / 32 columns) a column's error
   updates only that format block, the rest of the lazy block once per format block.
 
-The Cholesky factorisation runs in float64 numpy, the column loop in float32 under
+The Cholesky factorisation runs in float64 numpy (at most three ``[in, in]`` float64
+arrays at once, :func:`inverse_hessian_factor`), the column loop in float32 under
 ``jit`` (``lax.fori_loop``). The result is an ordinary :class:`~microscale.formats.QArray`
 of the format: any reader decodes it, only the values differ from round-to-nearest. With
 an identity Hessian nothing propagates and the result equals round-to-nearest exactly.
@@ -57,12 +58,21 @@ from microscale.formats import (
     tensor_amax,
 )
 
-__all__ = ["gptq_quantize", "inverse_hessian_factor"]
+__all__ = ["gptq_quantize", "inverse_hessian_factor", "padded_factor"]
 
 
 def inverse_hessian_factor(hessian, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
     """``(U, dead)``: the upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``
-    (float64) after the dead-input fix (``H[i, i] == 0 -> 1``), and the dead-input mask."""
+    (float64, Fortran order) after the dead-input fix (``H[i, i] == 0 -> 1``), and the
+    dead-input mask.
+
+    At most three float64 ``[in, in]`` arrays are alive at once (the damped copy, numpy's
+    working copy and the Cholesky factor, inside ``np.linalg.cholesky``), two during the
+    triangular solve, which overwrites its identity right-hand side. The LAPACK calls are
+    those of the plain formula (``np.linalg.cholesky`` of the reversed matrix, then
+    ``solve_triangular`` with an identity), on the same data, so ``U`` is the same to the
+    bit; scipy's in-place ``potrf`` / ``trtri`` would save one more array but change
+    ``U`` in its last float64 bits and, rarely, in float32 (tests/ptq/test_gptq.py)."""
     h = np.array(hessian, np.float64)
     if h.ndim != 2 or h.shape[0] != h.shape[1]:
         raise ValueError(f"gptq: hessian has shape {h.shape}; expected a square [in, in]")
@@ -74,15 +84,32 @@ def inverse_hessian_factor(hessian, damp: float = 0.01) -> tuple[np.ndarray, np.
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diag(h)))
     # H = R R^T with R upper (the Cholesky factor of H with rows and columns reversed), so
-    # H^-1 = R^-T R^-1 and U = R^-1: one factorisation and one triangular inverse.
+    # H^-1 = R^-T R^-1 and U = R^-1: one factorisation and one triangular solve R U = I.
     try:
-        r = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
+        low = np.linalg.cholesky(h[::-1, ::-1])
     except np.linalg.LinAlgError:
         raise ValueError(
             f"gptq: the damped Hessian is not positive definite (damp={damp}); raise damp"
         ) from None
-    upper = scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False)
+    del h
+    r = np.asfortranarray(low[::-1, ::-1])  # the copy solve_triangular would make
+    del low
+    upper = scipy.linalg.solve_triangular(
+        r, np.eye(len(r), order="F"), lower=False, overwrite_b=True, check_finite=False
+    )
     return upper, dead
+
+
+def padded_factor(upper: np.ndarray, block: int) -> np.ndarray:
+    """``U`` in float32, padded to a multiple of ``block`` with an identity: ``[Kp, Kp]``,
+    the ``u`` of the column loop. Written straight into float32 (no padded float64 copy);
+    the entries are ``U``'s rounded to nearest, as ``jnp.asarray(U, jnp.float32)``."""
+    n = upper.shape[0]
+    kp = n + (-n % block)
+    u = np.zeros((kp, kp), np.float32)
+    u[:n, :n] = upper
+    u[np.arange(n, kp), np.arange(n, kp)] = 1.0
+    return u
 
 
 def gptq_quantize(
@@ -120,14 +147,16 @@ def gptq_quantize(
     if not spec.quantized:
         return quantize(w, spec, axis=-1)
     upper, dead = inverse_hessian_factor(hessian, damp)
+    u = padded_factor(upper, block)
+    del upper
     w = jnp.where(jnp.asarray(dead)[None, :], 0.0, w)
     a = tensor_amax(w_t) if amax is None else jnp.float32(amax)
     pad = -n_in % block
-    u = np.pad(upper, ((0, pad), (0, pad)))
-    u[np.arange(n_in, n_in + pad), np.arange(n_in, n_in + pad)] = 1.0
+    u_dev = jnp.asarray(u)
+    del u
     vals, scales = _gptq_loop(
         jnp.pad(w, ((0, 0), (0, pad))),
-        jnp.asarray(u, jnp.float32),
+        u_dev,
         a if spec.has_tensor_scale else None,
         spec=spec,
         four6=bool(four_over_six),
