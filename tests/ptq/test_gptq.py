@@ -190,8 +190,8 @@ def test_factor_equals_the_plain_formula(n, seed, n_dead, damp):
     """The reduced-copy factorisation changes no bit: float64 ``U``, the dead mask and the
     padded float32 ``u`` equal the plain formula's exactly (random Hessians with heavy and
     dead inputs, damp 0 and 0.01). scipy's in-place ``potrf`` + ``trtri`` route is not
-    used because it is not: on 576 inputs, seed 0, 5 dead, damp 0, one float32 entry of
-    ``U`` differs."""
+    used because it is not: on one random 576-input Hessian with 5 dead inputs and damp
+    0, one float32 entry of ``U`` differed."""
     h = _random_hessian(n, seed, n_dead)
     want_u, want_upper, want_dead = plain_factor(h, damp, 128)
     upper, dead = inverse_hessian_factor(h, damp)
