@@ -12,8 +12,7 @@ import ast
 from pathlib import Path
 
 from microscale.export.registry import layout_names
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "microscale"
+from source_literals import SRC, string_literals
 
 # (module, literal): a literal that equals a layout's name but names something else.
 NOT_A_LAYOUT = {
@@ -31,35 +30,9 @@ READS_A_ROW = {
 }
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """The ids of the string constants that stand alone as statements (docstrings and the
-    attribute docstrings under a field)."""
-    return {
-        id(node.value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-    }
-
-
 def _layout_literals(src: Path = SRC) -> dict[tuple[str, str], list[int]]:
     """``{(module, literal): [line, ...]}`` of the layout names spelled under ``src``."""
-    names = set(layout_names())
-    found: dict[tuple[str, str], list[int]] = {}
-    for path in sorted(src.rglob("*.py")):
-        rel = path.relative_to(src).as_posix()
-        if rel.startswith("export/"):
-            continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _docstrings(tree)
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Constant)
-                and isinstance(node.value, str)
-                and node.value in names
-                and id(node) not in skip
-            ):
-                found.setdefault((rel, node.value), []).append(node.lineno)
-    return found
+    return string_literals(set(layout_names()), owner="export/", src=src)
 
 
 def test_no_layout_name_outside_export():

@@ -8,12 +8,10 @@ literal equal to one of those names anywhere else in ``src/microscale`` fails he
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from microscale.outputs import KINDS
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "microscale"
+from source_literals import SRC, string_literals
 
 # Constants too generic to find as literals (dict keys, CLI argument names, orbax's item
 # names): the folder names of a step and the model folder of a quantize output.
@@ -53,14 +51,6 @@ ELSEWHERE = {
 }
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    return {
-        id(node.value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-    }
-
-
 def _allowed(rel: str, name: str) -> bool:
     return any(rel.startswith(prefix) and name == lit for prefix, lit in ELSEWHERE)
 
@@ -68,22 +58,7 @@ def _allowed(rel: str, name: str) -> bool:
 def _name_literals(src: Path = SRC) -> dict[tuple[str, str], list[int]]:
     """``{(module, literal): [line, ...]}`` of the owners' names spelled under ``src``
     outside ``outputs/``."""
-    found: dict[tuple[str, str], list[int]] = {}
-    for path in sorted(src.rglob("*.py")):
-        rel = path.relative_to(src).as_posix()
-        if rel.startswith("outputs/"):
-            continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _docstrings(tree)
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Constant)
-                and isinstance(node.value, str)
-                and node.value in NAMES
-                and id(node) not in skip
-            ):
-                found.setdefault((rel, node.value), []).append(node.lineno)
-    return found
+    return string_literals(NAMES, owner="outputs/", src=src)
 
 
 def test_no_output_file_name_outside_its_owner():

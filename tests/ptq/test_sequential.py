@@ -107,10 +107,9 @@ def test_a_folder_source_reads_what_the_checkpoint_holds(tmp_path):
         np.testing.assert_array_equal(np.asarray(a[p].values), np.asarray(b[p].values), err_msg=p)
 
 
-@pytest.mark.parametrize("n_layers", [2, 6])
-def test_one_program_per_block_kind_and_its_memory_does_not_grow(n_layers):
-    """The per-block program is compiled once per kind of block (local / global) and
-    its temporaries are those of one block, whatever the depth."""
+def _block_temps(n_layers: int) -> tuple[int, set[int]]:
+    """(programs compiled, their temporaries' sizes) for every block of a llama of
+    ``n_layers`` blocks."""
     cfg = CONFIGS["llama"].replace(n_layers=n_layers)
     params = flat_params(Transformer(cfg, rngs=nnx.Rngs(0)))
     blocks = _Blocks(cfg)
@@ -125,13 +124,15 @@ def test_one_program_per_block_kind_and_its_memory_does_not_grow(n_layers):
         _, grams, _ = blocks.programs(graphdef)
         compiled = grams.lower(p, rest, x, cs, cs).compile()
         temps.add(compiled.memory_analysis().temp_size_in_bytes)
-    assert len(blocks._fns) == 1
-    assert len(temps) == 1
-    _TEMPS.setdefault("llama", set()).update(temps)
-    assert len(_TEMPS["llama"]) == 1  # the same at 2 and 6 blocks
+    return len(blocks._fns), temps
 
 
-_TEMPS: dict[str, set[int]] = {}
+def test_one_program_per_block_kind_and_its_memory_does_not_grow():
+    """The per-block program is compiled once per kind of block (one kind in a llama)
+    and its temporaries are those of one block, the same at 2 and 6 blocks."""
+    shallow, deep = _block_temps(2), _block_temps(6)
+    assert shallow[0] == deep[0] == 1
+    assert len(shallow[1]) == 1 and shallow[1] == deep[1]
 
 
 _Q = "layers.0.attn.q_proj"
@@ -151,9 +152,10 @@ _Q = "layers.0.attn.q_proj"
 )  # fmt: skip
 def test_bad_input_is_refused_before_any_work(kwargs, formats, match):
     cfg = CONFIGS["llama"]
-    fmts = _formats(cfg) | (formats or {}) if formats != {} else {}
-    if formats and _Q in formats:
-        fmts = {p: "fp8_e4m3" for p in fmts} | formats
+    if formats is None:  # a good allocation: the bad value is elsewhere
+        formats = _formats(cfg)
+    elif formats:  # one member of q/k/v's group in a format of its own
+        formats = dict.fromkeys(_formats(cfg), "fp8_e4m3") | formats
 
     class Untouched:
         config = cfg
@@ -165,7 +167,7 @@ def test_bad_input_is_refused_before_any_work(kwargs, formats, match):
 
     batches = kwargs.pop("batches", _batches(n=1))
     with pytest.raises(ValueError, match=match):
-        sequential_gptq(Untouched(), batches, fmts, **kwargs)
+        sequential_gptq(Untouched(), batches, formats, **kwargs)
 
 
 def test_a_quantized_folder_is_refused(tmp_path):
