@@ -47,7 +47,7 @@ from microscale.export.hflayouts import HF_QUANT, hf_quant
 from microscale.export.hfquant import CheckpointError, load_json, quant_method
 from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorStore
 from microscale.formats import QArray, dequantize
-from microscale.model import ModelConfig, Transformer
+from microscale.model import ModelConfig, Transformer, filled
 
 __all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
 
@@ -101,20 +101,10 @@ class Checkpoint:
 def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> Transformer:
     """A ``Transformer(cfg)`` holding ``params`` (flat float dict), without a random init."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
-    dt = jnp.dtype(cfg.param_dtype)
-    flat = []
-    for path, var in nnx.to_flat_state(state):
-        name = ".".join(str(p) for p in path)
-        if name not in params:
-            raise CheckpointError(f"parameter {name!r} is missing")
-        value = jnp.asarray(np.asarray(params[name]), dt)
-        if value.shape != var.shape:
-            raise CheckpointError(
-                f"parameter {name!r} has shape {value.shape}; expected {var.shape}"
-            )
-        flat.append((path, var.replace(value)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+    try:
+        return filled(abstract, params, cfg.param_dtype)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(e.args[0]) from None
 
 
 # ---------------------------------------------------------------------- config parsing

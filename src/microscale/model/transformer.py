@@ -59,10 +59,12 @@ attention output and MLP hidden, ``none`` everything.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -148,6 +150,23 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         out |= {f"layers.{i}.{k}": shp for k, shp in block.items()}
     return out
+
+
+def filled(abstract: Any, params: Mapping[str, Any], dtype: Any) -> Any:
+    """The module ``abstract`` (from ``nnx.eval_shape``) holding ``params`` (a flat dict
+    by dotted parameter path) in ``dtype``, without a random init. A missing parameter
+    raises KeyError, a wrong shape ValueError, each naming the path."""
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(p) for p in path)
+        if name not in params:
+            raise KeyError(f"parameter {name!r} is missing")
+        value = jnp.asarray(np.asarray(params[name]), dtype)
+        if value.shape != var.shape:
+            raise ValueError(f"parameter {name!r} has shape {value.shape}; expected {var.shape}")
+        flat.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
 
 
 def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
