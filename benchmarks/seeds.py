@@ -3,7 +3,7 @@
     python benchmarks/seeds.py                       # S = 6 and 20, bf16 and nvfp4
     python benchmarks/seeds.py --sizes 6 --recipes nvfp4 --steps 150
 
-Both sides train the compare presets' regime (``experiments/compare.py``'s ``REGIME`` on
+Both sides train the compare presets' regime (``experiments/compare_config.py``'s ``REGIME`` on
 the ``tiny`` config: the 0.16M-parameter model, the stdlib corpus) for ``--steps`` steps
 with the final evaluation, into fresh folders, in this one process, one after the other:
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 
 from microscale.config import apply_overrides
-from microscale.experiments.compare import REGIME
+from microscale.experiments.compare_config import REGIME
 from microscale.experiments.seeds import train_seeds
 from microscale.train import TrainConfig, train
 

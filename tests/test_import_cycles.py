@@ -1,8 +1,9 @@
 """The import graph is a DAG of layers, and no import inside a function hides a cycle.
 
 The whole package is walked: every ``import microscale...`` / ``from microscale... import``,
-at module level or inside a function (``if TYPE_CHECKING:`` blocks excepted: they never
-run). Four rules:
+at module level, inside a function or under ``if TYPE_CHECKING:`` (never run, but a
+dependency all the same: a circle that only type checking closes is still a circle, e.g.
+experiments/compare.py <-> report.py through ``CompareConfig``). Four rules:
 
 1. **Layers.** Each subpackage (and top-level module) has a layer (`LAYERS`, low to high:
    formats -> ops -> model -> outputs -> export -> ptq -> train ->
@@ -63,16 +64,6 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes under ``if TYPE_CHECKING:`` (never executed)."""
-    out: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                out.update(id(n) for n in ast.walk(child))
-    return out
-
-
 def import_edges(modules: dict[str, Path]) -> dict[str, dict[str, tuple[int, bool]]]:
     """{module: {imported module: (line, inside a function)}} over the microscale modules.
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
@@ -86,7 +77,6 @@ def _import_edges(items: tuple[tuple[str, Path], ...]) -> dict[str, dict[str, tu
     edges: dict[str, dict[str, tuple[int, bool]]] = defaultdict(dict)
     for mod, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_nodes(tree)
         in_function = {
             id(n)
             for fn in ast.walk(tree)
@@ -94,8 +84,6 @@ def _import_edges(items: tuple[tuple[str, Path], ...]) -> dict[str, dict[str, tu
             for n in ast.walk(fn)
         }
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             targets: list[str] = []
             if (
                 isinstance(node, ast.ImportFrom)
@@ -220,6 +208,8 @@ def test_the_walk_sees_function_level_imports():
     edges = import_edges(_modules())
     assert any(fn for targets in edges.values() for _, fn in targets.values())
     assert edges["microscale.cli.train"]  # the CLI's lazy imports are edges too
+    # and so are the imports under ``if TYPE_CHECKING:``
+    assert "microscale.ptq.engine" in edges["microscale.ptq.weights"]
 
 
 @pytest.mark.parametrize("package", ["model", "ops", "formats", "experiments"])

@@ -25,7 +25,7 @@ from microscale.cli.args import int_list, name_list, positive_float, positive_in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from microscale.experiments.compare import PRESETS
+    from microscale.experiments.compare_config import PRESETS
     from microscale.experiments.scaling import SIZES
 
     parser.add_argument(
@@ -98,12 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from microscale.config import ConfigError, apply_overrides
-    from microscale.experiments.compare import (
-        PRESETS,
-        CompareConfig,
-        find_previous,
-        run_compare,
-    )
+    from microscale.experiments.compare import find_previous, run_compare
+    from microscale.experiments.compare_config import PRESETS, CompareConfig
     from microscale.experiments.runs import ABLATIONS
     from microscale.experiments.scaling import ScalingConfig, run_scaling
     from microscale.train import TrainConfig

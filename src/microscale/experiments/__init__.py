@@ -1,7 +1,8 @@
 """Run sets over the trainer: ``compare`` (recipes, ablations, seeds, sizes), its paired
 statistics (``stats``) and reports (``report``)."""
 
-from microscale.experiments.compare import CompareConfig, run_compare
+from microscale.experiments.compare import run_compare
+from microscale.experiments.compare_config import CompareConfig
 from microscale.experiments.report import render_markdown, write_report
 from microscale.experiments.runs import ABLATIONS, BASELINES, RUNS
 

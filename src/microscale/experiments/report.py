@@ -30,7 +30,7 @@ from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.outputs import TrainingRun
 
 if TYPE_CHECKING:
-    from microscale.experiments.compare import CompareConfig
+    from microscale.experiments.compare_config import CompareConfig
     from microscale.train import TrainConfig
 
 # CI half-width (points of relative gap) a comparison must reach to be called resolved.
