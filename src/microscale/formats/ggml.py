@@ -86,7 +86,12 @@ Rows must hold whole blocks (a multiple of 32, or of 256 with super-blocks).
 ``fallback_format`` gives the type llama.cpp's ``tensor_type_fallback`` writes instead when
 a tensor's row width is not a multiple of 256: Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K ->
 Q5_1; Q6_K -> Q8_0; IQ4_XS -> IQ4_NL; and F16 if the fallback's 32 do not divide it either.
-Non-finite inputs are outside ggml's contract (C leaves them undefined) and are not tested.
+Non-finite inputs are outside ggml's contract (C leaves them undefined: Q4_0 and IQ4_NL write
+an all-zero block for one NaN), so both encoders (``quantize_ggml``, ``libggml_quantize``)
+refuse them, as the GGUF writer above them does: a ``ValueError`` naming the type, the
+shape and the first bad index and value. Importance weights must be finite, ``>= 0`` and
+one per column (`_check_imatrix`, for every type, Q8_0 included, though it ignores them);
+``dequantize_ggml`` takes whole blocks of bytes, and says how many it expected.
 """
 
 from __future__ import annotations
@@ -737,10 +742,61 @@ def row_bytes(fmt: str | FormatSpec, n_per_row: int) -> int:
     """Bytes of one row of ``n_per_row`` elements (which must hold whole blocks)."""
     spec = get_ggml_format(fmt)
     n = _block_elems(spec)
-    if n_per_row % n:
-        raise ValueError(f"{spec.name}: a row of {n_per_row} is not a multiple of {n}")
+    if isinstance(n_per_row, bool) or not isinstance(n_per_row, int | np.integer):
+        raise ValueError(f"{spec.name}: n_per_row={n_per_row!r}: expected a positive int")
+    if n_per_row <= 0 or n_per_row % n:
+        raise ValueError(
+            f"{spec.name}: a row of {n_per_row} is not a multiple of {n} "
+            f"(rows hold whole blocks of {n} values)"
+        )
     assert spec.block_bytes is not None
-    return n_per_row // n * spec.block_bytes
+    return int(n_per_row) // n * spec.block_bytes
+
+
+def _float_rows(x, spec: FormatSpec, who: str) -> np.ndarray:
+    """``x`` as float32 ``[..., n_per_row]`` of whole blocks, every value finite: else a
+    ValueError naming ``who``, the type, the shape and the first bad index and value."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "biuf" and not (a.dtype.kind == "V" and "float" in a.dtype.name):
+        raise ValueError(
+            f"{who}({spec.name}): x of dtype {a.dtype} (shape {a.shape}): expected real numbers"
+        )
+    a = np.asarray(a, F32)
+    if a.ndim == 0:
+        raise ValueError(f"{who}({spec.name}): x needs at least one dimension, got a scalar")
+    row_bytes(spec, a.shape[-1])
+    bad = ~np.isfinite(a)
+    if bad.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
+        raise ValueError(
+            f"{who}({spec.name}): x of shape {a.shape} holds {int(bad.sum())} non-finite "
+            f"value(s), the first x[{', '.join(map(str, at))}] = {a[at]!s} (as float32); "
+            "ggml's encoders need finite values (C leaves the block undefined)"
+        )
+    return a
+
+
+def _check_imatrix(imatrix, spec: FormatSpec, n_per_row: int, who: str) -> np.ndarray | None:
+    """llama.cpp's importance weights: one finite value ``>= 0`` per column (``[n_per_row]``),
+    else a ValueError naming what is wrong; None stays None. Every type checks them."""
+    if imatrix is None:
+        return None
+    a = np.asarray(imatrix)
+    what = f"{who}({spec.name}): imatrix of shape {a.shape}"
+    if a.dtype.kind not in "biuf" and not (a.dtype.kind == "V" and "float" in a.dtype.name):
+        raise ValueError(f"{what}, dtype {a.dtype}: expected real numbers")
+    if a.size != n_per_row or a.ndim > 1 and a.shape[-1] != n_per_row:
+        raise ValueError(f"{what}: expected one weight per column, shape ({n_per_row},)")
+    w = np.asarray(a, F32).reshape(-1)
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        kind = "non-finite" if not np.isfinite(w[i]) else "negative"
+        raise ValueError(
+            f"{what} holds {int(bad.sum())} non-finite or negative weight(s), the first "
+            f"imatrix[{i}] = {w[i]!s} ({kind}); expected finite weights >= 0"
+        )
+    return w
 
 
 def fallback_format(fmt: str | FormatSpec, n_per_row: int) -> str:
@@ -762,21 +818,17 @@ def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None) -> np.ndarray:
     ``[..., row_bytes]`` uint8, what ``ggml_quantize_chunk`` writes. ``imatrix``: one
     importance weight per column (llama.cpp's imatrix), as ggml takes it."""
     spec = get_ggml_format(fmt)
-    x = np.asarray(x, F32)
-    if x.ndim == 0:
-        raise ValueError("quantize_ggml: x needs at least one dimension")
+    x = _float_rows(x, spec, "quantize_ggml")
     n_per_row = x.shape[-1]
     rb = row_bytes(spec, n_per_row)
     rows = x.reshape(-1, n_per_row)
     P = _block_elems(spec)
-    qw = None
+    qw = _check_imatrix(imatrix, spec, n_per_row, "quantize_ggml")
     sig = None
-    if imatrix is not None and spec.ggml_codec != "q8":
-        qw = np.asarray(imatrix, F32).reshape(-1)
-        if qw.shape[0] != n_per_row:
-            raise ValueError(f"imatrix has {qw.shape[0]} weights, rows {n_per_row}")
-        if spec.ggml_codec in ("sym", "asym"):  # the mean of x^2 over the row
-            sig = _div(_seqsum(np.ascontiguousarray((rows * rows).T)), n_per_row)
+    if spec.ggml_codec == "q8":
+        qw = None  # ggml's Q8_0 has no weighted encoder
+    if qw is not None and spec.ggml_codec in ("sym", "asym"):  # mean of x^2 over the row
+        sig = _div(_seqsum(np.ascontiguousarray((rows * rows).T)), n_per_row)
     blocks = rows.reshape(-1, P)
     per_row = n_per_row // P
     enc = _ENCODERS[spec.ggml_codec]  # type: ignore[index]
@@ -892,9 +944,33 @@ def dequantize_ggml(data, fmt: str | FormatSpec, n_per_row: int) -> np.ndarray:
     """ggml's bytes ``[..., row_bytes]`` (or flat) -> float32 ``[rows, n_per_row]``."""
     spec = get_ggml_format(fmt)
     rb = row_bytes(spec, n_per_row)
-    b = np.ascontiguousarray(np.asarray(data, np.uint8)).reshape(-1, spec.block_bytes)  # type: ignore[arg-type]
-    if b.size % rb:
-        raise ValueError(f"{spec.name}: {b.size} bytes are not whole rows of {rb}")
+    assert spec.block_bytes is not None
+    if isinstance(data, bytes | bytearray | memoryview):
+        data = np.frombuffer(data, np.uint8)
+    a = np.asarray(data)
+    if a.dtype not in (np.uint8, np.int8):
+        raise ValueError(
+            f"dequantize_ggml({spec.name}): data of dtype {a.dtype} (shape {a.shape}): "
+            "expected ggml's bytes (uint8)"
+        )
+    per = (
+        f"{spec.name} blocks are {spec.block_bytes} bytes ({_block_elems(spec)} values), "
+        f"a row of {n_per_row} values {rb} bytes"
+    )
+    if (
+        a.size % rb
+    ):  # (any shape of whole rows is taken: [rows, row bytes], [blocks, block bytes], flat)
+        if a.ndim >= 2:
+            want = (*a.shape[:-1], rb)
+            raise ValueError(
+                f"dequantize_ggml({spec.name}): data of shape {a.shape} ({a.size} bytes) is "
+                f"not whole rows: {per}; expected shape {want} ({int(np.prod(want))} bytes)"
+            )
+        raise ValueError(
+            f"dequantize_ggml({spec.name}): {a.size} bytes are not whole rows: {per}; "
+            f"expected a multiple of {rb} bytes (e.g. {max(1, a.size // rb) * rb})"
+        )
+    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1, spec.block_bytes)
     return _dec_blocks(spec, b).reshape(-1, n_per_row)
 
 
@@ -909,13 +985,14 @@ def libggml_quantize(x, fmt: str | FormatSpec, imatrix=None, lib: str | None = N
     path = lib or os.environ.get("MICROSCALE_LIBGGML")
     if not path:
         raise RuntimeError("no libggml: set MICROSCALE_LIBGGML=/path/to/libggml-base.so")
-    so = _load(path)
-    x = np.ascontiguousarray(np.asarray(x, F32))
+    x = np.ascontiguousarray(_float_rows(x, spec, "libggml_quantize"))
     n_per_row = x.shape[-1]
     nrows = x.size // n_per_row
     rb = row_bytes(spec, n_per_row)
     out = np.zeros(nrows * rb, np.uint8)
-    qw = None if imatrix is None else np.ascontiguousarray(np.asarray(imatrix, F32))
+    qw = _check_imatrix(imatrix, spec, n_per_row, "libggml_quantize")
+    qw = None if qw is None else np.ascontiguousarray(qw)
+    so = _load(path)
     fp = ctypes.POINTER(ctypes.c_float)
     got = so.ggml_quantize_chunk(
         spec.ggml_type,

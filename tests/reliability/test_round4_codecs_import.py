@@ -1,0 +1,171 @@
+"""Bad input, round 4 (issue 58): ggml's codecs and HF config import, one table per class.
+
+Each row is one bad input and the one clear line (a regex) it must raise: every public
+ggml codec (``formats.ggml``) refuses non-finite values, bad importance weights and byte
+counts that are not whole blocks by name; HF config.json values are refused naming the
+config.json key (never microscale's internal field) and the folder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from microscale.formats.ggml import dequantize_ggml, libggml_quantize, quantize_ggml
+from microscale.formats.spec import GGML_FORMATS, get_ggml_format
+
+TYPES = list(GGML_FORMATS)
+
+
+def _row(fmt: str, rows: int = 2) -> np.ndarray:
+    n = get_ggml_format(fmt).super_block or get_ggml_format(fmt).block_size
+    assert n is not None
+    return np.random.default_rng(0).standard_normal((rows, 2 * n)).astype(np.float32)
+
+
+# ---------------------------------------------------------------- ggml: values
+
+# (id, where the bad value goes in a [2, 2 blocks] table, the value, the message)
+BAD_VALUES = [
+    ("nan", (1, 5), np.nan, r"x of shape \(2, \d+\) holds 1 non-finite value\(s\), the first "
+     r"x\[1, 5\] = nan"),
+    ("inf", (0, 0), np.inf, r"the first x\[0, 0\] = inf"),
+    ("-inf", (1, 33), -np.inf, r"the first x\[1, 33\] = -inf"),
+    ("float64-overflow", (0, 2), 1e300, r"x\[0, 2\] = inf \(as float32\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+@pytest.mark.parametrize(("case", "at", "value", "msg"), BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_quantize_ggml_refuses_non_finite(fmt, case, at, value, msg):
+    # One NaN in a block made Q4_0 and IQ4_NL write an all-zero block without a word.
+    x = _row(fmt).astype(np.float64)
+    x[at] = value
+    with pytest.raises(ValueError, match=rf"^quantize_ggml\({fmt}\): .*" + msg):
+        quantize_ggml(x, fmt)
+
+
+def test_libggml_quantize_checks_like_quantize_ggml():
+    # The reference encoder refuses the same inputs before it needs the library.
+    x = _row("q4_0")
+    x[0, 3] = np.nan
+    with pytest.raises(ValueError, match=r"^libggml_quantize\(q4_0\): .* x\[0, 3\] = nan"):
+        libggml_quantize(x, "q4_0", lib="/nonexistent/libggml-base.so")
+    with pytest.raises(ValueError, match=r"imatrix\[1\] = -1.0 \(negative\)"):
+        libggml_quantize(_row("q4_0"), "q4_0", np.r_[1.0, -1.0, np.ones(62)], lib="/nonexistent")
+
+
+# (id, x, fmt, the message)
+BAD_SHAPES = [
+    ("scalar", np.float32(1.0), "q4_0", r"x needs at least one dimension, got a scalar"),
+    ("empty-rows", np.zeros((2, 0), np.float32), "q4_0", r"a row of 0 is not a multiple of 32"),
+    ("partial-block", np.zeros((2, 40), np.float32), "q4_0", r"a row of 40 is not a multiple of 32"),
+    ("partial-super-block", np.zeros((1, 288), np.float32), "q4_k",
+     r"a row of 288 is not a multiple of 256"),
+    ("strings", np.array([["a"] * 32]), "q8_0", r"x of dtype <U1 .*: expected real numbers"),
+    ("complex", np.ones((1, 32), np.complex64), "q8_0", r"dtype complex64 .*expected real numbers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "x", "fmt", "msg"), BAD_SHAPES, ids=[c[0] for c in BAD_SHAPES])
+def test_quantize_ggml_refuses_bad_shapes(case, x, fmt, msg):
+    with pytest.raises(ValueError, match=msg):
+        quantize_ggml(x, fmt)
+
+
+# ---------------------------------------------------------------- ggml: importance weights
+
+
+def _imatrix(fmt: str, case: str) -> np.ndarray:
+    n = _row(fmt).shape[1]
+    w = np.ones(n, np.float32)
+    if case == "nan":
+        w[7] = np.nan
+    elif case == "inf":
+        w[0] = np.inf
+    elif case == "all-negative":
+        w = -w
+    elif case == "one-negative":
+        w[n - 1] = -1e-3
+    elif case == "too-short":
+        w = w[:-1]
+    elif case == "one-per-block":
+        w = w[: n // 2].reshape(2, -1)
+    elif case == "two-rows":
+        w = np.ones((2, n), np.float32)
+    elif case == "strings":
+        return np.array(["1"] * n)
+    return w
+
+
+# (id, the message); every type that takes importance weights checks them (one helper)
+BAD_WEIGHTS = [
+    ("nan", r"imatrix of shape \(\d+,\) holds 1 non-finite or negative weight\(s\), the "
+     r"first imatrix\[7\] = nan \(non-finite\); expected finite weights >= 0"),
+    ("inf", r"the first imatrix\[0\] = inf \(non-finite\)"),
+    ("all-negative", r"holds (64|512) non-finite or negative weight\(s\), the first "
+     r"imatrix\[0\] = -1.0 \(negative\)"),
+    ("one-negative", r"imatrix\[(63|511)\] = -0.001 \(negative\)"),
+    ("too-short", r"imatrix of shape \((63|511),\): expected one weight per column, "
+     r"shape \((64|512),\)"),
+    ("one-per-block", r"imatrix of shape \(2, (16|128)\): expected one weight per column"),
+    ("two-rows", r"imatrix of shape \(2, (64|512)\): expected one weight per column"),
+    ("strings", r"imatrix of shape \(\d+,\), dtype <U1: expected real numbers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+@pytest.mark.parametrize(("case", "msg"), BAD_WEIGHTS, ids=[c[0] for c in BAD_WEIGHTS])
+def test_quantize_ggml_refuses_bad_imatrix(fmt, case, msg):
+    # iq4_nl took a NaN weight (relative error 0.697) and all-negative ones (0.087)
+    # silently. Q8_0 has no weighted encoder but checks them too: they are still wrong.
+    with pytest.raises(ValueError, match=rf"^quantize_ggml\({fmt}\): .*" + msg):
+        quantize_ggml(_row(fmt), fmt, _imatrix(fmt, case))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "iq4_nl", "q4_k"])
+def test_quantize_ggml_takes_zero_weights(fmt):
+    # Zeros are valid weights (llama.cpp's imatrix of an unused column).
+    assert quantize_ggml(_row(fmt), fmt, np.zeros(_row(fmt).shape[1])).dtype == np.uint8
+
+
+# ---------------------------------------------------------------- ggml: bytes
+
+# (id, data, fmt, n_per_row, the message): the type, its block bytes, the count given and,
+# where a shape is given, the bytes expected.
+BAD_BYTES = [
+    ("17-bytes-q4_0", np.zeros(17, np.uint8), "q4_0", 32,
+     r"^dequantize_ggml\(q4_0\): 17 bytes are not whole rows: q4_0 blocks are 18 bytes "
+     r"\(32 values\), a row of 32 values 18 bytes; expected a multiple of 18 bytes"),
+    ("half-row-q4_k", np.zeros(144, np.uint8), "q4_k", 512,
+     r"^dequantize_ggml\(q4_k\): 144 bytes .*q4_k blocks are 144 bytes \(256 values\), a "
+     r"row of 512 values 288 bytes; expected a multiple of 288 bytes"),
+    ("shaped-rows-short", np.zeros((3, 17), np.uint8), "q4_0", 32,
+     r"^dequantize_ggml\(q4_0\): data of shape \(3, 17\) \(51 bytes\) is not whole rows: q4_0 blocks are 18 "
+     r"bytes .*; expected shape \(3, 18\) \(54 bytes\)"),
+    ("shaped-blocks-partial-row", np.zeros((3, 18), np.uint8), "q4_0", 64,
+     r"data of shape \(3, 18\) \(54 bytes\) is not whole rows: .*a row of 64 values 36 "
+     r"bytes; expected shape \(3, 36\) \(108 bytes\)"),
+    ("floats-not-bytes", np.zeros(18, np.float32), "q4_0", 32,
+     r"data of dtype float32 \(shape \(18,\)\): expected ggml's bytes \(uint8\)"),
+    ("bytes-object-short", bytes(35), "q8_0", 32, r"35 bytes are not whole rows.*34 bytes"),
+    ("row-not-blocks", np.zeros(18, np.uint8), "q4_0", 33, r"^q4_0: a row of 33 is not a multiple"),
+    ("row-zero", np.zeros(18, np.uint8), "q4_0", 0, r"^q4_0: a row of 0 is not a multiple"),
+    ("row-not-int", np.zeros(18, np.uint8), "q4_0", 32.0, r"n_per_row=32.0: expected a positive int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "data", "fmt", "n", "msg"), BAD_BYTES, ids=[c[0] for c in BAD_BYTES]
+)
+def test_dequantize_ggml_refuses_partial_blocks(case, data, fmt, n, msg):
+    with pytest.raises(ValueError, match=msg):
+        dequantize_ggml(data, fmt, n)
+
+
+def test_dequantize_ggml_takes_bytes_and_flat_rows():
+    x = _row("q4_0")
+    b = quantize_ggml(x, "q4_0")
+    want = dequantize_ggml(b, "q4_0", x.shape[1])
+    np.testing.assert_array_equal(dequantize_ggml(b.tobytes(), "q4_0", x.shape[1]), want)
+    np.testing.assert_array_equal(dequantize_ggml(b.reshape(-1), "q4_0", x.shape[1]), want)
