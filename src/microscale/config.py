@@ -250,143 +250,192 @@ def _exact_int(f: float, key: str, text: str | None = None) -> int:
     return int(f)
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit.
+def _is_none(value: Any) -> bool:
+    """None, or a string that means it ("none", "null", "~", "")."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)
 
-    Long: one dispatch over every annotation form a config field may take (None, Union,
-    Literal, tuple, list, dict, dataclass, enum-like scalars), each branch a few lines that
-    share ``value``, ``key`` and the recursion.
-    """
+
+def _coerce_none(value: Any, tp: Any, key: str) -> None:
+    if _is_none(value):
+        return None
+    raise _Mismatch
+
+
+def _coerce_union(value: Any, tp: Any, key: str) -> Any:
+    """None first (also for ``str | None``), then the members in order, preferring an
+    exact-type member over a coercion (1 stays int in ``int | float``)."""
+    args = typing.get_args(tp)
+    if type(None) in args and _is_none(value):
+        return None
+    members = [a for a in args if a is not type(None)]
+    for a in members:
+        if isinstance(a, type) and not _is_dataclass_type(a) and type(value) is a:
+            return value
+    for a in members:
+        try:
+            return _coerce(value, a, key)
+        except _Mismatch:
+            continue
+    raise _Mismatch
+
+
+def _coerce_literal(value: Any, tp: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    for a in args:
+        if value == a and type(value) is type(a):
+            return a
+    if isinstance(value, str):
+        for a in args:
+            if str(a) == value or (isinstance(a, str) and a.lower() == value.lower()):
+                return a
+    raise _Mismatch
+
+
+def _coerce_sequence(value: Any, tp: Any, key: str) -> tuple | list:
+    """A tuple or list (bare, ``tuple[X, ...]``, fixed ``tuple[X, Y]``, ``list[X]``); a string
+    is read as YAML, else split at commas."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, str):
+        parsed = _parse_str(value)
+        if isinstance(parsed, (list, tuple)):
+            value = parsed
+        elif value.strip() == "":
+            value = []
+        else:
+            value = [v.strip() for v in value.strip().strip("()[]").split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise _Mismatch
+    if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            raise _Mismatch
+        items = [
+            _coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
+        ]
+    else:
+        elem = args[0] if args else Any
+        items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if (origin is tuple or tp is tuple) else items
+
+
+def _coerce_dict(value: Any, tp: Any, key: str) -> dict:
+    if isinstance(value, str):
+        value = _parse_str(value)
+    if not isinstance(value, dict):
+        raise _Mismatch
+    kt, vt = typing.get_args(tp) or (Any, Any)
+    return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+
+
+def _coerce_dataclass(value: Any, tp: Any, key: str) -> Any:
+    """An instance, a preset's name (``tp.preset``), or a mapping of its fields."""
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    if isinstance(value, str):
+        preset = getattr(tp, "preset", None)
+        if callable(preset):
+            try:
+                return preset(value.strip())
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"key {key!r}: {e}") from None
+        value = _parse_str(value)
+    if isinstance(value, dict):
+        return from_dict(tp, value, _prefix=key + ".")
+    raise _Mismatch
+
+
+def _coerce_bool(value: Any, tp: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _Mismatch
+
+
+def _coerce_int(value: Any, tp: Any, key: str) -> int:
+    """An int, or a whole float that holds it exactly (:func:`_exact_int`); never a bool."""
+    if isinstance(value, bool):
+        raise _Mismatch
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return _exact_int(value, key)
+    if not isinstance(value, str):
+        raise _Mismatch
+    s = value.strip()
+    try:
+        return int(s)
+    except ValueError:
+        pass
+    try:
+        f = float(s)
+    except ValueError:
+        raise _Mismatch from None
+    return _exact_int(f, key, s)
+
+
+def _coerce_float(value: Any, tp: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise _Mismatch
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise _Mismatch from None
+    raise _Mismatch
+
+
+def _coerce_str(value: Any, tp: Any, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # `out=123` from YAML
+    raise _Mismatch
+
+
+def _coerce_path(value: Any, tp: Any, key: str) -> Path:
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value)
+    raise _Mismatch
+
+
+_Coercer = typing.Callable[[Any, Any, str], Any]
+
+# The coercer of each generic annotation form, by its origin (``list[int]`` -> list).
+_FORMS: dict[Any, _Coercer] = {
+    Union: _coerce_union,
+    types.UnionType: _coerce_union,
+    Literal: _coerce_literal,
+    tuple: _coerce_sequence,
+    list: _coerce_sequence,
+    dict: _coerce_dict,
+}
+# The coercer of each bare type; dataclasses and other classes are handled after a miss.
+_TYPES: dict[Any, _Coercer] = {
+    type(None): _coerce_none,
+    tuple: _coerce_sequence,
+    list: _coerce_sequence,
+    dict: _coerce_dict,
+    bool: _coerce_bool,
+    int: _coerce_int,
+    float: _coerce_float,
+    str: _coerce_str,
+    Path: _coerce_path,
+    os.PathLike: _coerce_path,
+}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` converted to annotation ``tp``; raises ``_Mismatch`` if it does not fit."""
     if tp is Any:
         return value
-    if tp is type(None):
-        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
-            return None
-        raise _Mismatch
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
-    if origin in (Union, types.UnionType):
-        # None first ("none", "null", "~" or "" mean None, also for `str | None`), then the
-        # members in order,
-        # preferring an exact-type member over a coercion (1 stays int in `int | float`).
-        if type(None) in args and (
-            value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)
-        ):
-            return None
-        members = [a for a in args if a is not type(None)]
-        for a in members:
-            if isinstance(a, type) and not _is_dataclass_type(a) and type(value) is a:
-                return value
-        for a in members:
-            try:
-                return _coerce(value, a, key)
-            except _Mismatch:
-                continue
-        raise _Mismatch
-
-    if origin is Literal:
-        for a in args:
-            if value == a and type(value) is type(a):
-                return a
-        if isinstance(value, str):
-            for a in args:
-                if str(a) == value or (isinstance(a, str) and a.lower() == value.lower()):
-                    return a
-        raise _Mismatch
-
-    if origin is tuple or origin is list or tp in (tuple, list):
-        if isinstance(value, str):
-            parsed = _parse_str(value)
-            if isinstance(parsed, (list, tuple)):
-                value = parsed
-            elif value.strip() == "":
-                value = []
-            else:
-                value = [v.strip() for v in value.strip().strip("()[]").split(",")]
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch
-        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise _Mismatch
-            items = [
-                _coerce(v, a, f"{key}[{i}]")
-                for i, (v, a) in enumerate(zip(value, args, strict=True))
-            ]
-        else:
-            elem = args[0] if args else Any
-            items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if (origin is tuple or tp is tuple) else items
-
-    if origin is dict or tp is dict:
-        if isinstance(value, str):
-            value = _parse_str(value)
-        if not isinstance(value, dict):
-            raise _Mismatch
-        kt, vt = args if args else (Any, Any)
-        return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
-
+    coercer = _TYPES.get(tp) if origin is None else _FORMS.get(origin)
+    if coercer is not None:
+        return coercer(value, tp, key)
     if _is_dataclass_type(tp):
-        if isinstance(tp, type) and isinstance(value, tp):
-            return value
-        if isinstance(value, str):
-            preset = getattr(tp, "preset", None)
-            if callable(preset):
-                try:
-                    return preset(value.strip())
-                except (KeyError, ValueError) as e:
-                    raise ConfigError(f"key {key!r}: {e}") from None
-            value = _parse_str(value)
-        if isinstance(value, dict):
-            return from_dict(tp, value, _prefix=key + ".")
-        raise _Mismatch
-
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, bool):
-            raise _Mismatch
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            return _exact_int(value, key)
-        if isinstance(value, str):
-            s = value.strip()
-            try:
-                return int(s)
-            except ValueError:
-                pass
-            try:
-                f = float(s)
-            except ValueError:
-                raise _Mismatch from None
-            return _exact_int(f, key, s)
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, bool):
-            raise _Mismatch
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise _Mismatch from None
-        raise _Mismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # `out=123` from YAML
-        raise _Mismatch
-    if tp in (Path, os.PathLike):
-        if isinstance(value, (str, os.PathLike)):
-            return Path(value)
-        raise _Mismatch
+        return _coerce_dataclass(value, tp, key)
     if isinstance(tp, type):
         if isinstance(value, tp):
             return value
