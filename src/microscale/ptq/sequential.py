@@ -41,12 +41,28 @@ shares one compiled program.
 Weights come from a :class:`BlockSource`: :func:`params_source` (a flat parameter dict in
 memory) or :func:`folder_source` (an HF folder of float safetensors, memory-mapped; each
 block's tensors are read when its turn comes).
+
+Bad input is refused before any work, in this order: the arguments (``inputs``, ``ptq``,
+``attention_chunk``, the callbacks), the calibration batches (int tokens inside the
+vocabulary, rows no longer than the model's context ``max_seq_len``), every entry of
+``formats`` (a linear layer of the model, a registry format, one per fused group), then
+the weights: every tensor the run will read is scanned once for non-finite values (and,
+for a folder whose files carry them, checked against its stored CRC-32), in chunks of
+:data:`SCAN_CHUNK` bytes so the scan's memory is one chunk, before the first block. A NaN
+in block 20 is so named in seconds, not after 19 blocks of GPTQ. The scan's cost is one read
+of the weights, measured on the 2-core Xeon (files in the page cache): 3 ms for the
+2-block test model (float32), 0.30 s for a SmolLM2-135M-shaped bf16 folder (0.25 GiB,
+30 blocks; its clean run takes 212 s, docs/ptq/sequential.md), so about 1.2 s per GiB,
+well under 1% of a run. The blocks' own reads check their tensors again when their turn
+comes (the file may change in between); that cost was there before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -59,6 +75,7 @@ from flax import nnx
 from microscale.export.hf import hf_param_name, model_config_from_hf
 from microscale.export.hfquant import load_json, quant_method
 from microscale.export.tensorfile import TensorStore
+from microscale.formats.spec import REGISTRY, get_format
 from microscale.model import (
     Block,
     ModelConfig,
@@ -66,6 +83,7 @@ from microscale.model import (
     apply_rules,
     block_param_shapes,
     fused_groups,
+    linear_paths,
 )
 from microscale.model.block import embed_residual, layer_rope_tables
 from microscale.outputs import ExportFolder
@@ -74,6 +92,7 @@ from microscale.ptq.weights import QuantizedWeight, WeightPTQ, quantize_group
 
 __all__ = [
     "INPUTS",
+    "SCAN_CHUNK",
     "BlockSource",
     "SequentialGPTQ",
     "folder_source",
@@ -84,9 +103,17 @@ __all__ = [
 # What stream the next block's Hessians see (module doc).
 INPUTS = ("quantized", "original")
 
+# Bytes of one tensor read at a time by the finiteness scan before the first block.
+SCAN_CHUNK = 64 << 20
+
 
 class BlockSource(Protocol):
-    """Where block-sequential PTQ reads a model's weights from, one block at a time."""
+    """Where block-sequential PTQ reads a model's weights from, one block at a time.
+
+    A source may also have ``scan()``: check every tensor the run reads (finite values,
+    checksums) without holding more than a chunk of it, raising ``ValueError`` naming the
+    tensor; :func:`sequential_gptq` calls it before the first block (both sources here
+    have it)."""
 
     @property
     def config(self) -> ModelConfig:
@@ -117,6 +144,10 @@ class _ParamsSource:
             name: np.asarray(self.params[head + name], np.float32)
             for name in block_param_shapes(self.config)
         }
+
+    def scan(self) -> None:
+        for name in _read_names(self.config):
+            _scan_tensor(name, np.asarray(self.params[name]), where="params_source")
 
 
 def params_source(config: ModelConfig, params: Mapping[str, Any]) -> BlockSource:
@@ -153,11 +184,58 @@ class _FolderSource:
             out[name] = arr
         return out
 
+    def scan(self) -> None:
+        store = TensorStore(self.path)
+        for path in _read_names(self.config):
+            name = hf_param_name(path, self.config.family)
+            info = store.info(name)
+            size = info.end - info.begin
+            raw = (
+                np.memmap(info.file, np.uint8, "r", offset=info.begin, shape=(size,))
+                if size
+                else np.zeros(0, np.uint8)
+            )
+            crc = store.checksums.get(name)
+            _scan_tensor(name, raw.view(info.np_dtype), where=str(info.file), crc=crc)
+
+
+def _read_names(cfg: ModelConfig) -> list[str]:
+    """The flat paths of every tensor a run reads: the embedding table and the blocks'."""
+    names = list(block_param_shapes(cfg))
+    return ["embed.embedding"] + [f"layers.{i}.{n}" for i in range(cfg.n_layers) for n in names]
+
+
+def _scan_tensor(name: str, arr: np.ndarray, *, where: str, crc: str | None = None) -> None:
+    """Raise ``ValueError`` naming ``where`` and ``name`` when the float tensor ``arr``
+    holds a NaN or infinity, or its bytes' CRC-32 differs from ``crc``; reads
+    :data:`SCAN_CHUNK` bytes at a time."""
+    flat = arr.reshape(-1)
+    floating = np.issubdtype(flat.dtype, np.floating) or "float" in flat.dtype.name
+    step = max(1, SCAN_CHUNK // max(1, flat.dtype.itemsize))
+    bad, c = 0, 0
+    for k in range(0, flat.size, step):
+        part = flat[k : k + step]
+        if floating:
+            bad += int(part.size - np.count_nonzero(np.isfinite(part)))
+        if crc is not None:
+            c = zlib.crc32(np.ascontiguousarray(part).view(np.uint8).data, c)
+    if bad:
+        raise ValueError(
+            f"{where}: tensor {name!r} holds {bad} non-finite value(s) (NaN or infinity) of "
+            f"{flat.size}; refused before any block is quantized"
+        )
+    if crc is not None and f"{c:08x}" != crc.lower():
+        raise ValueError(
+            f"{where}: tensor {name!r} fails its checksum (crc32 {c:08x}, stored {crc}): "
+            "the file is damaged; refused before any block is quantized"
+        )
+
 
 def folder_source(path: str | os.PathLike) -> BlockSource:
     """A source over an HF folder of float safetensors (plain, not quantized), read
     through memory maps: a block's tensors are read (and checked: checksum, finite
-    values) when it is asked for."""
+    values) when it is asked for; ``scan()`` checks every tensor the run reads, a chunk
+    at a time (:func:`sequential_gptq` calls it before the first block)."""
     path = Path(path)
     cfg_json = load_json(path / ExportFolder.CONFIG)
     method = quant_method(cfg_json, path)
@@ -259,6 +337,33 @@ def _group_format(formats: Mapping[str, str], i: int, group: tuple[str, ...]) ->
     return chosen.pop()
 
 
+def _check_formats(formats: Mapping[str, str], cfg: ModelConfig) -> None:
+    """Every entry a linear layer of the model and a registry format, every fused group
+    of one format, every linear layer given one."""
+    if not isinstance(formats, Mapping):
+        raise ValueError(
+            f"sequential_gptq: formats is a {type(formats).__name__}; expected a mapping "
+            "{linear layer path: format name}"
+        )
+    known = linear_paths(cfg)
+    extra = [p for p in formats if p not in set(known)]
+    if extra:
+        raise ValueError(
+            f"sequential_gptq: formats names {extra[0]!r}, not a linear layer of this "
+            f"{cfg.n_layers}-block model (e.g. {known[0]!r})"
+        )
+    for path, name in formats.items():
+        try:
+            get_format(name)
+        except ValueError as e:
+            guess = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            raise ValueError(f"sequential_gptq: formats[{path!r}]: {e}{hint}") from None
+    for i in range(cfg.n_layers):
+        for group in _block_groups(cfg, i):
+            _group_format(formats, i, group)
+
+
 def _check_batches(batches: Iterable, cfg: ModelConfig) -> list[np.ndarray]:
     out = [np.asarray(b) for b in batches]
     if not out:
@@ -274,6 +379,12 @@ def _check_batches(batches: Iterable, cfg: ModelConfig) -> list[np.ndarray]:
                 f"sequential_gptq: token ids span {b.min()}..{b.max()}, outside the "
                 f"vocabulary 0..{cfg.vocab_size - 1}"
             )
+    seq = out[0].shape[1] - 1
+    if seq > cfg.max_seq_len:
+        raise ValueError(
+            f"sequential_gptq: calibration rows of {seq} positions (batches [rows, "
+            f"{seq} + 1]) exceed the model's context max_seq_len={cfg.max_seq_len}"
+        )
     if len({b.shape for b in out}) > 1:
         raise ValueError(
             f"sequential_gptq: the batches have shapes {sorted({b.shape for b in out})}: "
@@ -306,13 +417,24 @@ def sequential_gptq(
     if inputs not in INPUTS:
         raise ValueError(f"sequential_gptq: inputs={inputs!r}: expected one of {list(INPUTS)}")
     ptq = WeightPTQ(method="gptq") if ptq is None else ptq
+    if not isinstance(ptq, WeightPTQ):
+        raise ValueError(f"sequential_gptq: ptq={ptq!r}: expected a WeightPTQ or None")
+    for name, fn in (("progress", progress), ("sink", sink)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"sequential_gptq: {name}={fn!r}: expected a callable or None")
     cfg = source.config
     if attention_chunk is not None:
+        if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int):
+            raise ValueError(
+                f"sequential_gptq: attention_chunk={attention_chunk!r}: expected a "
+                "positive integer or None"
+            )
         cfg = dataclasses.replace(cfg, attention_chunk=attention_chunk)
     tokens = _check_batches(batches, cfg)
-    for i in range(cfg.n_layers):  # every format is known before any work
-        for group in _block_groups(cfg, i):
-            _group_format(formats, i, group)
+    _check_formats(formats, cfg)  # every format known before any work
+    scan = getattr(source, "scan", None)
+    if scan is not None:  # every weight finite (and intact) before the first block
+        scan()
     rows = source.embed(np.stack([b[:, :-1] for b in tokens]))  # one read of the table
     stream = [np.asarray(embed_residual(cfg, jnp.asarray(r))) for r in rows]
     del rows
