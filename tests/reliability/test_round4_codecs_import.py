@@ -8,11 +8,19 @@ config.json key (never microscale's internal field) and the folder.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+
 import numpy as np
 import pytest
 
+from family_configs import CONFIGS
+from microscale.export import CheckpointError, read_checkpoint
+from microscale.export.hf import _HF_KEYS, hf_config
 from microscale.formats.ggml import dequantize_ggml, libggml_quantize, quantize_ggml
 from microscale.formats.spec import GGML_FORMATS, get_ggml_format
+from microscale.model import ModelConfig
 
 TYPES = list(GGML_FORMATS)
 
@@ -169,3 +177,73 @@ def test_dequantize_ggml_takes_bytes_and_flat_rows():
     want = dequantize_ggml(b, "q4_0", x.shape[1])
     np.testing.assert_array_equal(dequantize_ggml(b.tobytes(), "q4_0", x.shape[1]), want)
     np.testing.assert_array_equal(dequantize_ggml(b.reshape(-1), "q4_0", x.shape[1]), want)
+
+
+# ---------------------------------------------------------------- HF config.json keys
+
+
+def _config_json(family: str) -> dict:
+    return hf_config(CONFIGS[family])
+
+
+# (family, config.json key, bad value, the message after "<folder>: config.json: "): every
+# key mapped to a ModelConfig field is named as config.json names it, never as the field.
+BAD_KEYS = [
+    ("llama", "rms_norm_eps", -1e-05, r"rms_norm_eps=-1e-05: expected a positive float"),
+    ("gemma3", "rms_norm_eps", 0.0, r"rms_norm_eps=0.0: expected a positive float"),
+    ("llama", "rms_norm_eps", "1e-5", r"rms_norm_eps='1e-5' \(str\): expected int or float"),
+    ("llama", "rms_norm_eps", True, r"rms_norm_eps=True \(bool\): expected int or float"),
+    ("gemma3", "query_pre_attn_scalar", -1.0,
+     r"query_pre_attn_scalar=-1.0: expected a positive float or none"),
+    ("llama", "initializer_range", 0, r"initializer_range=0.0: expected a positive float"),
+    ("llama", "tie_word_embeddings", "yes", r"tie_word_embeddings='yes' \(str\): expected bool"),
+    ("gemma3", "rope_local_base_freq", -5, r"rope_local_base_freq=-5.0: expected a positive "
+     r"float or none"),
+    ("llama", "rope_theta", 0, r"rope_theta=0: expected a positive number"),
+    ("llama", "hidden_size", 0, r"hidden_size=0: expected a positive int"),
+    ("llama", "intermediate_size", -1, r"intermediate_size=-1: expected a positive int"),
+    ("llama", "num_key_value_heads", 3, r"num_attention_heads=4 is not divisible by "
+     r"num_key_value_heads=3"),
+    ("llama", "max_position_embeddings", 0, r"max_position_embeddings=0: expected a positive int"),
+    ("mistral", "sliding_window", 0, r"sliding_window=0: expected a positive int or none"),
+    ("gemma3", "sliding_window_pattern", 0, r"sliding_window_pattern=0: expected an int >= 1"),
+    ("gemma3", "sliding_window_pattern", -2, r"sliding_window_pattern=-2: expected an int >= 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value", "msg"),
+    BAD_KEYS,
+    ids=[f"{c[0]}-{c[1]}={c[2]!r}" for c in BAD_KEYS],
+)
+def test_config_json_values_are_named_by_their_key(tmp_path, family, key, value, msg):
+    # rms_norm_eps and query_pre_attn_scalar were named ".norm_eps=-1e-05" (the field).
+    # Gemma 3's sliding_window_pattern 0 came in as every layer local; transformers
+    # divides by it (and reads -2 as 2), so a pattern < 1 is refused.
+    d = _config_json(family)
+    d[key] = value
+    if key in ("rope_theta", "rope_local_base_freq"):  # not the 5.x spelling beside it
+        d.pop("rope_parameters", None)
+    if key == "sliding_window_pattern":
+        d.pop("layer_types")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(tmp_path)
+    line = str(e.value)
+    assert re.match(rf"{re.escape(str(tmp_path))}: config\.json: {msg}", line), line
+    assert "\n" not in line
+    after = line.removeprefix(f"{tmp_path}: config.json: ")
+    internal = [f for f, k in _HF_KEYS.items() if f != k]  # microscale's own field names
+    assert not after.startswith(".") and "ModelConfig" not in after, line
+    assert not re.search(rf"\b({'|'.join(internal)})\b", after), line
+
+
+def test_every_field_from_config_json_has_its_key():
+    # The class: a ModelConfig field model_config_from_hf sets from a key is in _HF_KEYS
+    # (so ModelConfig's own refusals name the key); the rest config.json never sets.
+
+    not_from_config_json = {"family", "param_dtype", "compute_dtype", "dim_multiple", "remat",
+                            "loss_chunk", "attention_chunk", "scan_layers",
+                            "scale_residual_init"}  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert fields - not_from_config_json == set(_HF_KEYS)

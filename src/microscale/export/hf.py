@@ -283,13 +283,10 @@ def _get(d: dict, key: str, types, default=...):
             raise ValueError(f"config.json: missing required field {key!r}")
         return default
     v = d[key]
-    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ValueError(f"config.json: {key}={v!r}: expected {types}")
-    if not isinstance(v, types):
-        raise ValueError(
-            f"config.json: {key}={v!r} ({type(v).__name__}): expected "
-            f"{getattr(types, '__name__', types)}"
-        )
+    kinds = types if isinstance(types, tuple) else (types,)
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in kinds):
+        want = " or ".join(t.__name__ for t in kinds)  # (int, float): "int or float"
+        raise ValueError(f"config.json: {key}={v!r} ({type(v).__name__}): expected {want}")
     return v
 
 
@@ -457,7 +454,7 @@ def model_config_from_hf(
             raise
         # every field it names (``ModelConfig.n_heads=4 ... n_kv_heads=32``), in one pass
         msg = _FIELD.sub(lambda m: _HF_KEYS[m.group(1)], msg)
-        raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip(': ')}") from None
+        raise ValueError(f"config.json: {msg.removeprefix('ModelConfig').lstrip('.: ')}") from None
 
 
 # What transformers' config class of each family takes for a key config.json leaves out
@@ -495,10 +492,15 @@ def _gemma3_layers(d: dict[str, Any], n_layers: int) -> int:
     given; ``layer_types`` alone must be that pattern for some period (refused otherwise,
     naming the first layer that breaks it)."""
     pattern = _get(d, "sliding_window_pattern", int, None)
+    if pattern is not None and pattern <= 0:  # transformers divides by it (or reads -1 as 1)
+        raise ValueError(
+            f"config.json: sliding_window_pattern={pattern}: expected an int >= 1, one global "
+            "layer in every that many (a pattern past the last layer: every layer local)"
+        )
     types = d.get("layer_types")
     if types is None:
         pattern = 6 if pattern is None else pattern
-        return pattern if 0 < pattern <= n_layers else 0  # one spelling of "all local"
+        return pattern if pattern <= n_layers else 0  # one spelling of "all local"
     if not isinstance(types, list) or len(types) != n_layers:
         raise ValueError(
             f"config.json: layer_types={types!r}: expected a list of {n_layers} layer kinds"
@@ -514,7 +516,7 @@ def _gemma3_layers(d: dict[str, Any], n_layers: int) -> int:
         "sliding_attention" if found == 0 or (i + 1) % found else "full_attention"
         for i in range(n_layers)
     ]
-    if types != want or (pattern is not None and 0 < pattern <= n_layers and pattern != found):
+    if types != want or (pattern is not None and pattern <= n_layers and pattern != found):
         first = next((i for i, (a, b) in enumerate(zip(types, want, strict=True)) if a != b), 0)
         raise ValueError(
             f"config.json: layer_types (layer {first}: {types[first]!r}) and "
@@ -577,7 +579,8 @@ def _unset(d: dict[str, Any], family: str, key: str, derived: Any) -> Any:
     return _ABSENT[family].get(key, derived) if key not in d else derived
 
 
-# ModelConfig field -> config.json key, for errors.
+# ModelConfig field -> config.json key, for errors: every field model_config_from_hf sets
+# from a key (ModelConfig's own checks then name the key, never the field).
 _HF_KEYS = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
@@ -588,6 +591,14 @@ _HF_KEYS = {
     "max_seq_len": "max_position_embeddings",
     "attn_head_dim": "head_dim",
     "sliding_window": "sliding_window",
+    "sliding_window_pattern": "sliding_window_pattern",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "rope_local_theta": "rope_local_base_freq",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "init_std": "initializer_range",
 }
 _FIELD = re.compile(r"(?:ModelConfig\.)?\b(" + "|".join(_HF_KEYS) + r")\b")
 
