@@ -11,16 +11,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
+from flax import nnx
 
 from family_configs import CONFIGS
-from microscale.export import CheckpointError, read_checkpoint
+from microscale.cli import main
+from microscale.data import ByteTokenizer
+from microscale.export import CheckpointError, export_checkpoint, import_model, read_checkpoint
 from microscale.export.hf import _HF_KEYS, hf_config
+from microscale.export.reader import hf_head_config
 from microscale.formats.ggml import dequantize_ggml, libggml_quantize, quantize_ggml
 from microscale.formats.spec import GGML_FORMATS, get_ggml_format
-from microscale.model import ModelConfig
+from microscale.model import ModelConfig, Transformer
+from microscale.train import load_checkpoint
 
 TYPES = list(GGML_FORMATS)
 
@@ -247,3 +256,89 @@ def test_every_field_from_config_json_has_its_key():
                             "scale_residual_init"}  # fmt: skip
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert fields - not_from_config_json == set(_HF_KEYS)
+
+
+# ---------------------------------------------------------------- a tied config, its own head
+
+
+@pytest.fixture(scope="module")
+def untied_folder(tmp_path_factory) -> Path:
+    """A tiny untied Llama in the HF layout (float32 tensors)."""
+    path = tmp_path_factory.mktemp("untied")
+    model = Transformer(CONFIGS["llama"].replace(tie_embeddings=False), rngs=nnx.Rngs(0))
+    export_checkpoint(model, path, layout="hf", dtype="float32", overwrite=True)
+    return path
+
+
+def _tied_copy(src: Path, dst: Path, head: str) -> dict[str, np.ndarray]:
+    """``src`` with config.json's tie_word_embeddings flipped to true, and lm_head.weight
+    the file's own (``"distinct"``), the embedding's bits (``"equal"``) or the wrong shape."""
+    shutil.copytree(src, dst)
+    d = json.loads((dst / "config.json").read_text())
+    d["tie_word_embeddings"] = True
+    (dst / "config.json").write_text(json.dumps(d))
+    tensors = safetensors.numpy.load_file(dst / "model.safetensors")
+    emb = tensors["model.embed_tokens.weight"]
+    if head == "equal":
+        tensors["lm_head.weight"] = emb.copy()
+    elif head == "wrong-shape":
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :32].copy()
+    safetensors.numpy.save_file(tensors, dst / "model.safetensors")
+    return tensors
+
+
+def test_tied_config_with_its_own_head_keeps_the_head(untied_folder, tmp_path):
+    """The choice: keep the file's head and build the untied model, with one warning
+    naming the folder and what was done -- what transformers builds (it keeps a head the
+    file holds and warns), where microscale used to build the tied model and drop the
+    head without a word (logits up to 2.39 off transformers'). Nothing in the reader's
+    design ties the two: config.json's flag only decides which tensors are expected, and
+    an untied model is a plain ModelConfig(tie_embeddings=False)."""
+    path = tmp_path / "flipped"
+    tensors = _tied_copy(untied_folder, path, "distinct")
+    want = rf"^{re.escape(str(path))}: config\.json says tie_word_embeddings=true but " + (
+        r"lm_head\.weight differs from model\.embed_tokens\.weight; keeping the file's head "
+        r"\(an untied model, as transformers builds it\)$"
+    )
+    with pytest.warns(UserWarning, match=want) as got:
+        ck = read_checkpoint(path)
+    assert len([w for w in got if "tie_word_embeddings" in str(w.message)]) == 1
+    assert not ck.config.tie_embeddings
+    np.testing.assert_array_equal(ck.params["lm_head.kernel"], tensors["lm_head.weight"].T)
+    with pytest.warns(UserWarning, match=want):
+        model, cfg = import_model(path)
+    untied = CONFIGS["llama"].replace(tie_embeddings=False)
+    assert cfg.num_params() == untied.num_params()
+    # the config read before the weights (`microscale import`) makes the same choice
+    with pytest.warns(UserWarning, match=want):
+        assert not hf_head_config(path, CONFIGS["llama"]).tie_embeddings
+
+
+def test_tied_config_with_the_embedding_as_head_is_tied(untied_folder, tmp_path):
+    # A head equal to the embedding bit for bit is the tied model: no warning.
+    path = tmp_path / "equal"
+    _tied_copy(untied_folder, path, "equal")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck = read_checkpoint(path)
+    assert ck.config.tie_embeddings and "lm_head.kernel" not in ck.params
+
+
+def test_tied_config_with_a_head_of_the_wrong_shape_is_refused(untied_folder, tmp_path):
+    path = tmp_path / "wrong"
+    _tied_copy(untied_folder, path, "wrong-shape")
+    with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' has shape \[257, 32\]; "):
+        read_checkpoint(path)
+
+
+def test_import_cli_keeps_the_head_of_a_tied_config(untied_folder, tmp_path):
+    # `microscale import` reads config.json before the weights: the same choice, and the
+    # run's model is the untied one the weights fill.
+    path = tmp_path / "flipped"
+    _tied_copy(untied_folder, path, "distinct")
+    ByteTokenizer().save(path / "tokenizer.json")
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match=r"keeping the file's head"):
+        assert main(["import", str(path), "--out", str(out), "-q"]) == 0
+    _, cfg, _ = load_checkpoint(out)
+    assert not cfg.model.tie_embeddings

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from microscale.export.tensorfile import DTYPE_NAMES, SafetensorsError, TensorSt
 from microscale.formats import QArray, dequantize
 from microscale.model import ModelConfig, Transformer, filled
 
-__all__ = ["Checkpoint", "CheckpointError", "import_model", "read_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "hf_head_config", "import_model", "read_checkpoint"]
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Tensors some HF checkpoints carry that a Llama forward pass does not use.
@@ -158,6 +159,43 @@ def _check_sizes(path: Path, cfg: ModelConfig, store: TensorStore) -> None:
             f"hidden_size={cfg.d_model} but model.embed_tokens.weight has "
             f"shape {list(emb.shape)}; config and tensors disagree"
         )
+
+
+def _own_head(path: Path, cfg: ModelConfig, store: TensorStore) -> ModelConfig:
+    """``cfg``, untied where config.json says ``tie_word_embeddings`` but the tensors hold
+    an ``lm_head.weight`` other than the embedding (a warning says so): transformers
+    keeps such a file's head, and microscale reads the model transformers builds. A
+    head equal to the embedding bit for bit is the tied model (no warning)."""
+    name = "lm_head.weight"
+    if not cfg.tie_embeddings or name not in store:
+        return cfg
+    shape = ((cfg.vocab_size, cfg.d_model),)
+    emb = _expect(store, "model.embed_tokens.weight", _FLOAT_DTYPES, shape, "the embedding")
+    head = _expect(store, name, _FLOAT_DTYPES, shape, "the LM head beside a tied embedding")
+    bits = f"u{emb.dtype.itemsize}"
+    if head.dtype == emb.dtype and np.array_equal(head.view(bits), emb.view(bits)):
+        return cfg  # the tied model, stored twice
+    # (one place warns: a folder read twice in one process, config then weights, says it once)
+    warnings.warn(
+        f"{path}: config.json says tie_word_embeddings=true but {name} differs from "
+        "model.embed_tokens.weight; keeping the file's head (an untied model, as "
+        "transformers builds it)",
+        UserWarning,
+        stacklevel=1,
+    )
+    return cfg.replace(tie_embeddings=False)
+
+
+def hf_head_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` (config.json's model of HF folder ``path``) as :func:`read_checkpoint` builds
+    it: untied, with a warning, where config.json ties the head but the tensors hold an
+    ``lm_head.weight`` of their own (for callers that read the config before the weights)."""
+    path = Path(path)
+    try:
+        store = TensorStore(path, prefix=text_model_prefix(load_json(path / "config.json")))
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    return _own_head(path, cfg, store)
 
 
 # ---------------------------------------------------------------------- tensors
@@ -299,6 +337,7 @@ def read_checkpoint(
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
     _check_sizes(path, cfg, store)  # before anything of config.json's size is built
+    cfg = _own_head(path, cfg, store)
     if method is None:
         layout = "hf"
         layers = {p: L.LayerQuant() for p in linear_paths(cfg)}
@@ -312,8 +351,6 @@ def read_checkpoint(
 
     dt = np.dtype(jnp.dtype(param_dtype))
     params, input_scales = _read_params(store, cfg, layout, layers, static, dt)
-    if cfg.tie_embeddings:  # some tied checkpoints store it anyway (HF ignores it)
-        store.accessed.add("lm_head.weight")
     for name in store.names():
         if name not in store.accessed and not _HARMLESS.fullmatch(name):
             raise CheckpointError(

@@ -61,6 +61,7 @@ def import_hf(
     (also ``out/summary.json``). ``out`` must not exist."""
     from microscale.data import DataConfig, check_vocab_fits, load_tokenizer
     from microscale.export.hf import model_config_from_hf
+    from microscale.export.reader import hf_head_config
     from microscale.export.tokenizer import TOKENIZER_FILES
     from microscale.train.config import TrainConfig
 
@@ -82,6 +83,7 @@ def import_hf(
         raise ValueError(
             f"{src / ExportFolder.CONFIG}: {str(e).removeprefix(ExportFolder.CONFIG + ': ')}"
         ) from None
+    model = hf_head_config(src, model)  # a tied config.json beside a head of its own
     if not (src / ExportFolder.TOKENIZER).is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has no tokenizer.json; a run needs the model's own tokenizer"
