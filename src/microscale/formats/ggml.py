@@ -761,19 +761,21 @@ def _float_rows(x, spec: FormatSpec, who: str) -> np.ndarray:
         raise ValueError(
             f"{who}({spec.name}): x of dtype {a.dtype} (shape {a.shape}): expected real numbers"
         )
-    a = np.asarray(a, F32)
     if a.ndim == 0:
         raise ValueError(f"{who}({spec.name}): x needs at least one dimension, got a scalar")
     row_bytes(spec, a.shape[-1])
-    bad = ~np.isfinite(a)
+    with np.errstate(over="ignore"):  # a float64 past float32's range: named below
+        f = np.asarray(a, F32)
+    bad = ~np.isfinite(f)
     if bad.any():
         at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
+        past = " (past float32's range)" if np.isfinite(a[at]) else ""
         raise ValueError(
             f"{who}({spec.name}): x of shape {a.shape} holds {int(bad.sum())} non-finite "
-            f"value(s), the first x[{', '.join(map(str, at))}] = {a[at]!s} (as float32); "
+            f"value(s) in float32, the first x[{', '.join(map(str, at))}] = {a[at]!s}{past}; "
             "ggml's encoders need finite values (C leaves the block undefined)"
         )
-    return a
+    return f
 
 
 def _check_imatrix(imatrix, spec: FormatSpec, n_per_row: int, who: str) -> np.ndarray | None:
