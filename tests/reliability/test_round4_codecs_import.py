@@ -29,6 +29,7 @@ from microscale.export.reader import hf_head_config
 from microscale.formats.ggml import dequantize_ggml, libggml_quantize, quantize_ggml
 from microscale.formats.spec import GGML_FORMATS, get_ggml_format
 from microscale.model import ModelConfig, Transformer
+from microscale.ptq.sequential import folder_source
 from microscale.train import load_checkpoint
 
 TYPES = list(GGML_FORMATS)
@@ -309,9 +310,12 @@ def test_tied_config_with_its_own_head_keeps_the_head(untied_folder, tmp_path):
         model, cfg = import_model(path)
     untied = CONFIGS["llama"].replace(tie_embeddings=False)
     assert cfg.num_params() == untied.num_params()
-    # the config read before the weights (`microscale import`) makes the same choice
+    # the config read before the weights (`microscale import`, block-sequential GPTQ's
+    # folder source) makes the same choice
     with pytest.warns(UserWarning, match=want):
         assert not hf_head_config(path, CONFIGS["llama"]).tie_embeddings
+    with pytest.warns(UserWarning, match=want):
+        assert not folder_source(path).config.tie_embeddings
 
 
 def test_tied_config_with_the_embedding_as_head_is_tied(untied_folder, tmp_path):

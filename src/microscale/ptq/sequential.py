@@ -74,6 +74,7 @@ from flax import nnx
 
 from microscale.export.hf import hf_param_name, model_config_from_hf
 from microscale.export.hfquant import load_json, quant_method
+from microscale.export.reader import hf_head_config
 from microscale.export.tensorfile import TensorStore
 from microscale.formats.spec import REGISTRY, get_format
 from microscale.model import (
@@ -245,7 +246,8 @@ def folder_source(path: str | os.PathLike) -> BlockSource:
             "reads float weights (bf16, fp16 or fp32 safetensors)"
         )
     TensorStore(path)  # every header and the index checked before any work
-    return _FolderSource(model_config_from_hf(cfg_json), path)
+    # a tied config.json beside a head of its own: the untied model, as read_checkpoint reads it
+    return _FolderSource(hf_head_config(path, model_config_from_hf(cfg_json)), path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
