@@ -19,7 +19,8 @@ NOT_A_LAYOUT = {
     ("fingerprint.py", "microscale"): "the package's name (the modules a hash covers)",
     ("cli/__init__.py", "microscale"): "the program's name (argparse's prog)",
     ("data/corpus.py", "microscale"): "the cache folder's name (~/.cache/microscale)",
-    ("train/init.py", "hf"): "init_from's source kind (run, quantize or hf), not a layout",
+    ("outputs/folders.py", "hf"): "ExportFolder.source: what a model source that is an HF "
+    "folder is recorded as, not a layout",
     ("outputs/folders.py", "gguf"): "verify's check kind of a GGUF file, not a layout",
 }
 

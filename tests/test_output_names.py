@@ -4,6 +4,10 @@
 literal equal to one of those names anywhere else in ``src/microscale`` fails here, unless
 :data:`ELSEWHERE` says why it names something else; docstrings, comments and longer strings
 (messages, help texts) do not count. Modelled on ``tests/test_layout_names.py``.
+
+The kinds' own names (``OutputKind.name``, and ``OutputKind.source``, the name a model
+source is recorded under: "run", "quantize", "hf") are compared only in ``outputs/``:
+elsewhere a comparison asks for the class (``kind is TrainingRun``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from microscale.outputs import KINDS
-from source_literals import SRC, string_literals
+from source_literals import SRC, compared_literals, string_literals
 
 # Constants too generic to find as literals (dict keys, CLI argument names, orbax's item
 # names): the folder names of a step and the model folder of a quantize output.
@@ -48,6 +52,14 @@ ELSEWHERE = {
     ("export/", "model.safetensors"): "the layouts' weight file",
     ("export/", "model.safetensors.index.json"): "the layouts' shard index",
     ("export/", "manifest.json"): "the microscale layout's manifest (export/manifest.py)",
+}
+
+
+# The kinds' names: what callers call them, and what a model source is recorded under.
+KIND_NAMES = {k.name for k in KINDS} | {k.source for k in KINDS if k.source is not None}
+# (folder prefix, literal): a comparison to a kind's name that compares something else.
+COMPARED_ELSEWHERE = {
+    ("export/", "hf"): "the plain HF layout's name, compared by its owner export/",
 }
 
 
@@ -90,6 +102,41 @@ def test_the_check_sees_a_name(tmp_path):
     (tmp_path / "outputs" / "y.py").write_text('NAME = "config.yaml"\n')
     assert _name_literals(tmp_path) == {("ptq/x.py", "config.yaml"): [6]}
     assert {"config.yaml", "report.json", "microscale_export.json", "model.gguf"} <= set(NAMES)
+
+
+def test_no_kind_name_compared_outside_outputs():
+    found = compared_literals(KIND_NAMES, owner="outputs/")
+    named = [
+        f"{rel}:{','.join(map(str, lines))}: {name!r}"
+        for (rel, name), lines in found.items()
+        if not any(rel.startswith(pre) and name == lit for pre, lit in COMPARED_ELSEWHERE)
+    ]
+    stale = [
+        k for k in COMPARED_ELSEWHERE if not any(r.startswith(k[0]) and n == k[1] for r, n in found)
+    ]
+    assert stale == [], f"COMPARED_ELSEWHERE lists comparisons no longer there: {stale}"
+    assert named == [], (
+        "an output kind's name compared outside microscale.outputs (compare the kind, e.g. "
+        f"`kind is TrainingRun`): {named}"
+    )
+
+
+def test_the_check_sees_a_compared_kind_name(tmp_path):
+    """The check itself: ``kind == "hf"`` and ``kind in ("run", ...)`` are caught; the same
+    names outside a comparison (a recorded value, a docstring) and under outputs/ are not."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "train" / "x.py").write_text(
+        '"""run"""\n\n\ndef f(kind):\n    rec = {"kind": "hf"}\n'
+        '    return kind == "hf" or kind in ("run", "quantize")\n'
+    )
+    (tmp_path / "outputs" / "y.py").write_text('OK = kind == "hf"\n')
+    assert compared_literals(KIND_NAMES, owner="outputs/", src=tmp_path) == {
+        ("train/x.py", "hf"): [6],
+        ("train/x.py", "run"): [6],
+        ("train/x.py", "quantize"): [6],
+    }
+    assert {"run", "quantize", "hf", "quantize output"} <= KIND_NAMES
 
 
 def test_export_folder_names_agree():

@@ -94,6 +94,10 @@ class OutputKind:
     name: ClassVar[str]
     # What it is, in a few words (errors, help texts).
     description: ClassVar[str]
+    # The name a model source of this kind is recorded under (``init_from``'s and
+    # ``quantize``'s ``source.kind``: "run", "quantize", "hf"); None for a kind that is no
+    # model source. Callers compare kinds (``kind is TrainingRun``), never these names.
+    source: ClassVar[str | None] = None
     # The files it names (constants of the class) that verify covers, and those it does
     # not, each with the reason.
     VERIFIED: ClassVar[tuple[str, ...]] = ()
@@ -170,6 +174,7 @@ class TrainingRun(OutputKind):
     """A training run folder (``microscale train``, ``microscale import``)."""
 
     name = "run"
+    source = "run"
     description = "a microscale training run (config.yaml + checkpoints/)"
     CONFIG = "config.yaml"
     CHECKPOINTS = "checkpoints"
@@ -251,6 +256,7 @@ class ExportFolder(OutputKind):
     (``model.safetensors`` + ``manifest.json``)."""
 
     name = "export folder"
+    source = "hf"  # as a model source: an HF-style folder
     description = "an export folder (config.json + *.safetensors)"
     CONFIG = "config.json"
     WEIGHTS = "model.safetensors"
@@ -312,6 +318,7 @@ class QuantizeOutput(OutputKind):
     """A ``microscale quantize`` output folder."""
 
     name = "quantize output"
+    source = "quantize"
     description = (
         "a `microscale quantize` output (report.json + precision_rules.json + checkpoint/ "
         "or model.gguf)"

@@ -114,7 +114,7 @@ class InitSource:
 
     # The init_from path as given.
     path: str
-    # "run", "quantize" or "hf".
+    # The source kind's recorded name (``OutputKind.source``): "run", "quantize" or "hf".
     kind: str
     # Checkpoint step of a run source (the quantized run's step for "quantize"), else None.
     step: int | None
@@ -137,30 +137,30 @@ def _is_hf_folder(path: Path) -> bool:
     return isinstance(kind, Layout) and kind.hf_folder
 
 
-# The output kinds a model source may be, by InitSource.kind's name.
-_SOURCE_KINDS: dict[type[OutputKind] | None, str] = {
-    TrainingRun: "run",
-    QuantizeOutput: "quantize",
-    ExportFolder: "hf",
-}
+# The output kinds a model source may be (each recorded under its ``source`` name).
+_SOURCE_KINDS: tuple[type[OutputKind], ...] = (TrainingRun, QuantizeOutput, ExportFolder)
 # What a model source folder may be (the expected part of the errors).
 SOURCE_KINDS = "a microscale run folder, a `microscale quantize` output or an HF Llama folder"
 
 
-def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> str:
-    """``"run"``, ``"quantize"`` or ``"hf"``: which model folder ``path`` is
-    (:func:`microscale.outputs.kind_of`: a run's ``config.yaml`` + ``checkpoints/``; a
+def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> type[OutputKind]:
+    """``TrainingRun``, ``QuantizeOutput`` or ``ExportFolder``: which model folder ``path``
+    is (:func:`microscale.outputs.kind_of`: a run's ``config.yaml`` + ``checkpoints/``; a
     quantize output's ``precision_rules.json`` + ``report.json``; an HF-style folder's
     ``config.json``), or a ``ValueError`` naming ``what`` (``"init_from="``,
-    ``"--checkpoint"``) and the three kinds."""
+    ``"--checkpoint"``) and the three kinds. Callers compare the class (``kind is
+    TrainingRun``); its ``source`` is the name a run records."""
     p = Path(path).expanduser()
-    kind = _SOURCE_KINDS.get(kind_of(p))
-    if kind is None or (kind == "hf" and not _is_hf_folder(p)):
+    kind = kind_of(p)
+    if kind not in _SOURCE_KINDS or (kind is ExportFolder and not _is_hf_folder(p)):
         raise _not_a_model_folder(path, what=what)
+    assert kind is not None  # one of _SOURCE_KINDS
     return kind
 
 
-def check_model_source(source: str | os.PathLike, *, what: str = "init_from=") -> tuple[Path, str]:
+def check_model_source(
+    source: str | os.PathLike, *, what: str = "init_from="
+) -> tuple[Path, type[OutputKind]]:
     """``(path, kind)`` of a model folder given as ``what`` (``"init_from="``,
     ``"--checkpoint"``), read from names alone before any work: a missing path, a file
     (``model.gguf``) or a folder that is none of the three kinds raises the one-line error
@@ -223,7 +223,7 @@ def load_init_weights(
         flat, got, model = _from_run(path, step)
         return flat, InitSource(
             path=str(source),
-            kind="run",
+            kind=TrainingRun.source,
             step=got,
             weights="master",
             model=model,
@@ -248,7 +248,7 @@ def load_init_weights(
                 else:
                     return flat, InitSource(
                         path=str(source),
-                        kind="quantize",
+                        kind=QuantizeOutput.source,
                         step=got,
                         weights="master",
                         model=model,
@@ -258,7 +258,7 @@ def load_init_weights(
         flat, packed_model = _from_packed(packed)
         return flat, InitSource(
             path=str(source),
-            kind="quantize",
+            kind=QuantizeOutput.source,
             step=None,
             weights="dequantized",
             model=packed_model,
@@ -273,7 +273,7 @@ def load_init_weights(
             {k: np.asarray(v) for k, v in ck.params.items()},
             InitSource(
                 path=str(source),
-                kind="hf",
+                kind=ExportFolder.source,
                 step=None,
                 weights="dequantized" if is_packed else "master",
                 model=ck.config,

@@ -50,7 +50,7 @@ from microscale.data import check_vocab_fits, load_data
 from microscale.export.reader import build_model
 from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
-from microscale.outputs import ExportFolder, QuantizeOutput, TrainingRun
+from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.pipeline import check_quantize_budget, quantize_model
 from microscale.ptq.report import check_quantize_out, write_outputs
@@ -105,6 +105,9 @@ class QuantizeRunConfig:
     # Validation batches for perplexity; None: the run's (8 batches of 2 x 512 tokens for
     # a model folder).
     eval_batches: int | None = None
+    # Replace an existing non-empty output folder (an earlier quantize output only); as
+    # for export, an existing one is refused without it.
+    overwrite: bool = False
 
     def __post_init__(self):
         valid = layout_names(quantize_output=True)
@@ -114,6 +117,8 @@ class QuantizeRunConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 raise ValueError(f"{name}={v!r}: expected an integer >= {lo} or none")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"overwrite={self.overwrite!r}: expected true or false")
 
 
 def quantize_run(
@@ -125,6 +130,7 @@ def quantize_run(
     step: int | None = None,
     eval_batches: int | None = None,
     layout: str = DEFAULT_LAYOUT,
+    overwrite: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> QuantizeResult:
     """Quantize a training run, an HF Llama folder or a quantize output's model (see the
@@ -134,19 +140,22 @@ def quantize_run(
     folder's own tokenizer); ``step``: checkpoint step of a run (default latest);
     ``eval_batches``: validation batches (default: the run's ``data.eval_batches``,
     :data:`MODEL_EVAL_BATCHES` for a model folder); ``layout``: checkpoint layout
-    ("compressed-tensors", "modelopt", "microscale" or "gguf").
+    ("compressed-tensors", "modelopt", "microscale" or "gguf"); ``overwrite``: replace an
+    earlier quantize output at ``out_dir`` (without it an existing non-empty ``out_dir`` is
+    refused before any work, as ``export`` refuses one).
     """
     cfg = QuantizeConfig() if config is None else config
     path, kind = check_model_source(checkpoint, what="--checkpoint")
-    if step is not None and kind != "run":
-        what = "a quantize output" if kind == "quantize" else "an HF folder"
+    if step is not None and kind is not TrainingRun:
+        what = "a quantize output" if kind is QuantizeOutput else "an HF folder"
         raise ValueError(
             f"step={step} applies to a training run folder, but --checkpoint "
             f"{str(checkpoint)!r} is {what}"
         )
-    check_quantize_out(out_dir)  # before any work: not a file, writable, not someone's data
+    # before any work: not a file, writable, not someone's data, existing only with overwrite
+    check_quantize_out(out_dir, overwrite=overwrite)
     row = get_layout(layout)  # an unknown name: refused before any work
-    if kind == "quantize":
+    if kind is QuantizeOutput:
         run = _live_source_run(path)
         if run is not None:
             if log:
@@ -154,12 +163,12 @@ def quantize_run(
                     f"quantize: {path} is a quantize output of step {run[1]} of {run[0]}, "
                     "which still exists: quantizing that run's master weights"
                 )
-            path, step, kind = run[0], run[1], "run"
+            path, step, kind = run[0], run[1], TrainingRun
     tok_file = _tokenizer_file(path, kind)
     if row.check_tokenizer is not None and tok_file is not None:
         row.check_tokenizer(tok_file)  # one the layout cannot store: refused now
     with lock_folder(out_dir):
-        if kind == "run":
+        if kind is TrainingRun:
             return _quantize_run(
                 path,
                 out_dir,
@@ -189,7 +198,7 @@ def _live_source_run(path: Path) -> tuple[Path, int | None] | None:
         return None
     run = Path(run_dir)
     try:
-        if source_kind(run) != "run":
+        if source_kind(run) is not TrainingRun:
             return None
     except ValueError:
         return None
@@ -198,15 +207,23 @@ def _live_source_run(path: Path) -> tuple[Path, int | None] | None:
     return run, step
 
 
-def _tokenizer_file(path: Path, kind: str) -> Path | None:
+def _tokenizer_file(path: Path, kind: type[OutputKind]) -> Path | None:
     """The tokenizer.json a model folder (or a run that saved one) carries."""
-    folder = path / QuantizeOutput.CHECKPOINT if kind == "quantize" else path
+    folder = path / QuantizeOutput.CHECKPOINT if kind is QuantizeOutput else path
     tok = folder / ExportFolder.TOKENIZER
     return tok if tok.is_file() else None
 
 
 def _quantize_folder(
-    path: Path, kind: str, out_dir, cfg: QuantizeConfig, *, corpus, eval_batches, layout, log
+    path: Path,
+    kind: type[OutputKind],
+    out_dir,
+    cfg: QuantizeConfig,
+    *,
+    corpus,
+    eval_batches,
+    layout,
+    log,
 ) -> QuantizeResult:
     """An HF folder, or a quantize output whose run is gone: weights, the folder's own
     tokenizer and ``corpus`` (default :data:`MODEL_DEFAULT_CORPUS`)."""
@@ -222,12 +239,12 @@ def _quantize_folder(
     if tok is None:
         raise FileNotFoundError(
             f"--checkpoint {str(path)!r} has no tokenizer.json"
-            f"{' in checkpoint/' if kind == 'quantize' else ''}; "
+            f"{' in checkpoint/' if kind is QuantizeOutput else ''}; "
             "quantize tokenizes the calibration text with the model's own "
             "tokenizer"
         )
     if corpus is None:
-        recorded = _recorded_corpus(path) if kind == "quantize" else None
+        recorded = _recorded_corpus(path) if kind is QuantizeOutput else None
         corpus = recorded or MODEL_DEFAULT_CORPUS
         say(
             f"quantize: no corpus=: calibrating and evaluating on {corpus!r}"
@@ -244,7 +261,12 @@ def _quantize_folder(
     del flat
     data_cfg = folder_data_config(corpus, tok, model_cfg.max_seq_len, eval_batches)
     source = {
-        "source": {"kind": kind, "path": str(path), "weights": init.weights, "note": init.note}
+        "source": {
+            "kind": kind.source,
+            "path": str(path),
+            "weights": init.weights,
+            "note": init.note,
+        }
     }
     return _calibrate_and_quantize(
         model,
@@ -326,9 +348,10 @@ def _calibrate_and_quantize(
         candidates=candidates,
         log=log,
     )
-    write_outputs(
+    write_outputs(  # out_dir checked before any work with the caller's overwrite, locked since
         result,
         out_dir,
+        overwrite=True,
         model_config=model_cfg,
         tokenizer=tokenizer if tokenizer is not None else data.tokenizer,
         layout=layout,
