@@ -20,6 +20,12 @@ at any moment leaves either the old content or the new one, never a mix or a stu
   process.
 * :func:`check_output_dir`: before any work, the output must not be a file and its parent
   must be writable (tested by creating a probe file: permission bits lie to root).
+* A full disk, a full quota or a read-only file system (``ENOSPC``, ``EDQUOT``, ``EROFS``,
+  and numpy's errno-less short write "N requested and M written") met by
+  :func:`atomic_writer` or :func:`atomic_folder` becomes one :class:`DiskWriteError` that
+  names the output path, the cause, the bytes needed where known and that nothing was
+  written; :func:`check_free_space` (and ``atomic_writer(size=)``) refuses before the
+  first byte when the file system has less room than a known output size.
 
 This module imports only the standard library (``yaml`` lazily).
 """
@@ -34,13 +40,16 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "DiskWriteError",
     "FolderLock",
     "FolderLockedError",
     "atomic_folder",
@@ -49,6 +58,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_yaml",
     "atomic_writer",
+    "check_free_space",
     "check_output_dir",
     "check_output_file",
     "lock_folder",
@@ -64,21 +74,122 @@ def _tmp_sibling(path: Path, tag: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{next(_counter)}")
 
 
+# ----------------------------------------------------------------------------- full disks
+
+
+class DiskWriteError(OSError):
+    """A write failed for lack of room (``ENOSPC``, ``EDQUOT``) or on a read-only file
+    system (``EROFS``); the message names the output path, the cause, the bytes needed
+    where known and that nothing was written (the partial output is removed)."""
+
+
+_DISK_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+}
+# numpy's ``tofile`` / ``fromfile`` short write: an OSError without an errno.
+_SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
+# tensorstore (orbax checkpoints) reports the errno as text in a ValueError.
+_TEXT_ERRNO = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding ``path`` (its
+    nearest existing ancestor); None where the OS cannot tell."""
+    p = Path(path).absolute()
+    for anc in (p, *p.parents):
+        if anc.exists():
+            try:
+                st = os.statvfs(anc)
+            except OSError:
+                return None
+            return st.f_bavail * st.f_frsize
+    return None
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
+
+
+def check_free_space(path: str | os.PathLike, needed: int, *, what: str = "output") -> None:
+    """Refuse, before any byte is written, when the file system holding ``path`` has less
+    room than ``needed`` bytes (the known size of what will be written there)."""
+    free = free_bytes(path)
+    if free is not None and needed > free:
+        raise _disk_write_error(errno.ENOSPC, Path(path), what, needed, free)
+
+
+def _disk_write_error(
+    cause: int, path: Path, what: str, needed: int | None, free: int | None
+) -> DiskWriteError:
+    detail = _DISK_CAUSES[cause]
+    if cause != errno.EROFS:
+        parts = ([f"{_bytes(needed)} needed"] if needed else []) + (
+            [f"{_bytes(free)} free"] if free is not None else []
+        )
+        if parts:
+            detail += ": " + ", ".join(parts)
+    err = DiskWriteError(f"cannot write {what} {str(path)!r}: {detail}; nothing was written")
+    err.errno = cause  # (not .filename: str() stays the one sentence above)
+    err.needed = needed  # type: ignore[attr-defined]
+    return err
+
+
+def disk_cause(e: BaseException) -> int | None:
+    """The errno of a full disk, full quota or read-only file system behind ``e`` (an
+    ``OSError``, numpy's errno-less short write, or tensorstore's text); None for others."""
+    if isinstance(e, OSError) and e.errno in _DISK_CAUSES:
+        return e.errno
+    text = str(e)
+    if isinstance(e, OSError) and e.errno is None and _SHORT_WRITE.search(text):
+        return errno.ENOSPC
+    m = _TEXT_ERRNO.search(text)
+    if m and int(m.group(1)) in _DISK_CAUSES:
+        return int(m.group(1))
+    return None
+
+
+def disk_error(
+    e: BaseException, path: Path, *, what: str, needed: int | None = None
+) -> DiskWriteError | None:
+    """``e`` (a write's error) as one :class:`DiskWriteError` naming ``path`` when it is a
+    full disk, quota or read-only file system; None otherwise."""
+    if isinstance(e, DiskWriteError):
+        needed = getattr(e, "needed", None) if needed is None else needed
+    cause = disk_cause(e)
+    if cause is None:
+        return None
+    return _disk_write_error(cause, path, what, needed, free_bytes(path))
+
+
 # ----------------------------------------------------------------------------- files
 
 
 @contextlib.contextmanager
 def atomic_writer(
-    path: str | os.PathLike, mode: str = "wb", *, encoding: str | None = None
+    path: str | os.PathLike,
+    mode: str = "wb",
+    *,
+    encoding: str | None = None,
+    size: int | None = None,
+    what: str = "file",
 ) -> Iterator[IO]:
     """``with atomic_writer(p, "wb") as f: ...``: ``f`` is a temporary sibling of ``p``; at
     the end of the block it is synced and renamed to ``p``. The parent folder is created if
-    missing. On an exception nothing is renamed and the temporary file is removed."""
+    missing. On an exception nothing is renamed and the temporary file is removed. ``size``
+    (the bytes to be written, where known) is checked against the free space first; a full
+    disk or read-only file system raises :class:`DiskWriteError` naming ``p``."""
     if mode not in ("w", "wb", "wt"):
         raise ValueError(f"atomic_writer mode={mode!r}: expected 'w', 'wt' or 'wb'")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(e, path, what=what, needed=size) or e from None
     _recover(path)  # a killed writer's temporary file (dead PID) goes first
+    if size is not None:
+        check_free_space(path, size, what=what)
     tmp = _tmp_sibling(path)
     if "b" not in mode and encoding is None:
         encoding = "utf-8"
@@ -88,9 +199,12 @@ def atomic_writer(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        err = disk_error(e, path, what=what, needed=size)
+        if err is not None:
+            raise err from None
         raise
 
 
@@ -234,26 +348,47 @@ def replace_folder(new: str | os.PathLike, dest: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_folder(
+    path: str | os.PathLike, *, overwrite: bool = False, what: str = "output folder"
+) -> Iterator[Path]:
     """``with atomic_folder(out) as tmp: write into tmp``: on success ``tmp`` replaces
     ``out`` (:func:`replace_folder`); on an exception ``tmp`` is deleted and ``out`` is
-    untouched. An existing ``out`` raises ``FileExistsError`` unless ``overwrite``."""
+    untouched. An existing ``out`` raises ``FileExistsError`` unless ``overwrite``. A full
+    disk or read-only file system, met by any write inside, raises :class:`DiskWriteError`
+    naming ``out`` (and the bytes needed where the failing write knew them)."""
     path = Path(path).absolute()
     _recover(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; expected an output folder")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise disk_error(e, path, what=what) or e from None
     try:
         yield tmp
         replace_folder(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        _remove_settled(tmp)
+        err = disk_error(e, path, what=what)
+        if err is not None:
+            raise err from None
         raise
+
+
+def _remove_settled(folder: Path, *, tries: int = 40, pause: float = 0.05) -> None:
+    """Delete ``folder``, again while a writer that outlived the failure still adds to it
+    (a failed orbax save: tensorstore finishes its other writes in its own threads, after
+    the save has raised), until it stays gone for one ``pause`` (at most ``tries`` times)."""
+    for _ in range(tries):
+        shutil.rmtree(folder, ignore_errors=True)
+        time.sleep(pause)
+        if not folder.exists():
+            return
 
 
 # ----------------------------------------------------------------------------- locks

@@ -8,6 +8,7 @@ Each subcommand lives in its own module `microscale.cli.<name>` exposing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -65,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
     No input ends in a traceback: argument errors and every error a command raises are
     printed as one line on stderr, ``microscale COMMAND: error: ...`` (exit 2; 130 when
-    interrupted). ``MICROSCALE_TRACEBACK=1`` adds the traceback, for bug reports.
+    interrupted). ``MICROSCALE_TRACEBACK=1`` adds the traceback, for bug reports. Run as
+    the program (no ``argv``), the error line stays the last thing on stderr: nothing a
+    library prints while the process winds down follows it (:func:`_last_line_on_stderr`).
     """
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         name = argv[0]
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # --help, or an unknown command: exits
         return 2
     try:
-        return int(module.run(args) or 0)
+        rc = int(module.run(args) or 0)
     except KeyboardInterrupt:
         print(f"microscale {name}: interrupted", file=sys.stderr)
         return 130
@@ -104,7 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        return 2
+        rc = 2
+    if rc == 2 and from_command_line and not os.environ.get("MICROSCALE_TRACEBACK"):
+        _last_line_on_stderr()
+    return rc
+
+
+def _last_line_on_stderr() -> None:
+    """Keep the error line just printed the last thing on stderr: the process exits next,
+    and a library's threads may still print their teardown (a failed orbax save's writes
+    finishing after its event loop closed, tensorstore's, absl's) to file descriptor 2.
+    Only for the program itself (``main()`` reading ``sys.argv``), never for a caller."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
 if __name__ == "__main__":  # pragma: no cover

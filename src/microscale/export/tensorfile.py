@@ -416,7 +416,8 @@ def write_safetensors(
         arrays[name] = _as_array(name, x)
     sums = json.dumps(crc32_many(arrays), separators=(",", ":"), sort_keys=True)
     raw, order = _header_bytes(arrays, {**(metadata or {}), CRC_KEY: sums})
-    with atomic_writer(path, "wb") as f:
+    size = 8 + len(raw) + sum(a.nbytes for a in arrays.values())
+    with atomic_writer(path, "wb", size=size, what="safetensors file") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name in order:

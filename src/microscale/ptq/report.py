@@ -38,6 +38,7 @@ from microscale.export import LayerQuant, flat_params
 from microscale.export.manifest import read_manifest, write_manifest
 from microscale.export.registry import DEFAULT_LAYOUT, Layout, get_layout
 from microscale.files import (
+    DiskWriteError,
     atomic_folder,
     atomic_write_text,
     check_output_dir,
@@ -126,7 +127,7 @@ def write_outputs(
     or an earlier quantize output (:func:`check_quantize_out`)."""
     with lock_folder(out_dir):
         check_quantize_out(out_dir)
-        with atomic_folder(out_dir, overwrite=True) as tmp:
+        with atomic_folder(out_dir, overwrite=True, what="quantize output folder") as tmp:
             return _write_outputs(
                 result,
                 tmp,
@@ -163,6 +164,8 @@ def _write_outputs(
     if model_config is not None and row.writes_model:
         try:
             checkpoint = _export(result, ck_dir, model_config, tokenizer, row)
+        except DiskWriteError:  # a full disk fills the fallback too: name it at once
+            raise
         except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
             reason = f"{type(e).__name__}: {e}"
             say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")

@@ -39,8 +39,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,6 +52,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from microscale.files import disk_cause
 from microscale.integrity import (
     CorruptDataError,
     check_finite,
@@ -112,10 +115,62 @@ def abstract_like(tree):
     return jax.tree.map(leaf, tree)
 
 
+class _OrbaxDiskNoise(logging.Filter):
+    """Drops orbax's log of a save thread that failed on a full disk or read-only file
+    system: the same error is raised to the caller of the save, who names the folder."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            exc is not None
+            and "_SignalingThread.run() raised" in str(record.msg)
+            and disk_cause(exc) is not None
+        )
+
+
+def _closed_loop_callback(u) -> bool:
+    """An unraisable ``RuntimeError('Event loop is closed')`` from asyncio's
+    ``call_soon_threadsafe``: a tensorstore write finishing after orbax closed the event
+    loop of a save that had already failed (its ``asyncio.gather`` stops at the first
+    error; the other writes complete later, in tensorstore's threads)."""
+    tb = u.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (
+        isinstance(u.exc_value, RuntimeError)
+        and str(u.exc_value) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"
+    )
+
+
+def _quiet_failed_save_teardown() -> None:
+    """Keep the teardown of a failed orbax save (a full disk: one error per tensor write
+    and a traceback per write that finishes after the loop closed, some of them after the
+    caller has printed its error) off stderr; the save's own error still reaches the
+    caller. Installed once per process, on the first :class:`Checkpointer`."""
+    global _teardown_quiet
+    if _teardown_quiet:
+        return
+    _teardown_quiet = True
+    logging.getLogger("absl").addFilter(_OrbaxDiskNoise())
+    previous = sys.unraisablehook
+
+    def hook(u) -> None:
+        if not _closed_loop_callback(u):
+            previous(u)
+
+    sys.unraisablehook = hook
+
+
+_teardown_quiet = False
+
+
 class Checkpointer:
     """Save / restore ``(state pytree, meta dict)`` pairs under a directory, keep the last K."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+        _quiet_failed_save_teardown()
         self.directory = Path(directory).absolute()
         self._closed = False
         opts = ocp.CheckpointManagerOptions(

@@ -303,7 +303,10 @@ def _write_file(
     w.add_string(CRC_HEADER_KEY, "00000000")
     for tname, arr, raw in tensors:
         w.add_tensor(tname, arr, raw_dtype=raw)
-    with atomic_writer(out, "wb") as fh:
+    # The tensors' bytes (the header adds a little): refused before writing when they
+    # cannot fit; a disk that fills anyway is named by atomic_writer (DiskWriteError).
+    size = sum(arr.nbytes for _, arr, _ in tensors)
+    with atomic_writer(out, "wb", size=size, what="GGUF file") as fh:
         w.open_output_file(Path(fh.name))
         w.write_header_to_file()
         w.write_kv_data_to_file()
