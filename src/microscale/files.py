@@ -19,7 +19,9 @@ at any moment leaves either the old content or the new one, never a mix or a stu
   :class:`FolderLockedError`, naming the folder and the holder's PID. Re-entrant within a
   process.
 * :func:`check_output_dir`: before any work, the output must not be a file and its parent
-  must be writable (tested by creating a probe file: permission bits lie to root).
+  must be writable (tested by creating a probe file: permission bits lie to root);
+  :func:`check_replace_dir`: that, and an existing non-empty output is replaced only with
+  ``overwrite`` (the rule of ``export`` and ``quantize`` alike).
 * A full disk, a full quota or a read-only file system (``ENOSPC``, ``EDQUOT``, ``EROFS``,
   and numpy's errno-less short write "N requested and M written") met by
   :func:`atomic_writer` or :func:`atomic_folder` becomes one :class:`DiskWriteError` that
@@ -44,7 +46,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -61,6 +63,7 @@ __all__ = [
     "check_free_space",
     "check_output_dir",
     "check_output_file",
+    "check_replace_dir",
     "lock_folder",
     "read_json",
     "read_text",
@@ -533,6 +536,33 @@ def check_output_dir(path: str | os.PathLike, *, what: str = "output folder") ->
         raise NotADirectoryError(f"{what} {str(path)!r} is a file; expected a folder")
     _check_parent(p, what, path)
     return p
+
+
+def check_replace_dir(
+    path: str | os.PathLike,
+    *,
+    overwrite: bool,
+    what: str = "output folder",
+    earlier: Callable[[Path], bool] | None = None,
+    earlier_what: str = "an earlier output",
+) -> Path:
+    """The one rule of every command that writes an output folder (``export``,
+    ``quantize``), before any work: :func:`check_output_dir`, and an existing non-empty
+    folder is refused unless ``overwrite``; with ``overwrite`` it is replaced only when
+    ``earlier(folder)`` says it is an earlier output of the same command (``earlier_what``
+    in the message), so ``overwrite=true`` never deletes someone else's data."""
+    out = check_output_dir(path, what=what)
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{what} {str(path)!r} is not empty; pass overwrite=True "
+                "(CLI: overwrite=true) to replace it"
+            )
+        if earlier is not None and not earlier(out):
+            raise FileExistsError(
+                f"refusing to overwrite {str(path)!r}: it does not look like {earlier_what}"
+            )
+    return out
 
 
 def check_input_dir(path: str | os.PathLike, *, what: str, expected: str) -> Path:

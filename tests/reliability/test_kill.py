@@ -148,12 +148,13 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
         "late": lambda: _late(out),
     }[moment]
     _kill_when(
-        ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", *_Q],
+        ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true", *_Q],
         cond,
         hang_guard_s,
     )
     assert _quantize_complete(out)["budget"] in (old_budget, 5.0)
-    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", *_Q]) == 0
+    again = ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true"]
+    assert main([*again, *_Q]) == 0
     assert _quantize_complete(out)["budget"] == 5.0
     assert [p.name for p in out.parent.iterdir()] == ["q"]
 

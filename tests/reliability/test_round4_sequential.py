@@ -128,3 +128,65 @@ def test_a_clean_folder_passes_the_scan(hf_folder):
     src = Counting(folder_source(hf_folder))
     out = sequential_gptq(src, _batches(), _formats(), ptq=WeightPTQ())
     assert src.blocks == CFG.n_layers and len(out.weights) == len(_formats())
+
+
+# ------------------------------------------------ quantize and export: one rule for outputs
+
+_EARLIER_Q = {"report.json": "{}", "precision_rules.json": "{}"}  # an earlier quantize output
+_EARLIER_X = {"config.json": "{}"}  # an earlier export
+_SOMEONES = {"notes.txt": "mine"}  # no output of either command
+
+OUT_ROWS = {
+    "quantize over an earlier output": ("quantize", _EARLIER_Q, [], r"quantize output folder '.*/out' is not empty; pass overwrite=True \(CLI: overwrite=true\) to replace it"),
+    "quantize overwrite=true over someone's folder": ("quantize", _SOMEONES, ["overwrite=true"], r"refusing to overwrite '.*/out': it does not look like an earlier quantize output"),
+    "export over an earlier output": ("export", _EARLIER_X, [], r"output folder '.*/out' is not empty; pass overwrite=True \(CLI: overwrite=true\) to replace it"),
+    "export overwrite=true over someone's folder": ("export", _SOMEONES, ["overwrite=true"], r"refusing to overwrite '.*/out': it does not look like an exported model"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "held", "keys", "match"), OUT_ROWS.values(), ids=list(OUT_ROWS)
+)
+def test_an_existing_output_is_replaced_only_with_overwrite(
+    tmp_path, tiny_run, monkeypatch, capsys, command, held, keys, match
+):
+    """quantize and export share one rule (microscale.files.check_replace_dir), checked
+    before any work: the folder is left as it was and nothing is computed."""
+    import re
+
+    import microscale.workflows.quantize as wq
+    from microscale.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the output folder was checked")
+
+    monkeypatch.setattr(wq, "quantize_model", no_work)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in held.items():
+        (out / name).write_text(text)
+    assert main([command, "-c", str(tiny_run), "--out", str(out), *keys]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(match, err[0]), err
+    assert {p.name: p.read_text() for p in out.iterdir()} == held
+
+
+def test_quantize_overwrite_true_passes_the_check(tmp_path, tiny_run, monkeypatch, capsys):
+    """overwrite=true reaches the work over an earlier quantize output (the replacement
+    itself: tests/reliability/test_kill.py)."""
+    import microscale.workflows.quantize as wq
+    from microscale.cli import main
+
+    class Reached(Exception):
+        pass
+
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(wq, "quantize_model", reached)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in _EARLIER_Q.items():
+        (out / name).write_text(text)
+    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "overwrite=true", "-q"]) == 2
+    assert "error: Reached" in capsys.readouterr().err  # the work began

@@ -11,11 +11,13 @@
         # the budget counts the whole model; the search picks the token embedding's format
     microscale quantize -c /models/SmolLM2-135M -o out/s corpus=texts/
         # an HF model folder, calibrated on texts/ with the model's own tokenizer
+    microscale quantize -c runs/tiny -o out/q budget=4.5 overwrite=true
+        # replaces the earlier quantize output out/q (without it: refused, as export does)
     microscale quantize --list-keys                  # every key with its value and meaning
 
 The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the nested
 ``ptq.``) and of :class:`~microscale.workflows.quantize.QuantizeRunConfig` (``layout``,
-``corpus``, ``step``, ``eval_batches``); a layout's ``quantize_preset`` comes first
+``corpus``, ``step``, ``eval_batches``, ``overwrite``); a layout's ``quantize_preset`` comes first
 (``layout=gguf``: ``QuantizeConfig.for_gguf()``'s formats and heuristic), then the keys. The flags before ``key=value`` (``--budget 5``,
 ``--w4a4``, ``--target gguf``, ...) are gone: each is refused with one line naming its key
 (:data:`REMOVED_FLAGS`, docs/release-notes.md). Everything else is

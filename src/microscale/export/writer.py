@@ -39,7 +39,13 @@ from microscale.export.hflayouts import HF_QUANT, hf_quant
 from microscale.export.params import check_params, flat_params
 from microscale.export.tensorfile import DTYPES, write_sharded
 from microscale.export.tokenizer import write_tokenizer
-from microscale.files import atomic_folder, atomic_write_json, check_output_dir, lock_folder
+from microscale.files import (
+    atomic_folder,
+    atomic_write_json,
+    check_output_dir,
+    check_replace_dir,
+    lock_folder,
+)
 from microscale.formats import QArray
 from microscale.model import ModelConfig
 from microscale.outputs import ExportFolder
@@ -208,20 +214,14 @@ def export_checkpoint(
 
 def check_export_out(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
     """Fail fast unless ``out_dir`` can take an export: a writable new or empty folder, or
-    (with ``overwrite``) an earlier exported model (``config.json`` present)."""
-    out = check_output_dir(out_dir, what="output folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"output folder {str(out)!r} is not empty; pass "
-                "overwrite=True (CLI: overwrite=true) to replace it"
-            )
-        if not (out / "config.json").is_file():
-            raise FileExistsError(
-                f"refusing to overwrite {str(out)!r}: it does not look like "
-                "an exported model (no config.json)"
-            )
-    return out
+    (with ``overwrite``) an earlier exported model (``config.json`` present); the rule of
+    :func:`~microscale.files.check_replace_dir`, which ``quantize`` follows too."""
+    return check_replace_dir(
+        out_dir,
+        overwrite=overwrite,
+        earlier=lambda out: (out / "config.json").is_file(),
+        earlier_what="an exported model (no config.json)",
+    )
 
 
 def _export_layers(cfg, layout, ck_layers, ck_scales, layer_formats, activations, input_amax):

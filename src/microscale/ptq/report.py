@@ -41,7 +41,7 @@ from microscale.files import (
     DiskWriteError,
     atomic_folder,
     atomic_write_text,
-    check_output_dir,
+    check_replace_dir,
     lock_folder,
     save_figure,
 )
@@ -119,14 +119,15 @@ def write_outputs(
     tokenizer=None,
     layout: str = DEFAULT_LAYOUT,
     log: Callable[[str], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write every output file under ``out_dir`` (see the module doc); returns the report.
 
     The files are written into a temporary sibling folder that replaces ``out_dir`` only
     when complete (:func:`microscale.files.atomic_folder`); ``out_dir`` must be new, empty
-    or an earlier quantize output (:func:`check_quantize_out`)."""
+    or, with ``overwrite``, an earlier quantize output (:func:`check_quantize_out`)."""
     with lock_folder(out_dir):
-        check_quantize_out(out_dir)
+        check_quantize_out(out_dir, overwrite=overwrite)
         with atomic_folder(out_dir, overwrite=True, what="quantize output folder") as tmp:
             return _write_outputs(
                 result,
@@ -139,18 +140,18 @@ def write_outputs(
             )
 
 
-def check_quantize_out(out_dir: str | os.PathLike) -> Path:
+def check_quantize_out(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Fail fast unless ``out_dir`` can take quantize outputs: a writable new or empty
-    folder, or an earlier quantize output (:class:`~microscale.outputs.QuantizeOutput`),
-    which is replaced."""
-    out = check_output_dir(out_dir, what="quantize output folder")
-    if out.is_dir() and any(out.iterdir()) and not QuantizeOutput.detect(out):
-        raise FileExistsError(
-            f"quantize output folder {str(out_dir)!r} is not empty and is "
-            "not an earlier quantize output (no report.json + "
-            "precision_rules.json); choose a new or empty folder"
-        )
-    return out
+    folder, or (with ``overwrite``) an earlier quantize output
+    (:class:`~microscale.outputs.QuantizeOutput`), which is replaced: the rule ``export``
+    follows too (:func:`~microscale.files.check_replace_dir`)."""
+    return check_replace_dir(
+        out_dir,
+        overwrite=overwrite,
+        what="quantize output folder",
+        earlier=QuantizeOutput.detect,
+        earlier_what="an earlier quantize output (no report.json + precision_rules.json)",
+    )
 
 
 def _write_outputs(
