@@ -31,6 +31,7 @@ from microscale.formats.spec import GGML_FORMATS, get_ggml_format
 from microscale.model import ModelConfig, Transformer
 from microscale.ptq.sequential import folder_source
 from microscale.train import load_checkpoint
+from microscale.train.init import source_model
 
 TYPES = list(GGML_FORMATS)
 
@@ -316,6 +317,8 @@ def test_tied_config_with_its_own_head_keeps_the_head(untied_folder, tmp_path):
         assert not hf_head_config(path, CONFIGS["llama"]).tie_embeddings
     with pytest.warns(UserWarning, match=want):
         assert not folder_source(path).config.tie_embeddings
+    with pytest.warns(UserWarning, match=want):  # train init_from=<folder>
+        assert not source_model(path)[0].tie_embeddings  # type: ignore[index]
 
 
 def test_tied_config_with_the_embedding_as_head_is_tied(untied_folder, tmp_path):

@@ -40,6 +40,7 @@ import numpy as np
 from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides
 from microscale.export import flat_params, read_checkpoint
 from microscale.export.hf import model_config_from_hf
+from microscale.export.reader import hf_head_config
 from microscale.export.registry import Layout, detect
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
@@ -349,6 +350,7 @@ def source_model(source: str | os.PathLike) -> tuple[ModelConfig, Path | None, s
         where = str(path / ExportFolder.CONFIG)
         try:
             model = model_config_from_hf(read_json(where, what=ExportFolder.CONFIG))
+            model = hf_head_config(path, model)  # as load_init_weights' read_checkpoint
         except ValueError as e:
             raise ValueError(f"init_from={str(source)!r}: {e}") from None
         return model, tok, where
