@@ -39,7 +39,7 @@ import numpy as np
 
 from microscale.config import ConfigError, apply_overrides, load_yaml, parse_overrides
 from microscale.export import flat_params, read_checkpoint
-from microscale.export.hf import model_config_from_hf
+from microscale.export.hf import _HF_KEYS, model_config_from_hf
 from microscale.export.reader import hf_head_config
 from microscale.export.registry import Layout, detect
 from microscale.files import check_input_dir, read_json
@@ -85,26 +85,8 @@ _MODEL_FIELDS = (
     "rope_local_theta",
     "query_pre_attn_scalar",
 )
-# config.json's names of those fields (and of max_seq_len), for messages.
-_HF_NAMES = {
-    "vocab_size": "vocab_size",
-    "d_model": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads",
-    "d_ff": "intermediate_size",
-    "attn_head_dim": "head_dim",
-    "family": "model_type",
-    "sliding_window": "sliding_window",
-    "sliding_window_pattern": "sliding_window_pattern",
-    "rope_local_theta": "rope_local_base_freq",
-    "query_pre_attn_scalar": "query_pre_attn_scalar",
-    "tie_embeddings": "tie_word_embeddings",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "norm_eps": "rms_norm_eps",
-    "max_seq_len": "max_position_embeddings",
-}
+# config.json's names of those fields (and of max_seq_len), for messages: export.hf's table.
+_HF_NAMES = {**_HF_KEYS, "family": "model_type"}
 # Mismatches named in check_init_shapes' error (the rest are counted).
 _SHOWN = 4
 
