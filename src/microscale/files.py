@@ -115,20 +115,24 @@ def _bytes(n: int) -> str:
     return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
 
 
-def check_free_space(path: str | os.PathLike, needed: int, *, what: str = "output") -> None:
+def check_free_space(
+    path: str | os.PathLike, needed: int, *, what: str = "output", floor: bool = False
+) -> None:
     """Refuse, before any byte is written, when the file system holding ``path`` has less
-    room than ``needed`` bytes (the known size of what will be written there)."""
+    room than ``needed`` bytes (the known size of what will be written there; ``floor``:
+    the least it can be, said as "at least")."""
     free = free_bytes(path)
     if free is not None and needed > free:
-        raise _disk_write_error(errno.ENOSPC, Path(path), what, needed, free)
+        raise _disk_write_error(errno.ENOSPC, Path(path), what, needed, free, floor=floor)
 
 
 def _disk_write_error(
-    cause: int, path: Path, what: str, needed: int | None, free: int | None
+    cause: int, path: Path, what: str, needed: int | None, free: int | None, floor: bool = False
 ) -> DiskWriteError:
     detail = _DISK_CAUSES[cause]
     if cause != errno.EROFS:
-        parts = ([f"{_bytes(needed)} needed"] if needed else []) + (
+        least = "at least " if floor else ""
+        parts = ([f"{least}{_bytes(needed)} needed"] if needed else []) + (
             [f"{_bytes(free)} free"] if free is not None else []
         )
         if parts:

@@ -119,7 +119,9 @@ ROWS = {
     "quantize, full": (
         ["quantize", "-c", "{run}", "--out", "{mnt}/q", "--quiet", "formats=nvfp4,bf16",
          "pareto_budgets=8", "uniform_formats=nvfp4", "ptq_effects=false", "budget=16"],
-        rf"^microscale quantize: error: cannot write quantize output folder '{{mnt}}/q'{FULL}",
+        # refused before the analysis: the least the output can take does not fit
+        r"^microscale quantize: error: cannot write quantize output folder '{mnt}/q': no space "
+        r"left on the device: at least [\d,]+ bytes needed, [\d,]+ bytes free" + NOTHING,
         "needed",
     ),
     "export gguf, read-only": (

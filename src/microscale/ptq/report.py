@@ -41,6 +41,7 @@ from microscale.files import (
     DiskWriteError,
     atomic_folder,
     atomic_write_text,
+    check_free_space,
     check_replace_dir,
     lock_folder,
     save_figure,
@@ -138,6 +139,21 @@ def write_outputs(
                 log=log,
                 shown=Path(out_dir),
             )
+
+
+def check_quantize_space(out_dir: str | os.PathLike, model, formats) -> None:
+    """Refuse before any work when the file system of ``out_dir`` cannot hold the least
+    the output's model can take: every parameter at the cheapest bits per element of
+    ``formats`` (the search's candidates and pins), reports and plots not counted. Skipped
+    when a name is not a registry format (a layout's own block types: no bound known)."""
+    try:
+        bits = min(get_format(f).bits_per_element for f in formats)
+    except ValueError:
+        return
+    numel = sum(int(np.prod(np.shape(a))) for a in flat_params(model).values())
+    check_free_space(
+        out_dir, math.ceil(numel * bits / 8), what="quantize output folder", floor=True
+    )
 
 
 def check_quantize_out(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:

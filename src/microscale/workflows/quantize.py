@@ -53,7 +53,7 @@ from microscale.files import lock_folder
 from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.pipeline import check_quantize_budget, quantize_model
-from microscale.ptq.report import check_quantize_out, write_outputs
+from microscale.ptq.report import check_quantize_out, check_quantize_space, write_outputs
 from microscale.ptq.result import QuantizeResult
 from microscale.ptq.run import (
     MODEL_EVAL_BATCHES,
@@ -329,6 +329,11 @@ def _calibrate_and_quantize(
     row = get_layout(layout)
     candidates = row.candidates(model_cfg, cfg.formats) if row.candidates else {}
     check_quantize_budget(model, cfg, candidates)  # below the cheapest allocation: no work
+    check_quantize_space(  # a disk that cannot hold the cheapest output: no work either
+        out_dir,
+        model,
+        [*cfg.formats, *(f for _, f in cfg.pin), *(f for fs in candidates.values() for f in fs)],
+    )
     data = load_data(data_cfg)
     check_vocab_fits(
         data.vocab_size,
