@@ -20,7 +20,8 @@ Modules: :mod:`~microscale.ptq.search` (exact multiple-choice knapsack),
 :mod:`~microscale.ptq.awq` (activation-aware per-channel scales folded into the model),
 :mod:`~microscale.ptq.engine` and :mod:`~microscale.ptq.tap` (the model as
 traced functions: per-layer inputs and output gradients from one backward pass),
-:mod:`~microscale.ptq.pipeline` (the run's phases), :mod:`~microscale.ptq.config` (its
+:mod:`~microscale.ptq.pipeline` (the run's phases), :mod:`~microscale.ptq.problem` (the
+search's problem over the layers, the budget check), :mod:`~microscale.ptq.config` (its
 options), :mod:`~microscale.ptq.evaluate` (validation of allocations, the PTQ-effects
 table), :mod:`~microscale.ptq.result` (what it decided, ``report.json``),
 :mod:`~microscale.ptq.run` (the calibrator quantize and export share, a run's trained
@@ -36,7 +37,8 @@ from microscale.ptq.config import DEFAULT_FORMATS, QuantizeConfig
 from microscale.ptq.engine import ActQuant, Engine, next_token_loss
 from microscale.ptq.evaluate import heuristic_allocation
 from microscale.ptq.gptq import gptq_quantize
-from microscale.ptq.pipeline import check_quantize_budget, quantize_model
+from microscale.ptq.pipeline import quantize_model
+from microscale.ptq.problem import check_quantize_budget
 from microscale.ptq.report import read_own_checkpoint, write_outputs
 from microscale.ptq.result import QuantizeResult, allocation_rules, ptq_recipe
 from microscale.ptq.run import (

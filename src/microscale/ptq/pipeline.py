@@ -48,7 +48,6 @@ the same rule object training and export use) and the quantized weights
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -60,20 +59,13 @@ from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine, LossFn
 from microscale.ptq.evaluate import Evaluator, evaluate, ptq_effects
 from microscale.ptq.phases import Phases
+from microscale.ptq.problem import search_problem, setup
 from microscale.ptq.result import QuantizeResult, allocation_rules
-from microscale.ptq.search import (
-    EMBED_ITEM,
-    Allocation,
-    Problem,
-    check_budget,
-    group_layers,
-    linear_formats,
-    search,
-)
+from microscale.ptq.search import EMBED_ITEM, Allocation, linear_formats, search
 from microscale.ptq.sensitivity import ONE_PASS, monotone, score, table_scores
 from microscale.ptq.weights import WeightCache, weight_stats
 
-__all__ = ["check_quantize_budget", "quantize_model"]
+__all__ = ["quantize_model"]
 
 
 def quantize_model(
@@ -123,7 +115,7 @@ def quantize_model(
     embed = _score_embedding(engine, calib, cfg, phases)
     # 3. search
     with phases.phase("search", total=1, unit="solve"):
-        problem = _problem(engine, cfg, scores, groups, pinned, embed, options)
+        problem = search_problem(engine, cfg, scores, groups, pinned, embed, options)
         alloc = search(problem, cfg.budget, solver=cfg.solver)
     if embed is not None:
         embed["format"] = alloc.formats[EMBED_ITEM]
@@ -180,7 +172,7 @@ def _prepare(
     phase: the folded model has the same layers and sizes."""
     with phases.phase("setup", total=1, unit="model"):
         engine = Engine(model, loss_fn=loss_fn)
-    groups, pinned, trained = _setup(engine, cfg, calib, evals, trained, say, options)
+    groups, pinned, trained = setup(engine, cfg, calib, evals, trained, say, options)
     awq = None
     if cfg.awq:
         model, awq = _awq(model, calib, cfg, loss_fn, phases, say)
@@ -246,97 +238,6 @@ def _result(
         engine=engine,
         **fields,
     )
-
-
-def _setup(
-    engine: Engine,
-    cfg: QuantizeConfig,
-    calib: Sequence[np.ndarray],
-    evals: Sequence[np.ndarray],
-    trained: Mapping[str, str] | None,
-    say: Callable[[str], None],
-    options: Mapping[str, tuple[str, ...]],
-) -> tuple[dict[str, str], dict[str, str], dict[str, str] | None]:
-    """The layers' groups, pins and trained formats (:func:`_trained`); refuses a run
-    without calibration or evaluation batches."""
-    if not calib or not evals:
-        raise ValueError(
-            f"quantize_model needs calibration and evaluation batches (got "
-            f"{len(calib)} and {len(evals)})"
-        )
-    groups = group_layers(engine.paths, cfg.groups)
-    pinned = _pins(engine.paths, cfg.pin)
-    _check_budget(engine, cfg, groups, pinned, options)
-    say(
-        f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
-        f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
-    )
-    return groups, pinned, _trained(trained, engine.paths, pinned)
-
-
-def _check_budget(
-    engine: Engine,
-    cfg: QuantizeConfig,
-    groups: Mapping[str, str],
-    pinned: Mapping[str, str],
-    options: Mapping[str, tuple[str, ...]] | None = None,
-) -> None:
-    """Refuse a budget below the cheapest allocation before any work: the cheapest
-    allocation depends on the layers' sizes, candidates, groups and pins, not on scores
-    (:func:`~microscale.ptq.search.check_budget` of the search's problem, scores zero)."""
-    fmts = cfg.searched_embed_formats
-    embed = None
-    if fmts and engine.tables:  # the token embedding item, as _score_embedding makes it
-        embed = {
-            "numel": engine.table_numel,
-            "candidates": list(fmts),
-            "scores": dict.fromkeys(fmts, 0.0),
-        }
-    zero = {p: dict.fromkeys(cfg.formats, 0.0) for p in engine.paths}
-    check_budget(_problem(engine, cfg, zero, groups, pinned, embed, options), cfg.budget)
-
-
-def check_quantize_budget(
-    model: Any, config: QuantizeConfig, candidates: Mapping[str, Sequence[str]] | None = None
-) -> None:
-    """Raise the ``ValueError`` :func:`quantize_model` raises for ``config.budget`` below
-    the cheapest allocation of ``model``'s layers (with ``candidates`` as there), without
-    calibration data (callers check it before loading any)."""
-    engine = Engine(model)
-    _check_budget(
-        engine,
-        config,
-        group_layers(engine.paths, config.groups),
-        _pins(engine.paths, config.pin),
-        {p: tuple(f) for p, f in (candidates or {}).items()},
-    )
-
-
-def _pins(paths: Sequence[str], pin: Sequence[tuple[str, str]]) -> dict[str, str]:
-    """{path: format} of the layers the first matching ``pin`` regex forces."""
-    pinned = {}
-    for p in paths:
-        for pattern, fmt in pin:
-            if re.fullmatch(pattern, p):
-                pinned[p] = fmt
-                break
-    return pinned
-
-
-def _trained(
-    trained: Mapping[str, str] | None, paths: Sequence[str], pinned: Mapping[str, str]
-) -> dict[str, str] | None:
-    """The trained allocation with registry names, pinned layers keeping their pin."""
-    if trained is None:
-        return None
-    missing = sorted(set(paths) - set(trained))
-    if missing:
-        raise ValueError(
-            f"quantize_model: trained allocation has no format for "
-            f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
-            f"for every linear layer"
-        )
-    return {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
 
 
 def _amax_in_score(cfg: QuantizeConfig) -> bool:
@@ -437,40 +338,3 @@ def _score_embedding(
         "scores": monotone({EMBED_ITEM: raw}, fmts)[EMBED_ITEM] if cfg.use_monotone else raw,
         "scores_raw": raw,
     }
-
-
-def _problem(
-    engine: Engine,
-    cfg: QuantizeConfig,
-    scores: Mapping[str, Mapping[str, float]],
-    groups: Mapping[str, str],
-    pinned: Mapping[str, str],
-    embed: Mapping[str, Any] | None,
-    options: Mapping[str, tuple[str, ...]] | None = None,
-) -> Problem:
-    """The search over the linear layers, the other parameters counted at 16 bits with
-    ``count_other_params``, or the token embedding / LM head among them as one more item
-    (:data:`EMBED_ITEM`, with its own candidates)."""
-    extra = engine.other_numel if cfg.count_other_params else 0
-    options = {p: f for p, f in (options or {}).items() if p in engine.numel}
-    if embed is None:
-        return Problem(
-            formats=cfg.formats,
-            scores=scores,
-            numel=engine.numel,
-            groups=groups,
-            pinned=pinned,
-            options=options,
-            extra_numel=extra,
-        )
-    if EMBED_ITEM in engine.numel:  # pragma: no cover - no module path has "<"
-        raise ValueError(f"a linear layer is named {EMBED_ITEM!r}, the embedding item's name")
-    return Problem(
-        formats=cfg.formats,
-        scores={**scores, EMBED_ITEM: embed["scores"]},
-        numel={**engine.numel, EMBED_ITEM: embed["numel"]},
-        groups={**groups, EMBED_ITEM: EMBED_ITEM},
-        pinned=pinned,
-        options={**options, EMBED_ITEM: tuple(embed["candidates"])},
-        extra_numel=extra - embed["numel"],
-    )

@@ -52,7 +52,8 @@ from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
 from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun
 from microscale.ptq.config import QuantizeConfig
-from microscale.ptq.pipeline import check_quantize_budget, quantize_model
+from microscale.ptq.pipeline import quantize_model
+from microscale.ptq.problem import check_quantize_budget
 from microscale.ptq.report import check_quantize_out, check_quantize_space, write_outputs
 from microscale.ptq.result import QuantizeResult
 from microscale.ptq.run import (
