@@ -1,48 +1,9 @@
-"""Adaptive PTQ end to end: calibrate, score, search, evaluate.
-
-``quantize_model(model, calib_batches, eval_batches, config)`` works on any NNX model whose
-linear layers have 2-D ``[in, out]`` kernels (microscale's ``Transformer``, an imported HF
-checkpoint, ``nnx.Linear`` models; other layers stay as they are) and token batches
-``[n, rows, seq + 1]``:
-
-1. **calibrate** on held-out batches: every layer's input amax (the static input scales of
-   W4A4 / W8A8 deployment) and weight statistics;
-2. **quantize** every kernel in every candidate format with the PTQ choices
-   (:mod:`~microscale.ptq.weights`: MSE tensor scale, four over six; GPTQ error
-   compensation with each layer's calibration-input Hessian when ``config.ptq.method`` is
-   ``"gptq"``, so the scores, the search and every evaluated point see GPTQ weights),
-   fused groups sharing one tensor scale;
-3. **score** every (layer, format) (:mod:`~microscale.ptq.sensitivity`; default the
-   signed second-order Taylor estimate of the loss change, one fwd+bwd per calibration
-   batch), monotone corrected for the unsigned scores;
-4. **search** the allocation of least total score within the bit budget
-   (:mod:`~microscale.ptq.search`), fused groups sharing a format, pinned layers fixed;
-5. **evaluate** validation perplexity of BF16, uniform formats, the fixed heuristic
-   (first/last blocks and down-projections in FP8, the rest NVFP4) and the searched
-   allocation across budgets (the Pareto curve), the paired per-batch differences of the
-   searched allocation against the heuristic, uniform NVFP4 and BF16 (mean, standard
-   error, t: is a 0.1% perplexity difference more than evaluation noise?), and the
-   effect of each PTQ choice. A ``trained`` allocation (the one a QAT run or a
-   sensitivity-chosen bf16 run trained with, and that ``microscale export`` writes for it)
-   is evaluated too, with its paired differences against BF16 and uniform NVFP4: rounded to
-   nearest in the format's 1-D blocks along the input dimension, as a QAT forward pass and
-   export round it (point ``trained``; a full training recipe's 16x16 weight tiles are not
-   reproduced), and with ``config.ptq`` (point ``trained_ptq``, when that is not
-   round-to-nearest). Every other allocation is evaluated with the same PTQ choices
-   (``config.ptq``) and priced by the same :func:`~microscale.ptq.search.effective_bits`.
-
-Weight-only (W4A16-style) by default: the model runs bf16 GEMMs on
-``bf16(dequantize(quantize(W)))``. With ``activations=True`` each quantized layer's input is
-quantized too, in the layer's format, with the calibrated static amax
-(``static_act_scales``; dynamic per-batch amax otherwise), in scoring and evaluation alike;
-GPTQ then takes each format's Hessians ``2 Q_f(X)^T Q_f(X) / n`` from the inputs quantized
-in that format (one calibration pass per format, when GPTQ first needs it).
-
-The result carries the :class:`~microscale.model.PrecisionRules` of the searched allocation
-(each layer's recipe quantizes its forward weights, and inputs under W4A4, in its format:
-the same rule object training and export use) and the quantized weights
-(:class:`~microscale.formats.QArray` in the export layout). Deterministic given
-``config.seed`` (which picks the calibration windows, see :mod:`~microscale.ptq.run`).
+"""Adaptive PTQ end to end: ``quantize_model(model, calib_batches, eval_batches, config)``
+calibrates, quantizes every kernel in every candidate format, scores each (layer, format),
+searches the allocation of least total score within the bit budget (the problem:
+:mod:`~microscale.ptq.problem`) and evaluates it against the baselines, on any NNX model
+whose linear layers have 2-D ``[in, out]`` kernels. The phases, weight-only versus W4A4 and
+what the result carries: docs/quantize.md#the-phases.
 """
 
 from __future__ import annotations
