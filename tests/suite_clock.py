@@ -1,0 +1,76 @@
+"""Where the suite's time goes: a pytest plugin that records, per test, its CPU seconds and
+the seconds JAX spent compiling in it.
+
+``pytest -p suite_clock`` with ``SUITE_CLOCK_DIR=<folder>`` set writes one JSON file per
+process (each xdist worker, or the one process) into that folder: ``{nodeid: {"cpu": s,
+"wall": s, "compile": s, "lower": s, "trace": s}}`` for setup, call and teardown together
+(a fixture's cost lands on the first test that asks for it). ``cpu`` is user + system time
+of the process and of the child processes it has waited for, so a test that runs
+``microscale`` in a subprocess counts the child's CPU; ``compile`` (XLA's backend
+compile), ``lower`` (jaxpr to MLIR) and ``trace`` are JAX's own duration events
+(`jax.monitoring`) in this process only, not in the children. CPU seconds hold when the
+machine is loaded; wall seconds do not. ``benchmarks/suite_times.py`` adds the files up
+per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import pytest
+
+EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+}
+_record: dict[str, dict[str, float]] = {}
+_current: dict[str, float] | None = None
+
+
+def _cpu() -> float:
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    key = EVENTS.get(event)
+    if key is not None and _current is not None:
+        _current[key] = _current.get(key, 0.0) + duration
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("SUITE_CLOCK_DIR"):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    global _current
+    if not os.environ.get("SUITE_CLOCK_DIR"):
+        yield
+        return
+    _current = {"compile": 0.0, "lower": 0.0, "trace": 0.0}
+    cpu, wall = _cpu(), time.perf_counter()
+    yield
+    _current["cpu"] = _cpu() - cpu
+    _current["wall"] = time.perf_counter() - wall
+    _record[item.nodeid] = _current
+    _current = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = os.environ.get("SUITE_CLOCK_DIR")
+    if folder and _record:
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{name}-{os.getpid()}.json").write_text(json.dumps(_record))

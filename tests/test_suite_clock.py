@@ -1,0 +1,81 @@
+"""tests/suite_clock.py and benchmarks/suite_times.py: a pytest run records each test's
+CPU and JAX compile seconds, and the script adds them up per module."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODULE = """
+import jax, jax.numpy as jnp
+
+def test_compiles():
+    jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()
+
+def test_burns_cpu_in_a_child():
+    import subprocess, sys
+    subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)
+
+def test_plain():
+    assert True
+"""
+
+
+@pytest.mark.slow
+def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard_s):
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent(MODULE))
+    clock = tmp_path / "clock"
+    env = dict(os.environ, SUITE_CLOCK_DIR=str(clock), PYTHONPATH=str(ROOT / "tests"))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "suite_clock",
+            "-p",
+            "no:cacheprovider",
+            "test_probe.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (record,) = [json.loads(f.read_text()) for f in clock.glob("*.json")]
+    t = {k.split("::")[1]: v for k, v in record.items()}
+    assert set(t) == {"test_compiles", "test_burns_cpu_in_a_child", "test_plain"}
+    assert t["test_compiles"]["compile"] > 0 and t["test_compiles"]["trace"] > 0
+    assert t["test_plain"]["compile"] == 0 == t["test_burns_cpu_in_a_child"]["compile"]
+    # the child's CPU (a 3M-term sum, tens of ms at least) is counted in its test
+    assert t["test_burns_cpu_in_a_child"]["cpu"] > t["test_plain"]["cpu"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite_times.py"), str(clock)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=hang_guard_s,
+    ).stdout
+    row = next(line for line in out.splitlines() if "test_probe.py" in line)
+    assert row.split("|")[2].strip() == "3"  # tests in the module
+    total = next(line for line in out.splitlines() if "all modules" in line)
+    assert float(total.split("|")[3]) == pytest.approx(sum(v["cpu"] for v in t.values()), abs=1)
+
+
+def test_the_script_names_an_empty_folder(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite_times.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0 and f"{tmp_path}: no suite_clock files" in run.stderr
