@@ -127,7 +127,13 @@ def check_free_space(
 
 
 def _disk_write_error(
-    cause: int, path: Path, what: str, needed: int | None, free: int | None, floor: bool = False
+    cause: int,
+    path: Path,
+    what: str,
+    needed: int | None,
+    free: int | None,
+    floor: bool = False,
+    outcome: str = "nothing was written",
 ) -> DiskWriteError:
     detail = _DISK_CAUSES[cause]
     if cause != errno.EROFS:
@@ -137,7 +143,7 @@ def _disk_write_error(
         )
         if parts:
             detail += ": " + ", ".join(parts)
-    err = DiskWriteError(f"cannot write {what} {str(path)!r}: {detail}; nothing was written")
+    err = DiskWriteError(f"cannot write {what} {str(path)!r}: {detail}; {outcome}")
     err.errno = cause  # (not .filename: str() stays the one sentence above)
     err.needed = needed  # type: ignore[attr-defined]
     return err
@@ -158,16 +164,21 @@ def disk_cause(e: BaseException) -> int | None:
 
 
 def disk_error(
-    e: BaseException, path: Path, *, what: str, needed: int | None = None
+    e: BaseException,
+    path: Path,
+    *,
+    what: str,
+    needed: int | None = None,
+    outcome: str = "nothing was written",
 ) -> DiskWriteError | None:
     """``e`` (a write's error) as one :class:`DiskWriteError` naming ``path`` when it is a
-    full disk, quota or read-only file system; None otherwise."""
+    full disk, quota or read-only file system (``outcome``: what is left); None otherwise."""
     if isinstance(e, DiskWriteError):
         needed = getattr(e, "needed", None) if needed is None else needed
     cause = disk_cause(e)
     if cause is None:
         return None
-    return _disk_write_error(cause, path, what, needed, free_bytes(path))
+    return _disk_write_error(cause, path, what, needed, free_bytes(path), outcome=outcome)
 
 
 # ----------------------------------------------------------------------------- files

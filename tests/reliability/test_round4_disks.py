@@ -32,6 +32,8 @@ from microscale.files import (
     disk_cause,
 )
 
+from .conftest import TRAIN_ARGS
+
 _MOUNT_SH = 'mount -t tmpfs -o size={size} tmpfs "$0"{ro} && exec "$@"'
 
 
@@ -124,6 +126,13 @@ ROWS = {
         r"left on the device: at least [\d,]+ bytes needed, [\d,]+ bytes free" + NOTHING,
         "needed",
     ),
+    "train, full at its first checkpoint": (
+        ["train", *TRAIN_ARGS, "data.corpus={corpus}", "out={mnt}/run", "--quiet"],
+        r"^microscale train: error: cannot write checkpoint folder '{mnt}/run/checkpoints': no "
+        r"space left on the device: [\d,]+ bytes free; the step being saved was not kept "
+        r"\(earlier steps are intact\)$",
+        "run",
+    ),
     "export gguf, read-only": (
         ["export", "-c", "{run}", "--out", "{mnt}/m.gguf", "layout=gguf"],
         r"^microscale export: error: --out '{mnt}/m\.gguf' is not writable: Read-only file "
@@ -152,11 +161,12 @@ def tiny_hf(tmp_path_factory, tiny_run) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize(("argv", "last", "kind"), ROWS.values(), ids=list(ROWS))
 def test_a_full_or_read_only_disk_is_one_last_line(
-    tmp_path, small_disk, tiny_run, tiny_hf, argv, last, kind
+    tmp_path, small_disk, tiny_run, tiny_hf, words_corpus, argv, last, kind
 ):
     mnt = tmp_path / "disk"
-    fill = {"run": str(tiny_run), "hf": str(tiny_hf), "mnt": str(mnt)}
-    r = small_disk(mnt, [a.format(**fill) for a in argv], read_only=kind == "ro")
+    fill = {"run": str(tiny_run), "hf": str(tiny_hf), "mnt": str(mnt), "corpus": str(words_corpus)}
+    size = "300k" if kind == "run" else "32k"  # a run: its config and logs fit, a step not
+    r = small_disk(mnt, [a.format(**fill) for a in argv], read_only=kind == "ro", size=size)
     lines = r.stderr.rstrip("\n").splitlines()
     assert r.returncode == 2, r.stderr[-2000:]
     assert re.search(last.replace("{mnt}", re.escape(str(mnt))), lines[-1]), lines[-1]
@@ -164,6 +174,8 @@ def test_a_full_or_read_only_disk_is_one_last_line(
     assert sum("error" in line for line in lines) == 1, r.stderr
     if kind == "needed":  # the output's size is known before writing: said
         assert "bytes needed" in lines[-1]
+    if kind == "run":  # a run keeps what it wrote before the step (orbax removes the
+        return  # step's temporary folder when the run is resumed)
     assert r.left == [], f"left on the disk: {r.left}"  # type: ignore[attr-defined]
 
 

@@ -37,6 +37,7 @@ mesh that saved them.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,7 +53,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from microscale.files import disk_cause
+from microscale.files import disk_cause, disk_error
 from microscale.integrity import (
     CorruptDataError,
     check_finite,
@@ -116,16 +117,14 @@ def abstract_like(tree):
 
 
 class _OrbaxDiskNoise(logging.Filter):
-    """Drops orbax's log of a save thread that failed on a full disk or read-only file
-    system: the same error is raised to the caller of the save, who names the folder."""
+    """Drops orbax's logs (with tracebacks) of a save that failed on a full disk or
+    read-only file system -- each failing write thread, the background commit, the
+    finalize: the same error is raised to the caller of the save (:class:`Checkpointer`
+    names the folder)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (
-            exc is not None
-            and "_SignalingThread.run() raised" in str(record.msg)
-            and disk_cause(exc) is not None
-        )
+        return not (exc is not None and disk_cause(exc) is not None)
 
 
 def _closed_loop_callback(u) -> bool:
@@ -202,13 +201,31 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             return
         meta = {**meta, CheckpointStep.CHECKSUMS: crc32_many(host_leaves(state))}
-        self._mgr.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        with self._disk_errors():
+            self._mgr.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """A save that met a full disk or read-only file system (tensorstore's text in a
+        ValueError) as one :class:`~microscale.files.DiskWriteError` naming the folder."""
+        try:
+            yield
+        except Exception as e:
+            err = disk_error(
+                e,
+                self.directory,
+                what="checkpoint folder",
+                outcome="the step being saved was not kept (earlier steps are intact)",
+            )
+            if err is None:
+                raise
+            raise err from None
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` (None: latest) into the structure/shardings of ``target``,
@@ -334,7 +351,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until any in-flight asynchronous save is committed."""
-        self._mgr.wait_until_finished()
+        with self._disk_errors():
+            self._mgr.wait_until_finished()
 
     def close(self) -> None:
         """Wait for pending saves and for the removal of a killed save's leftovers (started
@@ -345,7 +363,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        self._mgr.wait_until_finished()
+        with self._disk_errors():
+            self._mgr.wait_until_finished()
         await_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
         if await_cleanup is not None:  # orbax >= 0.11; earlier ones clean up in __init__
             await_cleanup()
