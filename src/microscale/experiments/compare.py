@@ -1,27 +1,10 @@
 """``microscale compare``: the same model, data order, initialisation and token budget,
-trained once per recipe, and the convergence curves, perplexities and gaps between them.
-
-What makes the comparison fair: every run is the *same* :class:`~microscale.train.TrainConfig`
-except for the precision fields a run changes (``recipe``, ``precision.*``);
-so the initial weights (``seed``), the batches (``data.seed``), the learning-rate schedule
-and the number of tokens are identical. A run is a call of :func:`microscale.train.train`
-(nothing here re-implements training) into ``OUT/runs/<name>``; a finished run is found by
-the trainer's resume logic and not recomputed when the command is re-run.
-
-Runs (``RUNS``): the baselines ``bf16``, ``fp8``, ``mxfp8``, ``nvfp4``, ``mxfp4`` and the
-NVFP4 ablations ``nvfp4_no_rht``, ``nvfp4_no_sr``, ``nvfp4_1d`` (1x16 weight blocks),
-``nvfp4_all_fp4`` (no bf16 blocks), ``nvfp4_fwd_only`` (FP4 only in the forward GEMM) and
-``nvfp4_late_bf16`` (the last 18% of tokens in bf16, the paper's Appendix D) and
-``nvfp4_adaptive`` (the bf16 layers chosen by measured sensitivity after a bf16 warm-up, at
-the same bf16 FLOP fraction as ``nvfp4``'s last blocks).
-
-Seeds: a seed sets both the initialisation and the data order, so the runs of one seed are
-paired and the seeds are independent replicates; the report (:mod:`.report`) gives every
-gap as a paired mean with its 95% Student-t interval over seeds (:mod:`.stats`).
-
-Outputs: ``report.md``, ``convergence.png``, ``gap.png``, ``summary.json`` (see
-:func:`~microscale.experiments.report.write_report`), ``timings.json`` (wall and CPU seconds
-per trained run), all written atomically.
+trained once per run (:data:`~microscale.experiments.runs.RUNS`: the baselines and the
+NVFP4 ablations) and seed, each a call of :func:`microscale.train.train` into
+``OUT/runs/<name>`` (a finished run is found by the trainer's resume logic, not recomputed),
+then the report (:mod:`.report`: ``report.md``, ``convergence.png``, ``gap.png``,
+``summary.json``) and ``timings.json`` (wall and CPU seconds per run). What makes the
+comparison fair and how the paired gaps over seeds are read: docs/verifying.md.
 """
 
 from __future__ import annotations

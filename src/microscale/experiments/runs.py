@@ -16,9 +16,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "mxfp4": {"recipe": "mxfp4"},
     "nvfp4_no_rht": {"recipe": "nvfp4_no_rht"},
     "nvfp4_no_sr": {"recipe": "nvfp4_no_sr"},
-    "nvfp4_1d": {"recipe": "nvfp4_1d"},
+    "nvfp4_1d": {"recipe": "nvfp4_1d"},  # 1x16 weight blocks
+    # no bf16 blocks
     "nvfp4_all_fp4": {"recipe": "nvfp4", "precision.bf16_last": 0, "precision.bf16_first": 0},
-    "nvfp4_fwd_only": {"recipe": "nvfp4_fwd_only"},
+    "nvfp4_fwd_only": {"recipe": "nvfp4_fwd_only"},  # FP4 in the forward GEMM only
+    # the last 18% of tokens in bf16 (the paper's Appendix D)
     "nvfp4_late_bf16": {
         "recipe": "nvfp4",
         "precision.late.fraction": 0.18,
