@@ -1,30 +1,11 @@
-"""``init_from=PATH``: start a training run from another model's weights.
-
-Fine-tuning starts from trained weights, and only the weights: the optimizer state, the
-step counter, the learning-rate schedule and the data position start fresh (unlike
-``resume=true``, which continues one run exactly). ``PATH`` is one of
-
-* a **microscale run folder** (``config.yaml`` + ``checkpoints/``): the float32 master
-  weights of its latest checkpoint, or of ``init_step``;
-* a **``microscale quantize`` output** (``precision_rules.json`` + ``report.json`` +
-  ``checkpoint/``): the master weights of the run it quantized (``report.json`` records
-  the run folder and step) when that checkpoint still exists; otherwise the dequantized
-  weights of its ``checkpoint/`` (the run records which, and says so);
-* an **HF folder** of a supported family (Llama, Mistral, Qwen2, Qwen3:
-  ``config.json`` + safetensors; plain, compressed-tensors or ModelOpt), read by :func:`microscale.export.read_checkpoint` (packed weights are
-  dequantized).
-
-The weights are checked against the run's model config before anything trains: the
-error counts every missing, unexpected or differently shaped parameter and names the
-first few, with the source's model shape when it is known.
-
-On the command line (:func:`adopt_source_model`, called by ``resolve_config``) the model
-is the source's: a run folder's ``model`` from its ``config.yaml``, an HF folder's (and a
-quantize output's packed ``checkpoint/``) from its ``config.json`` (the family, every shape, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``, the
-sliding window, tied embeddings, the vocabulary), and its tokenizer file becomes ``data.tokenizer``. A ``model.*`` override
-that contradicts the source is refused naming the key and both values; settings that
-do not define the model (``remat``, chunks, dtypes, a shorter ``max_seq_len``) may be
-overridden.
+"""``init_from=PATH``: start a training run from another model's weights, and only the
+weights (the optimizer, schedule and data position start fresh, unlike ``resume=true``).
+``PATH`` is a microscale run folder (its master weights), a ``microscale quantize`` output
+(its source run's master weights while that checkpoint exists, else its dequantized
+``checkpoint/``) or an HF folder of a supported family (:func:`source_kind`); the weights
+are checked against the run's model config before anything trains, and on the command
+line (:func:`adopt_source_model`) the model is the source's. The rules and what is
+recorded: docs/finetuning.md.
 """
 
 from __future__ import annotations
