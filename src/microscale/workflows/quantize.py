@@ -2,40 +2,13 @@
 
 It reads training runs (``microscale.train``) and quantizes them (``microscale.ptq``), and
 ``train`` is itself a client of ``ptq`` (``train.adaptive``), so it sits above both.
-
 ``quantize_run(checkpoint, out_dir, config)`` takes what ``train init_from=`` takes
-(:func:`microscale.train.init.check_model_source`, with its errors):
-
-* a **training run folder**: its latest checkpoint (``microscale.train.load_checkpoint``;
-  ``step=`` another), its corpus with its tokenizer (``microscale.data.load_data``;
-  ``corpus=`` swaps in another one, tokenized the same way);
-* an **HF Llama folder** (``config.json`` + safetensors + ``tokenizer.json``; plain,
-  compressed-tensors or ModelOpt, packed weights dequantized): the weights as
-  :func:`~microscale.train.init.load_init_weights` reads them, the text of ``corpus=`` (a
-  text file or folder, a ``.jsonl``, ``stdlib``...) tokenized with the folder's own
-  ``tokenizer.json``; without ``corpus=`` the ``stdlib`` corpus (:data:`MODEL_DEFAULT_CORPUS`,
-  said in the log and recorded in ``report.json``). Windows of :data:`MODEL_SEQ_LEN` tokens
-  (at most the model's context), :data:`MODEL_ROWS` per batch, :data:`MODEL_EVAL_BATCHES`
-  evaluation batches unless ``eval_batches=``;
-* a **``microscale quantize`` output**: the run it quantized (at the recorded step) when
-  that checkpoint still exists, as that run; otherwise its ``checkpoint/`` folder
-  (dequantized) as a model folder, on the corpus the report names.
-
-The held-out tokens are split so:
-
-* evaluation: the run's own fixed validation batches (``Data.val_batches("val")``:
-  ``eval_batches`` batches of windows from the *start* of the val split), so the
-  perplexities here are the ones training reported;
-* calibration: ``calib_tokens`` worth of windows drawn with ``seed`` from the val split
-  *after* the evaluation windows (disjoint), falling back to the train split when the val
-  split is too short.
-
-A run trained with an allocation (QAT: ``precision.kind=rules``; ``precision.kind=
-sensitivity``) also has that allocation evaluated (the ``"trained"`` point, :func:`trained_allocation`).
-
-Then :func:`~microscale.ptq.report.write_outputs` writes ``precision_rules.json``, the
-quantized checkpoint, ``report.json``, ``report.md``, ``pareto.png`` and
-``sensitivity.png`` under ``out_dir``.
+(:func:`microscale.train.init.check_model_source`, with its errors): a training run (its
+corpus and tokenizer), an HF folder or a quantize output (the text of ``corpus=``, default
+:data:`MODEL_DEFAULT_CORPUS`, in windows of :data:`MODEL_SEQ_LEN` tokens); a run trained
+with an allocation has it evaluated too (:func:`trained_allocation`), and
+:func:`~microscale.ptq.report.write_outputs` writes the outputs. The sources, the held-out
+split and the outputs: docs/quantize.md, docs/ptq/real-model.md.
 """
 
 from __future__ import annotations
