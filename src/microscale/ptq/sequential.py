@@ -395,6 +395,27 @@ def _check_batches(batches: Iterable, cfg: ModelConfig) -> list[np.ndarray]:
     return out
 
 
+def _check_arguments(cfg, inputs, ptq, attention_chunk, progress, sink):
+    """`sequential_gptq`'s plain arguments checked; returns the WeightPTQ (its default
+    filled in) and ``cfg`` with ``attention_chunk`` applied."""
+    if inputs not in INPUTS:
+        raise ValueError(f"sequential_gptq: inputs={inputs!r}: expected one of {list(INPUTS)}")
+    ptq = WeightPTQ(method="gptq") if ptq is None else ptq
+    if not isinstance(ptq, WeightPTQ):
+        raise ValueError(f"sequential_gptq: ptq={ptq!r}: expected a WeightPTQ or None")
+    for name, fn in (("progress", progress), ("sink", sink)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"sequential_gptq: {name}={fn!r}: expected a callable or None")
+    if attention_chunk is not None:
+        if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int):
+            raise ValueError(
+                f"sequential_gptq: attention_chunk={attention_chunk!r}: expected a "
+                "positive integer or None"
+            )
+        cfg = dataclasses.replace(cfg, attention_chunk=attention_chunk)
+    return ptq, cfg
+
+
 def sequential_gptq(
     source: BlockSource,
     batches: Iterable,
@@ -416,22 +437,7 @@ def sequential_gptq(
     ``progress(i)`` is called after block ``i``; ``sink(path, weight)``, when given,
     receives each quantized kernel as soon as its block is done (to write it out) and
     the result keeps none of them, so nothing of the model's size stays resident."""
-    if inputs not in INPUTS:
-        raise ValueError(f"sequential_gptq: inputs={inputs!r}: expected one of {list(INPUTS)}")
-    ptq = WeightPTQ(method="gptq") if ptq is None else ptq
-    if not isinstance(ptq, WeightPTQ):
-        raise ValueError(f"sequential_gptq: ptq={ptq!r}: expected a WeightPTQ or None")
-    for name, fn in (("progress", progress), ("sink", sink)):
-        if fn is not None and not callable(fn):
-            raise ValueError(f"sequential_gptq: {name}={fn!r}: expected a callable or None")
-    cfg = source.config
-    if attention_chunk is not None:
-        if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int):
-            raise ValueError(
-                f"sequential_gptq: attention_chunk={attention_chunk!r}: expected a "
-                "positive integer or None"
-            )
-        cfg = dataclasses.replace(cfg, attention_chunk=attention_chunk)
+    ptq, cfg = _check_arguments(source.config, inputs, ptq, attention_chunk, progress, sink)
     tokens = _check_batches(batches, cfg)
     _check_formats(formats, cfg)  # every format known before any work
     scan = getattr(source, "scan", None)
