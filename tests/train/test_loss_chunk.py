@@ -53,10 +53,13 @@ T = 40  # positions per window (inputs); chunks of 1, 7 and T - 1 leave a partia
 
 
 def _model(tie: bool, recipe: str, compute_dtype: str = "bfloat16"):
+    """One block: every claim here is about the head and the loss, and one block carries
+    their gradient back through quantized GEMMs as two did, at about half the compile
+    (benchmarks/timings.md)."""
     cfg = ModelConfig(
         vocab_size=300,
         d_model=64,
-        n_layers=2,
+        n_layers=1,
         n_heads=2,
         n_kv_heads=1,
         d_ff=128,
