@@ -9,7 +9,9 @@ Record a run with the plugin of ``tests/suite_clock.py``, then add it up::
 Per module: tests, CPU seconds (the worker's and its waited-for children's, so a CLI test's
 subprocess counts), XLA compile seconds and trace + lowering seconds in the worker (not in
 children), and the rest of the CPU. With two runs, the CPU of each and the ratio. ``--top``
-rows (default 25), then the total of all modules.
+rows (default 25), then the total of all modules, then per worker its tests, CPU seconds and
+when its last test ended (from the first test's start): a worker that ends long before the
+other left a core idle.
 """
 
 from __future__ import annotations
@@ -77,6 +79,22 @@ def compared(before: dict[str, dict[str, float]], after: dict[str, dict[str, flo
     return "\n".join(lines)
 
 
+def workers(folder: Path) -> str:
+    """Per worker file: tests, CPU seconds, and the end of its last test in seconds from
+    the run's first start (recorded by a suite_clock with the ``start`` field)."""
+    runs = {f.stem: json.loads(f.read_text()) for f in sorted(folder.glob("*.json"))}
+    starts = [t["start"] for r in runs.values() for t in r.values() if t.get("start")]
+    if not starts:
+        return "(no start times recorded)"
+    t0 = min(starts)
+    lines = []
+    for name, r in runs.items():
+        end = max(t["start"] + t["wall"] for t in r.values()) - t0
+        cpu = sum(t["cpu"] for t in r.values())
+        lines.append(f"{name}: {len(r)} tests, {cpu:.0f} CPU s, last test ended at {end:.0f} s")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="one or two SUITE_CLOCK_DIR folders")
@@ -86,6 +104,8 @@ def main() -> None:
         p.error(f"one or two runs, not {len(a.runs)}")
     mods = [per_module(r) for r in a.runs]
     print(table(mods[0], a.top) if len(mods) == 1 else compared(mods[0], mods[1], a.top))
+    for run in a.runs:
+        print(f"\n{run}:\n{workers(run)}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ the seconds JAX spent compiling in it.
 
 ``pytest -p suite_clock`` with ``SUITE_CLOCK_DIR=<folder>`` set writes one JSON file per
 process (each xdist worker, or the one process) into that folder: ``{nodeid: {"cpu": s,
-"wall": s, "compile": s, "lower": s, "trace": s}}`` for setup, call and teardown together
-(a fixture's cost lands on the first test that asks for it). ``cpu`` is user + system time
+"wall": s, "start": unix s, "compile": s, "lower": s, "trace": s}}`` for setup, call and
+teardown together (a fixture's cost lands on the first test that asks for it). ``cpu`` is user + system time
 of the process and of the child processes it has waited for, so a test that runs
 ``microscale`` in a subprocess counts the child's CPU; ``compile`` (XLA's backend
 compile), ``lower`` (jaxpr to MLIR) and ``trace`` are JAX's own duration events
@@ -59,8 +59,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not os.environ.get("SUITE_CLOCK_DIR"):
         yield
         return
-    _current = {"compile": 0.0, "lower": 0.0, "trace": 0.0}
+    _current = {"compile": 0.0, "lower": 0.0, "trace": 0.0, "start": 0.0}
     cpu, wall = _cpu(), time.perf_counter()
+    _current["start"] = time.time()
     yield
     _current["cpu"] = _cpu() - cpu
     _current["wall"] = time.perf_counter() - wall

@@ -69,6 +69,8 @@ def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard
     assert row.split("|")[2].strip() == "3"  # tests in the module
     total = next(line for line in out.splitlines() if "all modules" in line)
     assert float(total.split("|")[3]) == pytest.approx(sum(v["cpu"] for v in t.values()), abs=1)
+    assert all(v["start"] > 0 for v in t.values())
+    assert "3 tests" in out.split(str(clock))[-1]  # the worker line
 
 
 def test_the_script_names_an_empty_folder(tmp_path):
