@@ -104,7 +104,6 @@ def test_plan_70b_from_shapes(capsys):
         ),
         (["mesh.data=1", "mesh.tensor=4"], "mesh.tensor=4 does not divide model.n_kv_heads=2"),
         (["mesh.data=1", "--accelerator", "tpu-v9"], "unknown accelerator 'tpu-v9'"),
-        ([], "mesh.data=-1 means 'the remaining devices'"),
         (["mesh.data=32"], "is not divisible by mesh.data * mesh.fsdp = 32"),
         (["mesh.data=1", "recipe_typo=1"], "recipe_typo"),
     ],
@@ -112,6 +111,19 @@ def test_plan_70b_from_shapes(capsys):
 def test_bad_configs_are_named(args, message, capsys):
     assert main(["plan", "--config", "tiny", "--no-compile", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_mesh_axis_of_minus_one_gets_one_node(capsys):
+    """Plain `microscale plan`: tiny's mesh.data=-1 spans cli.plan.DEFAULT_DEVICES (8);
+    the library, given no device count, still refuses -1 with one line."""
+    from microscale.cli.plan import DEFAULT_DEVICES
+    from microscale.plan.run import check_config
+    from microscale.train import TrainConfig
+
+    assert main(["plan", "--no-compile", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] == DEFAULT_DEVICES
+    with pytest.raises(ValueError, match="mesh.data=-1 means 'the remaining devices'"):
+        check_config(TrainConfig.tiny(), None)
 
 
 def test_replicated_dimensions_are_listed(capsys):

@@ -29,8 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "import": (
         "microscale.cli.import_hf",
-        "an HF folder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) as a run folder (config.json's "
-        "model, its tokenizer, its weights; no training)",
+        "an HF model folder (a supported family: `microscale import --help` lists them) as "
+        "a run folder (config.json's model, its tokenizer, its weights; no training)",
     ),
     "export": (
         "microscale.cli.export",
@@ -61,6 +61,52 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+def command_parser(name: str):
+    """``(module, parser)`` of command ``name``: its module's ``add_arguments``, plus the
+    options every command of a kind shares (``--list-keys`` where the module builds
+    configs from ``key=value`` settings: ``configs(args)``)."""
+    from microscale.cli.args import add_list_keys
+
+    mod, helptext = COMMANDS[name]
+    parser = ArgumentParser(prog=f"microscale {name}", description=helptext)
+    module = importlib.import_module(mod)
+    module.add_arguments(parser)
+    if hasattr(module, "configs"):
+        add_list_keys(parser)
+    return module, parser
+
+
+def parse(argv: list[str]):
+    """``(module, args)`` of ``microscale COMMAND ...`` parsed by the command's real parser,
+    without running it (the README's command lines are checked with it). ``--help``, a
+    usage error, ``--version`` and no or an unknown command exit (``SystemExit``)."""
+    if argv and argv[0] in COMMANDS:
+        name = argv[0]
+        module, parser = command_parser(name)
+        # Options may come after `key=value` overrides (`train steps=3 --quiet out=x`).
+        args = parser.parse_intermixed_args(argv[1:])
+        args.command = name
+        return module, args
+    from microscale import __version__
+
+    parser = ArgumentParser(
+        prog="microscale",
+        description="NVFP4 training, verification and adaptive quantization in JAX.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"microscale {__version__}",
+        help="print the version and exit",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (_, helptext) in COMMANDS.items():
+        sub.add_parser(name, help=helptext, description=helptext)
+    parser.parse_args(argv)  # --help, --version, or no or an unknown command: exits
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``microscale COMMAND ...``; returns the exit status.
 
@@ -69,30 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     interrupted). ``MICROSCALE_TRACEBACK=1`` adds the traceback, for bug reports. Run as
     the program (no ``argv``), the error line stays the last thing on stderr: nothing a
     library prints while the process winds down follows it (:func:`_last_line_on_stderr`).
+    ``--list-keys`` is answered here for every command with ``key=value`` settings: the
+    keys of the configs its module's ``configs(args)`` builds.
     """
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        name = argv[0]
-        mod, helptext = COMMANDS[name]
-        parser = ArgumentParser(prog=f"microscale {name}", description=helptext)
-        module = importlib.import_module(mod)
-        module.add_arguments(parser)
-        # Options may come after `key=value` overrides (`train steps=3 --quiet out=x`).
-        args = parser.parse_intermixed_args(argv[1:])
-        args.command = name
-    else:
-        parser = ArgumentParser(
-            prog="microscale",
-            description="NVFP4 training, verification and adaptive quantization in JAX.",
-        )
-        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-        sub.required = True
-        for name, (_, helptext) in COMMANDS.items():
-            sub.add_parser(name, help=helptext, description=helptext)
-        parser.parse_args(argv)  # --help, or an unknown command: exits
-        return 2
+    module, args = parse(argv)  # a usage error, --help or --version exits here
+    name = args.command
     try:
+        if getattr(args, "list_keys", False):
+            from microscale.cli.args import describe_keys
+
+            print(describe_keys(*module.configs(args)))
+            return 0
         rc = int(module.run(args) or 0)
     except KeyboardInterrupt:
         print(f"microscale {name}: interrupted", file=sys.stderr)

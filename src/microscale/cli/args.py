@@ -92,6 +92,43 @@ def refuse_unused(*cases: tuple[bool, str, str]) -> None:
             raise ValueError(f"{option} has no effect {why}; drop it")
 
 
+# ------------------------------------------------------------------- options every command shares
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    """``--quiet`` / ``-q``, the same in every long-running command: only errors (and the
+    result a command exists to print) reach the terminal."""
+    parser.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress output (errors still print)"
+    )
+
+
+def add_list_keys(parser: argparse.ArgumentParser) -> None:
+    """``--list-keys``: added by :func:`microscale.cli.main` to every command whose module
+    has ``configs(args)`` (the config dataclasses its ``key=value`` settings build)."""
+    parser.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every KEY=VALUE key with its value and meaning, and exit",
+    )
+
+
+def required_group(parser: argparse.ArgumentParser, *, unless: str | None = None):
+    """The argument group the command's required options go in, so ``--help`` shows them
+    under "required arguments" (argparse lists every ``--option`` under "options:").
+    ``unless``: the option that waives them (``--list-keys``); :func:`require` checks."""
+    title = "required arguments" + (f" (except with {unless})" if unless else "")
+    return parser.add_argument_group(title)
+
+
+def hf_families() -> str:
+    """The model families an HF folder may hold, from the family registry
+    (:data:`microscale.model.FAMILIES`), for help texts and errors."""
+    from microscale.model.family import FAMILIES
+
+    return ", ".join(FAMILIES)
+
+
 # ----------------------------------------------------------------------------- key=value
 
 

@@ -21,7 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from microscale.cli.args import int_list, name_list, positive_float, positive_int, refuse_unused
+from microscale.cli.args import (
+    add_quiet,
+    int_list,
+    name_list,
+    positive_float,
+    positive_int,
+    refuse_unused,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seeds of one run trained as one program (default 0: as many as fit in "
         "memory; 1: one run at a time)",
     )
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    add_quiet(parser)
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -96,28 +103,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from microscale.config import ConfigError, apply_overrides
-    from microscale.experiments.compare import find_previous, run_compare
-    from microscale.experiments.compare_config import PRESETS, CompareConfig
-    from microscale.experiments.runs import ABLATIONS
-    from microscale.experiments.scaling import ScalingConfig, run_scaling
+def configs(args: argparse.Namespace):
+    """The shared training config the ``key=value`` settings build (``--list-keys``);
+    ``out=`` is the compare output folder, not a key of it."""
+    from microscale.config import apply_overrides
+    from microscale.experiments.compare_config import PRESETS
     from microscale.train import TrainConfig
     from microscale.train.init import resolve_config
 
-    out = None
-    overrides = []
-    for o in args.overrides:
-        if o.startswith("out="):
-            out = o.split("=", 1)[1]
-        else:
-            overrides.append(o)
+    if args.config is None:
+        regime = apply_overrides(TrainConfig.tiny(), list(PRESETS[args.preset][1]))
+    else:
+        regime = args.config
+    return (resolve_config(regime, [o for o in args.overrides if not o.startswith("out=")]),)
+
+
+def run(args: argparse.Namespace) -> int:
+    from microscale.config import ConfigError
+    from microscale.experiments.compare import find_previous, run_compare
+    from microscale.experiments.compare_config import CompareConfig
+    from microscale.experiments.runs import ABLATIONS
+    from microscale.experiments.scaling import ScalingConfig, run_scaling
+
+    outs = [o.split("=", 1)[1] for o in args.overrides if o.startswith("out=")]
+    out = outs[-1] if outs else None
     try:
-        if args.config is None:
-            regime = apply_overrides(TrainConfig.tiny(), list(PRESETS[args.preset][1]))
-        else:
-            regime = args.config
-        base = resolve_config(regime, overrides)
+        (base,) = configs(args)
         cfg = CompareConfig.preset(
             args.preset, base=base, parallel=args.parallel, seed_batch=args.seed_batch
         )

@@ -18,21 +18,28 @@ import json
 import math
 import sys
 
-from microscale.cli.args import positive_int
+from microscale.cli.args import positive_int, required_group
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    required_group(parser).add_argument(
         "--model", "-m", required=True, help="exported model folder or training run folder"
     )
     parser.add_argument("--data", "-d", help="corpus (default: the run's corpus, or stdlib)")
-    parser.add_argument("--split", default="val", choices=["val", "train"])
+    parser.add_argument(
+        "--split",
+        default="val",
+        choices=["val", "train"],
+        help="the corpus's held-out (val, default) or training split",
+    )
     parser.add_argument(
         "--seq-len",
         type=positive_int,
         help="tokens per sequence (default: the run's seq_len, or min(max_seq_len, 256))",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=8, help="sequences per batch (default: 8)"
+    )
     parser.add_argument(
         "--batches", type=positive_int, default=16, help="at most this many batches"
     )

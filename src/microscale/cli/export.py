@@ -37,10 +37,12 @@ import sys
 from pathlib import Path
 
 from microscale.cli.args import (
+    add_quiet,
     add_removed_flags,
-    describe_keys,
+    hf_families,
     refuse_unused,
     require,
+    required_group,
     spelled,
     split_keys,
 )
@@ -62,10 +64,14 @@ REMOVED_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", "-c", help="training run folder or HF-style model folder (required)"
+    required = required_group(parser, unless="--list-keys")
+    required.add_argument(
+        "--checkpoint",
+        "-c",
+        help="a training run folder, a quantize output or an HF-style model folder "
+        f"(one of: {hf_families()}; plain or packed)",
     )
-    parser.add_argument("--out", "-o", help="output folder (layout=gguf: output file) (required)")
+    required.add_argument("--out", "-o", help="output folder (layout=gguf: output file)")
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -73,11 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ExportConfig keys: layout=gguf formats=nvfp4 activations=true "
         "corpus=texts/ (--list-keys)",
     )
-    parser.add_argument(
-        "--list-keys",
-        action="store_true",
-        help="list every key with its value and meaning, and exit",
-    )
+    add_quiet(parser)
     add_removed_flags(parser, REMOVED_FLAGS)
 
 
@@ -88,6 +90,11 @@ def export_config(args: argparse.Namespace):
 
     (keys,) = split_keys(args.overrides, ExportConfig)
     return apply_overrides(ExportConfig(), keys)
+
+
+def configs(args: argparse.Namespace):
+    """The configs the ``key=value`` settings build (``--list-keys`` lists their keys)."""
+    return (export_config(args),)
 
 
 def parse_formats(text: str | None):
@@ -160,9 +167,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a ConfigError
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    if args.list_keys:
-        print(describe_keys(cfg))
-        return 0
     if not require(args, "export", "checkpoint", "out"):
         return 2
     try:
@@ -206,5 +210,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError, CheckpointError) as e:
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    _print_written(res, cfg.dtype)
+    if not args.quiet:
+        _print_written(res, cfg.dtype)
     return 0

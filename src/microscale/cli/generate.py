@@ -17,21 +17,34 @@ import argparse
 import sys
 import time
 
-from microscale.cli.args import nonnegative_float, nonnegative_int, positive_int, probability
+from microscale.cli.args import (
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    probability,
+    required_group,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    required = required_group(parser)
+    required.add_argument(
         "--model", "-m", required=True, help="exported model folder or training run folder"
     )
-    parser.add_argument(
+    required.add_argument(
         "--prompt",
         "-p",
         required=True,
         action="append",
         help="prompt text (repeat for a batch of prompts)",
     )
-    parser.add_argument("--max-new-tokens", "-n", type=positive_int, default=64)
+    parser.add_argument(
+        "--max-new-tokens",
+        "-n",
+        type=positive_int,
+        default=64,
+        help="tokens to generate per prompt, at most (default: 64)",
+    )
     parser.add_argument(
         "--temperature", "-t", type=nonnegative_float, default=0.0, help="0 = greedy (default)"
     )

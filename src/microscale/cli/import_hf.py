@@ -16,15 +16,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from microscale.cli.args import add_quiet, hf_families, required_group
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "folder",
         metavar="HF_FOLDER",
-        help="an HF model folder: config.json, *.safetensors, tokenizer.json",
+        help=f"an HF model folder (one of: {hf_families()}): config.json, *.safetensors, "
+        "tokenizer.json; a local folder (nothing is downloaded from the Hub)",
     )
-    parser.add_argument("--out", "-o", required=True, help="the run folder to write (new)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    required_group(parser).add_argument(
+        "--out", "-o", required=True, help="the run folder to write (new)"
+    )
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:

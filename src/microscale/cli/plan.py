@@ -19,6 +19,10 @@ import sys
 from microscale.cli.args import positive_int
 from microscale.train.config import list_presets
 
+# Simulated devices when --devices is not given and a mesh axis is -1 ("the remaining
+# devices", as the presets' mesh.data or mesh.fsdp is): one 8-GPU node.
+DEFAULT_DEVICES = 8
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -48,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices",
         type=positive_int,
         default=None,
-        help="simulated devices (default: the mesh's size; needed when a mesh axis is -1)",
+        help="simulated devices (default: the mesh's size; when a mesh axis is -1, "
+        f"{DEFAULT_DEVICES}, one node)",
     )
     parser.add_argument(
         "--no-compile",
@@ -62,21 +67,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def configs(args: argparse.Namespace):
+    """The training config the ``key=value`` settings build (``--list-keys``)."""
+    from microscale.train.init import resolve_config
+
+    return (resolve_config(args.config, list(args.overrides) + [f"recipe={args.recipe}"]),)
+
+
+def devices(cfg, given: int | None) -> int | None:
+    """``--devices``, or :data:`DEFAULT_DEVICES` when it is not given and a mesh axis is
+    -1 (``None`` otherwise: the mesh's own size)."""
+    from microscale.train.mesh import AXES
+
+    if given is None and -1 in (getattr(cfg.mesh, a) for a in AXES):
+        return DEFAULT_DEVICES
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
     from microscale.config import ConfigError
-    from microscale.train.init import resolve_config
 
     try:
-        cfg = resolve_config(args.config, list(args.overrides) + [f"recipe={args.recipe}"])
+        (cfg,) = configs(args)
         from microscale.plan import get_accelerator, plan
 
         acc = get_accelerator(args.accelerator)
         res = plan(
             cfg,
             accelerator=acc,
-            devices=args.devices,
+            devices=devices(cfg, args.devices),
             compile=not args.no_compile,
             lower_only=args.lower_only,
             out=args.out,

@@ -32,12 +32,14 @@ import dataclasses
 import sys
 
 from microscale.cli.args import (
+    add_quiet,
     add_removed_flags,
-    describe_keys,
+    hf_families,
     name_list,
     positive_float_list,
     refuse_unused,
     require,
+    required_group,
     spelled,
     split_keys,
 )
@@ -77,15 +79,16 @@ REMOVED_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    required = required_group(parser, unless="--list-keys")
+    required.add_argument(
         "--checkpoint",
         "-c",
         metavar="PATH",
-        help="a training run folder (the out= of microscale train), an HF "
-        "model folder (Llama, Mistral, Qwen2, Qwen3: config.json, *.safetensors, tokenizer.json) or a "
-        "quantize output (required)",
+        help="a training run folder (the out= of microscale train), an HF model folder "
+        f"(one of: {hf_families()}; config.json, *.safetensors, tokenizer.json) or a "
+        "quantize output",
     )
-    parser.add_argument("--out", "-o", metavar="DIR", help="output folder (required)")
+    required.add_argument("--out", "-o", metavar="DIR", help="output folder")
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -94,12 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fields: budget=5.0 formats=nvfp4,fp8,bf16 activations=true "
         "ptq.method=gptq layout=gguf corpus=texts/ (--list-keys)",
     )
-    parser.add_argument(
-        "--list-keys",
-        action="store_true",
-        help="list every key with its value and meaning, and exit",
-    )
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    add_quiet(parser)
     parser.add_argument(
         "--no-compile-cache",
         action="store_true",
@@ -150,9 +148,6 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
-    if args.list_keys:
-        print(describe_keys(cfg, runc))
-        return 0
     if not require(args, "quantize", "checkpoint", "out"):
         return 2
     log = None if args.quiet else (lambda m: print(m, flush=True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from microscale.cli.args import add_quiet
 from microscale.train.config import list_presets
 
 
@@ -37,12 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
-    parser.add_argument(
-        "--list-keys",
-        action="store_true",
-        help="list every config key with its value and meaning, and exit",
-    )
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    add_quiet(parser)
     parser.add_argument(
         "--no-compile-cache",
         action="store_true",
@@ -50,18 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from microscale.config import ConfigError, describe, to_yaml
+def configs(args: argparse.Namespace):
+    """The configs the ``key=value`` settings build (``--list-keys`` lists their keys)."""
     from microscale.train.init import resolve_config
 
+    return (resolve_config(args.config, args.overrides),)
+
+
+def run(args: argparse.Namespace) -> int:
+    from microscale.config import ConfigError, to_yaml
+
     try:
-        cfg = resolve_config(args.config, args.overrides)
+        (cfg,) = configs(args)
     except ConfigError as e:
         print(f"microscale train: error: {e}", file=sys.stderr)
         return 2
-    if args.list_keys:
-        print(describe(cfg))
-        return 0
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0

@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from microscale.cli.args import add_quiet
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per PATH instead of text"
     )
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_quiet(parser)
 
 
 _LABEL = {"ok": "ok", "damaged": "DAMAGED", "unverified": "UNVERIFIED"}

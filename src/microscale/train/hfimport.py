@@ -1,4 +1,4 @@
-"""``import_hf(HF_FOLDER, RUN)``: an HF Llama folder as a microscale run folder, no training.
+"""``import_hf(HF_FOLDER, RUN)``: an HF model folder as a microscale run folder, no training.
 
 The run folder has the layout a training run writes, so every command that reads a run
 (``train init_from=``, ``eval``, ``generate``, ``quantize``, ``export``, ``verify``) reads
@@ -54,6 +54,18 @@ __all__ = ["import_hf"]
 _SEQ_LEN = 256  # data.seq_len of the run (at most the model's context)
 
 
+def expected_folder() -> str:
+    """What ``import`` reads, for its errors: the families from the registry
+    (:data:`microscale.model.FAMILIES`), and that it reads a local folder only."""
+    from microscale.model.family import FAMILIES
+
+    return (
+        f"an HF model folder (one of: {', '.join(FAMILIES)}; config.json, *.safetensors, "
+        "tokenizer.json) on this machine; nothing is downloaded from the Hub (download it "
+        "first, e.g. huggingface-cli download ID --local-dir DIR)"
+    )
+
+
 def import_hf(
     folder: str | os.PathLike, out: str | os.PathLike, *, say: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
@@ -65,14 +77,9 @@ def import_hf(
     from microscale.export.tokenizer import TOKENIZER_FILES
     from microscale.train.config import TrainConfig
 
-    src = check_input_dir(
-        folder, what="", expected="an HF Llama folder (config.json, *.safetensors, tokenizer.json)"
-    )
+    src = check_input_dir(folder, what="", expected=expected_folder())
     if not (src / ExportFolder.CONFIG).is_file():
-        raise FileNotFoundError(
-            f"{str(folder)!r} has no config.json; expected an HF Llama "
-            "folder (config.json, *.safetensors, tokenizer.json)"
-        )
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected {expected_folder()}")
     out = check_output_dir(out, what="--out").absolute()
     if out.exists():
         raise FileExistsError(f"--out {str(out)!r} already exists; choose a new folder")
