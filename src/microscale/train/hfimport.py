@@ -18,9 +18,10 @@ What is read and refused (before any weight is read): ``config.json`` through
 :func:`microscale.export.model_config_from_hf` (every shape, ``rope_theta``, RoPE
 scaling -- ``rope_scaling`` / ``rope_parameters`` of kind default, linear, dynamic,
 llama3 or yarn --, ``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings``,
-``head_dim``, the family -- Llama, Mistral and its sliding window, Qwen2, Qwen3 --;
-another ``model_type``, biases the family lacks, other RoPE kinds, another activation,
-sliding windows outside Mistral are refused naming the key); ``tokenizer.json`` must
+``head_dim``, the family -- a row of :data:`microscale.model.FAMILIES` (Llama, Mistral
+and its sliding window, Qwen2, Qwen3, Gemma 3 and its local layers) --; another
+``model_type``, biases the family lacks, other RoPE kinds, another activation, sliding
+windows where the family has none are refused naming the key); ``tokenizer.json`` must
 exist and fit the embedding
 (:func:`microscale.data.check_vocab_fits`). A folder of packed weights
 (compressed-tensors, ModelOpt) is imported dequantized. The run folder appears whole or

@@ -107,8 +107,9 @@ def quantize_run(
     overwrite: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> QuantizeResult:
-    """Quantize a training run, an HF Llama folder or a quantize output's model (see the
-    module doc). Returns the result.
+    """Quantize a training run, an HF model folder (a family of
+    :data:`microscale.model.FAMILIES`) or a quantize output's model (see the module doc).
+    Returns the result.
 
     ``corpus``: calibrate and evaluate on this corpus (a run's tokenizer settings; a model
     folder's own tokenizer); ``step``: checkpoint step of a run (default latest);
