@@ -22,7 +22,7 @@ from microscale.model.family import FAMILIES
 ROOT = Path(__file__).resolve().parents[1]
 
 # Commands that run for minutes and print progress: each takes --quiet.
-LONG_RUNNING = ("compare", "train", "quantize", "import", "export", "verify")
+LONG_RUNNING = ("compare", "train", "quantize", "import", "export", "verify", "plan")
 
 
 def _options(parser: argparse.ArgumentParser):

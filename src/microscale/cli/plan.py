@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from microscale.cli.args import positive_int
+from microscale.cli.args import add_quiet, positive_int
 from microscale.train.config import list_presets
 
 # Simulated devices when --devices is not given and a mesh axis is -1 ("the remaining
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default=None, help="folder for plan.md and plan.json")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_quiet(parser)
 
 
 def configs(args: argparse.Namespace):
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             compile=not args.no_compile,
             lower_only=args.lower_only,
             out=args.out,
+            verbose=not args.quiet,
         )
     except (ConfigError, ValueError) as e:
         print(f"microscale plan: error: {e}", file=sys.stderr)
