@@ -68,14 +68,12 @@ def _removed_flags(command: str) -> dict[str, str]:
 def _current_flags() -> set[str]:
     """Every option some command still takes (``eval --data``, ``generate --formats``)."""
     import argparse
-    import importlib
 
-    from microscale.cli import COMMANDS
+    from microscale.cli import COMMANDS, command_parser
 
     flags: set[str] = set()
-    for module, _ in COMMANDS.values():
-        parser = argparse.ArgumentParser()
-        importlib.import_module(module).add_arguments(parser)
+    for name in COMMANDS:
+        _, parser = command_parser(name)  # with the shared options (--list-keys)
         flags |= {
             s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
         }
