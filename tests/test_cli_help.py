@@ -132,3 +132,19 @@ def test_each_readme_command_line_parses(line):
     module, args = parse(argv)
     if hasattr(module, "configs"):
         assert module.configs(args)
+
+
+def test_a_reader_that_leaves_the_pipe_is_no_error(monkeypatch, capsys):
+    """``microscale train --list-keys | head -1``: the reader leaves, and the command exits
+    141 (128 + SIGPIPE) with no error line."""
+
+    class LeftPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", LeftPipe())
+    assert main(["train", "--list-keys"]) == 141
+    assert capsys.readouterr().err == ""

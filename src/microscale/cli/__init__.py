@@ -34,7 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": (
         "microscale.cli.export",
-        "write a packed checkpoint (compressed-tensors / ModelOpt)",
+        "write a packed checkpoint for vLLM, TensorRT-LLM or llama.cpp (layout=: "
+        "`microscale export --list-keys` lists the layouts)",
     ),
     "generate": ("microscale.cli.generate", "generate text from a (packed) checkpoint"),
     "eval": ("microscale.cli.eval", "perplexity of a (packed) checkpoint"),
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"microscale {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`... --list-keys | head`): no error
+        if from_command_line:
+            _quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a shell tool that the pipe's reader left exits
     except Exception as e:  # noqa: BLE001 - one line, never a traceback (see above)
         known = isinstance(e, (ValueError, OSError, LookupError, TypeError))
         print(
@@ -147,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     if rc == 2 and from_command_line and not os.environ.get("MICROSCALE_TRACEBACK"):
         _last_line_on_stderr()
     return rc
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of output that the pipe's
+    reader no longer takes fails nowhere."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _last_line_on_stderr() -> None:
