@@ -1,10 +1,14 @@
 """Scanned layers (``model.scan_layers``): each contiguous run of blocks with equal recipes
 is one ``lax.scan``. The loss and every gradient equal the unrolled model's, the blocks of
 other recipes keep theirs, the parameters keep their per-block names, and the compiled
-program holds one block body per run, however deep the model."""
+program holds one block body per run, however deep the model.
+
+The module runs on one xdist worker (``xdist_group``) so that a model's loss and gradients,
+computed once (`_result`), serve every test that asks for the same model."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -17,10 +21,12 @@ from microscale.model import ModelConfig, Transformer
 from microscale.model.rules import PrecisionRules
 from microscale.model.transformer import scan_segments
 
+pytestmark = pytest.mark.xdist_group("scan_layers")
+
 TOKENS = jax.random.randint(jax.random.key(1), (2, 48), 0, 257)
 
 
-def _model(n_layers=5, recipe="bf16", scan=False, first=1, last=1, **model):
+def _model(n_layers=4, recipe="bf16", scan=False, first=1, last=1, **model):
     cfg = ModelConfig.tiny().replace(n_layers=n_layers, scan_layers=scan, **model)
     rules = (
         None
@@ -43,6 +49,13 @@ def _value_and_grads(model):
     }
 
 
+@functools.cache
+def _result(*args, **kwargs):
+    """``_value_and_grads(_model(*args, **kwargs))``, computed once per model in this
+    process (the tests only read it)."""
+    return _value_and_grads(_model(*args, **kwargs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe,remat,model",
@@ -52,15 +65,17 @@ def _value_and_grads(model):
         ("nvfp4", "full", {}),  # stochastic rounding: each block's own stream, as unrolled
         ("nvfp4", "save_dots", {"attention_chunk": 16}),
         ("mxfp8", "minimal", {}),
-        ("nvfp4", "none", {"attention_chunk": 8, "n_layers": 7}),
+        ("nvfp4", "none", {"attention_chunk": 8, "n_layers": 5}),
     ],
 )
 def test_scan_equals_unrolled(recipe, remat, model):
     """Loss and every parameter's gradient of the scanned model equal the unrolled one's
-    (float tolerance; on XLA:CPU they agree to the bit)."""
-    n = model.pop("n_layers", 5)
-    ref = _value_and_grads(_model(n, recipe, remat=remat, **model))
-    got = _value_and_grads(_model(n, recipe, scan=True, remat=remat, **model))
+    (float tolerance; on XLA:CPU they agree to the bit). Four blocks: with the bf16 first
+    and last, a quantized run of two is scanned."""
+    model = dict(model)
+    n = model.pop("n_layers", 4)
+    ref = _result(n, recipe, remat=remat, **model)
+    got = _result(n, recipe, scan=True, remat=remat, **model)
     assert got[0] == pytest.approx(ref[0], rel=1e-6)
     assert got[1].keys() == ref[1].keys()
     for name, g in ref[1].items():
@@ -87,11 +102,12 @@ def test_segments_are_the_runs_of_equal_recipes(recipe, n, first, last, segments
 def test_mixed_segments_keep_their_recipes():
     """Per-layer rules that split the blocks into runs: the scanned model equals the
     unrolled one, and differs from the all-bf16 model (the NVFP4 run really quantizes) and
-    from all-NVFP4 (the bf16 ends really stay bf16)."""
-    mixed = _value_and_grads(_model(5, "nvfp4", scan=True))[0]
-    assert mixed == pytest.approx(_value_and_grads(_model(5, "nvfp4"))[0], rel=1e-6)
-    bf16 = _value_and_grads(_model(5, "bf16", scan=True))[0]
-    every = _value_and_grads(_model(5, "nvfp4", scan=True, first=0, last=0))[0]
+    from all-NVFP4 (the bf16 ends really stay bf16). The models of
+    ``test_scan_equals_unrolled``'s ``full`` rows, computed once (`_result`)."""
+    mixed = _result(4, "nvfp4", scan=True, remat="full")[0]
+    assert mixed == pytest.approx(_result(4, "nvfp4", remat="full")[0], rel=1e-6)
+    bf16 = _result(4, "bf16", scan=True, remat="full")[0]
+    every = _result(4, "nvfp4", scan=True, first=0, last=0, remat="full")[0]
     assert abs(mixed - bf16) > 1e-5 and abs(mixed - every) > 1e-5
 
 
