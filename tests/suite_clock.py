@@ -9,8 +9,9 @@ of the process and of the child processes it has waited for, so a test that runs
 ``microscale`` in a subprocess counts the child's CPU; ``compile`` (XLA's backend
 compile), ``lower`` (jaxpr to MLIR) and ``trace`` are JAX's own duration events
 (`jax.monitoring`) in this process only, not in the children. CPU seconds hold when the
-machine is loaded; wall seconds do not. ``benchmarks/suite_times.py`` adds the files up
-per module.
+machine is loaded; wall seconds do not. A pytest that a test starts in a child process
+records nothing of its own (its CPU is already its parent test's). ``benchmarks/suite_times.py``
+adds the files up per module.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ EVENTS = {
 }
 _record: dict[str, dict[str, float]] = {}
 _current: dict[str, float] | None = None
+_active = False  # recording: SUITE_CLOCK_DIR set, and not a pytest run inside a test
+NESTED = "SUITE_CLOCK_IN_TEST"  # set while a test runs, so that its child processes see it
 
 
 def _cpu() -> float:
@@ -47,7 +50,9 @@ def _on_duration(event: str, duration: float, **_: object) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("SUITE_CLOCK_DIR"):
+    global _active
+    _active = bool(os.environ.get("SUITE_CLOCK_DIR")) and not os.environ.get(NESTED)
+    if _active:
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -56,9 +61,10 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     global _current
-    if not os.environ.get("SUITE_CLOCK_DIR"):
+    if not _active:
         yield
         return
+    os.environ[NESTED] = "1"
     _current = {"compile": 0.0, "lower": 0.0, "trace": 0.0, "start": 0.0}
     cpu, wall = _cpu(), time.perf_counter()
     _current["start"] = time.time()
@@ -67,11 +73,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     _current["wall"] = time.perf_counter() - wall
     _record[item.nodeid] = _current
     _current = None
+    del os.environ[NESTED]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     folder = os.environ.get("SUITE_CLOCK_DIR")
-    if folder and _record:
+    if _active and folder and _record:
         name = os.environ.get("PYTEST_XDIST_WORKER", "main")
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{name}-{os.getpid()}.json").write_text(json.dumps(_record))

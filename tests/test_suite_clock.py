@@ -24,6 +24,12 @@ def test_burns_cpu_in_a_child():
 
 def test_plain():
     assert True
+
+def test_runs_pytest_in_a_child(tmp_path):
+    import subprocess, sys
+    (tmp_path / "test_inner.py").write_text("def test_inner():\\n    pass\\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_clock",
+                    "-p", "no:cacheprovider", str(tmp_path)], check=True)
 """
 
 
@@ -53,7 +59,13 @@ def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard
     assert run.returncode == 0, run.stdout + run.stderr
     (record,) = [json.loads(f.read_text()) for f in clock.glob("*.json")]
     t = {k.split("::")[1]: v for k, v in record.items()}
-    assert set(t) == {"test_compiles", "test_burns_cpu_in_a_child", "test_plain"}
+    # one file: the child pytest of test_runs_pytest_in_a_child recorded nothing
+    assert set(t) == {
+        "test_compiles",
+        "test_burns_cpu_in_a_child",
+        "test_plain",
+        "test_runs_pytest_in_a_child",
+    }
     assert t["test_compiles"]["compile"] > 0 and t["test_compiles"]["trace"] > 0
     assert t["test_plain"]["compile"] == 0 == t["test_burns_cpu_in_a_child"]["compile"]
     # the child's CPU (a 3M-term sum, tens of ms at least) is counted in its test
@@ -66,11 +78,11 @@ def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard
         timeout=hang_guard_s,
     ).stdout
     row = next(line for line in out.splitlines() if "test_probe.py" in line)
-    assert row.split("|")[2].strip() == "3"  # tests in the module
+    assert row.split("|")[2].strip() == "4"  # tests in the module
     total = next(line for line in out.splitlines() if "all modules" in line)
     assert float(total.split("|")[3]) == pytest.approx(sum(v["cpu"] for v in t.values()), abs=1)
     assert all(v["start"] > 0 for v in t.values())
-    assert "3 tests" in out.split(str(clock))[-1]  # the worker line
+    assert "4 tests" in out.split(str(clock))[-1]  # the worker line
 
 
 def test_the_script_names_an_empty_folder(tmp_path):
