@@ -54,7 +54,7 @@ T = 40  # positions per window (inputs); chunks of 1, 7 and T - 1 leave a partia
 
 def _model(tie: bool, recipe: str, compute_dtype: str = "bfloat16"):
     """One block: every claim here is about the head and the loss, and one block carries
-    their gradient back through quantized GEMMs as two did, at about half the compile
+    their gradient back through quantized GEMMs as two did, at less compile
     (benchmarks/timings.md)."""
     cfg = ModelConfig(
         vocab_size=300,
