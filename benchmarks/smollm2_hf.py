@@ -66,8 +66,8 @@ def check(hf_dir: Path, gguf_path: Path) -> None:
     from microscale.inference import GenerationConfig, load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        rc = main(["import", str(hf_dir), "--out", f"{tmp}/run"])
-        print(f"microscale import {hf_dir} -> exit {rc}")
+        rc = main(["import", "--model", str(hf_dir), "--out", f"{tmp}/run"])
+        print(f"microscale import --model {hf_dir} -> exit {rc}")
     model = load_model(hf_dir, compute_dtype="float32")
     tok = model.tokenizer
     gen = GenerationConfig(max_new_tokens=24, stop_tokens=())

@@ -52,11 +52,11 @@ def test_help_exits_0_and_describes_every_option(name, capsys):
 
 @pytest.mark.parametrize("name", ["quantize", "export"])
 def test_options_required_but_for_list_keys_are_shown_required(name):
-    """--checkpoint and --out are optional to argparse (--list-keys needs neither), and
-    still listed as required."""
+    """--model and --out are optional to argparse (--list-keys needs neither), and still
+    listed as required."""
     _, parser = command_parser(name)
     titles = {a.dest: t for a, t in _options(parser)}
-    for dest in ("checkpoint", "out"):
+    for dest in ("model", "out"):
         assert titles[dest] == "required arguments (except with --list-keys)"
 
 
@@ -99,7 +99,7 @@ def test_family_lists_come_from_the_registry(capsys):
 
 
 def test_import_of_a_hub_id_says_what_it_reads(tmp_path, capsys):
-    rc = main(["import", "meta-llama/Llama-3.2-1B", "--out", str(tmp_path / "run")])
+    rc = main(["import", "--model", "meta-llama/Llama-3.2-1B", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert f"an HF model folder (one of: {', '.join(FAMILIES)}" in err[0]

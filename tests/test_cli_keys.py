@@ -15,7 +15,7 @@ from microscale.inference.export_run import ExportConfig
 from microscale.ptq import QuantizeConfig, WeightPTQ
 from microscale.workflows.quantize import QuantizeRunConfig
 
-REQ = ["--checkpoint", "run", "--out", "out"]
+REQ = ["--model", "run", "--out", "out"]
 
 
 def _parse(module, argv):
@@ -141,6 +141,6 @@ def test_list_keys_shows_the_resolved_values(capsys):
     assert "budget = 5.0" in out and "heuristic = [q8_0, nvfp4]" in out
 
 
-def test_checkpoint_and_out_are_required_to_run(capsys):
+def test_model_and_out_are_required_to_run(capsys):
     assert main(["quantize", "--out", "x"]) == 2
-    assert "--checkpoint" in capsys.readouterr().err
+    assert "--model" in capsys.readouterr().err

@@ -13,7 +13,7 @@ tok = train_bpe([open(f).read() for f in glob.glob(os.path.dirname(json.__file__
 export_checkpoint(Transformer(cfg, rngs=nnx.Rngs(0)), "hf-model", layer_formats="bf16",
                   tokenizer=tok)
 EOF
-microscale import hf-model --out runs/imported
+microscale import --model hf-model --out runs/imported
 TEXT=$(python -c 'import argparse; print(argparse.__file__)')
 microscale eval -m hf-model --data $TEXT --seq-len 64 --batches 4 --batch-size 4
 microscale eval -m runs/imported --data $TEXT --seq-len 64 --batches 4 --batch-size 4

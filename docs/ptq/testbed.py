@@ -68,7 +68,7 @@ def run_seed(root: Path, seed: int, modes: list[str], eval_batches: str) -> None
         for prefix, (_, extra) in RUNS.items():
             out = root / f"{prefix}-{seed}-{mode}"
             if not (out / "report.json").is_file():
-                sh("quantize", "--checkpoint", str(src), "--out", str(out), *flags, *extra)
+                sh("quantize", "--model", str(src), "--out", str(out), *flags, *extra)
 
 
 def _loss(rep: dict, point: str) -> list[float]:

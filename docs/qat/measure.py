@@ -114,7 +114,7 @@ def main() -> None:
             flags = ptq_flags(mode, a.eval_batches)
             q, qat, qq = (root / f"{k}-{seed}-{mode}" for k in ("q", "qat", "qq"))
             if not (q / "report.json").is_file():
-                sh("quantize", "--checkpoint", str(src), "--out", str(q), *flags)
+                sh("quantize", "--model", str(src), "--out", str(q), *flags)
             if not (qat / "summary.json").is_file():
                 sh(
                     "train",
@@ -133,7 +133,7 @@ def main() -> None:
                     "resume=true",
                 )
             if not (qq / "report.json").is_file():
-                sh("quantize", "--checkpoint", str(qat), "--out", str(qq), *flags)
+                sh("quantize", "--model", str(qat), "--out", str(qq), *flags)
             # control: the same fine-tune in bf16 (more tokens, no quantization awareness)
             ft, qf = root / f"ft-{seed}", root / f"qf-{seed}-{mode}"
             if not (ft / "summary.json").is_file():
@@ -153,7 +153,7 @@ def main() -> None:
                     "resume=true",
                 )
             if not (qf / "report.json").is_file():
-                sh("quantize", "--checkpoint", str(ft), "--out", str(qf), *flags)
+                sh("quantize", "--model", str(ft), "--out", str(qf), *flags)
             # the control rounded to nearest too; under W4A4 also the QAT model with the
             # per-batch input amax its forward pass trained with (export: static amax)
             rtn = flags + ["ptq.mse_scale=false", "ptq.four_over_six=false"]
@@ -163,7 +163,7 @@ def main() -> None:
             for k, (src_dir, f) in extra.items():
                 out = root / f"{k}-{seed}-{mode}"
                 if not (out / "report.json").is_file():
-                    sh("quantize", "--checkpoint", str(src_dir), "--out", str(out), *f)
+                    sh("quantize", "--model", str(src_dir), "--out", str(out), *f)
             rows.append(_row(seed, mode, root))
     summary = {}
     for mode in modes:

@@ -343,7 +343,7 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
     folder = tmp_path / "ct"
     export_checkpoint(tiny_model, folder, layer_formats=mixed, tokenizer=ByteTokenizer())
     out = tmp_path / "m.gguf"
-    assert main(["export", "--checkpoint", str(folder), "layout=gguf", "--out", str(out)]) == 0, (
+    assert main(["export", "--model", str(folder), "layout=gguf", "--out", str(out)]) == 0, (
         capsys.readouterr().err
     )
     assert "q8_0" in capsys.readouterr().out
@@ -359,7 +359,7 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
         main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 str(folder),
                 "layout=gguf",
                 "--out",
@@ -375,7 +375,7 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
         main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 str(folder),
                 "layout=gguf",
                 "--out",
@@ -393,7 +393,7 @@ def test_cli_packed_folder_keeps_its_allocation_and_bytes(tmp_path, tiny_model, 
         main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 str(folder),
                 "--out",
                 str(tmp_path / "ct2"),

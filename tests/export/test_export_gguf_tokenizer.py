@@ -260,7 +260,7 @@ def test_cli_refuses_the_tokenizer_before_reading_the_model(tmp_path, capsys):
     d = _folder(tmp_path, "whitespace")
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     (d / "model.safetensors").write_bytes(b"not a safetensors file")
-    rc = main(["export", "-c", str(d), "--out", str(tmp_path / "m.gguf"), "layout=gguf"])
+    rc = main(["export", "-m", str(d), "--out", str(tmp_path / "m.gguf"), "layout=gguf"])
     err = capsys.readouterr().err
     assert rc == 2 and "pre-tokenizer" in err and "Whitespace" in err, err
 

@@ -253,7 +253,7 @@ def test_each_family_comes_in_with_its_shape_and_tensors(hf):
 @pytest.mark.slow
 def test_microscale_import_cli_keeps_the_family(hf, tmp_path):
     out = tmp_path / "run"
-    assert main(["import", str(hf.path), "--out", str(out), "-q"]) == 0
+    assert main(["import", "--model", str(hf.path), "--out", str(out), "-q"]) == 0
     _, cfg, _ = load_checkpoint(out)
     assert cfg.model.family == hf.family
     assert cfg.model == read_checkpoint(hf.path).config
@@ -552,7 +552,7 @@ def test_import_refuses_what_the_family_does_not_compute(
     d = {k: v for k, v in {**d, **change}.items() if v is not DROP}
     (src / "config.json").write_text(json.dumps(d))
     out = tmp_path / "run"
-    assert main(["import", str(src), "--out", str(out), "-q"]) == 2
+    assert main(["import", "--model", str(src), "--out", str(out), "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("microscale import: error: "), err
     assert names in err[0] and "Traceback" not in err[0], err

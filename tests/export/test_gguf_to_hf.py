@@ -180,7 +180,9 @@ def test_config_and_tokenizer(synthetic):
 
 def test_microscale_import_reads_it(synthetic, tmp_path, capsys):
     *_, out, _ = synthetic
-    assert main(["import", str(out), "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert main(["import", "--model", str(out), "--out", str(tmp_path / "run")]) == 0, (
+        capsys.readouterr().err
+    )
     assert (tmp_path / "run" / "tokenizer.json").is_file()
 
 

@@ -183,7 +183,7 @@ def test_exported_config_loads_in_transformers_with_the_same_rope(hf_folder, tmp
 def test_microscale_import_cli_keeps_the_rope(hf_folder, tmp_path):
     kind, folder = hf_folder
     out = tmp_path / "run"
-    assert main(["import", str(folder), "--out", str(out), "-q"]) == 0
+    assert main(["import", "--model", str(folder), "--out", str(out), "-q"]) == 0
     _, cfg, _ = load_checkpoint(out)
     assert cfg.model.rope_scaling == read_checkpoint(folder).config.rope_scaling
     assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.kind == kind

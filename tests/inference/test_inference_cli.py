@@ -64,7 +64,7 @@ def run_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_export_generate_eval(run_dir, tmp_path, capsys):
     run, corpus, out = run_dir / "run", run_dir / "corpus.txt", tmp_path / "ct"
-    assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    assert main(["export", "--model", str(run), "--out", str(out)]) == 0
     assert "14 x nvfp4" in capsys.readouterr().out
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / f).is_file()
@@ -117,7 +117,7 @@ def test_modelopt_w4a4_mixed_export(run_dir, tmp_path, capsys):
         main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 str(run),
                 "--out",
                 str(out),
@@ -181,10 +181,7 @@ def test_run_dir_directly_and_errors(run_dir, tmp_path, capsys):
     assert "ppl" in out and "[stats] packed linear layers: 14" in out
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "does not exist; expected an exported model folder" in capsys.readouterr().err
-    assert (
-        main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "formats=nvfp5"])
-        == 2
-    )
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "x"), "formats=nvfp5"]) == 2
     assert "unknown format 'nvfp5'" in capsys.readouterr().err
 
 
@@ -205,13 +202,13 @@ def test_hf_folder_to_nvfp4(tmp_path, capsys):
         layer_formats="bf16",
         tokenizer=ByteTokenizer(),
     )
-    assert main(["export", "-c", str(tmp_path / "hf"), "-o", str(tmp_path / "ct")]) == 0
+    assert main(["export", "-m", str(tmp_path / "hf"), "-o", str(tmp_path / "ct")]) == 0
     assert "14 x nvfp4" in capsys.readouterr().out
     assert (
         main(
             [
                 "export",
-                "-c",
+                "-m",
                 str(tmp_path / "ct"),
                 "-o",
                 str(tmp_path / "mo"),
@@ -234,7 +231,7 @@ def test_hf_folder_to_nvfp4(tmp_path, capsys):
             main(
                 [
                     "export",
-                    "-c",
+                    "-m",
                     str(tmp_path / "ct"),
                     "-o",
                     str(tmp_path / "a4"),

@@ -286,7 +286,7 @@ def test_cli_weight_method_gptq(trained_run, tmp_path, capsys):
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             trained_run,
             "--out",
             str(out),

@@ -16,7 +16,7 @@ def test_cli_quantizes_a_training_run(trained_run, tmp_path, capsys):
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             trained_run,
             "--out",
             str(out),
@@ -55,7 +55,7 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             trained_run,
             "--out",
             str(tmp_path / "x"),
@@ -68,7 +68,7 @@ def test_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys):
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             str(tmp_path),
             "--out",
             str(tmp_path / "y"),
@@ -86,7 +86,7 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             trained_run,
             "--out",
             str(out),
@@ -118,7 +118,7 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
             rc = main(
                 [
                     "export",
-                    "--checkpoint",
+                    "--model",
                     src,
                     "layout=gguf",
                     "--out",
@@ -133,7 +133,7 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
         rc = main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 src,
                 "layout=gguf",
                 "--out",
@@ -149,7 +149,7 @@ def test_cli_target_gguf_refuses_formats_llama_cpp_lacks(trained_run, tmp_path, 
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             trained_run,
             "--out",
             str(tmp_path / "x"),

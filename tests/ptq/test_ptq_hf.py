@@ -1,4 +1,4 @@
-"""``microscale quantize --checkpoint`` takes what ``train init_from=`` takes: an HF Llama
+"""``microscale quantize --model`` takes what ``train init_from=`` takes: an HF Llama
 folder end to end (its own tokenizer on ``--corpus``), a quantize output, and the same
 named error for anything else."""
 
@@ -63,9 +63,7 @@ def _cache(tmp_path_factory, monkeypatch):
 @pytest.mark.slow
 def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     out = tmp_path / "q"
-    rc = main(
-        ["quantize", "--checkpoint", str(hf), f"corpus={corpus_dir}", "--out", str(out), *ARGS]
-    )
+    rc = main(["quantize", "--model", str(hf), f"corpus={corpus_dir}", "--out", str(out), *ARGS])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
     assert rep["effective_bits"] <= 6.0
@@ -92,7 +90,7 @@ def test_hf_folder_quantizes_end_to_end(hf, corpus_dir, tmp_path, capsys):
     ).read_text()
     # ... and quantize takes it back (its run is an HF folder: the dequantized weights,
     # on the corpus its report names)
-    rc = main(["quantize", "--checkpoint", str(out), "--out", str(tmp_path / "again"), *ARGS])
+    rc = main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), *ARGS])
     assert rc == 0, capsys.readouterr().err
     again = json.loads((tmp_path / "again" / "report.json").read_text())
     assert again["calibration"]["source"]["kind"] == "quantize"
@@ -105,7 +103,7 @@ def test_hf_folder_default_corpus_is_said(hf, tmp_path, capsys):
     rc = main(
         [
             "quantize",
-            "--checkpoint",
+            "--model",
             str(hf),
             "--out",
             str(tmp_path / "q"),
@@ -121,15 +119,16 @@ def test_hf_folder_default_corpus_is_said(hf, tmp_path, capsys):
 def test_model_folder_errors(hf, tmp_path, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()
-    rc = main(["quantize", "--checkpoint", str(bare), "--out", str(tmp_path / "x"), "-q"])
+    rc = main(["quantize", "--model", str(bare), "--out", str(tmp_path / "x"), "-q"])
     err = capsys.readouterr().err
+    # the path's name in the message is workflows.quantize's (what="--checkpoint")
     assert rc == 2 and "--checkpoint" in err and "is not a model folder" in err
     notok = tmp_path / "notok"
     notok.mkdir()
     for f in hf.iterdir():
         if f.name != "tokenizer.json":
             (notok / f.name).write_bytes(f.read_bytes())
-    rc = main(["quantize", "--checkpoint", str(notok), "--out", str(tmp_path / "y"), "-q"])
+    rc = main(["quantize", "--model", str(notok), "--out", str(tmp_path / "y"), "-q"])
     assert rc == 2 and "has no tokenizer.json" in capsys.readouterr().err
-    rc = main(["quantize", "--checkpoint", str(hf), "step=3", "--out", str(tmp_path / "z"), "-q"])
+    rc = main(["quantize", "--model", str(hf), "step=3", "--out", str(tmp_path / "z"), "-q"])
     assert rc == 2 and "step=3 applies to a training run folder" in capsys.readouterr().err

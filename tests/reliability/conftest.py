@@ -70,7 +70,7 @@ def tiny_export(tmp_path_factory, tiny_run) -> Path:
     from microscale.cli import main
 
     out = tmp_path_factory.mktemp("rel-export") / "exp"
-    assert main(["export", "--checkpoint", str(tiny_run), "--out", str(out)]) == 0
+    assert main(["export", "--model", str(tiny_run), "--out", str(out)]) == 0
     return out
 
 

@@ -153,7 +153,7 @@ def test_failed_restore_prints_no_background_tracebacks(tiny_run, tmp_path, hang
                 "-m",
                 "microscale",
                 "export",
-                "-c",
+                "-m",
                 str(run),
                 "--out",
                 str(tmp_path / f"x{i}"),

@@ -86,7 +86,7 @@ def _export_layers(out: Path) -> set[str]:
 @pytest.mark.parametrize("moment", ["started", "writing", "late", "done"])
 def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "exp"
-    assert main(["export", "-c", str(tiny_run), "--out", str(out), "formats=mxfp4"]) == 0
+    assert main(["export", "-m", str(tiny_run), "--out", str(out), "formats=mxfp4"]) == 0
     old = {p.name: p.read_bytes() for p in out.iterdir()}
     cond = {
         "started": lambda: _started(out),
@@ -95,7 +95,7 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
         "done": lambda: False,
     }[moment]
     killed = _kill_when(
-        ["export", "-c", str(tiny_run), "--out", str(out), "overwrite=true"], cond, hang_guard_s
+        ["export", "-m", str(tiny_run), "--out", str(out), "overwrite=true"], cond, hang_guard_s
     )
     assert killed == (moment != "done")
     formats = _export_layers(out)  # complete and intact, whichever it is
@@ -104,7 +104,7 @@ def test_kill_export_overwrite(moment, tiny_run, tmp_path, capsys, hang_guard_s)
     else:
         assert formats == {"nvfp4"}
     # leftovers of the killed writer go away with the next export, which succeeds
-    assert main(["export", "-c", str(tiny_run), "--out", str(out), "overwrite=true"]) == 0
+    assert main(["export", "-m", str(tiny_run), "--out", str(out), "overwrite=true"]) == 0
     assert _export_layers(out) == {"nvfp4"}
     assert [p.name for p in out.parent.iterdir()] == ["exp"]
 
@@ -139,7 +139,7 @@ def _quantize_complete(out: Path) -> dict:
 @pytest.mark.parametrize("moment", ["started", "writing", "late"])
 def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
     out = tmp_path / "q"
-    first = ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=8", *_Q]
+    first = ["quantize", "-m", str(tiny_run), "--out", str(out), "budget=8", *_Q]
     assert main(first) == 0
     old_budget = _quantize_complete(out)["budget"]
     cond = {
@@ -148,12 +148,12 @@ def test_kill_quantize(moment, tiny_run, tmp_path, capsys, hang_guard_s):
         "late": lambda: _late(out),
     }[moment]
     _kill_when(
-        ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true", *_Q],
+        ["quantize", "-m", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true", *_Q],
         cond,
         hang_guard_s,
     )
     assert _quantize_complete(out)["budget"] in (old_budget, 5.0)
-    again = ["quantize", "-c", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true"]
+    again = ["quantize", "-m", str(tiny_run), "--out", str(out), "budget=5", "overwrite=true"]
     assert main([*again, *_Q]) == 0
     assert _quantize_complete(out)["budget"] == 5.0
     assert [p.name for p in out.parent.iterdir()] == ["q"]
@@ -164,10 +164,10 @@ def test_kill_fresh_quantize_leaves_nothing_half_written(tiny_run, tmp_path, han
     precision_rules.json to trip over later), and a rerun completes."""
     out = tmp_path / "q"
     killed = _kill_when(
-        ["quantize", "-c", str(tiny_run), "--out", str(out), *_Q],
+        ["quantize", "-m", str(tiny_run), "--out", str(out), *_Q],
         lambda: _writing(out),
         hang_guard_s,
     )
     assert killed and not out.exists()
-    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), *_Q]) == 0
+    assert main(["quantize", "-m", str(tiny_run), "--out", str(out), *_Q]) == 0
     _quantize_complete(out)

@@ -64,8 +64,8 @@ def test_second_writer_fails_at_once(command, held, tiny_run, words_corpus, caps
             f"data.corpus={words_corpus}",
             f"out={out}",
         ],
-        "quantize": ["quantize", "-c", str(tiny_run), "--out", str(out), "-q"],
-        "export": ["export", "-c", str(tiny_run), "--out", str(out)],
+        "quantize": ["quantize", "-m", str(tiny_run), "--out", str(out), "-q"],
+        "export": ["export", "-m", str(tiny_run), "--out", str(out)],
     }[command]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -346,6 +346,6 @@ def test_import_cli_keeps_the_head_of_a_tied_config(untied_folder, tmp_path):
     ByteTokenizer().save(path / "tokenizer.json")
     out = tmp_path / "run"
     with pytest.warns(UserWarning, match=r"keeping the file's head"):
-        assert main(["import", str(path), "--out", str(out), "-q"]) == 0
+        assert main(["import", "--model", str(path), "--out", str(out), "-q"]) == 0
     _, cfg, _ = load_checkpoint(out)
     assert not cfg.model.tie_embeddings

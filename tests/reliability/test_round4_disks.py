@@ -104,22 +104,22 @@ NOTHING = r"; nothing was written$"
 FULL = r": no space left on the device: ([\d,]+ bytes needed, )?[\d,]+ bytes free" + NOTHING
 ROWS = {
     "export gguf, full": (
-        ["export", "-c", "{run}", "--out", "{mnt}/m.gguf", "layout=gguf"],
+        ["export", "-m", "{run}", "--out", "{mnt}/m.gguf", "layout=gguf"],
         rf"^microscale export: error: cannot write GGUF file '{{mnt}}/m\.gguf'{FULL}",
         "needed",
     ),
     "export compressed-tensors, full": (
-        ["export", "-c", "{run}", "--out", "{mnt}/ct"],
+        ["export", "-m", "{run}", "--out", "{mnt}/ct"],
         rf"^microscale export: error: cannot write output folder '{{mnt}}/ct'{FULL}",
         "needed",
     ),
     "import, full": (
-        ["import", "{hf}", "--out", "{mnt}/imp"],
+        ["import", "--model", "{hf}", "--out", "{mnt}/imp"],
         rf"^microscale import: error: cannot write output folder '{{mnt}}/imp'{FULL}",
         None,
     ),
     "quantize, full": (
-        ["quantize", "-c", "{run}", "--out", "{mnt}/q", "--quiet", "formats=nvfp4,bf16",
+        ["quantize", "-m", "{run}", "--out", "{mnt}/q", "--quiet", "formats=nvfp4,bf16",
          "pareto_budgets=8", "uniform_formats=nvfp4", "ptq_effects=false", "budget=16"],
         # refused before the analysis: the least the output can take does not fit
         r"^microscale quantize: error: cannot write quantize output folder '{mnt}/q': no space "
@@ -134,13 +134,13 @@ ROWS = {
         "run",
     ),
     "export gguf, read-only": (
-        ["export", "-c", "{run}", "--out", "{mnt}/m.gguf", "layout=gguf"],
+        ["export", "-m", "{run}", "--out", "{mnt}/m.gguf", "layout=gguf"],
         r"^microscale export: error: --out '{mnt}/m\.gguf' is not writable: Read-only file "
         r"system \({mnt}/\.m\.gguf\.probe-\d+\)$",
         "ro",
     ),
     "import, read-only": (
-        ["import", "{hf}", "--out", "{mnt}/imp"],
+        ["import", "--model", "{hf}", "--out", "{mnt}/imp"],
         r"^microscale import: error: --out '{mnt}/imp' is not writable: Read-only file "
         r"system \({mnt}/\.imp\.probe-\d+\)$",
         "ro",
@@ -154,7 +154,7 @@ def tiny_hf(tmp_path_factory, tiny_run) -> Path:
     from microscale.cli import main
 
     out = tmp_path_factory.mktemp("disk-hf") / "hf"
-    assert main(["export", "-c", str(tiny_run), "--out", str(out), "layout=hf"]) == 0
+    assert main(["export", "-m", str(tiny_run), "--out", str(out), "layout=hf"]) == 0
     return out
 
 

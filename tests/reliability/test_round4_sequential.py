@@ -165,7 +165,7 @@ def test_an_existing_output_is_replaced_only_with_overwrite(
     out.mkdir()
     for name, text in held.items():
         (out / name).write_text(text)
-    assert main([command, "-c", str(tiny_run), "--out", str(out), *keys]) == 2
+    assert main([command, "-m", str(tiny_run), "--out", str(out), *keys]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(match, err[0]), err
     assert {p.name: p.read_text() for p in out.iterdir()} == held
@@ -188,5 +188,5 @@ def test_quantize_overwrite_true_passes_the_check(tmp_path, tiny_run, monkeypatc
     out.mkdir()
     for name, text in _EARLIER_Q.items():
         (out / name).write_text(text)
-    assert main(["quantize", "-c", str(tiny_run), "--out", str(out), "overwrite=true", "-q"]) == 2
+    assert main(["quantize", "-m", str(tiny_run), "--out", str(out), "overwrite=true", "-q"]) == 2
     assert "error: Reached" in capsys.readouterr().err  # the work began

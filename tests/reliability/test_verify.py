@@ -74,7 +74,7 @@ def gguf_file(tmp_path_factory, tiny_run) -> Path:
         main(
             [
                 "export",
-                "--checkpoint",
+                "--model",
                 str(tiny_run),
                 "layout=gguf",
                 "--out",
@@ -90,9 +90,7 @@ def gguf_file(tmp_path_factory, tiny_run) -> Path:
 @pytest.fixture(scope="module")
 def modelopt_export(tmp_path_factory, tiny_run) -> Path:
     out = tmp_path_factory.mktemp("verify-mo") / "mo"
-    assert (
-        main(["export", "--checkpoint", str(tiny_run), "layout=modelopt", "--out", str(out)]) == 0
-    )
+    assert main(["export", "--model", str(tiny_run), "layout=modelopt", "--out", str(out)]) == 0
     return out
 
 
@@ -103,7 +101,7 @@ def quantize_out(tmp_path_factory, tiny_run) -> Path:
         main(
             [
                 "quantize",
-                "--checkpoint",
+                "--model",
                 str(tiny_run),
                 "--out",
                 str(out),
@@ -383,10 +381,7 @@ def test_safetensors_without_checksums_says_so(tiny_export, tmp_path, capsys):
 
 def test_sharded_export_checks_every_shard_and_the_index(tiny_run, tmp_path, capsys):
     exp = tmp_path / "exp"
-    assert (
-        main(["export", "--checkpoint", str(tiny_run), "--out", str(exp), "shard_size=0.00005"])
-        == 0
-    )
+    assert main(["export", "--model", str(tiny_run), "--out", str(exp), "shard_size=0.00005"]) == 0
     shards = sorted(exp.glob("model-*.safetensors"))
     assert len(shards) >= 2
     rc, out, _ = _verify(capsys, exp)

@@ -90,7 +90,7 @@ def big_tokenizer(hf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def run(hf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "imported"
-    assert main(["import", str(hf), "--out", str(out), "-q"]) == 0
+    assert main(["import", "--model", str(hf), "--out", str(out), "-q"]) == 0
     return out
 
 
@@ -163,7 +163,7 @@ def test_imported_run_evaluates_like_the_folder(hf, run, corpus, capsys):
 
 def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
     out = tmp_path / "ct"
-    assert main(["export", "-c", str(run), "--out", str(out), "formats=bf16"]) == 0
+    assert main(["export", "-m", str(run), "--out", str(out), "formats=bf16"]) == 0
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
@@ -173,14 +173,14 @@ def test_exports_of_the_run_carry_the_tokenizer_files(run, tmp_path, capsys):
         assert (out / name).read_bytes() == (run / name).read_bytes(), name
     gguf = pytest.importorskip("gguf", exc_type=ImportError)
     path = tmp_path / "m.gguf"
-    assert main(["export", "-c", str(run), "--out", str(path), "layout=gguf", "formats=bf16"]) == 0
+    assert main(["export", "-m", str(run), "--out", str(path), "layout=gguf", "formats=bf16"]) == 0
     field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
     assert field.contents() == (run / "chat_template.jinja").read_text()
 
 
 @pytest.mark.slow
 def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, tmp_path, capsys):
-    assert main(["export", "-c", str(run), "--out", str(tmp_path / "x"), "formats=nvfp4"]) == 0
+    assert main(["export", "-m", str(run), "--out", str(tmp_path / "x"), "formats=nvfp4"]) == 0
     out = capsys.readouterr().out
     lin = MODEL.num_linear_params()
     whole = (4.5 * lin + 16 * (MODEL.num_params() - lin)) / MODEL.num_params()
@@ -214,7 +214,7 @@ def test_export_names_the_bits_of_the_linear_layers_and_of_the_whole_model(run, 
 def test_import_refuses_what_it_cannot_represent(hf, tmp_path, capsys, change, expected):
     src = _edited(hf, tmp_path / "src", **change)
     out = tmp_path / "run"
-    assert main(["import", str(src), "--out", str(out), "-q"]) == 2
+    assert main(["import", "--model", str(src), "--out", str(out), "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing half-made
@@ -275,7 +275,7 @@ def test_smollm2_config_json_imports(tmp_path):
         tokenizer=train_bpe(_text(100), 300),
     )
     (src / "config.json").write_text(json.dumps(smol))
-    assert main(["import", str(src), "--out", str(tmp_path / "run"), "-q"]) == 0
+    assert main(["import", "--model", str(src), "--out", str(tmp_path / "run"), "-q"]) == 0
     _, cfg, _ = load_checkpoint(tmp_path / "run")
     assert cfg.model == want
     assert cfg.data.seq_len == 256
@@ -285,10 +285,10 @@ def test_import_refuses_a_missing_tokenizer_or_an_existing_out(hf, run, tmp_path
     src = tmp_path / "src"
     shutil.copytree(hf, src)
     (src / "tokenizer.json").unlink()
-    assert main(["import", str(src), "--out", str(tmp_path / "r")]) == 2
+    assert main(["import", "--model", str(src), "--out", str(tmp_path / "r")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
     before = sorted(p.name for p in run.iterdir())
-    assert main(["import", str(hf), "--out", str(run)]) == 2
+    assert main(["import", "--model", str(hf), "--out", str(run)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == before
 
@@ -298,7 +298,7 @@ def test_import_leaves_nothing_when_the_weights_fail(hf, tmp_path, capsys):
     shutil.copytree(hf, src)
     w = src / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size - 1000])  # truncated
-    assert main(["import", str(src), "--out", str(tmp_path / "r")]) == 2
+    assert main(["import", "--model", str(src), "--out", str(tmp_path / "r")]) == 2
     assert "model.safetensors" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -425,9 +425,9 @@ def mismatched(hf, run, big_tokenizer, tmp_path_factory) -> dict[str, Path]:
         ["eval", "-m", "{hf}", "--data", "{corpus}"],
         ["generate", "-m", "{run}", "-p", "hello"],
         ["generate", "-m", "{hf}", "-p", "hello"],
-        ["quantize", "-c", "{run}", "--out", "{tmp}/q", "corpus={corpus}"],
-        ["export", "-c", "{run}", "--out", "{tmp}/x"],
-        ["export", "-c", "{run}", "--out", "{tmp}/x.gguf", "layout=gguf"],
+        ["quantize", "-m", "{run}", "--out", "{tmp}/q", "corpus={corpus}"],
+        ["export", "-m", "{run}", "--out", "{tmp}/x"],
+        ["export", "-m", "{run}", "--out", "{tmp}/x.gguf", "layout=gguf"],
     ],
     ids=[
         "train-run",

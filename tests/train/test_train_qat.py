@@ -63,9 +63,7 @@ def test_qat_trains_the_searched_allocation_and_export_writes_it(make_cfg, tmp_p
     assert trained_allocation(src.out, load_checkpoint(src.out)[1]) is None
 
     out = tmp_path / "export"
-    assert main(["export", "--checkpoint", qat.out, "--out", str(out)]) == 0, (
-        capsys.readouterr().err
-    )
+    assert main(["export", "--model", qat.out, "--out", str(out)]) == 0, capsys.readouterr().err
     marker = next(out.glob("*microscale*.json"))
     layers = json.loads(marker.read_text())["layers"]
     assert {p: v["weights"] for p, v in layers.items()} == formats

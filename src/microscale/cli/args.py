@@ -1,5 +1,6 @@
 """argparse value types shared by the subcommands: each rejects a bad value with a message
-naming it and what was expected (argparse adds the option name)."""
+naming it and what was expected (argparse adds the option name); and the options several
+commands share, spelled one way (``--model``, ``--quiet``, ``--list-keys``)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,64 @@ def required_group(parser: argparse.ArgumentParser, *, unless: str | None = None
     ``unless``: the option that waives them (``--list-keys``); :func:`require` checks."""
     title = "required arguments" + (f" (except with {unless})" if unless else "")
     return parser.add_argument_group(title)
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of an option, or an old positional argument: refused with one line
+    naming the new option and, given a value, what to write instead."""
+
+    def __init__(self, option_strings, dest, *, new: str, short: str | None = None, **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new, self.short = new, short
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is None:  # the old positional
+            if values is None:  # not given
+                return
+            if getattr(namespace, self.new.lstrip("-").replace("-", "_"), None) is not None:
+                parser.error(f"unrecognized arguments: {values}")  # the new option given too
+        old = option_string or f"{self.metavar} (a positional argument)"
+        new = self.new + (f" ({self.short})" if self.short else "")
+        write = "" if values is None else f": write {self.new} {values}"
+        parser.error(f"{old} is now {new}{write}")
+
+
+def add_renamed(parser, old: tuple[str, ...], new: str, short: str | None = None) -> None:
+    """The old spellings ``old`` of option ``new`` (``short``: its short form), as hidden
+    arguments that refuse themselves with one line naming ``new``: ``microscale quantize
+    --checkpoint runs/x`` exits 2 with "--checkpoint is now --model (-m): write --model
+    runs/x" (argparse alone would say "unrecognized arguments"). An ``old`` without a
+    leading ``-`` is an old positional argument, by its metavar (``HF_FOLDER``): refused
+    when one is given. ``parser``: the command's parser or an argument group of it."""
+    flags = tuple(o for o in old if o.startswith("-"))
+    dest = "_renamed_" + new.lstrip("-").replace("-", "_")
+    if flags:
+        parser.add_argument(*flags, dest=dest, default=None, action=_Renamed, new=new, short=short)
+    for name in (o for o in old if not o.startswith("-")):
+        parser.add_argument(
+            f"{dest}_{name.lower()}",
+            metavar=name,
+            default=None,
+            action=_Renamed,
+            new=new,
+            short=short,
+        )
+
+
+def add_model_option(group, *, help: str, required: bool = True, renamed: tuple[str, ...] = ()):
+    """``--model`` / ``-m PATH``: the model a command reads, one spelling in every command
+    that reads one (``quantize``, ``export``, ``import``, ``eval``, ``generate``).
+
+    ``group``: the command's :func:`required_group`, so ``--help`` lists it as required.
+    ``required=False`` where argparse must not check it and the command's ``run`` calls
+    :func:`require`: where an option waives it (``--list-keys``), and where ``renamed``
+    holds an old positional (:func:`microscale.cli.parse` reads the options first, and
+    argparse would refuse a missing required one before the old positional's own error). ``renamed``: the
+    command's old spellings (``--checkpoint``, ``-c``; ``HF_FOLDER``), each refused with
+    one line naming ``--model`` (:func:`add_renamed`)."""
+    group.add_argument("--model", "-m", metavar="PATH", required=required, help=help)
+    if renamed:
+        add_renamed(group, renamed, "--model", "-m")
 
 
 def hf_families() -> str:

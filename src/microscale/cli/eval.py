@@ -18,12 +18,13 @@ import json
 import math
 import sys
 
-from microscale.cli.args import positive_int, required_group
+from microscale.cli.args import add_model_option, positive_int, required_group
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    required_group(parser).add_argument(
-        "--model", "-m", required=True, help="exported model folder or training run folder"
+    add_model_option(
+        required_group(parser),
+        help="an exported model folder (packed layers stay packed) or a training run folder",
     )
     parser.add_argument("--data", "-d", help="corpus (default: the run's corpus, or stdlib)")
     parser.add_argument(

@@ -1,15 +1,15 @@
 """``microscale export``: write a packed checkpoint vLLM / TensorRT-LLM load.
 
-    microscale export -c runs/x -o out/x-nvfp4 layout=compressed-tensors
-    microscale export -c runs/x -o out/x layout=modelopt rules=runs/x/precision_rules.json
-    microscale export -c runs/x -o out/x formats=ptq/layers.json       # {path: format}
-    microscale export -c runs/x -o out/x activations=true calib_batches=8   # W4A4
-    microscale export -c hf-llama/ -o out/llama-nvfp4   # any HF folder of a supported family
-    microscale export -c runs/x -o x.gguf layout=gguf   # llama.cpp (one file)
-    microscale export -c out/q -o q.gguf layout=gguf    # a quantize output
+    microscale export -m runs/x -o out/x-nvfp4 layout=compressed-tensors
+    microscale export -m runs/x -o out/x layout=modelopt rules=runs/x/precision_rules.json
+    microscale export -m runs/x -o out/x formats=ptq/layers.json       # {path: format}
+    microscale export -m runs/x -o out/x activations=true calib_batches=8   # W4A4
+    microscale export -m hf-llama/ -o out/llama-nvfp4   # any HF folder of a supported family
+    microscale export -m runs/x -o x.gguf layout=gguf   # llama.cpp (one file)
+    microscale export -m out/q -o q.gguf layout=gguf    # a quantize output
     microscale export --list-keys                       # every key with its value and meaning
 
-``--checkpoint`` is a training run folder (latest checkpoint, or ``step=``) or an HF-style
+``--model`` is a training run folder (latest checkpoint, or ``step=``) or an HF-style
 folder (plain or already packed: converted between layouts byte for byte when no formats
 are given). The keys are those of :class:`~microscale.inference.export_run.ExportConfig`.
 Layers get NVFP4 unless ``formats=`` (a format name, or a JSON object / file ``{layer
@@ -24,7 +24,8 @@ held-out data (the run's corpus or ``corpus=``). ``layout=gguf`` writes one llam
 as Q8_0, bf16 layers as ``dtype``. From a packed folder or a ``microscale quantize``
 output (its ``checkpoint/``) each layer keeps its format, and NVFP4 / MXFP4 layers their
 bytes. The flags before ``key=value`` (``--format gguf``, ``--data``, ``--activations``,
-...) are gone: each is refused with one line naming its key (:data:`REMOVED_FLAGS`).
+...) are gone: each is refused with one line naming its key (:data:`REMOVED_FLAGS`), and so
+are ``--checkpoint`` / ``-c``, now ``--model`` / ``-m`` as in every command that reads a model.
 Exit codes: 0 done, 2 bad arguments or inconsistent inputs.
 """
 
@@ -37,6 +38,7 @@ import sys
 from pathlib import Path
 
 from microscale.cli.args import (
+    add_model_option,
     add_quiet,
     add_removed_flags,
     hf_families,
@@ -65,9 +67,10 @@ REMOVED_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = required_group(parser, unless="--list-keys")
-    required.add_argument(
-        "--checkpoint",
-        "-c",
+    add_model_option(
+        required,
+        required=False,
+        renamed=("--checkpoint", "-c"),
         help="a training run folder, a quantize output or an HF-style model folder "
         f"(one of: {hf_families()}; plain or packed)",
     )
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a ConfigError
         print(f"microscale export: error: {e}", file=sys.stderr)
         return 2
-    if not require(args, "export", "checkpoint", "out"):
+    if not require(args, "export", "model", "out"):
         return 2
     try:
         formats = parse_formats(cfg.formats)
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
         res = export_run(
-            args.checkpoint,
+            args.model,
             args.out,
             layout=layout.name,
             formats=formats,

@@ -18,6 +18,7 @@ import sys
 import time
 
 from microscale.cli.args import (
+    add_model_option,
     nonnegative_float,
     nonnegative_int,
     positive_int,
@@ -28,8 +29,9 @@ from microscale.cli.args import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = required_group(parser)
-    required.add_argument(
-        "--model", "-m", required=True, help="exported model folder or training run folder"
+    add_model_option(
+        required,
+        help="an exported model folder (packed layers stay packed) or a training run folder",
     )
     required.add_argument(
         "--prompt",

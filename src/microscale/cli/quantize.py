@@ -1,17 +1,17 @@
 """``microscale quantize``: per-layer sensitivity and a budgeted mixed-precision search.
 
-    microscale quantize --checkpoint runs/tiny --out out/q budget=4.8
-    microscale quantize -c runs/tiny -o out/q5 budget=5.0 formats=nvfp4,fp8,bf16 \\
+    microscale quantize --model runs/tiny --out out/q budget=4.8
+    microscale quantize -m runs/tiny -o out/q5 budget=5.0 formats=nvfp4,fp8,bf16 \\
         method=kl calib_tokens=8192 seed=1
-    microscale quantize -c runs/tiny -o out/w4a4 activations=true   # inputs quantized too
-    microscale quantize -c runs/tiny -o out/g ptq.method=gptq        # GPTQ
-    microscale quantize -c runs/tiny -o out/q layout=gguf budget=5.0
+    microscale quantize -m runs/tiny -o out/w4a4 activations=true   # inputs quantized too
+    microscale quantize -m runs/tiny -o out/g ptq.method=gptq        # GPTQ
+    microscale quantize -m runs/tiny -o out/q layout=gguf budget=5.0
         # llama.cpp: searches nvfp4, mxfp4, q8_0, bf16 only; writes out/q/model.gguf
-    microscale quantize -c runs/tiny -o out/q layout=gguf budget=5.5 count_other_params=true
+    microscale quantize -m runs/tiny -o out/q layout=gguf budget=5.5 count_other_params=true
         # the budget counts the whole model; the search picks the token embedding's format
-    microscale quantize -c /models/SmolLM2-135M -o out/s corpus=texts/
+    microscale quantize -m /models/SmolLM2-135M -o out/s corpus=texts/
         # an HF model folder, calibrated on texts/ with the model's own tokenizer
-    microscale quantize -c runs/tiny -o out/q budget=4.5 overwrite=true
+    microscale quantize -m runs/tiny -o out/q budget=4.5 overwrite=true
         # replaces the earlier quantize output out/q (without it: refused, as export does)
     microscale quantize --list-keys                  # every key with its value and meaning
 
@@ -20,7 +20,8 @@ The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the ne
 ``corpus``, ``step``, ``eval_batches``, ``overwrite``); a layout's ``quantize_preset`` comes first
 (``layout=gguf``: ``QuantizeConfig.for_gguf()``'s formats and heuristic), then the keys. The flags before ``key=value`` (``--budget 5``,
 ``--w4a4``, ``--target gguf``, ...) are gone: each is refused with one line naming its key
-(:data:`REMOVED_FLAGS`, docs/release-notes.md). Everything else is
+(:data:`REMOVED_FLAGS`, docs/release-notes.md), and so are ``--checkpoint`` / ``-c``, now
+``--model`` / ``-m`` as in every command that reads a model. Everything else is
 :func:`microscale.workflows.quantize_run`. Exit codes: 0 done, 2 bad arguments (unknown
 key or format, infeasible budget, not a model folder).
 """
@@ -32,6 +33,7 @@ import dataclasses
 import sys
 
 from microscale.cli.args import (
+    add_model_option,
     add_quiet,
     add_removed_flags,
     hf_families,
@@ -80,10 +82,10 @@ REMOVED_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = required_group(parser, unless="--list-keys")
-    required.add_argument(
-        "--checkpoint",
-        "-c",
-        metavar="PATH",
+    add_model_option(
+        required,
+        required=False,
+        renamed=("--checkpoint", "-c"),
         help="a training run folder (the out= of microscale train), an HF model folder "
         f"(one of: {hf_families()}; config.json, *.safetensors, tokenizer.json) or a "
         "quantize output",
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
-    if not require(args, "quantize", "checkpoint", "out"):
+    if not require(args, "quantize", "model", "out"):
         return 2
     log = None if args.quiet else (lambda m: print(m, flush=True))
     if not args.no_compile_cache:
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
         enable_compilation_cache()
     try:
-        result = quantize_run(args.checkpoint, args.out, cfg, log=log, **dataclasses.asdict(runc))
+        result = quantize_run(args.model, args.out, cfg, log=log, **dataclasses.asdict(runc))
     except (FileNotFoundError, ValueError) as e:
         print(f"microscale quantize: error: {e}", file=sys.stderr)
         return 2
