@@ -9,9 +9,9 @@ Record a run with the plugin of ``tests/suite_clock.py``, then add it up::
 Per module: tests, CPU seconds (the worker's and its waited-for children's, so a CLI test's
 subprocess counts), XLA compile seconds and trace + lowering seconds in the worker (not in
 children), and the rest of the CPU. With two runs, the CPU of each and the ratio. ``--top``
-rows (default 25), then the total of all modules, then per worker its tests, CPU seconds and
-when its last test ended (from the first test's start): a worker that ends long before the
-other left a core idle.
+rows (default 25), then the total of all modules, then per worker its tests, CPU seconds,
+when its last test ended (from the first test's start: a worker that ends long before the
+other left a core idle) and its compiles, of which how many the persistent cache served.
 """
 
 from __future__ import annotations
@@ -91,7 +91,12 @@ def workers(folder: Path) -> str:
     for name, r in runs.items():
         end = max(t["start"] + t["wall"] for t in r.values()) - t0
         cpu = sum(t["cpu"] for t in r.values())
-        lines.append(f"{name}: {len(r)} tests, {cpu:.0f} CPU s, last test ended at {end:.0f} s")
+        line = f"{name}: {len(r)} tests, {cpu:.0f} CPU s, last test ended at {end:.0f} s"
+        if any("compiles" in t for t in r.values()):  # recorded since the cache counts
+            compiles = sum(t.get("compiles", 0) for t in r.values())
+            hits = sum(t.get("hits", 0) for t in r.values())
+            line += f", {compiles:.0f} compiles ({hits:.0f} persistent-cache hits)"
+        lines.append(line)
     return "\n".join(lines)
 
 

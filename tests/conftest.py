@@ -8,7 +8,12 @@
   this process has already imported it);
 * ``hang_guard_s``: the one wall-clock limit a test may put on a child process;
 * ``native_on_cpu``: script lines that let a child process compile the native block-scaled
-  GEMM on CPU (see the fixture).
+  GEMM on CPU (see the fixture);
+* one JAX persistent compilation cache per run (:func:`pytest_configure`), shared by the
+  xdist workers and every child process they start: a program that several tests compile
+  (the same model and recipe, a CLI child's step) compiles once. It starts empty, so a run
+  costs what it costs on a fresh clone, and is deleted at the end; set
+  ``JAX_COMPILATION_CACHE_DIR`` to keep one of your own instead.
 
 No test measures or limits speed: a busy machine makes every step slower, and a test must
 not fail because of it. Child processes get one limit, :data:`HANG_GUARD_S`, that only
@@ -21,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +46,32 @@ def corpus_dir(tmp_path_factory) -> str:
     for p in files:
         shutil.copy(p, out / p.name)
     return str(out)
+
+
+_RUN_CACHE: list[str] = []  # the cache folder this process made (the xdist controller)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's compilation cache: made by the first pytest process (the xdist
+    controller, or the only process) before any worker or child starts, and handed on in
+    the environment. Every program is cached (no minimum compile time): most of the
+    suite's programs compile in well under a second, and tests compile them again."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # a worker of this run, a child, or the user's own cache
+    folder = tempfile.mkdtemp(prefix="microscale-tests-jax-cache-")
+    _RUN_CACHE.append(folder)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    if "jax" in sys.modules:  # read from the environment at import: too late for this one
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _RUN_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 HANG_GUARD_S = 3600  # ends a hung child process; never a speed check (see above)

@@ -3,12 +3,14 @@ the seconds JAX spent compiling in it.
 
 ``pytest -p suite_clock`` with ``SUITE_CLOCK_DIR=<folder>`` set writes one JSON file per
 process (each xdist worker, or the one process) into that folder: ``{nodeid: {"cpu": s,
-"wall": s, "start": unix s, "compile": s, "lower": s, "trace": s}}`` for setup, call and
+"wall": s, "start": unix s, "compile": s, "lower": s, "trace": s, "compiles": n, "hits": n}}`` for setup, call and
 teardown together (a fixture's cost lands on the first test that asks for it). ``cpu`` is user + system time
 of the process and of the child processes it has waited for, so a test that runs
 ``microscale`` in a subprocess counts the child's CPU; ``compile`` (XLA's backend
 compile), ``lower`` (jaxpr to MLIR) and ``trace`` are JAX's own duration events
-(`jax.monitoring`) in this process only, not in the children. CPU seconds hold when the
+(`jax.monitoring`) in this process only, not in the children; ``compiles`` counts the
+backend compiles (a hit of JAX's persistent compilation cache is one, and is quick) and
+``hits`` the persistent cache's hits. CPU seconds hold when the
 machine is loaded; wall seconds do not. A pytest that a test starts in a child process
 records nothing of its own (its CPU is already its parent test's). ``benchmarks/suite_times.py``
 adds the files up per module.
@@ -29,6 +31,7 @@ EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/jaxpr_trace_duration": "trace",
 }
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _record: dict[str, dict[str, float]] = {}
 _current: dict[str, float] | None = None
 _active = False  # recording: SUITE_CLOCK_DIR set, and not a pytest run inside a test
@@ -47,6 +50,13 @@ def _on_duration(event: str, duration: float, **_: object) -> None:
     key = EVENTS.get(event)
     if key is not None and _current is not None:
         _current[key] = _current.get(key, 0.0) + duration
+        if key == "compile":
+            _current["compiles"] += 1
+
+
+def _on_event(event: str, **_: object) -> None:
+    if event == CACHE_HIT and _current is not None:
+        _current["hits"] += 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,6 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -65,7 +76,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
         return
     os.environ[NESTED] = "1"
-    _current = {"compile": 0.0, "lower": 0.0, "trace": 0.0, "start": 0.0}
+    _current = dict.fromkeys(("compile", "lower", "trace", "start", "compiles", "hits"), 0.0)
     cpu, wall = _cpu(), time.perf_counter()
     _current["start"] = time.time()
     yield

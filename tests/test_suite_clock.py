@@ -82,7 +82,12 @@ def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard
     total = next(line for line in out.splitlines() if "all modules" in line)
     assert float(total.split("|")[3]) == pytest.approx(sum(v["cpu"] for v in t.values()), abs=1)
     assert all(v["start"] > 0 for v in t.values())
-    assert "4 tests" in out.split(str(clock))[-1]  # the worker line
+    worker = out.split(str(clock))[-1]
+    assert "4 tests" in worker
+    # test_compiles' one program: compiled, or served by a persistent cache (a run's own)
+    assert t["test_compiles"]["compiles"] >= 1 and t["test_plain"]["compiles"] == 0
+    assert t["test_compiles"]["hits"] <= t["test_compiles"]["compiles"]
+    assert f"{sum(v['compiles'] for v in t.values()):.0f} compiles" in worker
 
 
 def test_the_script_names_an_empty_folder(tmp_path):

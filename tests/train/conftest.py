@@ -47,16 +47,3 @@ def make_cfg(corpus_dir, data_cache, tmp_path):
         return apply_overrides(base, list(overrides))
 
     return make
-
-
-@pytest.fixture(scope="session", autouse=True)
-def compile_cache(tmp_path_factory):
-    """Identical programs compiled by several train() calls compile once (persistent
-    cache in a session folder)."""
-    import jax
-
-    if not jax.config.jax_compilation_cache_dir:
-        from microscale.train import enable_compilation_cache
-
-        enable_compilation_cache(tmp_path_factory.mktemp("jax-cache"))
-    yield
