@@ -200,7 +200,7 @@ def _source_folder(source) -> Path:
     """The folder to read: ``source``, or a quantize output's HF-style ``checkpoint/``."""
     src = check_input_dir(
         source,
-        what="--checkpoint",
+        what="--model",
         expected="a training run folder, a quantize output or an HF model folder",
     )
     if not QuantizeOutput.detect(src):
@@ -209,12 +209,12 @@ def _source_folder(source) -> Path:
     found = detect(model)
     if isinstance(found, Layout) and found.single_file:
         raise ValueError(
-            f"--checkpoint {str(src)!r} is a quantize output that already holds "
+            f"--model {str(src)!r} is a quantize output that already holds "
             f"its model as {found.description}: {str(model)!r}"
         )
     if not (isinstance(found, Layout) and found.hf_folder):
         raise FileNotFoundError(
-            f"--checkpoint {str(src)!r}: a quantize output without an "
+            f"--model {str(src)!r}: a quantize output without an "
             "HF-style checkpoint/ (quantized with layout=microscale?)"
         )
     return model
@@ -290,7 +290,7 @@ def _export_run(
         )
     else:
         raise FileNotFoundError(
-            f"--checkpoint {str(src)!r}: neither a training run "
+            f"--model {str(src)!r}: neither a training run "
             "(config.yaml + checkpoints/) nor an HF model folder"
         )
     input_amax = (

@@ -112,7 +112,7 @@ def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> type[Ou
     is (:func:`microscale.outputs.kind_of`: a run's ``config.yaml`` + ``checkpoints/``; a
     quantize output's ``precision_rules.json`` + ``report.json``; an HF-style folder's
     ``config.json``), or a ``ValueError`` naming ``what`` (``"init_from="``,
-    ``"--checkpoint"``) and the three kinds. Callers compare the class (``kind is
+    ``"--model"``) and the three kinds. Callers compare the class (``kind is
     TrainingRun``); its ``source`` is the name a run records."""
     p = Path(path).expanduser()
     kind = kind_of(p)
@@ -126,7 +126,7 @@ def check_model_source(
     source: str | os.PathLike, *, what: str = "init_from="
 ) -> tuple[Path, type[OutputKind]]:
     """``(path, kind)`` of a model folder given as ``what`` (``"init_from="``,
-    ``"--checkpoint"``), read from names alone before any work: a missing path, a file
+    ``"--model"``), read from names alone before any work: a missing path, a file
     (``model.gguf``) or a folder that is none of the three kinds raises the one-line error
     that names it and what was expected (:func:`~microscale.files.check_input_dir`, then
     :func:`source_kind`)."""

@@ -120,11 +120,11 @@ def quantize_run(
     refused before any work, as ``export`` refuses one).
     """
     cfg = QuantizeConfig() if config is None else config
-    path, kind = check_model_source(checkpoint, what="--checkpoint")
+    path, kind = check_model_source(checkpoint, what="--model")
     if step is not None and kind is not TrainingRun:
         what = "a quantize output" if kind is QuantizeOutput else "an HF folder"
         raise ValueError(
-            f"step={step} applies to a training run folder, but --checkpoint "
+            f"step={step} applies to a training run folder, but --model "
             f"{str(checkpoint)!r} is {what}"
         )
     # before any work: not a file, writable, not someone's data, existing only with overwrite
@@ -206,14 +206,14 @@ def _quantize_folder(
     found = source_model(path)
     if found is None:
         raise ValueError(
-            f"--checkpoint {str(path)!r}: no config.json describes its model (a "
+            f"--model {str(path)!r}: no config.json describes its model (a "
             "quantize output in microscale's own layout whose run is gone)"
         )
     model_cfg, _, where = found
     tok = _tokenizer_file(path, kind)
     if tok is None:
         raise FileNotFoundError(
-            f"--checkpoint {str(path)!r} has no tokenizer.json"
+            f"--model {str(path)!r} has no tokenizer.json"
             f"{' in checkpoint/' if kind is QuantizeOutput else ''}; "
             "quantize tokenizes the calibration text with the model's own "
             "tokenizer"

@@ -6,7 +6,7 @@
 ``model.safetensors`` (float32, every tensor decoded with ``gguf.quants``; a weight with a
 ``<name>.scale`` tensor, NVFP4's FP32 tensor scale, times it, as llama.cpp multiplies it
 onto the matmul), and the tokenizer (:func:`~microscale.export.gguf.vocab.hf_tokenizer`:
-``tokenizer.json`` and ``tokenizer_config.json``). ``microscale import OUT`` then reads it
+``tokenizer.json`` and ``tokenizer_config.json``). ``microscale import --model OUT`` then reads it
 as any HF folder.
 
 The file is read through microscale's validating parser
