@@ -368,7 +368,9 @@ def test_w4a4_gptq_lowers_the_quantized_gemm_error():
     error ``||Xq W^T - Xq W_q^T||`` than GPTQ on the Hessian of ``X``, on every layer of the
     table (random and outlier-heavy), for nvfp4 and mxfp4 inputs and weights. The gain is
     modest (ratios 0.92-0.997 here); on the tiny test model's own activations it was nil
-    (summed over its 14 layers, nvfp4: 0.2031 vs 0.2028)."""
+    (summed over its 14 layers, nvfp4: 0.2031 vs 0.2028), and not every layer gains: the
+    same table with 32 rows in every layer (other draws) gave nvfp4 ratios 0.987, 1.004,
+    0.913, 0.990. The assertion holds this table's draws, a regression check, not a law."""
     rng = np.random.default_rng(3)
     for fmt in ("nvfp4", "mxfp4"):
         ratios = []
