@@ -37,7 +37,11 @@ def test_runs_pytest_in_a_child(tmp_path):
 def test_a_run_is_recorded_per_test_and_added_up_per_module(tmp_path, hang_guard_s):
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(MODULE))
     clock = tmp_path / "clock"
-    env = dict(os.environ, SUITE_CLOCK_DIR=str(clock), PYTHONPATH=str(ROOT / "tests"))
+    # a run of its own, also when this test runs in a clocked suite (whose plugin would
+    # otherwise see a pytest started by a test, and record nothing)
+    outer = ("SUITE_CLOCK_IN_TEST", "PYTEST_ADDOPTS")
+    env = {k: v for k, v in os.environ.items() if k not in outer}
+    env.update(SUITE_CLOCK_DIR=str(clock), PYTHONPATH=str(ROOT / "tests"))
     run = subprocess.run(
         [
             sys.executable,

@@ -23,7 +23,7 @@ def test_cli_bad_key_and_print_config(capsys):
 
 
 @pytest.mark.slow
-def test_cli_trains(corpus_dir, tmp_path, compile_cache, hang_guard_s):
+def test_cli_trains(corpus_dir, tmp_path, hang_guard_s):
     out = tmp_path / "run"
     args = [
         "train",
