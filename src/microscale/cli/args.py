@@ -122,24 +122,22 @@ def required_group(parser: argparse.ArgumentParser, *, unless: str | None = None
     return parser.add_argument_group(title)
 
 
-class _Renamed(argparse.Action):
-    """An old spelling of an option, or an old positional argument: refused with one line
-    naming the new option and, given a value, what to write instead."""
+class _Refused(argparse.Action):
+    """An option, or a positional argument, that is gone: refused with one line,
+    ``say(old, value)`` (``value``: what followed it, or None), naming what replaces it.
+    ``new_dest``: the replacing option's dest, for an old positional beside it."""
 
-    def __init__(self, option_strings, dest, *, new: str, short: str | None = None, **kw):
+    def __init__(self, option_strings, dest, *, say, new_dest: str | None = None, **kw):
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
-        self.new, self.short = new, short
+        self.say, self.new_dest = say, new_dest
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string is None:  # the old positional
             if values is None:  # not given
                 return
-            if getattr(namespace, self.new.lstrip("-").replace("-", "_"), None) is not None:
+            if self.new_dest and getattr(namespace, self.new_dest, None) is not None:
                 parser.error(f"unrecognized arguments: {values}")  # the new option given too
-        old = option_string or f"{self.metavar} (a positional argument)"
-        new = self.new + (f" ({self.short})" if self.short else "")
-        write = "" if values is None else f": write {self.new} {values}"
-        parser.error(f"{old} is now {new}{write}")
+        parser.error(self.say(option_string or f"{self.metavar} (a positional argument)", values))
 
 
 def add_renamed(parser, old: tuple[str, ...], new: str, short: str | None = None) -> None:
@@ -149,19 +147,18 @@ def add_renamed(parser, old: tuple[str, ...], new: str, short: str | None = None
     runs/x" (argparse alone would say "unrecognized arguments"). An ``old`` without a
     leading ``-`` is an old positional argument, by its metavar (``HF_FOLDER``): refused
     when one is given. ``parser``: the command's parser or an argument group of it."""
-    flags = tuple(o for o in old if o.startswith("-"))
-    dest = "_renamed_" + new.lstrip("-").replace("-", "_")
-    if flags:
-        parser.add_argument(*flags, dest=dest, default=None, action=_Renamed, new=new, short=short)
+    shown = new + (f" ({short})" if short else "")
+
+    def say(was: str, value: str | None) -> str:
+        return f"{was} is now {shown}" + ("" if value is None else f": write {new} {value}")
+
+    new_dest = new.lstrip("-").replace("-", "_")
+    dest = "_renamed_" + new_dest
+    kw = dict(default=None, action=_Refused, say=say, new_dest=new_dest)
+    if flags := tuple(o for o in old if o.startswith("-")):
+        parser.add_argument(*flags, dest=dest, **kw)
     for name in (o for o in old if not o.startswith("-")):
-        parser.add_argument(
-            f"{dest}_{name.lower()}",
-            metavar=name,
-            default=None,
-            action=_Renamed,
-            new=new,
-            short=short,
-        )
+        parser.add_argument(f"{dest}_{name.lower()}", metavar=name, **kw)
 
 
 def add_model_option(group, *, help: str, required: bool = True, renamed: tuple[str, ...] = ()):
@@ -191,23 +188,18 @@ def hf_families() -> str:
 # ----------------------------------------------------------------------------- key=value
 
 
-class _Removed(argparse.Action):
-    """A removed option: refused with one line naming what replaces it."""
-
-    def __init__(self, option_strings, dest, *, new: str, **kw):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was removed (docs/release-notes.md); write {self.new}")
-
-
 def add_removed_flags(parser: argparse.ArgumentParser, removed: dict[str, str]) -> None:
     """Register the options ``removed`` (``{old flag: the key=value that replaces it}``,
     the release notes' table) as hidden ones that refuse themselves with one line naming
     their replacement (an unregistered option would be refused without it)."""
     for flag, new in removed.items():
-        parser.add_argument(flag, dest=f"_removed_{flag}", default=None, action=_Removed, new=new)
+        parser.add_argument(
+            flag,
+            dest=f"_removed_{flag}",
+            default=None,
+            action=_Refused,
+            say=lambda was, _, new=new: f"{was} was removed (docs/release-notes.md); write {new}",
+        )
 
 
 def _shown(v: Any) -> str:
