@@ -195,9 +195,12 @@ def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: 
     """The column loop on padded ``w [out, Kp]`` and ``u [Kp, Kp]``: (quantized values
     ``[out, Kp]``, block scales as raw uints ``[out, Kp / group]``).
 
-    Two levels of lazy updates: inside a format block the columns update only that block
-    (static, unrolled), then one GEMM carries the block's errors to the rest of its lazy
-    block, and one more per lazy block to the rest of the matrix."""
+    Two levels of lazy updates: inside a format block the columns update only that block,
+    then one GEMM carries the block's errors to the rest of its lazy block, and one more
+    per lazy block to the rest of the matrix. All three levels are ``fori_loop``s: the
+    column steps unrolled made a program 2.5-4x costlier to compile and no quicker to run
+    (``[32, 128]`` nvfp4: 2.9 -> 1.1 s; ``[2048, 2048]`` mxfp4 warm: 1.30 -> 0.91 s; the
+    values bit-identical)."""
     rows, kp = w.shape
     blocked = spec.block_size is not None
     sdt = _uint_of(spec.scale_dtype) if blocked else jnp.uint8
@@ -219,16 +222,22 @@ def _gptq_loop(w, u, amax, *, spec: FormatSpec, four6: bool, block: int, group: 
             if blocked:
                 raw = jax.lax.bitcast_convert_type(fixed.scales, sdt)
                 scales = jax.lax.dynamic_update_slice(scales, raw, (0, (i1 + g0) // group))
-            qs, errs = [], []
-            for ci in range(group):  # static: unrolled
-                qj = requantize_values(g, fixed)[:, ci : ci + 1]
-                err = (g[:, ci : ci + 1] - qj) / ugg[ci, ci]
-                g = g - err * ugg[ci : ci + 1, :]  # U upper triangular: earlier columns kept
-                qs.append(qj)
-                errs.append(err)
-            eg = jnp.concatenate(errs, axis=1)
+            cols = jnp.zeros_like(g)
+
+            def one_column(ci, c):
+                g, qg, eg = c
+                qj = jax.lax.dynamic_slice_in_dim(requantize_values(g, fixed), ci, 1, axis=1)
+                gj = jax.lax.dynamic_slice_in_dim(g, ci, 1, axis=1)
+                err = (gj - qj) / jax.lax.dynamic_slice(ugg, (ci, ci), (1, 1))
+                # U upper triangular: the earlier columns of the group are kept
+                g = g - err * jax.lax.dynamic_slice_in_dim(ugg, ci, 1, axis=0)
+                qg = jax.lax.dynamic_update_slice(qg, qj, (0, ci))
+                eg = jax.lax.dynamic_update_slice(eg, err, (0, ci))
+                return g, qg, eg
+
+            _, qg, eg = jax.lax.fori_loop(0, group, one_column, (g, cols, cols))
             w1 = w1 - eg @ ug  # the group's errors onto the rest of the lazy block
-            q1 = jax.lax.dynamic_update_slice(q1, jnp.concatenate(qs, axis=1), (0, g0))
+            q1 = jax.lax.dynamic_update_slice(q1, qg, (0, g0))
             e1 = jax.lax.dynamic_update_slice(e1, eg, (0, g0))
             return w1, q1, e1, scales
 
