@@ -39,7 +39,7 @@ ROOT = Path(microscale.__file__).parent
 # Layer of each subpackage / top-level module, lowest first. "microscale" is the package's
 # own __init__ (it re-exports formats and ops), "__main__" the ``python -m`` entry point.
 LAYERS: list[set[str]] = [
-    {"files", "integrity", "fingerprint", "colors"},
+    {"files", "integrity", "fingerprint", "colors", "progress"},
     {"config", "data", "formats"},
     {"ops"},
     {"microscale", "model"},

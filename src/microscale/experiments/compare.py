@@ -24,6 +24,7 @@ from microscale.experiments.report import write_report
 from microscale.experiments.seeds import seed_batch_size, train_seeds, why_not_batched
 from microscale.files import atomic_write_text, check_output_dir, lock_folder
 from microscale.outputs import TrainingRun
+from microscale.progress import Progress
 from microscale.train import TrainConfig, TrainingAborted, train
 
 
@@ -119,22 +120,14 @@ def _run_serial(
     cfg: CompareConfig, jobs: list[tuple[str, int, TrainConfig]], progress: bool
 ) -> None:
     """Train the jobs in this process, replicates as seed batches (:func:`_groups`), under
-    one progress bar (steps of all runs; tqdm's ETA), and record each trained run's wall
+    one progress display (steps of all runs; :class:`~microscale.progress.Progress`), and record each trained run's wall
     and CPU seconds in ``OUT/timings.json`` (a batch's, split evenly over its runs)."""
-    from tqdm.auto import tqdm
-
     assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     todo = [j for j in jobs if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
     groups = _groups(cfg, todo)
-    bar = tqdm(
-        total=sum(j[2].steps for j in todo),
-        unit="step",
-        disable=not progress,
-        desc="compare",
-        dynamic_ncols=True,
-    )
+    bar = Progress(sum(j[2].steps for j in todo), "compare", unit="step", show=progress)
     for i, group in enumerate(groups):
         name, seeds = group[0][0], [j[1] for j in group]
         shown = f"s{seeds[0]}" if len(seeds) == 1 else f"s{seeds[0]}-{seeds[-1]} ({len(seeds)})"
@@ -174,16 +167,12 @@ def _run_parallel(
 ) -> None:
     """Train the jobs in up to ``cfg.parallel`` subprocesses (one device group each), with
     a progress bar over runs, recording each run's wall and CPU seconds (``os.wait4``)."""
-    from tqdm.auto import tqdm
-
     assert cfg.out is not None  # set by CompareConfig's resolution
     timings_path = Path(cfg.out) / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     pending = [j for j in jobs if not _completed(Path(j[2].out))]  # type: ignore[arg-type]  # jobs set out
     free = _device_groups(cfg.parallel)
-    bar = tqdm(
-        total=len(pending), unit="run", disable=not progress, desc="compare", dynamic_ncols=True
-    )
+    bar = Progress(len(pending), "compare", unit="run", show=progress)
     running: list[tuple[str, int, TrainConfig, subprocess.Popen, dict, float]] = []
     failed = []
     while pending or running:
@@ -191,7 +180,7 @@ def _run_parallel(
             name, seed, rcfg = pending.pop(0)
             env = free.pop(0)
             running.append((name, seed, rcfg, _run_subprocess(rcfg, env), env, time.perf_counter()))
-            bar.set_postfix_str(", ".join(f"{r[0]} s{r[1]}" for r in running))
+            bar.set_postfix(running=", ".join(f"{r[0]} s{r[1]}" for r in running))
         time.sleep(1.0)
         for item in list(running):
             name, seed, rcfg, proc, env, w0 = item

@@ -60,6 +60,7 @@ from microscale.files import check_output_dir, lock_folder
 from microscale.model import assignments
 from microscale.outputs import TrainingRun
 from microscale.plan.run import shape_memory
+from microscale.progress import Progress
 from microscale.train import TrainConfig, build_mesh
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.loop import Clock, RunFacts, checkpoint_meta, eval_record, write_summary
@@ -318,8 +319,6 @@ def _evaluate(batch: _Batch, reps: list[_Replicate], val: dict, step: int) -> No
 def _train_batch(cfgs, outs, progress, callbacks, memory) -> list[dict[str, Any]]:
     """Build, then train every step (metrics read back one step late, as the trainer does),
     evaluating every ``eval_every`` steps and at the end; then each run's files."""
-    from tqdm.auto import tqdm
-
     t_start = time.perf_counter()
     cfg = cfgs[0]
     data = load_data(cfg.data)
@@ -327,9 +326,7 @@ def _train_batch(cfgs, outs, progress, callbacks, memory) -> list[dict[str, Any]
     batch = _build_batch(cfgs, data, memory)
     reps = _start_replicates(cfgs, outs, data, batch.st, t_start, callbacks)
     val = {name: [jnp.asarray(b) for b in data.val_batches(name)] for name in data.eval_sets()}
-    bar = tqdm(
-        total=cfg.steps, unit="step", disable=not progress, desc=f"{cfg.recipe} x{len(cfgs)}"
-    )
+    bar = Progress(cfg.steps, f"{cfg.recipe} x{len(cfgs)}", unit="step", show=progress)
     for r in reps:
         r.clock.win_t0 = r.clock.t_prev = time.perf_counter()
     if cfg.eval_every:

@@ -71,11 +71,12 @@ from microscale.model import (
 )
 from microscale.ops import get_recipe
 from microscale.outputs import TrainingRun
+from microscale.progress import format_duration
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
 from microscale.train.init import check_init_shapes, check_model_source, load_init_weights
 from microscale.train.mesh import build_mesh, maybe_initialize_distributed, shard_batch
-from microscale.train.metrics import MetricsLogger, format_duration, weight_quant_stats
+from microscale.train.metrics import MetricsLogger, weight_quant_stats
 from microscale.train.phases import (
     BATCH_SPEC,
     EVAL_SPEC,

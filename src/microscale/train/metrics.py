@@ -36,7 +36,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,8 +47,9 @@ import numpy as np
 from microscale.files import atomic_write_text
 from microscale.formats import block_scales_f32, e2m1_decode, quantize
 from microscale.outputs import TrainingRun
+from microscale.progress import Progress
 
-__all__ = ["MetricsLogger", "format_duration", "weight_quant_stats"]
+__all__ = ["MetricsLogger", "weight_quant_stats"]
 
 
 # ----------------------------------------------------------------------------- quant stats
@@ -103,13 +103,6 @@ def weight_quant_stats(kernel: jax.Array, operand) -> dict[str, float] | None:
 
 
 # ----------------------------------------------------------------------------- logging
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _clean(v: Any) -> Any:
@@ -170,14 +163,8 @@ class MetricsLogger:
         self.path = self.out / TrainingRun.METRICS
         self._file = None
         self._tb = None
-        self._bar = None
-        self._t0 = time.perf_counter()
-        self._last_print = 0.0
+        self._bar: Progress | None = None
         self.description = description
-        self._post: dict[str, str] = {}
-        self._lr: float | None = None
-        self._start = int(start_step)
-        self._plain = False
         if not main:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -193,19 +180,14 @@ class MetricsLogger:
                     file=sys.stderr,
                 )
                 self._tb = None
-        is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        if progress and is_tty:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(
-                total=self.total,
-                initial=start_step,
-                desc=description,
-                unit="step",
-                dynamic_ncols=True,
-                file=self.stream,
-            )
-        self._plain = progress and not is_tty
+        self._bar = Progress(
+            self.total,
+            description,
+            unit="step",
+            show=progress,
+            stream=self.stream,
+            initial=start_step,
+        )
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines of steps > ``step`` (left over from a run that died after it); a run
@@ -270,44 +252,24 @@ class MetricsLogger:
         unless ``force``). Values given once stay displayed until replaced."""
         if not self.main:
             return
+        post = {}
         if loss is not None:
-            self._post["loss"] = f"{loss:.4f}"
+            post["loss"] = f"{loss:.4f}"
         if val_loss is not None:
-            self._post["val"] = f"{val_loss:.4f}"
+            post["val"] = f"{val_loss:.4f}"
         if tokens_per_s is not None:
-            self._post["tok/s"] = f"{tokens_per_s:,.0f}"
+            post["tok/s"] = f"{tokens_per_s:,.0f}"
         if lr is not None:
-            self._lr = lr
+            post["lr"] = f"{lr:.2e}"
         if self._bar is not None:
-            self._bar.set_postfix(self._post, refresh=False)
-            if step > self._bar.n:
-                self._bar.update(step - self._bar.n)
-            elif force:
-                self._bar.refresh()
-            return
-        if not self._plain:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last_print < 5.0:
-            return
-        self._last_print = now
-        elapsed = now - self._t0
-        eta = elapsed / max(step - self._start, 1) * (self.total - step)
-        parts = [f"{self.description} step {step}/{self.total}"]
-        parts += [f"{k} {v}" for k, v in self._post.items()]
-        if self._lr is not None:
-            parts.append(f"lr {self._lr:.2e}")
-        parts.append(f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
-        print(" | ".join(parts), file=self.stream, flush=True)
+            self._bar.update(max(step - self._bar.n, 0), force=force, **post)
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""
         if not self.main:
             return
         if self._bar is not None:
-            self._bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
+            self._bar.write(text)
 
     def close(self) -> None:
         if self._bar is not None:
