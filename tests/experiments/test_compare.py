@@ -1,11 +1,13 @@
 """``microscale compare`` end to end on a very small model (has a pulse + report integrity)."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 
 from microscale.cli import main
+from microscale.experiments.compare_config import PRESETS, CompareConfig
 
 TINY = [
     "steps=6",
@@ -69,3 +71,22 @@ def test_compare_cli_report_matches_run_folders(tmp_path, monkeypatch, capsys):
 def test_compare_rejects_unknown_run(capsys):
     assert main(["compare", "--runs", "bf16,nvfp5", "--quiet"]) == 2
     assert "nvfp5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_a_valid_comparison(name):
+    cfg = CompareConfig.preset(name)
+    assert cfg.runs[0] == "bf16" and len(cfg.seeds) >= 2
+    assert cfg.base.steps > 0 and cfg.base.eval_every == 0
+
+
+def test_smoke_preset_is_the_default_regime_shortened():
+    """The one-minute look trains the default's model on the default's data, only fewer
+    steps, runs, seeds and evaluation batches (its time: benchmarks/timings.md)."""
+    smoke, default = CompareConfig.preset("smoke"), CompareConfig.preset("default")
+    assert smoke.base.model == default.base.model
+    assert dataclasses.replace(smoke.base.data, eval_batches=64) == default.base.data
+    assert smoke.base.data.eval_batches < default.base.data.eval_batches
+    assert smoke.base.optim.lr == default.base.optim.lr
+    assert smoke.base.steps < default.base.steps
+    assert set(smoke.runs) < set(default.runs) and set(smoke.seeds) < set(default.seeds)

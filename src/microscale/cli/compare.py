@@ -1,6 +1,7 @@
 """``microscale compare``: train several recipes on the same data and report paired gaps.
 
     microscale compare                          # bf16, fp8, nvfp4 x 6 seeds: verdicts with CIs
+    microscale compare --preset smoke           # a one-minute first look (no verdict)
     microscale compare --preset decisive        # 20 seeds: +-0.12-point intervals (measured)
     microscale compare --ablations all --seeds 0,1,2
     microscale compare --sizes 0.16M,0.6M,1.7M --runs bf16,nvfp4 --tokens-per-param 1
