@@ -8,7 +8,7 @@ Export a model (or PTQ's packed weights) in the layouts vLLM and TensorRT-LLM lo
     export_checkpoint(model, "out/mixed", layer_formats={"layers.0.mlp.down_proj": "fp8_e4m3",
                       ...}, layout="modelopt", input_amax=amax)             # W4A4 + W8A8
     ck = read_checkpoint("out/nvfp4")          # packed QArrays, bytes as stored
-    model, cfg = import_model("meta-llama-like-folder")      # any HF Llama -> Transformer
+    model, cfg = import_model("meta-llama-like-folder")      # an HF folder -> Transformer
 
 The NVFP4 tensors of one linear ``y = x W^T`` (``W`` is ``[N, K]``, blocks of 16 along
 ``K``), as both layouts store them:

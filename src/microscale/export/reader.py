@@ -1,4 +1,4 @@
-"""``read_checkpoint``: HF Llama folders (plain, compressed-tensors, ModelOpt) -> microscale.
+"""``read_checkpoint``: HF folders of the supported families (plain, compressed-tensors, ModelOpt) -> microscale.
 
 What is read (JSON and safetensors only; nothing is executed):
 
@@ -312,7 +312,7 @@ def _read_params(store, cfg, layout: str, layers, static, dt) -> tuple[dict, dic
 def read_checkpoint(
     path: str | os.PathLike, *, dequantize: bool = False, param_dtype: str = "float32"
 ) -> Checkpoint:
-    """Read an HF-style Llama folder (plain, compressed-tensors or ModelOpt).
+    """Read an HF-style folder of a supported family (plain, compressed-tensors or ModelOpt).
 
     ``dequantize``: decode quantized kernels to float (else they stay packed QArrays).
     ``param_dtype``: dtype of the float parameters (and of ``config.param_dtype``).

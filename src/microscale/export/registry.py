@@ -9,7 +9,7 @@ name                what                                                   singl
 compressed-tensors  HF folder, ``quantization_config`` of vLLM's            no
                     compressed-tensors
 modelopt            HF folder + ``hf_quant_config.json`` (TensorRT-LLM)    no
-hf                  plain HF Llama folder: float weights, no quantization   no
+hf                  plain HF folder: float weights, no quantization         no
 gguf                one llama.cpp file (:mod:`~microscale.export.gguf`)     yes
 microscale          ``model.safetensors`` + ``manifest.json``: PTQ's        no
                     weights as PTQ holds them (:mod:`~.manifest`)
@@ -242,7 +242,7 @@ KINDS: tuple[Kind, ...] = (
     ),
     Layout(
         name="hf",
-        description="a plain HF Llama folder (config.json + *.safetensors)",
+        description="a plain HF folder of a supported family (config.json + *.safetensors)",
         # any other config.json: read_checkpoint names the unsupported quant_method
         detect=lambda p: _quant_method(p) not in (None, *HF_QUANT),
         quantized=False,

@@ -138,7 +138,7 @@ class TrainConfig:
     # "sensitivity") with its settings, the all-bf16 warm-up and the late switch.
     precision: PrecisionConfig = PrecisionConfig()
     # Start from these weights (weights only: optimizer, schedule and data position start
-    # fresh): a microscale run folder, a `microscale quantize` output or an HF Llama folder.
+    # fresh): a microscale run folder, a `microscale quantize` output or an HF folder.
     init_from: str | None = None
     # Checkpoint step of an init_from run folder; None = its latest.
     init_step: int | None = None

@@ -25,6 +25,7 @@ from microscale.export.reader import hf_head_config
 from microscale.export.registry import Layout, detect
 from microscale.files import check_input_dir, read_json
 from microscale.model import ModelConfig
+from microscale.model.family import FAMILIES
 from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun, kind_of
 from microscale.train.config import TrainConfig
 from microscale.train.state import load_checkpoint
@@ -104,7 +105,10 @@ def _is_hf_folder(path: Path) -> bool:
 # The output kinds a model source may be (each recorded under its ``source`` name).
 _SOURCE_KINDS: tuple[type[OutputKind], ...] = (TrainingRun, QuantizeOutput, ExportFolder)
 # What a model source folder may be (the expected part of the errors).
-SOURCE_KINDS = "a microscale run folder, a `microscale quantize` output or an HF Llama folder"
+SOURCE_KINDS = (
+    "a microscale run folder, a `microscale quantize` output or an HF folder "
+    f"({', '.join(FAMILIES)})"
+)
 
 
 def source_kind(path: str | os.PathLike, *, what: str = "init_from=") -> type[OutputKind]:
@@ -140,8 +144,8 @@ def _not_a_model_folder(path: str | os.PathLike, *, what: str) -> ValueError:
     return ValueError(
         f"{shown} is not a model folder: expected a microscale "
         "run (config.yaml + checkpoints/), a `microscale quantize` output "
-        "(precision_rules.json + report.json + checkpoint/) or an HF Llama folder "
-        "(config.json + *.safetensors)"
+        "(precision_rules.json + report.json + checkpoint/) or an HF folder of one of "
+        f"{', '.join(FAMILIES)} (config.json + *.safetensors)"
     )
 
 
