@@ -104,6 +104,32 @@ def add_quiet(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-compile-cache``, for the commands that compile for minutes (train, quantize);
+    :func:`use_compile_cache` acts on it."""
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (not even one that "
+        "JAX_COMPILATION_CACHE_DIR names)",
+    )
+
+
+def use_compile_cache(args: argparse.Namespace) -> None:
+    """JAX's persistent compilation cache on (microscale's folder, unless one is configured
+    already) or, with ``--no-compile-cache``, off: JAX would otherwise still use the folder
+    that ``JAX_COMPILATION_CACHE_DIR`` names. Call before the first compilation: JAX
+    decides once per process."""
+    if args.no_compile_cache:
+        import jax
+
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        from microscale.train import enable_compilation_cache
+
+        enable_compilation_cache()
+
+
 def add_list_keys(parser: argparse.ArgumentParser) -> None:
     """``--list-keys``: added by :func:`microscale.cli.main` to every command whose module
     has ``configs(args)`` (the config dataclasses its ``key=value`` settings build)."""

@@ -33,6 +33,7 @@ import dataclasses
 import sys
 
 from microscale.cli.args import (
+    add_compile_cache_option,
     add_model_option,
     add_quiet,
     add_removed_flags,
@@ -44,6 +45,7 @@ from microscale.cli.args import (
     required_group,
     spelled,
     split_keys,
+    use_compile_cache,
 )
 
 # Short names accepted on the command line for registry formats.
@@ -100,11 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ptq.method=gptq layout=gguf corpus=texts/ (--list-keys)",
     )
     add_quiet(parser)
-    parser.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not use JAX's persistent compilation cache",
-    )
+    add_compile_cache_option(parser)
     add_removed_flags(parser, REMOVED_FLAGS)
 
 
@@ -153,10 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if not require(args, "quantize", "model", "out"):
         return 2
     log = None if args.quiet else (lambda m: print(m, flush=True))
-    if not args.no_compile_cache:
-        from microscale.train import enable_compilation_cache
-
-        enable_compilation_cache()
+    use_compile_cache(args)
     try:
         result = quantize_run(args.model, args.out, cfg, log=log, **dataclasses.asdict(runc))
     except (FileNotFoundError, ValueError) as e:

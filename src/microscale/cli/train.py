@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from microscale.cli.args import add_quiet
+from microscale.cli.args import add_compile_cache_option, add_quiet, use_compile_cache
 from microscale.train.config import list_presets
 
 
@@ -39,11 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
     add_quiet(parser)
-    parser.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not use JAX's persistent compilation cache",
-    )
+    add_compile_cache_option(parser)
 
 
 def configs(args: argparse.Namespace):
@@ -65,10 +61,9 @@ def run(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
 
-    from microscale.train import TrainingAborted, enable_compilation_cache, train
+    from microscale.train import TrainingAborted, train
 
-    if not args.no_compile_cache:
-        enable_compilation_cache()
+    use_compile_cache(args)
     try:
         train(cfg, progress=not args.quiet)
     except TrainingAborted as e:
