@@ -1,0 +1,47 @@
+"""docs/quantize.md's in-memory example, run as written: a model built in Python, its
+calibration batches from a generator, and the folder ``write_outputs`` leaves, which
+``microscale`` reads back as a quantize output with the allocation the search chose."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from microscale.export import read_checkpoint
+from microscale.outputs import QuantizeOutput, kind_of
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "quantize.md"
+_MARKED = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", re.S)
+
+
+def test_the_in_memory_example_runs_as_written(tmp_path, monkeypatch):
+    blocks = dict(_MARKED.findall(DOC.read_text()))
+    assert set(blocks) == {"in-memory"}
+    monkeypatch.chdir(tmp_path)
+    shown = io.StringIO()
+    scope: dict = {}
+    with contextlib.redirect_stdout(shown):
+        exec(compile(blocks["in-memory"], str(DOC), "exec"), scope)
+    result = scope["result"]
+    printed = shown.getvalue().strip().splitlines()[-1]
+    assert printed == str(result.allocation.formats)
+    assert len(result.allocation.formats) == 14  # 2 blocks x 7 linear layers
+    assert result.allocation.effective_bits <= 6.0 + 1e-9
+    out = tmp_path / "out" / "q"
+    assert kind_of(out) is QuantizeOutput
+    report = json.loads((out / QuantizeOutput.REPORT).read_text())
+    assert report["layers"] == result.allocation.formats
+    ck = read_checkpoint(out / QuantizeOutput.CHECKPOINT)  # the folder vLLM is given
+    assert ck.config.d_model == 64 and ck.config.n_layers == 2
+
+
+@pytest.mark.parametrize("name", ["quantize_model", "write_outputs", "QuantizeConfig"])
+def test_the_example_uses_the_public_api(name):
+    import microscale.ptq as ptq
+
+    assert name in ptq.__all__
