@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -29,6 +30,18 @@ TRAIN_ARGS = [
     "log_every=1",
     "tensorboard=false",
 ]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``python`` child process of these tests: this one's, with the
+    checkout's ``src`` first on ``PYTHONPATH`` (the code under test, installed or not),
+    plus ``extra`` variables."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    return {
+        **os.environ,
+        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **extra,
+    }
 
 
 @pytest.fixture(scope="session")

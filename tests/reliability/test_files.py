@@ -25,7 +25,7 @@ from microscale.files import (
     lock_folder,
 )
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from .conftest import child_env
 
 
 def _siblings(folder: Path) -> list[str]:
@@ -206,7 +206,7 @@ _HOLDER = textwrap.dedent("""
 
 def test_lock_two_real_processes(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env()
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(out)], env=env, stdout=subprocess.PIPE, text=True
     )

@@ -17,14 +17,11 @@ import pytest
 from microscale.cli import main
 from microscale.export import read_checkpoint
 
+from .conftest import child_env
+
 pytestmark = pytest.mark.slow
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
-ENV = {
-    **os.environ,
-    "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    "JAX_PLATFORMS": "cpu",
-}
+ENV = child_env(JAX_PLATFORMS="cpu")
 
 
 def _tmp_siblings(out: Path) -> list[Path]:

@@ -4,20 +4,17 @@ command into it fails at once, naming the folder and the holder's PID."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from microscale.cli import main
 
-from .conftest import TRAIN_ARGS
+from .conftest import TRAIN_ARGS, child_env
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
-ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+ENV = child_env()
 
 _HOLDER = textwrap.dedent("""
     import sys, time
