@@ -174,3 +174,39 @@ def test_mesh_shapes_and_specs():
     # Size-1 mesh axes shard nothing (the trainer's specs: model.logical_to_mesh_spec).
     assert logical_to_mesh_spec(("embed", "heads"), (64, 64), mesh) == P(None, None)
     assert logical_to_mesh_spec(None, (3,), mesh) == P()
+
+
+# The multi-process launch settings: each bad combination is refused before any process
+# starts, by a line naming the setting and the value (the rows are the class: missing
+# partners, an id outside the job, a malformed address, a timeout of no time).
+MESH_LAUNCH_ERRORS = [
+    (dict(process_id=1), "mesh.process_id=1 without mesh.coordinator_address"),
+    (dict(num_processes=2), "mesh.num_processes=2 without mesh.coordinator_address"),
+    (dict(coordinator_address="h:1", num_processes=2), "needs mesh.process_id too"),
+    (dict(coordinator_address="h:1", process_id=0), "needs mesh.num_processes too"),
+    (dict(coordinator_address="h:1"), "needs mesh.num_processes and mesh.process_id"),
+    (
+        dict(coordinator_address="h:1", num_processes=2, process_id=2),
+        r"process_id=2: expected 0 \.\. 1",
+    ),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=-1), "process_id=-1"),
+    (dict(coordinator_address="h:1", num_processes=0, process_id=0), "num_processes=0"),
+    (dict(coordinator_address="h", num_processes=2, process_id=0), "'h': expected HOST:PORT"),
+    (dict(coordinator_address=":1", num_processes=2, process_id=0), "':1': expected HOST:PORT"),
+    (dict(coordinator_address="h:x", num_processes=2, process_id=0), "'h:x': expected HOST:PORT"),
+    (dict(coordinator_address="h:70000", num_processes=2, process_id=0), "expected HOST:PORT"),
+    (dict(init_timeout_s=0), "mesh.init_timeout_s=0: expected a whole number of seconds"),
+    (dict(heartbeat_timeout_s=-5), "mesh.heartbeat_timeout_s=-5"),
+]
+
+
+@pytest.mark.parametrize("kw,message", MESH_LAUNCH_ERRORS)
+def test_mesh_launch_settings_are_refused_with_the_value(kw, message):
+    with pytest.raises(ValueError, match=message):
+        MeshConfig(**kw)
+
+
+def test_mesh_launch_settings_that_work():
+    MeshConfig(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+    MeshConfig(coordinator_address="[::1]:1234", num_processes=1, process_id=0)
+    MeshConfig(init_timeout_s=1, heartbeat_timeout_s=1)

@@ -9,7 +9,10 @@
 ``--config`` is a preset (``--help`` lists them: ``microscale.train.list_presets()``) or a
 YAML file;
 then dotted ``key=value`` overrides. Everything else is :func:`microscale.train.train`.
-Exit codes: 0 done, 1 aborted (non-finite losses), 2 bad config or arguments.
+Exit codes: 0 done, 1 aborted (non-finite losses), 2 bad config or arguments (an ``out=``
+some process cannot write included), 3 a multi-process job failed: a process was lost or
+the job did not assemble (one line says which and where to resume;
+:mod:`microscale.cli.supervise`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+
+    from microscale.cli.supervise import needs_supervisor, supervise
+
+    if needs_supervisor(cfg.mesh):  # JAX's runtime ends a failed job natively: watch it
+        flags = ["--quiet"] * args.quiet + ["--no-compile-cache"] * args.no_compile_cache
+        return supervise(["train", "--config", args.config, *args.overrides, *flags], cfg)
 
     from microscale.train import TrainingAborted, train
 

@@ -105,8 +105,14 @@ class MeshConfig:
     coordinator_address: str | None = None
     # Number of processes (with coordinator_address).
     num_processes: int | None = None
-    # This process's id (with coordinator_address).
+    # This process's id (with coordinator_address), 0 .. num_processes - 1.
     process_id: int | None = None
+    # Seconds every process waits for all num_processes to join the coordinator before it
+    # stops with an error naming the address (JAX's initialization_timeout).
+    init_timeout_s: int = 300
+    # Seconds without a heartbeat after which a process counts as dead and every other
+    # process of the job stops with an error naming it (JAX's heartbeat_timeout_seconds).
+    heartbeat_timeout_s: int = 60
     # Global device ids to build the mesh from (e.g. [4, 5, 6, 7] to run beside another
     # job on one host); empty = all devices.
     device_ids: tuple[int, ...] = ()
@@ -118,6 +124,47 @@ class MeshConfig:
                 raise ValueError(f"mesh.{name}={v}: expected a positive size or -1 (the rest)")
         if [self.data, self.fsdp, self.tensor].count(-1) > 1:
             raise ValueError("mesh: at most one of data/fsdp/tensor may be -1")
+        for name in ("init_timeout_s", "heartbeat_timeout_s"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"mesh.{name}={v}: expected a whole number of seconds >= 1")
+        self._check_processes()
+
+    def _check_processes(self) -> None:
+        """The three launch settings go together, and the id is one of the job's."""
+        given = {
+            k: getattr(self, k) for k in ("coordinator_address", "num_processes", "process_id")
+        }
+        if self.coordinator_address is None:
+            extra = [f"mesh.{k}={v}" for k, v in given.items() if v is not None]
+            if extra:
+                raise ValueError(
+                    f"{' '.join(extra)} without mesh.coordinator_address: pass "
+                    "mesh.coordinator_address=HOST:PORT (process 0's) as well, or none of "
+                    "the three to let JAX discover them from SLURM/MPI"
+                )
+            return
+        host, sep, port = self.coordinator_address.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"mesh.coordinator_address={self.coordinator_address!r}: expected HOST:PORT "
+                "(process 0's address and a free port, e.g. 10.0.0.1:1234)"
+            )
+        n, i = self.num_processes, self.process_id
+        if n is None or i is None:
+            missing = [k for k in ("num_processes", "process_id") if given[k] is None]
+            raise ValueError(
+                f"mesh.coordinator_address={self.coordinator_address} needs "
+                + " and ".join(f"mesh.{k}" for k in missing)
+                + " too (the job's size and this process's id in 0 .. size - 1)"
+            )
+        if n < 1:
+            raise ValueError(f"mesh.num_processes={n}: expected a whole number >= 1")
+        if not 0 <= i < n:
+            raise ValueError(
+                f"mesh.process_id={i}: expected 0 .. {n - 1} (mesh.num_processes={n}); "
+                "every process of the job gets its own"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -75,7 +75,12 @@ from microscale.progress import format_duration
 from microscale.train.checkpoint import Checkpointer
 from microscale.train.config import TrainConfig
 from microscale.train.init import check_init_shapes, check_model_source, load_init_weights
-from microscale.train.mesh import build_mesh, maybe_initialize_distributed, shard_batch
+from microscale.train.mesh import (
+    build_mesh,
+    check_every_process_writes,
+    maybe_initialize_distributed,
+    shard_batch,
+)
 from microscale.train.metrics import MetricsLogger, weight_quant_stats
 from microscale.train.phases import (
     BATCH_SPEC,
@@ -220,16 +225,26 @@ def train(
         raise TypeError(f"train expects a TrainConfig, got {type(cfg).__name__}")
     t_start = time.perf_counter()
     maybe_initialize_distributed(cfg.mesh)
+    several = jax.process_count() > 1
     if cfg.out is None:
+        if several:  # the default name carries the start time, which differs between hosts
+            raise ValueError(
+                "out= is required when several processes train one run: every process "
+                "writes the same run folder (e.g. out=/shared/runs/x)"
+            )
         cfg = dataclasses.replace(cfg, out=default_out(cfg))
     assert cfg.out is not None
-    out = check_output_dir(cfg.out, what="out=")
-    if cfg.init_from is not None and not (cfg.resume and out.exists()):
+    existed = Path(cfg.out).expanduser().exists()
+    if several:  # creates out (removed again when any process fails): all agree it works
+        out = check_every_process_writes(cfg.out)
+    else:
+        out = check_output_dir(cfg.out, what="out=")
+    if cfg.init_from is not None and not (cfg.resume and existed):
         check_model_source(cfg.init_from)  # a bad source: refused before any folder exists
     # One writer per run folder (on multi-host runs, process 0 speaks for all).
     lock = lock_folder(out) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock:
-        created = not out.exists()
+        created = not existed if several else not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         try:
             return _train_locked(

@@ -38,26 +38,38 @@ otherwise name the coordinator explicitly (same line on each host, its own id)::
 
 ``mesh.distributed="auto"`` initializes when such an environment (or a coordinator) is
 present, ``"on"`` always, ``"off"`` never. ``out`` must be on a filesystem all hosts
-share (checkpoints are written by all of them, metrics by process 0 only).
+share (checkpoints are written by all of them, metrics by process 0 only); before the
+first step every process writes a probe there and all of them stop, each with one line,
+when any cannot (:func:`check_every_process_writes`).
+
+Faults end the job, never hang it: a process waits ``mesh.init_timeout_s`` for the others
+to join and counts a peer dead after ``mesh.heartbeat_timeout_s`` without its heartbeat.
+JAX's runtime then ends the process with a native fatal error; ``microscale train``
+supervises its training process and turns that into one line naming the cause and the
+last complete checkpoint (``microscale.cli.supervise``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from microscale.files import check_output_dir
 from microscale.model import MESH_AXES, logical_to_mesh_rules
 
 __all__ = [
     "AXES",
     "BATCH_AXES",
     "build_mesh",
+    "check_every_process_writes",
     "maybe_initialize_distributed",
     "resolve_mesh_shape",
     "shard_batch",
@@ -81,7 +93,9 @@ _WORLD_SIZE_ENV = (
 _initialized = False
 
 
-def _multi_host_env() -> bool:
+def multi_host_env() -> bool:
+    """Whether the environment says several processes were launched together (SLURM,
+    Open MPI, PMI, torchrun-style ``WORLD_SIZE``, a JAX coordinator variable)."""
     if any(os.environ.get(k) for k in _MULTI_HOST_ENV):
         return True
     for k in _WORLD_SIZE_ENV:
@@ -101,11 +115,14 @@ def maybe_initialize_distributed(mesh_cfg) -> bool:
     explicit = mesh_cfg.coordinator_address is not None
     if mode == "off" or _initialized:
         return _initialized
-    if mode == "auto" and not (explicit or _multi_host_env()):
+    if mode == "auto" and not (explicit or multi_host_env()):
         return False
-    kwargs = {}
+    kwargs: dict = dict(
+        initialization_timeout=mesh_cfg.init_timeout_s,
+        heartbeat_timeout_seconds=mesh_cfg.heartbeat_timeout_s,
+    )
     if explicit:
-        kwargs = dict(
+        kwargs.update(
             coordinator_address=mesh_cfg.coordinator_address,
             num_processes=mesh_cfg.num_processes,
             process_id=mesh_cfg.process_id,
@@ -127,6 +144,48 @@ def maybe_initialize_distributed(mesh_cfg) -> bool:
         jax.device_count(),
     )
     return True
+
+
+def check_every_process_writes(out: os.PathLike | str) -> Path:
+    """``out`` as the run folder of a multi-process job, once every process has checked it
+    (:func:`~microscale.files.check_output_dir`), created it when missing and written and
+    removed a probe file in it. All of them learn who failed (one all-gather of a flag);
+    when any did, every process raises ``OSError``, the failing ones with their own cause,
+    the others naming them. Without it a process that cannot write leaves the job and the
+    others wait for it until the heartbeat runs out."""
+    from jax.experimental import multihost_utils
+
+    problem, made = None, not os.path.exists(os.path.expanduser(out))
+    try:
+        path = check_output_dir(out, what="out=")
+        path.mkdir(exist_ok=True)
+        probe = path / f".write-probe-{jax.process_index()}-{os.getpid()}"
+        probe.write_bytes(b"microscale")
+        probe.unlink()
+    except (OSError, ValueError) as e:
+        problem = str(e) if isinstance(e, ValueError) or not e.strerror else _os_error(e)
+    flags = multihost_utils.process_allgather(np.array(problem is not None, np.int32))
+    failed = [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
+    if not failed:
+        return path
+    if made and problem is None:  # created for the probe: leave no empty run folder behind
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    who, n = ", ".join(map(str, failed)), jax.process_count()
+    if problem is not None:
+        raise OSError(
+            f"process {jax.process_index()} of {n} cannot write the run folder: {problem}. "
+            f"Every process must reach out={out} on a file system all of them share "
+            f"(failed: process {who})"
+        )
+    raise OSError(
+        f"process {who} of {n} cannot write the run folder out={out} (its log says why), so "
+        "every process stops: out= must be on a file system all of them share"
+    )
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror}: {e.filename}" if e.filename else str(e.strerror)
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
