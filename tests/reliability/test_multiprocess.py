@@ -121,11 +121,11 @@ def _last_line(log: Path) -> str:
 
 
 def _launch(job, common, out, port, ids, *, n=2, extra=(), name="process"):
-    """Start processes ``ids`` of an ``n``-process job (4 CPU devices each)."""
+    """Start processes ``ids`` of an ``n``-process job (8 CPU devices in all)."""
     for i in ids:
         argv = [*common, f"out={out}", f"mesh.coordinator_address=127.0.0.1:{port}"]
         argv += [f"mesh.num_processes={n}", f"mesh.process_id={i}", *extra]
-        job.start(argv, devices=4, name=f"{name}{i}")
+        job.start(argv, devices=8 // n, name=f"{name}{i}")
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -294,3 +294,28 @@ def test_a_killed_process_ends_the_job_and_the_job_resumes_bit_for_bit(
     leftovers = [p.name for p in (run / TrainingRun.CHECKPOINTS).iterdir() if "tmp" in p.name]
     assert leftovers == []  # the save the kill interrupted was discarded
     assert main(["verify", str(run)]) == 0
+
+
+def test_four_processes_that_lose_their_coordinator_all_end(job, tmp_path, words_corpus, cache_env):
+    """Four processes of 2 devices each; process 0, which also hosts JAX's coordination
+    service, is killed mid-run: each of the other three ends with the line."""
+    common = ["train", "--config", "tiny", "--quiet", *ARGS, f"data.corpus={words_corpus}"]
+    run = tmp_path / "run"
+    _launch(job, [*common, "steps=20", *FAST], run, _free_port(), range(4), n=4)
+    victim = job.procs[0][0]
+    deadline = time.monotonic() + job.limit_s
+    while not (run / TrainingRun.CHECKPOINTS / "2").is_dir():
+        assert time.monotonic() < deadline and victim.poll() is None, job.tails()
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    for p, log in job.procs[1:]:
+        assert p.wait(timeout=max(BOUND_S - (time.monotonic() - t0), 0.1)) == 3, job.tails()
+        line = _last_line(log)
+        assert re.search(
+            r"coordinator at 127\.0\.0\.1:\d+, stopped answering|process 0 of the job "
+            r"stopped answering|a peer process of the job|no report of its own",
+            line,
+        ), job.tails()
+        assert re.search(r"The last complete checkpoint is step \d+ in ", line), line
+    assert "Check failure" not in job.tails(lines=1000)
