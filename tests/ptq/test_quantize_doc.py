@@ -4,31 +4,21 @@ calibration batches from a generator, and the folder ``write_outputs`` leaves, w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import re
-from pathlib import Path
 
 import pytest
 
+from doc_blocks import marked_blocks, run_block
 from microscale.export import read_checkpoint
 from microscale.outputs import QuantizeOutput, kind_of
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "quantize.md"
-_MARKED = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", re.S)
-
 
 def test_the_in_memory_example_runs_as_written(tmp_path, monkeypatch):
-    blocks = dict(_MARKED.findall(DOC.read_text()))
-    assert set(blocks) == {"in-memory"}
+    assert set(marked_blocks("quantize.md")) == {"in-memory"}
     monkeypatch.chdir(tmp_path)
-    shown = io.StringIO()
-    scope: dict = {}
-    with contextlib.redirect_stdout(shown):
-        exec(compile(blocks["in-memory"], str(DOC), "exec"), scope)
+    scope, shown = run_block("quantize.md", "in-memory")
     result = scope["result"]
-    printed = shown.getvalue().strip().splitlines()[-1]
+    printed = shown.strip().splitlines()[-1]
     assert printed == str(result.allocation.formats)
     assert len(result.allocation.formats) == 14  # 2 blocks x 7 linear layers
     assert result.allocation.effective_bits <= 6.0 + 1e-9
