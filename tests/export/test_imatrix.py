@@ -4,6 +4,10 @@ tensor names and shapes as ``llama-quantize --imatrix`` reads them) and read bac
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -33,7 +37,7 @@ def imatrix(tiny_model, batches):
 def model_gguf(tmp_path_factory, tiny_model):
     """The model's own GGUF (bf16): the names an imatrix for it must use."""
     path = tmp_path_factory.mktemp("imatrix") / "model.gguf"
-    write_gguf(tiny_model, path, tokenizer=ByteTokenizer())
+    write_gguf(tiny_model, path, layer_formats="bf16", tokenizer=ByteTokenizer())
     return path
 
 
@@ -124,3 +128,37 @@ def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
     _, shown = run_block("llamacpp.md", "imatrix")
     assert shown.strip().splitlines()[-1] == "14 (64,)"
     assert (tmp_path / "imatrix.gguf").is_file() and (tmp_path / "model-bf16.gguf").is_file()
+
+
+def _llama_quantize() -> str | None:
+    """llama.cpp's quantizer: ``MICROSCALE_LLAMA_QUANTIZE`` or ``llama-quantize`` on PATH."""
+    return os.environ.get("MICROSCALE_LLAMA_QUANTIZE") or shutil.which("llama-quantize")
+
+
+@pytest.mark.skipif(
+    _llama_quantize() is None,
+    reason="no llama-quantize (build llama.cpp's tools/quantize; MICROSCALE_LLAMA_QUANTIZE=path)",
+)
+def test_llama_quantize_reads_it_and_weights_by_it(tmp_path, model_gguf, imatrix):
+    """llama.cpp's own quantizer loads the file (every entry, by name) and its Q4_0 codes
+    move with it: the same model quantized with and without it differs."""
+    write_imatrix(tmp_path / "imatrix.gguf", imatrix, datasets=["words.txt"])
+    tool = _llama_quantize()
+
+    def run(*extra: str) -> tuple[bytes, str]:
+        out = tmp_path / f"q4_0{len(extra)}.gguf"
+        done = subprocess.run(
+            [tool, *extra, str(model_gguf), str(out), "Q4_0"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return out.read_bytes(), done.stdout + done.stderr
+
+    plain, _ = run()
+    weighted, log = run("--imatrix", str(tmp_path / "imatrix.gguf"))
+    n = len(imatrix.in_sum2)
+    assert f"loaded {n} importance matrix entries" in log, log
+    assert "computed on 6 chunks" in log, log
+    assert weighted != plain
