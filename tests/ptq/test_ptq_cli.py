@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from microscale.cli import main
+from microscale.export.gguf.imatrix import read_imatrix
 
 
 @pytest.mark.slow
@@ -106,6 +107,13 @@ def test_cli_target_gguf_writes_a_gguf_of_native_formats(trained_run, tmp_path, 
     assert rep["effective_bits"] <= 5.0 and "uniform_q8_0" in rep["val_ppl"]
     assert rep["checkpoint"]["layout"] == "gguf" and not (out / "checkpoint").exists()
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    # the importance matrix of the calibration text, one entry per linear weight of the file
+    imatrix = read_imatrix(out / "imatrix.gguf")
+    tensors = gguf.GGUFReader(out / "model.gguf").tensors
+    linear = [t.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    assert sorted(imatrix) == sorted(n for n in linear if n.endswith(".weight"))
+    assert all(v.ndim == 1 and (v > 0).all() for v in imatrix.values())
+    assert main(["verify", str(out)]) == 0  # it is under checksums.json
     names = {"attn.q_proj": "attn_q", "attn.o_proj": "attn_output", "mlp.down_proj": "ffn_down"}
     ggml = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "Q8_0", "bf16": "BF16"}
     for p, f in rep["layers"].items():

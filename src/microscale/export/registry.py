@@ -135,6 +135,9 @@ class Layout(Kind):
     # read(path) -> ({parameter path: float array, kernels [in, out]}, ModelConfig or None
     # when the layout stores none): every weight decoded.
     read: Callable[[Path], tuple[dict[str, np.ndarray], ModelConfig | None]]
+    # A `microscale quantize` output in it also holds the importance matrix measured on
+    # the calibration text, as its runtime's quantizer reads it (llama.cpp: imatrix.gguf).
+    imatrix: bool = False
 
     @property
     def input_scales(self) -> bool:
@@ -261,6 +264,7 @@ KINDS: tuple[Kind, ...] = (
         hf_folder=False,
         weights_only="a GGUF stores weights only (llama.cpp quantizes activations itself)",
         quantize_output=True,
+        imatrix=True,
         quantize_preset={
             "formats": _GGUF_CANDIDATES,
             "uniform_formats": _GGUF_CANDIDATES,

@@ -330,8 +330,19 @@ class QuantizeOutput(OutputKind):
     MODEL_GGUF = "model.gguf"  # the model of a single-file layout
     PARETO = "pareto.png"
     SENSITIVITY = "sensitivity.png"
+    IMATRIX = "imatrix.gguf"  # a GGUF output's importance matrix, for llama-quantize
     CHECKSUMS = FILE_CHECKSUMS  # written last: the CRC-32 of every file but the weights
-    VERIFIED = (REPORT, REPORT_MD, RULES, CHECKPOINT, MODEL_GGUF, PARETO, SENSITIVITY, CHECKSUMS)
+    VERIFIED = (
+        REPORT,
+        REPORT_MD,
+        RULES,
+        CHECKPOINT,
+        MODEL_GGUF,
+        PARETO,
+        SENSITIVITY,
+        IMATRIX,
+        CHECKSUMS,
+    )
 
     @classmethod
     def detect(cls, path: Path) -> bool:

@@ -13,6 +13,9 @@
     pareto.png             val perplexity vs effective bits: uniform formats, the heuristic,
                            the searched allocations across budgets
     sensitivity.png        layer x format heatmap of log10 scores, the chosen format marked
+    imatrix.gguf           with layout="gguf": the importance matrix measured on the
+                           calibration text, as llama.cpp's llama-quantize --imatrix reads it
+                           (:mod:`microscale.export.gguf.imatrix`)
     checksums.json         the CRC-32 of every file above but the weight files (which store
                            their own per tensor): ``microscale verify`` names a file edited
                            since (:func:`microscale.integrity.write_file_checksums`)
@@ -27,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ import numpy as np
 
 from microscale.colors import style
 from microscale.export import LayerQuant, flat_params
+from microscale.export.gguf.imatrix import Imatrix, write_imatrix
 from microscale.export.manifest import read_manifest, write_manifest
 from microscale.export.registry import DEFAULT_LAYOUT, Layout, get_layout
 from microscale.files import (
@@ -121,8 +125,12 @@ def write_outputs(
     layout: str = DEFAULT_LAYOUT,
     log: Callable[[str], None] | None = None,
     overwrite: bool = False,
+    imatrix: Imatrix | None = None,
+    datasets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write every output file under ``out_dir`` (see the module doc); returns the report.
+    ``imatrix`` (:func:`microscale.ptq.imatrix.collect_imatrix` on the calibration
+    batches, named by ``datasets``): written as ``imatrix.gguf`` beside the model.
 
     The files are written into a temporary sibling folder that replaces ``out_dir`` only
     when complete (:func:`microscale.files.atomic_folder`); ``out_dir`` must be new, empty
@@ -138,6 +146,8 @@ def write_outputs(
                 layout=layout,
                 log=log,
                 shown=Path(out_dir),
+                imatrix=imatrix,
+                datasets=datasets,
             )
 
 
@@ -171,7 +181,16 @@ def check_quantize_out(out_dir: str | os.PathLike, *, overwrite: bool = False) -
 
 
 def _write_outputs(
-    result: QuantizeResult, out: Path, *, model_config, tokenizer, layout: str, log, shown: Path
+    result: QuantizeResult,
+    out: Path,
+    *,
+    model_config,
+    tokenizer,
+    layout: str,
+    log,
+    shown: Path,
+    imatrix: Imatrix | None,
+    datasets: Sequence[str],
 ) -> dict[str, Any]:
     say = log or (lambda _m: None)
     row = get_layout(layout)
@@ -200,11 +219,14 @@ def _write_outputs(
     write_markdown(report, out / QuantizeOutput.REPORT_MD)
     plot_pareto(report, out / QuantizeOutput.PARETO)
     plot_sensitivity(report, out / QuantizeOutput.SENSITIVITY)
-    write_file_checksums(out)  # last: every file above (microscale verify checks them)
     q = QuantizeOutput
+    if imatrix is not None:
+        write_imatrix(out / q.IMATRIX, imatrix, datasets=datasets)
+    write_file_checksums(out)  # last: every file above (microscale verify checks them)
+    extra = f", {q.IMATRIX}" if imatrix is not None else ""
     say(
         f"quantize: wrote {shown}/{{{q.RULES}, {q.CHECKPOINT}/, {q.REPORT}, {q.REPORT_MD}, "
-        f"{q.PARETO}, {q.SENSITIVITY}, {q.CHECKSUMS}}}"
+        f"{q.PARETO}, {q.SENSITIVITY}{extra}, {q.CHECKSUMS}}}"
     )
     return report
 

@@ -25,6 +25,7 @@ from microscale.export.registry import DEFAULT_LAYOUT, get_layout, layout_names
 from microscale.files import lock_folder
 from microscale.outputs import ExportFolder, OutputKind, QuantizeOutput, TrainingRun
 from microscale.ptq.config import QuantizeConfig
+from microscale.ptq.imatrix import collect_imatrix
 from microscale.ptq.pipeline import quantize_model
 from microscale.ptq.problem import check_quantize_budget
 from microscale.ptq.report import check_quantize_out, check_quantize_space, write_outputs
@@ -328,6 +329,8 @@ def _calibrate_and_quantize(
         candidates=candidates,
         log=log,
     )
+    # llama.cpp's quantizer can reuse what the calibration text says about each input
+    imatrix = collect_imatrix(model, calib) if row.imatrix else None
     write_outputs(  # out_dir checked before any work with the caller's overwrite, locked since
         result,
         out_dir,
@@ -336,5 +339,7 @@ def _calibrate_and_quantize(
         tokenizer=tokenizer if tokenizer is not None else data.tokenizer,
         layout=layout,
         log=log,
+        imatrix=imatrix,
+        datasets=[str(desc.get("corpus", data_cfg.corpus))],
     )
     return result
