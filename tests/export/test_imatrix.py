@@ -15,6 +15,7 @@ import pytest
 
 from doc_blocks import marked_blocks, run_block
 from microscale.data import ByteTokenizer
+from microscale.export.gguf.arch import tensor_name
 from microscale.export.gguf.imatrix import read_imatrix, write_imatrix
 from microscale.export.gguf.writer import write_gguf
 from microscale.ptq.imatrix import collect_imatrix
@@ -53,19 +54,19 @@ def test_block_zero_reads_the_normed_embeddings(tiny_model, batches, imatrix):
         y = x / np.sqrt((x**2).mean(-1, keepdims=True) + TINY.norm_eps) * scale
         y = y.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
         sums = sums + (y.reshape(-1, TINY.d_model) ** 2).sum(0)
-    got = imatrix.in_sum2["blk.0.attn_q.weight"]
+    got = imatrix.in_sum2["layers.0.attn.q_proj"]
     np.testing.assert_allclose(got, sums, rtol=2.0**-7)
     assert imatrix.tokens == 3 * 2 * 32 and imatrix.sequences == 6 and imatrix.seq_len == 32
 
 
 def test_layers_reading_one_input_have_one_imatrix(imatrix):
     for i in range(TINY.n_layers):
-        q = imatrix.in_sum2[f"blk.{i}.attn_q.weight"]
-        for other in ("attn_k", "attn_v"):
-            np.testing.assert_array_equal(imatrix.in_sum2[f"blk.{i}.{other}.weight"], q)
-        gate = imatrix.in_sum2[f"blk.{i}.ffn_gate.weight"]
-        np.testing.assert_array_equal(imatrix.in_sum2[f"blk.{i}.ffn_up.weight"], gate)
-        assert imatrix.in_sum2[f"blk.{i}.ffn_down.weight"].shape == (TINY.d_ff,)
+        q = imatrix.in_sum2[f"layers.{i}.attn.q_proj"]
+        for other in ("k_proj", "v_proj"):
+            np.testing.assert_array_equal(imatrix.in_sum2[f"layers.{i}.attn.{other}"], q)
+        gate = imatrix.in_sum2[f"layers.{i}.mlp.gate_proj"]
+        np.testing.assert_array_equal(imatrix.in_sum2[f"layers.{i}.mlp.up_proj"], gate)
+        assert imatrix.in_sum2[f"layers.{i}.mlp.down_proj"].shape == (TINY.d_ff,)
 
 
 def test_the_file_is_llama_cpps_layout_named_as_the_model_file(tmp_path, model_gguf, imatrix):
@@ -74,6 +75,7 @@ def test_the_file_is_llama_cpps_layout_named_as_the_model_file(tmp_path, model_g
     path = tmp_path / "imatrix.gguf"
     write_imatrix(path, imatrix, datasets=["words.txt"])
     r = gguf.GGUFReader(path)
+    by_name = {f"{tensor_name(p)}.weight": v for p, v in imatrix.in_sum2.items()}
     keys = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
     assert keys == {
         "general.type": "imatrix",
@@ -92,14 +94,15 @@ def test_the_file_is_llama_cpps_layout_named_as_the_model_file(tmp_path, model_g
     ]
     for t in r.tensors:  # ggml's ne: in_sum2 (K, n_mat), counts (1, n_mat)
         assert t.tensor_type == gguf.GGMLQuantizationType.F32
-        k = imatrix.in_sum2[t.name.rsplit(".", 1)[0]].size
+        k = by_name[t.name.rsplit(".", 1)[0]].size
         assert t.shape.tolist() == ([k, 1] if t.name.endswith(".in_sum2") else [1, 1])
     back = read_imatrix(path)
+    assert sorted(by_name) == weights
     assert sorted(back) == weights
     for w in weights:
-        want = imatrix.in_sum2[w].astype(np.float32) / np.float32(imatrix.tokens)
+        want = by_name[w].astype(np.float32) / np.float32(imatrix.tokens)
         np.testing.assert_allclose(back[w], want, rtol=2.0**-23)
-    assert imatrix.mean_sq().keys() == back.keys()
+    assert {f"{tensor_name(p)}.weight" for p in imatrix.mean_sq()} == back.keys()
 
 
 def test_what_is_not_an_imatrix_is_refused_by_name(tmp_path, tiny_model, model_gguf):

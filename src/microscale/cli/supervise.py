@@ -144,7 +144,7 @@ def supervise(argv: list[str], cfg, *, prog: str = "microscale train") -> int:
     """Run ``microscale ARGV`` as a child and relay it; the child's exit status, or
     :data:`EXIT_JOB_FAILED` with one line on stderr when the runtime ended it."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "microscale", *argv],
+        [sys.executable, "-m", "microscale.cli", *argv],
         env={**os.environ, CHILD: "1"},
         stderr=subprocess.PIPE,
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from microscale.export.gguf.arch import gguf_layer_candidates
+from microscale.export.gguf.imatrix import write_imatrix
 from microscale.export.gguf.tensors import EMBED_FORMATS, GGUF_FORMATS, embed_values, gguf_format
 from microscale.export.gguf.to_hf import read_gguf_params
 from microscale.export.gguf.vocab import gguf_vocab
@@ -135,9 +136,10 @@ class Layout(Kind):
     # read(path) -> ({parameter path: float array, kernels [in, out]}, ModelConfig or None
     # when the layout stores none): every weight decoded.
     read: Callable[[Path], tuple[dict[str, np.ndarray], ModelConfig | None]]
-    # A `microscale quantize` output in it also holds the importance matrix measured on
-    # the calibration text, as its runtime's quantizer reads it (llama.cpp: imatrix.gguf).
-    imatrix: bool = False
+    # imatrix(path, im, *, datasets): writes the importance matrix measured on the calibration
+    # text (an Imatrix of ptq.imatrix) as the runtime's quantizer reads it, beside the model
+    # of a `microscale quantize` output (llama.cpp: imatrix.gguf); None: not written.
+    imatrix: Callable[..., None] | None = None
 
     @property
     def input_scales(self) -> bool:
@@ -264,7 +266,7 @@ KINDS: tuple[Kind, ...] = (
         hf_folder=False,
         weights_only="a GGUF stores weights only (llama.cpp quantizes activations itself)",
         quantize_output=True,
-        imatrix=True,
+        imatrix=write_imatrix,
         quantize_preset={
             "formats": _GGUF_CANDIDATES,
             "uniform_formats": _GGUF_CANDIDATES,

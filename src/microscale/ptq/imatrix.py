@@ -1,8 +1,8 @@
 """The importance matrix llama.cpp's quantizer weights rounding errors by, measured on
 microscale's calibration batches: per block linear layer, the sum over the tokens of each
 input column's square (llama.cpp's ``llama-imatrix`` measures the same by running the
-model). :func:`collect_imatrix` returns it by GGUF weight name, ready for
-:func:`microscale.export.gguf.imatrix.write_imatrix`.
+model). :func:`collect_imatrix` returns it by layer path; a layout that stores it writes it
+(``Layout.imatrix``; GGUF: :func:`microscale.export.gguf.imatrix.write_imatrix`).
 
     >>> im = collect_imatrix(model, batches)  # doctest: +SKIP
     >>> write_imatrix("imatrix.gguf", im, datasets=["stdlib"])  # doctest: +SKIP
@@ -10,7 +10,8 @@ model). :func:`collect_imatrix` returns it by GGUF weight name, ready for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -18,11 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from microscale.export.gguf.arch import tensor_name
-from microscale.export.gguf.imatrix import Imatrix
 from microscale.ptq.tap import intercept_linears, tappable_paths, without_remat
 
-__all__ = ["collect_imatrix"]
+__all__ = ["Imatrix", "collect_imatrix"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Imatrix:
+    """Sums of squared inputs of a model's block linears, by layer path."""
+
+    # linear layer path (``layers.0.attn.q_proj``) -> float64 [K]: sum over the tokens of
+    # each input column's square
+    in_sum2: Mapping[str, np.ndarray]
+    # Tokens summed (every layer sees every token of the batches).
+    tokens: int
+    # Calibration sequences and the tokens of each (llama.cpp's chunk count and size).
+    sequences: int
+    seq_len: int
+
+    def mean_sq(self) -> dict[str, np.ndarray]:
+        """The importance weights ``quantize_ggml`` takes: ``in_sum2 / tokens`` per layer."""
+        return {k: v / self.tokens for k, v in self.in_sum2.items()}
 
 
 def collect_imatrix(model: Any, batches: Iterable[Any]) -> Imatrix:
@@ -68,7 +85,7 @@ def collect_imatrix(model: Any, batches: Iterable[Any]) -> Imatrix:
     if not tokens:
         raise ValueError("collect_imatrix: no calibration batches")
     return Imatrix(
-        in_sum2={f"{tensor_name(p)}.weight": acc[p] for p in paths},
+        in_sum2={p: acc[p] for p in paths},
         tokens=tokens,
         sequences=sequences,
         seq_len=seq_len,

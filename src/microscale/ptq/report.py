@@ -38,7 +38,6 @@ import numpy as np
 
 from microscale.colors import style
 from microscale.export import LayerQuant, flat_params
-from microscale.export.gguf.imatrix import Imatrix, write_imatrix
 from microscale.export.manifest import read_manifest, write_manifest
 from microscale.export.registry import DEFAULT_LAYOUT, Layout, get_layout
 from microscale.files import (
@@ -54,6 +53,7 @@ from microscale.fingerprint import fingerprint_line, numerics_fingerprint
 from microscale.formats import get_format
 from microscale.integrity import write_file_checksums
 from microscale.outputs import QuantizeOutput
+from microscale.ptq.imatrix import Imatrix
 from microscale.ptq.result import QuantizeResult
 
 __all__ = [
@@ -220,10 +220,10 @@ def _write_outputs(
     plot_pareto(report, out / QuantizeOutput.PARETO)
     plot_sensitivity(report, out / QuantizeOutput.SENSITIVITY)
     q = QuantizeOutput
-    if imatrix is not None:
-        write_imatrix(out / q.IMATRIX, imatrix, datasets=datasets)
+    if imatrix is not None and row.imatrix is not None:
+        row.imatrix(out / q.IMATRIX, imatrix, datasets=datasets)
     write_file_checksums(out)  # last: every file above (microscale verify checks them)
-    extra = f", {q.IMATRIX}" if imatrix is not None else ""
+    extra = f", {q.IMATRIX}" if (out / q.IMATRIX).exists() else ""
     say(
         f"quantize: wrote {shown}/{{{q.RULES}, {q.CHECKPOINT}/, {q.REPORT}, {q.REPORT_MD}, "
         f"{q.PARETO}, {q.SENSITIVITY}{extra}, {q.CHECKSUMS}}}"

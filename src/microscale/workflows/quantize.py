@@ -330,7 +330,7 @@ def _calibrate_and_quantize(
         log=log,
     )
     # llama.cpp's quantizer can reuse what the calibration text says about each input
-    imatrix = collect_imatrix(model, calib) if row.imatrix else None
+    imatrix = collect_imatrix(model, calib) if row.imatrix is not None else None
     write_outputs(  # out_dir checked before any work with the caller's overwrite, locked since
         result,
         out_dir,

@@ -23,7 +23,7 @@ The file is GGUF (current llama.cpp, ``tools/imatrix``), its tensors in name ord
     <weight>.counts         F32 [n_mat, 1]    tokens per matrix
 
 ``<weight>`` is the weight's GGUF name (``blk.0.attn_q.weight``, as ``write_gguf`` names
-it); ``n_mat`` is 1 for a dense layer (a mixture of experts has one row per expert).
+it; :func:`write_imatrix` maps microscale's layer paths to it); ``n_mat`` is 1 for a dense layer (a mixture of experts has one row per expert).
 :func:`write_imatrix` writes it and :func:`read_imatrix` reads it back (a file of
 llama.cpp's own too), as the mean of squares.
 
@@ -34,12 +34,14 @@ llama.cpp's own too), as the mean of squares.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
+
+from microscale.export.gguf.arch import tensor_name
 
 __all__ = ["Imatrix", "read_imatrix", "write_imatrix"]
 
@@ -48,25 +50,21 @@ DATASETS, CHUNK_COUNT, CHUNK_SIZE = "imatrix.datasets", "imatrix.chunk_count", "
 IN_SUM2, COUNTS = ".in_sum2", ".counts"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Imatrix:
-    """Sums of squared inputs of a model's block linears, by GGUF weight name."""
+class Imatrix(Protocol):
+    """What :func:`write_imatrix` writes (:class:`microscale.ptq.imatrix.Imatrix`)."""
 
-    # GGUF weight name -> float64 [K]: sum over the tokens of each input column's square.
+    # linear layer path (``layers.0.attn.q_proj``) -> float [K]: sum over the tokens of
+    # each input column's square
     in_sum2: Mapping[str, np.ndarray]
-    # Tokens summed (every layer sees every token of the batches).
-    tokens: int
-    # Calibration sequences and the tokens of each (llama.cpp's chunk count and size).
-    sequences: int
-    seq_len: int
-
-    def mean_sq(self) -> dict[str, np.ndarray]:
-        """The importance weights ``quantize_ggml`` takes: ``in_sum2 / tokens`` per weight."""
-        return {k: v / self.tokens for k, v in self.in_sum2.items()}
+    tokens: int  # tokens summed (every layer sees every token)
+    sequences: int  # calibration sequences (llama.cpp's chunk count)
+    seq_len: int  # tokens per sequence (llama.cpp's chunk size)
 
 
 def write_imatrix(path: str | os.PathLike, im: Imatrix, *, datasets: Sequence[str]) -> None:
-    """Write ``im`` as llama.cpp's GGUF imatrix (the table in the module doc), atomically."""
+    """Write ``im`` as llama.cpp's GGUF imatrix (the table in the module doc), atomically,
+    each block linear under its GGUF weight name (``layers.0.attn.q_proj`` ->
+    ``blk.0.attn_q.weight``)."""
     import gguf
 
     from microscale.files import atomic_writer
@@ -77,8 +75,9 @@ def write_imatrix(path: str | os.PathLike, im: Imatrix, *, datasets: Sequence[st
     w.add_array(DATASETS, [str(d) for d in datasets])
     w.add_uint32(CHUNK_COUNT, im.sequences)
     w.add_uint32(CHUNK_SIZE, im.seq_len)
-    for name in sorted(im.in_sum2):
-        w.add_tensor(name + IN_SUM2, np.asarray(im.in_sum2[name], np.float32).reshape(1, -1))
+    named = {f"{tensor_name(p)}.weight": v for p, v in im.in_sum2.items()}
+    for name in sorted(named):
+        w.add_tensor(name + IN_SUM2, np.asarray(named[name], np.float32).reshape(1, -1))
         w.add_tensor(name + COUNTS, np.full((1, 1), im.tokens, np.float32))
     with atomic_writer(path, "wb", what="imatrix file") as fh:
         w.open_output_file(Path(fh.name))
