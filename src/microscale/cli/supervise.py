@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from microscale.outputs import TrainingRun
+from microscale.outputs import CheckpointStep, TrainingRun
 
 __all__ = ["CHILD", "EXIT_JOB_FAILED", "explain", "needs_supervisor", "supervise"]
 
@@ -124,10 +124,10 @@ def last_checkpoint(out: str | None) -> str:
         return ""
     folder = Path(out).expanduser() / TrainingRun.CHECKPOINTS
     with contextlib.suppress(OSError):
-        steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+        steps = CheckpointStep.steps(folder)
         if steps:
             return (
-                f". The last complete checkpoint is step {max(steps)} in {folder}: run the "
+                f". The last complete checkpoint is step {steps[-1].name} in {folder}: run the "
                 "same command with resume=true on every process to continue from it"
             )
     return ". No checkpoint was complete: run the same command on every process to start again"
