@@ -17,6 +17,7 @@ from microscale.formats.quantize import (
     block_scales_f32,
     dequantize,
     fake_quantize,
+    ggml_qarray,
     quantize,
     quantize_dequantize,
     requantize,
@@ -24,7 +25,14 @@ from microscale.formats.quantize import (
     storage_bits,
     tensor_amax,
 )
-from microscale.formats.spec import REGISTRY, FormatSpec, get_format, list_formats
+from microscale.formats.spec import (
+    REGISTRY,
+    FormatSpec,
+    get_format,
+    get_weight_format,
+    list_formats,
+    weight_only,
+)
 
 __all__ = [
     "E2M1_VALUES",
@@ -37,6 +45,8 @@ __all__ = [
     "e2m1_encode",
     "fake_quantize",
     "get_format",
+    "get_weight_format",
+    "ggml_qarray",
     "hadamard_matrix",
     "list_formats",
     "pack_nibbles",
@@ -49,4 +59,5 @@ __all__ = [
     "storage_bits",
     "tensor_amax",
     "unpack_nibbles",
+    "weight_only",
 ]

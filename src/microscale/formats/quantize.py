@@ -71,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.formats import elements
-from microscale.formats.spec import FormatSpec, get_format
+from microscale.formats.ggml import dequantize_ggml, quantize_ggml, row_bytes
+from microscale.formats.spec import FormatSpec, get_format, get_weight_format, weight_only
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -614,6 +615,8 @@ def _dequantize(
     spec = q.spec
     if not spec.quantized:
         return q.data.astype(dtype)
+    if weight_only(spec):
+        return _decode_ggml(q).astype(dtype)
     if q.block_shape is None:
         vals = q.data.astype(jnp.float32)
         if with_global_scale:
@@ -621,6 +624,34 @@ def _dequantize(
             vals = vals * q.scales
         return vals.astype(dtype)
     return _decode_blocks(q, q.codes(), with_global_scale).astype(dtype)
+
+
+def _decode_ggml(q: QArray) -> jax.Array:
+    """A ggml QArray's values: ggml's own decoder (numpy, a host callback under jit)."""
+    spec, shape = q.spec, q.shape
+
+    def host(data):
+        return dequantize_ggml(np.asarray(data), spec, shape[-1]).reshape(shape)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32), q.data)
+
+
+def ggml_qarray(x, fmt: str | FormatSpec, imatrix=None) -> QArray:
+    """``x`` ``[..., K]`` in a weight format along its last axis, as a :class:`QArray`.
+
+    One of ggml's block types (:func:`~microscale.formats.spec.weight_only`): ``data`` holds
+    ggml's bytes ``[..., row bytes]`` (uint8), exactly what ``ggml_quantize_chunk`` writes
+    with the importance weights ``imatrix`` (one per column, llama.cpp's imatrix; None:
+    ggml's plain encoder), and :func:`dequantize` decodes them as ggml does; ``scales`` and
+    ``global_scale`` are None (the blocks hold their scales). Any other format:
+    :func:`quantize` along the last axis (``imatrix`` is ignored, as ggml's Q8_0 ignores it).
+    """
+    spec = get_weight_format(fmt)
+    if not weight_only(spec):
+        return quantize(x, spec, axis=-1)
+    a = np.asarray(jax.device_get(x) if isinstance(x, jax.Array) else x, np.float32)
+    data = quantize_ggml(a, spec, imatrix)
+    return QArray(jnp.asarray(data), None, None, spec, a.ndim - 1, tuple(a.shape), None)
 
 
 _STATIC = (
@@ -804,9 +835,12 @@ def fake_quantize(x, fmt: str | FormatSpec, **kwargs) -> jax.Array:
 
 
 def storage_bits(spec: FormatSpec | str, shape) -> int:
-    """Exact bits a tensor of ``shape`` occupies in ``spec`` (padding and scales included)."""
-    spec = get_format(spec)
+    """Exact bits a tensor of ``shape`` occupies in ``spec`` (padding and scales included;
+    a ggml block type: whole rows of its blocks)."""
+    spec = get_weight_format(spec)
     n = math.prod(shape)
+    if weight_only(spec):
+        return math.prod(shape[:-1]) * row_bytes(spec, int(shape[-1])) * 8
     if not spec.quantized:
         return n * spec.elem_bits
     if spec.block_size is None:

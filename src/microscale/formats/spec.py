@@ -387,6 +387,29 @@ def get_ggml_format(fmt: str | FormatSpec) -> FormatSpec:
     return spec
 
 
+def get_weight_format(fmt: str | FormatSpec) -> FormatSpec:
+    """A format a linear layer's weight can be stored in: a ``REGISTRY`` row, or one of
+    ggml's block types (``GGML_FORMATS``: weights only, see :func:`weight_only`). Raises on
+    unknown names, listing both."""
+    if isinstance(fmt, FormatSpec):
+        return fmt
+    if isinstance(fmt, str) and fmt in GGML_FORMATS and fmt not in REGISTRY:
+        return GGML_FORMATS[fmt]
+    if not isinstance(fmt, str) or fmt not in REGISTRY:
+        raise ValueError(
+            f"unknown format {fmt!r}; expected one of {sorted(REGISTRY)} or ggml's "
+            f"{sorted(set(GGML_FORMATS) - set(REGISTRY))}"
+        )
+    return REGISTRY[fmt]
+
+
+def weight_only(spec: FormatSpec) -> bool:
+    """True for a ggml block type without a JAX quantizer (Q4_K, IQ4_XS, ...): it stores
+    weights, encoded by ``formats/ggml.py``'s exact numpy codec, and neither quantizes
+    activations nor trains. Q8_0 is in ``REGISTRY`` too: False."""
+    return spec.ggml_codec is not None and REGISTRY.get(spec.name) != spec
+
+
 def get_format(fmt: str | FormatSpec) -> FormatSpec:
     """Look a format up by name (or pass a spec through). Raises on unknown names."""
     if isinstance(fmt, FormatSpec):

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from microscale.export.registry import get_layout, stored_embed_formats
-from microscale.formats import get_format
+from microscale.formats import get_format, get_weight_format, weight_only
 from microscale.ptq.awq import DEFAULT_ALPHAS
 from microscale.ptq.search import DEFAULT_GROUPS
 from microscale.ptq.sensitivity import METHODS, SIGNED_METHODS
@@ -37,7 +37,7 @@ def _check_format_list(name: str, fmts) -> tuple[str, ...]:
         raise ValueError(f"QuantizeConfig.{name} is empty: expected at least one format")
     for f in fmts:
         try:
-            get_format(f)
+            get_weight_format(f)
         except ValueError as e:
             raise ValueError(f"QuantizeConfig.{name}: {e}") from None
     if len(set(fmts)) != len(fmts):
@@ -122,7 +122,7 @@ class QuantizeConfig:
                 "bits per weight element (e.g. 4.8)"
             )
         object.__setattr__(self, "formats", _check_format_list("formats", self.formats))
-        if not any(get_format(f).quantized for f in self.formats):
+        if not any(get_weight_format(f).quantized for f in self.formats):
             raise ValueError(
                 f"QuantizeConfig.formats={','.join(self.formats)}: no quantized format, so "
                 "every layer stays as it is and there is nothing to score, search or "
@@ -175,6 +175,30 @@ class QuantizeConfig:
         if self.embed_formats is not None:
             self._check_embed_formats()
         self._check_awq()
+        self._check_ggml()
+
+    def weight_only_formats(self) -> tuple[str, ...]:
+        """The formats of the run (candidates, uniform points, heuristic, pins) that are ggml
+        block types (:func:`microscale.formats.weight_only`), in first-seen order."""
+        fmts = (*self.formats, *self.uniform_formats, *self.heuristic, *(f for _, f in self.pin))
+        return tuple(dict.fromkeys(f for f in fmts if weight_only(get_weight_format(f))))
+
+    def _check_ggml(self) -> None:
+        ggml = self.weight_only_formats()
+        if not ggml:
+            return
+        if self.activations:
+            raise ValueError(
+                f"QuantizeConfig.activations=true: {', '.join(ggml)} quantize weights only "
+                "(llama.cpp quantizes a GEMM's input itself); use activations=false, or "
+                "formats without ggml's block types"
+            )
+        if self.ptq.method == "gptq":
+            raise ValueError(
+                f"QuantizeConfig.ptq.method='gptq': GPTQ on ggml's grids ({', '.join(ggml)}) "
+                "is not built yet; use ptq.method=rtn (ggml's own encoder with the importance "
+                "matrix of the calibration text)"
+            )
 
     def _check_awq(self) -> None:
         alphas = tuple(float(a) for a in self.awq_alphas)
@@ -184,7 +208,7 @@ class QuantizeConfig:
             )
         object.__setattr__(self, "awq_alphas", alphas)
         (fmt,) = _check_format_list("awq_format", (self.awq_format,))
-        if not get_format(fmt).quantized:
+        if weight_only(get_weight_format(fmt)) or not get_format(fmt).quantized:
             raise ValueError(
                 f"QuantizeConfig.awq_format={fmt!r}: expected a quantized format (e.g. nvfp4)"
             )
@@ -204,7 +228,7 @@ class QuantizeConfig:
                 "QuantizeConfig.embed_formats has no effect without count_other_params=true "
                 "(only a budget that counts the whole model searches the embedding)"
             )
-        if self.method == "gradient" and any(get_format(f).quantized for f in fmts):
+        if self.method == "gradient" and any(get_weight_format(f).quantized for f in fmts):
             raise ValueError(
                 "QuantizeConfig.embed_formats: method 'gradient' cannot score the token "
                 "embedding (its Fisher units have no measured counterpart); use taylor, "

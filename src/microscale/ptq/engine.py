@@ -218,6 +218,11 @@ class Engine:
     def _model(self, params):
         return nnx.merge(self.graphdef, nnx.State(params), self.rest)
 
+    def model(self) -> Any:
+        """The engine's private copy as an NNX model (bf16 recipe, block remat off), with
+        its parameters (e.g. AWQ's folded ones): what its passes run."""
+        return self._model(self.params)
+
     def _cached(self, key, build: Callable[[], Callable]) -> Callable:
         if key not in self._jit_cache:
             self._jit_cache[key] = build()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format, weight_only
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import ActQuant, Engine
 from microscale.ptq.search import (
@@ -107,7 +107,7 @@ class Evaluator:
                 {
                     f
                     for f in (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic, *trained_formats)
-                    if get_format(f).quantized
+                    if get_weight_format(f).quantized and not weight_only(get_weight_format(f))
                 }
             )
         )
@@ -219,7 +219,7 @@ def ptq_effects(
     out: dict[str, Any] = {"weights": {}, "activations": {}}
     rows: dict[str, tuple[Mapping[str, str], list[str]]] = {}  # label: (allocation, variants)
     for f in cfg.uniform_formats:
-        spec = get_format(f)
+        spec = get_weight_format(f)
         tensor, four6 = spec.has_tensor_scale, supports_four_over_six(spec)
         if not (tensor or four6 or ("gptq" in variants and spec.quantized)):
             continue
@@ -244,7 +244,7 @@ def ptq_effects(
             ev.weights.release(v)
     # W4A4 / W8A8 inputs: dynamic (per batch) vs static calibrated amax, vs weight-only.
     for f in cfg.uniform_formats:
-        spec = get_format(f)
+        spec = get_weight_format(f)
         if not spec.has_tensor_scale:
             continue
         assign = uniform_allocation(paths, f, pinned)
@@ -271,7 +271,7 @@ def evaluate(
     cfg, paths = ev.cfg, ev.engine.paths
     points: dict[str, dict[str, Any]] = {}
     for f in cfg.uniform_formats:
-        label = "bf16" if not get_format(f).quantized else f"uniform_{f}"
+        label = "bf16" if not get_weight_format(f).quantized else f"uniform_{f}"
         points[label] = ev.point(uniform_allocation(paths, f, pinned), cfg.ptq, kind="uniform")
     if "bf16" not in points:
         points["bf16"] = ev.point(uniform_allocation(paths, "bf16", {}), cfg.ptq, kind="uniform")

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format, weight_only
 from microscale.ptq.awq import awq_fold
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine, LossFn
 from microscale.ptq.evaluate import Evaluator, evaluate, ptq_effects
+from microscale.ptq.imatrix import Imatrix, collect_imatrix
 from microscale.ptq.phases import Phases
 from microscale.ptq.problem import search_problem, setup
 from microscale.ptq.result import QuantizeResult, allocation_rules
@@ -182,12 +183,13 @@ def _result(
     """The result: the searched allocation of the linear layers (the embedding item's
     format is in ``fields["embedding"]``), its rules and weights, and ``fields``."""
     linear = dataclasses.replace(alloc, formats=linear_formats(alloc.formats))
+    ggml = any(weight_only(get_weight_format(f)) for f in linear.formats.values())
     return QuantizeResult(
         config=cfg,
         paths=engine.paths,
         numel=dict(engine.numel),
         allocation=linear,
-        rules=allocation_rules(linear.formats, cfg.activations),
+        rules=None if ggml else allocation_rules(linear.formats, cfg.activations),
         weights=weights.for_assignment(linear.formats, cfg.ptq),
         calibration=dict(
             calibration or {},
@@ -214,9 +216,12 @@ def _calibrate(
     """Phase 1: every layer's input amax (and GPTQ's input Hessians); returns the amax, the
     static input amax of W4A4 (None: weight-only or dynamic) and the weights' source.
     Skipped when the score pass measures the amax (:func:`_amax_in_score`): the amax is
-    then returned empty, and the score phase fills it."""
+    then returned empty, and the score phase fills it. A run with ggml's block types first
+    measures the importance matrix they are encoded with (:func:`_importance`)."""
+    imatrix = _importance(engine, calib, cfg, phases)
+    importance = None if imatrix is None else imatrix.mean_sq()
     if _amax_in_score(cfg):
-        return {}, None, WeightCache(engine, groups, None)
+        return {}, None, WeightCache(engine, groups, None, importance)
     gptq = cfg.ptq.method == "gptq"
     with phases.phase("calibrate", total=len(calib) * (2 if gptq else 1)) as tick:
         act_amax = engine.input_amax(calib, progress=tick)
@@ -230,7 +235,19 @@ def _calibrate(
             tick(len(calib))
         elif gptq:
             hessians = engine.input_hessians(calib, progress=tick)
-    return act_amax, static, WeightCache(engine, groups, hessians)
+    return act_amax, static, WeightCache(engine, groups, hessians, importance)
+
+
+def _importance(engine: Engine, calib, cfg: QuantizeConfig, phases: Phases) -> Imatrix | None:
+    """llama.cpp's importance matrix of the engine's model (AWQ's folded one with
+    ``cfg.awq``) on the calibration batches, when the run has ggml's block types (None
+    otherwise): each of their layers is encoded with its input columns' mean squares."""
+    if not cfg.weight_only_formats():
+        return None
+    with phases.phase("imatrix", total=1, unit="pass") as tick:
+        imatrix = collect_imatrix(engine.model(), calib)
+        tick()
+    return imatrix
 
 
 def _score_layers(
@@ -288,7 +305,7 @@ def _score_embedding(
             f"QuantizeConfig.embed_formats={list(fmts)}: the model has no token embedding "
             "table (embed.embedding) to search a format for"
         )
-    n_q = sum(get_format(f).quantized for f in fmts)
+    n_q = sum(get_weight_format(f).quantized for f in fmts)
     per_batch = n_q + (n_q > 0 and cfg.method != "kl")  # kl: its reference in the pass
     with phases.phase("score_embedding", total=len(calib) * per_batch) as tick:
         raw = table_scores(engine, calib, fmts, cfg.method, progress=tick)

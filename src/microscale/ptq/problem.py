@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine
 from microscale.ptq.search import EMBED_ITEM, Problem, check_budget, group_layers
@@ -109,7 +109,7 @@ def _trained(
             f"{len(missing)} layer(s), e.g. {missing[0]!r}; expected one "
             f"for every linear layer"
         )
-    return {p: pinned.get(p, get_format(trained[p]).name) for p in paths}
+    return {p: pinned.get(p, get_weight_format(trained[p]).name) for p in paths}
 
 
 def search_problem(

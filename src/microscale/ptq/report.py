@@ -50,7 +50,7 @@ from microscale.files import (
     save_figure,
 )
 from microscale.fingerprint import fingerprint_line, numerics_fingerprint
-from microscale.formats import get_format
+from microscale.formats import get_weight_format, weight_only
 from microscale.integrity import write_file_checksums
 from microscale.outputs import QuantizeOutput
 from microscale.ptq.imatrix import Imatrix
@@ -91,11 +91,11 @@ def _export(result: QuantizeResult, out: Path, model_config, tokenizer, layout: 
     flat = flat_params(result.engine.params)
     for p in result.paths:
         w = result.weights[p]
-        if get_format(w.format).quantized:
+        if get_weight_format(w.format).quantized:
             flat[f"{p}.kernel"] = w.qarray
     acts = result.config.activations
     layers = {
-        p: LayerQuant(weights=f, inputs=f if acts and get_format(f).quantized else None)
+        p: LayerQuant(weights=f, inputs=f if acts and get_weight_format(f).quantized else None)
         for p, f in result.allocation.formats.items()
     }
     # the searched token embedding / LM head format, for a layout that stores the table
@@ -134,7 +134,18 @@ def write_outputs(
 
     The files are written into a temporary sibling folder that replaces ``out_dir`` only
     when complete (:func:`microscale.files.atomic_folder`); ``out_dir`` must be new, empty
-    or, with ``overwrite``, an earlier quantize output (:func:`check_quantize_out`)."""
+    or, with ``overwrite``, an earlier quantize output (:func:`check_quantize_out`).
+    A result whose allocation holds ggml's block types (``result.rules`` is None) is not
+    written yet (the next step of quantize's GGUF path): refused, naming them."""
+    if result.rules is None:
+        ggml = sorted(
+            {f for f in result.allocation.formats.values() if weight_only(get_weight_format(f))}
+        )
+        raise ValueError(
+            f"write_outputs: the allocation holds ggml's block types ({', '.join(ggml)}), "
+            "which quantize does not write yet; its result (allocation, points, weights) "
+            "is the library's (microscale.ptq.quantize_model)"
+        )
     with lock_folder(out_dir):
         check_quantize_out(out_dir, overwrite=overwrite)
         with atomic_folder(out_dir, overwrite=True, what="quantize output folder") as tmp:
@@ -157,7 +168,7 @@ def check_quantize_space(out_dir: str | os.PathLike, model, formats) -> None:
     ``formats`` (the search's candidates and pins), reports and plots not counted. Skipped
     when a name is not a registry format (a layout's own block types: no bound known)."""
     try:
-        bits = min(get_format(f).bits_per_element for f in formats)
+        bits = min(get_weight_format(f).bits_per_element for f in formats)
     except ValueError:
         return
     numel = sum(int(np.prod(np.shape(a))) for a in flat_params(model).values())
@@ -527,7 +538,7 @@ def plot_sensitivity(report: Mapping[str, Any], path: str | os.PathLike) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fmts = [f for f in report["formats"] if get_format(f).quantized]
+    fmts = [f for f in report["formats"] if get_weight_format(f).quantized]
     layers = list(report["layers"])
     sc = report["scores_raw"]
     vals = np.array([[sc[p][f] if p in sc else np.nan for f in fmts] for p in layers], np.float64)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format
 from microscale.model import PrecisionRules
 from microscale.ops import SLOTS, OperandSpec, Recipe
 from microscale.outputs import QuantizeReport
@@ -33,7 +33,7 @@ def ptq_recipe(fmt: str, activations: bool = False) -> Recipe | str:
     blocks along the input dimension), inputs in ``fmt`` too when ``activations``, bf16
     everywhere else (``Recipe.derive``: ``"ptq_<fmt>+bf16_backward_inputs"``, or
     ``"ptq_<fmt>+bf16_backward"`` with activations); ``"bf16"`` for an unquantized format."""
-    spec = get_format(fmt)
+    spec = get_weight_format(fmt)
     if not spec.quantized:
         return "bf16"
     op = OperandSpec(format=spec.name)
@@ -90,8 +90,9 @@ class QuantizeResult:
     # Paired validation-loss differences {"searched - <ref>": {dloss, se, t, batches}}
     # over the same evaluation batches (is the difference larger than its noise?).
     comparisons: dict[str, dict[str, float]]
-    # PrecisionRules of the searched allocation.
-    rules: PrecisionRules
+    # PrecisionRules of the searched allocation; None when it holds one of ggml's block
+    # types (formats.weight_only), which no training recipe runs.
+    rules: PrecisionRules | None
     # Quantized weights of the searched allocation {path: QuantizedWeight}.
     weights: dict[str, QuantizedWeight]
     # Calibration description (source, tokens, batches).

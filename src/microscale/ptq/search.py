@@ -46,7 +46,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format
 from microscale.model import FUSED_LINEARS
 
 __all__ = [
@@ -102,7 +102,7 @@ def group_layers(
 
 
 def _bits(fmt: str) -> Fraction:
-    return Fraction(get_format(fmt).bits_per_element)
+    return Fraction(get_weight_format(fmt).bits_per_element)
 
 
 def effective_bits(
@@ -203,7 +203,7 @@ class Problem:
         if not self.formats:
             raise ValueError("Problem.formats is empty: expected at least one candidate format")
         for f in self.formats:
-            get_format(f)  # raises on unknown names
+            get_weight_format(f)  # raises on unknown names
         if len(set(self.formats)) != len(self.formats):
             raise ValueError(f"Problem.formats={self.formats!r} has duplicates")
         layers = list(self.numel)
@@ -216,14 +216,14 @@ class Problem:
         for p, f in self.pinned.items():
             if p not in self.numel:
                 raise ValueError(f"Problem.pinned names {p!r}, which is not a layer")
-            get_format(f)
+            get_weight_format(f)
         for p, fmts in self.options.items():
             if p not in self.numel:
                 raise ValueError(f"Problem.options names {p!r}, which is not a layer")
             if not fmts:
                 raise ValueError(f"Problem.options[{p!r}] is empty")
             for f in fmts:
-                get_format(f)
+                get_weight_format(f)
         for p in layers:
             if p in self.pinned:
                 continue

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_format
+from microscale.formats import get_weight_format
 from microscale.ptq.engine import ActQuant, Engine
 from microscale.ptq.weights import QuantizedWeight
 
@@ -99,7 +99,7 @@ def _grad_terms(
     candidates' QArrays (no dequantized copy of every layer in every format is held).
     An unquantized format (bf16: ``bf16(W) - bf16(W) = 0``) has every term exactly 0.
     ``input_amax``: filled with every layer's input amax (``Engine.grad_terms``)."""
-    quantized = [f for f in qweights if get_format(f).quantized]
+    quantized = [f for f in qweights if get_weight_format(f).quantized]
     cands = {f: {p: qweights[f][p].qarray for p in engine.paths} for f in quantized}
     terms = engine.grad_terms(
         batches,
@@ -168,7 +168,7 @@ def kl_loss_scores(
         ref = engine.ref_logp(b)
         _, base = engine.kl_and_loss(engine.params, b, ref)
         for f, qw in qweights.items():
-            quant_in = activations and get_format(f).quantized
+            quant_in = activations and get_weight_format(f).quantized
             for p in engine.paths:
                 params = engine.with_kernels({p: qw[p].values})
                 act = None
@@ -206,7 +206,7 @@ def table_scores(
         raise ValueError("table_scores: the model has no token embedding table to score")
     batches = list(batches)
     out = {f: 0.0 for f in formats}
-    quantized = {f: engine.with_tables(f) for f in formats if get_format(f).quantized}
+    quantized = {f: engine.with_tables(f) for f in formats if get_weight_format(f).quantized}
     if method == "kl":
         for b in batches:
             ref = engine.ref_logp(b)
@@ -227,7 +227,7 @@ def monotone(
     scores: Mapping[str, Mapping[str, float]], formats: Sequence[str]
 ) -> dict[str, dict[str, float]]:
     """``s'_lf = min {s_lg : bits(g) <= bits(f)}`` per layer (see the module doc)."""
-    bits = {f: get_format(f).bits_per_element for f in formats}
+    bits = {f: get_weight_format(f).bits_per_element for f in formats}
     out = {}
     for p, row in scores.items():
         out[p] = {f: min(row[g] for g in formats if bits[g] <= bits[f]) for f in formats}

@@ -38,6 +38,13 @@ that, and picks it when the whole tensor's error says so.
 
 The per-block choice is ``microscale.formats.quantize(..., four_over_six=True)``.
 
+**ggml's block types** (Q4_K, IQ4_XS, ...: :func:`~microscale.formats.weight_only`) are
+encoded by ggml's own quantizer (:func:`~microscale.formats.ggml_qarray`, bit for bit), with
+each layer's importance weights where given (llama.cpp's imatrix: the mean square of each
+input column over the calibration tokens) and ggml's plain encoder otherwise; their scales
+come from ggml's own search, so the MSE scale search and four over six do not apply, and
+GPTQ on their grids is not built yet (refused).
+
 **GPTQ** (``WeightPTQ(method="gptq")``, :mod:`~microscale.ptq.gptq`): with the tensor
 amax chosen as above, each kernel is quantized column by column with its input Hessian,
 each column's rounding error moved onto the columns still to come; block scales (and the
@@ -58,7 +65,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from microscale.formats import FormatSpec, QArray, dequantize, get_format, quantize, tensor_amax
+from microscale.formats import (
+    FormatSpec,
+    QArray,
+    dequantize,
+    get_format,
+    get_weight_format,
+    ggml_qarray,
+    quantize,
+    tensor_amax,
+    weight_only,
+)
 from microscale.ptq.gptq import gptq_quantize
 
 if TYPE_CHECKING:
@@ -206,21 +223,31 @@ class QuantizedWeight:
 
 
 def quantize_weight(
-    kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessian=None
+    kernel, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessian=None, importance=None
 ) -> QuantizedWeight:
     """Quantize a linear kernel ``[in, out]`` along ``in`` with the PTQ choices of ``ptq``
-    (default: :class:`WeightPTQ` ()); ``hessian`` ``[in, in]`` of its input for GPTQ.
-    Deterministic."""
-    return quantize_group([kernel], fmt, ptq, None if hessian is None else [hessian])[0]
+    (default: :class:`WeightPTQ` ()); ``hessian`` ``[in, in]`` of its input for GPTQ;
+    ``importance`` ``[in]`` (llama.cpp's imatrix) for ggml's block types. Deterministic."""
+    return quantize_group(
+        [kernel],
+        fmt,
+        ptq,
+        None if hessian is None else [hessian],
+        None if importance is None else [importance],
+    )[0]
 
 
-def _float_group(ws, wts, norms, spec: FormatSpec) -> list[QuantizedWeight]:
-    """A group in a format without scales (bf16, fp16): each member rounded on its own."""
+def _own_group(ws, wts, norms, spec: FormatSpec, importance) -> list[QuantizedWeight]:
+    """A group whose members are quantized each on its own, with no tensor scale to share:
+    an unscaled format (bf16: rounding) or one of ggml's block types (ggml's encoder with
+    the member's importance weights; ``rel_mse_rtn``: its plain encoder, without them)."""
     out = []
-    for w, t, n in zip(ws, wts, norms, strict=True):
-        q = quantize(t, spec, axis=-1)
-        vals = dequantize(q).T
-        err = float(jnp.sum(jnp.square(vals - w))) / n
+    for i, (w, t, n) in enumerate(zip(ws, wts, norms, strict=True)):
+        imp = None if importance is None else importance[i]
+        q = ggml_qarray(t, spec, imp)
+        err = err0 = float(jnp.sum(jnp.square(dequantize(q).T - w))) / n
+        if imp is not None and weight_only(spec):
+            err0 = float(jnp.sum(jnp.square(dequantize(ggml_qarray(t, spec)).T - w))) / n
         out.append(
             QuantizedWeight(
                 format=spec.name,
@@ -228,7 +255,7 @@ def _float_group(ws, wts, norms, spec: FormatSpec) -> list[QuantizedWeight]:
                 amax=None,
                 scale_multiplier=1.0,
                 rel_mse=err,
-                rel_mse_rtn=err,
+                rel_mse_rtn=err0,
             )
         )
     return out
@@ -256,20 +283,34 @@ def _search_scale(wts, spec: FormatSpec, ptq: WeightPTQ, four6: bool):
 
 
 def quantize_group(
-    kernels, fmt: str | FormatSpec, ptq: WeightPTQ | None = None, hessians=None
+    kernels,
+    fmt: str | FormatSpec,
+    ptq: WeightPTQ | None = None,
+    hessians=None,
+    importance=None,
 ) -> list[QuantizedWeight]:
     """Quantize the kernels of one fused group (q/k/v or gate/up: one GEMM in an engine)
     with ONE tensor amax, as deployment requires: ``c * max_i amax(|W_i|)``, where the MSE
     search picks ``c`` for the least summed error of the members. Formats without a
     tensor scale quantize each member on its own (their scales are per block anyway).
     With ``ptq.method == "gptq"`` each member is then GPTQ-quantized with that amax and its
-    input Hessian (``hessians``, one per kernel)."""
-    spec = get_format(fmt)
+    input Hessian (``hessians``, one per kernel). One of ggml's block types is encoded by
+    ggml's quantizer with ``importance`` (one ``[in]`` array or None per kernel)."""
+    spec = get_weight_format(fmt)
     ptq = WeightPTQ() if ptq is None else ptq
     ws = [jnp.asarray(k, jnp.float32) for k in kernels]
     if not ws:
         raise ValueError("quantize_group: no kernels")
     gptq = ptq.method == "gptq" and spec.quantized
+    if gptq and weight_only(spec):
+        raise ValueError(
+            f"quantize_group: GPTQ on ggml's {spec.name} grid is not built yet; use "
+            "WeightPTQ(method='rtn') (ggml's own encoder, with the importance matrix)"
+        )
+    if importance is not None and len(importance) != len(ws):
+        raise ValueError(
+            f"quantize_group: {len(importance)} importance arrays for {len(ws)} kernels"
+        )
     if gptq and (hessians is None or len(hessians) != len(ws)):
         raise ValueError(
             f"quantize_group: WeightPTQ.method='gptq' needs one input Hessian "
@@ -281,8 +322,8 @@ def quantize_group(
             raise ValueError(f"quantize_weight expects 2-D [in, out] kernels, got shape {w.shape}")
     wts = [w.T for w in ws]
     norms = [max(float(jnp.sum(jnp.square(t))), 1e-30) for t in wts]
-    if not spec.quantized:
-        return _float_group(ws, wts, norms, spec)
+    if not spec.quantized or weight_only(spec):
+        return _own_group(ws, wts, norms, spec, importance)
     tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
     base, best_c, best, rtn = _search_scale(wts, spec, ptq, four6)
@@ -328,8 +369,12 @@ class WeightCache:
         engine: Engine,
         groups: Mapping[str, str],
         hessians: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None,
+        importance: Mapping[str, Any] | None = None,
     ):
         self.engine = engine
+        # {path: [in] importance weights} (llama.cpp's imatrix: mean square of each input
+        # column) for ggml's block types; a layer without one: ggml's plain encoder
+        self.importance = importance
         # {path: input Hessian} for GPTQ, or format -> {path: Hessian} (W4A4: the inputs
         # quantized in that format; computed when GPTQ first needs the format, the latest
         # kept); None: only round-to-nearest is available
@@ -344,13 +389,16 @@ class WeightCache:
 
     def get(self, fmt: str, ptq: WeightPTQ) -> dict[str, QuantizedWeight]:
         # an unquantized format ignores the PTQ options: one entry serves them all
-        key = (fmt, ptq if get_format(fmt).quantized else None)
+        key = (fmt, ptq if get_weight_format(fmt).quantized else None)
         if key not in self._cache:
             out: dict[str, QuantizedWeight] = {}
             by_path = self._hessians(fmt, ptq)
+            imp = self.importance
             for mem in self.members.values():
                 hs = None if by_path is None else [by_path[p] for p in mem]
-                qs = quantize_group([self.engine.kernels[p] for p in mem], fmt, ptq, hs)
+                im = None if imp is None else [imp.get(p) for p in mem]
+                kernels = [self.engine.kernels[p] for p in mem]
+                qs = quantize_group(kernels, fmt, ptq, hs, im)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
         return self._cache[key]
@@ -358,7 +406,7 @@ class WeightCache:
     def _hessians(self, fmt: str, ptq: WeightPTQ) -> Mapping[str, Any] | None:
         if not callable(self.hessians):
             return self.hessians
-        if ptq.method != "gptq" or not get_format(fmt).quantized:
+        if ptq.method != "gptq" or not get_weight_format(fmt).quantized:
             return None
         if self._hessians_of is None or self._hessians_of[0] != fmt:
             self._hessians_of = None  # the previous format's arrays go first

@@ -121,6 +121,13 @@ def quantize_run(
     refused before any work, as ``export`` refuses one).
     """
     cfg = QuantizeConfig() if config is None else config
+    ggml = cfg.weight_only_formats()
+    if ggml:  # before any work: the search takes them, the writers do not yet
+        raise ValueError(
+            f"formats: {', '.join(ggml)} (ggml's block types) are searched by the library "
+            "(microscale.ptq.quantize_model) but not yet written by quantize; use "
+            "layout=gguf's formats (nvfp4, mxfp4, q8_0, bf16)"
+        )
     path, kind = check_model_source(checkpoint, what="--model")
     if step is not None and kind is not TrainingRun:
         what = "a quantize output" if kind is QuantizeOutput else "an HF folder"
