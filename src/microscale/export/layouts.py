@@ -42,7 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from microscale.export.hf import ms_module
-from microscale.formats import FormatSpec, QArray, get_format, quantize, tensor_amax
+from microscale.formats import (
+    FormatSpec,
+    QArray,
+    dequantize,
+    get_format,
+    get_weight_format,
+    ggml_qarray,
+    quantize,
+    tensor_amax,
+    weight_only,
+)
 from microscale.model import ModelConfig, PrecisionRules, fused_groups, linear_paths
 from microscale.ops import get_recipe
 
@@ -51,6 +61,7 @@ __all__ = [
     "amax_from_decode_scale",
     "exact_reciprocal",
     "input_decode_scales",
+    "kernel_values",
     "quantize_linear_weights",
     "resolve_layers",
     "row_blocks",
@@ -64,18 +75,24 @@ __all__ = [
 class LayerQuant:
     """How one linear layer is stored and run."""
 
-    # Weight format (microscale.formats registry name); "bf16" = unquantized (the layouts
-    # list such layers as ignored / excluded).
+    # Weight format (microscale.formats registry name, or one of ggml's block types:
+    # formats.get_weight_format); "bf16" = unquantized (the layouts list such layers as
+    # ignored / excluded).
     weights: str = "bf16"
     # Input-activation format for W4A4 / W8A8 deployment; None = weight-only (W4A16).
     inputs: str | None = None
 
     def __post_init__(self):
-        get_format(self.weights)  # raises with the known names
+        get_weight_format(self.weights)  # raises with the known names
         if self.inputs is not None:
+            if weight_only(get_weight_format(self.inputs)):
+                raise ValueError(
+                    f"LayerQuant(inputs={self.inputs!r}): ggml's block types quantize "
+                    "weights only (llama.cpp quantizes a GEMM's input itself)"
+                )
             if not get_format(self.inputs).quantized:
                 object.__setattr__(self, "inputs", None)
-            elif not get_format(self.weights).quantized:
+            elif not get_weight_format(self.weights).quantized:
                 raise ValueError(
                     f"LayerQuant(weights={self.weights!r}, inputs="
                     f"{self.inputs!r}): quantized inputs need quantized weights"
@@ -83,7 +100,7 @@ class LayerQuant:
 
     @property
     def weight_spec(self) -> FormatSpec:
-        return get_format(self.weights)
+        return get_weight_format(self.weights)
 
     @property
     def input_spec(self) -> FormatSpec | None:
@@ -158,10 +175,23 @@ def to_hf_orientation(q: QArray) -> QArray:
 
 
 def to_kernel_orientation(q: QArray) -> QArray:
-    """Inverse of :func:`to_hf_orientation`: shape ``(K, N)``, blocks along axis 0."""
+    """Inverse of :func:`to_hf_orientation`: shape ``(K, N)``, blocks along axis 0. One of
+    ggml's block types has rows of ``K`` bytes only (:func:`kernel_values` decodes it)."""
     if len(q.shape) != 2:
         raise ValueError(f"weight QArray of shape {q.shape}: expected a 2-D weight")
+    if weight_only(q.spec):
+        raise ValueError(
+            f"a {q.spec.name} QArray holds ggml's rows [N, K] and cannot be transposed"
+        )
     return q if q.axis == 0 else _transpose(q)
+
+
+def kernel_values(q: QArray) -> jnp.ndarray:
+    """The float32 kernel ``[K, N]`` a weight QArray decodes to, in either orientation (one
+    of ggml's block types: its ``[N, K]`` rows, transposed)."""
+    if weight_only(q.spec):
+        return dequantize(q).T
+    return dequantize(to_kernel_orientation(q))
 
 
 def _transpose(q: QArray) -> QArray:
@@ -197,7 +227,7 @@ def _as_layer_quant(where: str, v: Any, activations: bool) -> LayerQuant:
     if isinstance(v, FormatSpec):
         v = v.name
     if isinstance(v, str):
-        spec = get_format(v)
+        spec = get_weight_format(v)
         return LayerQuant(weights=v, inputs=v if activations and spec.quantized else None)
     if isinstance(v, Mapping):
         unknown = sorted(set(v) - {"weights", "inputs"})
@@ -294,7 +324,8 @@ def quantize_linear_weights(
     ``params``: flat {parameter path: array} (``layers.0.attn.q_proj.kernel`` -> ``[K, N]``
     float array, or an already quantized ``QArray`` — e.g. from PTQ — in kernel or HF
     orientation). Returns {linear path: QArray in kernel orientation ``(K, N)``, blocks along
-    axis 0} for quantized layers and {linear path: float kernel} for bf16 layers.
+    axis 0} for quantized layers (one of ggml's block types: its ``(N, K)`` rows) and
+    {linear path: float kernel} for bf16 layers.
     Pre-quantized groups are checked: same format, and one global scale per group.
     """
     out: dict[str, Any] = {}
@@ -309,7 +340,8 @@ def quantize_linear_weights(
                 "kernels; pass all of them quantized or all float"
             )
         if all(given):
-            qs = [to_kernel_orientation(w) for w in ws]
+            # ggml's block types stay as given: their bytes hold [N, K] rows only
+            qs = [w if weight_only(w.spec) else to_kernel_orientation(w) for w in ws]
             for p, q in zip(group, qs, strict=True):
                 if q.spec.name != spec.name:
                     raise ValueError(
@@ -328,6 +360,12 @@ def quantize_linear_weights(
             continue
         if not spec.quantized:
             out.update(zip(group, ws, strict=True))
+            continue
+        if weight_only(spec):  # ggml's plain encoder on the [N, K] rows
+            out.update(
+                (p, ggml_qarray(np.asarray(w, np.float32).T, spec))
+                for p, w in zip(group, ws, strict=True)
+            )
             continue
         amax = _group_amax(ws) if spec.has_tensor_scale else None
         for p, w in zip(group, ws, strict=True):

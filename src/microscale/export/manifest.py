@@ -30,7 +30,7 @@ import numpy as np
 
 from microscale.export.tensorfile import TensorStore, write_safetensors
 from microscale.files import atomic_write_json, read_json
-from microscale.formats import QArray, dequantize, get_format
+from microscale.formats import QArray, dequantize, get_format, get_weight_format
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "manifest_params", "read_manifest", "write_manifest"]
 
@@ -130,7 +130,7 @@ def read_manifest(
     store = TensorStore(path / "model.safetensors")
     qs = {}
     for p, e in manifest["layers"].items():
-        spec = get_format(e["format"])
+        spec = get_weight_format(e["format"])
         leaves: dict[str, Any] = {}
         for field in ("data", "scales", "global_scale"):
             t = e["tensors"].get(field)

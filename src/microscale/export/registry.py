@@ -62,6 +62,7 @@ from microscale.export.hfquant import quant_method
 from microscale.export.manifest import MANIFEST, manifest_params, write_manifest
 from microscale.export.reader import read_checkpoint
 from microscale.export.writer import DEFAULT_SHARD_BYTES, export_checkpoint
+from microscale.formats import get_weight_format, weight_only
 from microscale.model import ModelConfig
 from microscale.outputs import ExportFolder, GGUFFile
 
@@ -113,7 +114,7 @@ class Layout(Kind):
     # formats it searches, its uniform points, the heuristic's), before the user's keys.
     quantize_preset: Mapping[str, Any]
     # check_formats(formats) raises for a format the layout cannot store as itself (the
-    # search's candidates, checked before any work); None: it stores any.
+    # search's candidates, checked before any work; ggml's block types, gguf's only).
     check_formats: Callable[[Sequence[str]], None] | None
     # The formats it stores the token embedding / tied LM head in (export's embed_format,
     # the search's table candidates); (): as the float dtype only.
@@ -215,6 +216,15 @@ def _check_gguf_formats(formats: Sequence[str]) -> None:
             )
 
 
+def _no_ggml_types(formats: Sequence[str]) -> None:
+    """The check of a layout that stores no ggml block type (only a GGUF holds their bytes)."""
+    ggml = [f for f in formats if weight_only(get_weight_format(f))]
+    if ggml:
+        raise ValueError(
+            f"formats: {', '.join(ggml)} (ggml's block types) are stored by layout=gguf only"
+        )
+
+
 # What ggml / llama.cpp runs natively: the GGUF layout's quantize search.
 _GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
 
@@ -226,7 +236,7 @@ _HF: dict[str, Any] = dict(
     read=_hf_params,
     candidates=None,
     quantize_preset={},
-    check_formats=None,
+    check_formats=_no_ggml_types,
     embed_formats=(),
     embed_values=None,
 )  # what the HF-style folders share
@@ -291,7 +301,7 @@ KINDS: tuple[Kind, ...] = (
         weights_only=None,
         quantize_output=True,
         quantize_preset={},
-        check_formats=None,
+        check_formats=_no_ggml_types,
         embed_formats=(),
         embed_values=None,
         check_tokenizer=None,

@@ -346,7 +346,9 @@ class QuantizeOutput(OutputKind):
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        return (path / cls.REPORT).is_file() and (path / cls.RULES).is_file()
+        # an allocation of ggml's block types has no rules (no training recipe runs them)
+        model = (path / cls.RULES).is_file() or (path / cls.MODEL_GGUF).is_file()
+        return (path / cls.REPORT).is_file() and model
 
     @classmethod
     def model(cls, path: str | os.PathLike, *, single_file: bool | None = None) -> Path:

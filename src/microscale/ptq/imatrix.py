@@ -38,8 +38,11 @@ class Imatrix:
     seq_len: int
 
     def mean_sq(self) -> dict[str, np.ndarray]:
-        """The importance weights ``quantize_ggml`` takes: ``in_sum2 / tokens`` per layer."""
-        return {k: v / self.tokens for k, v in self.in_sum2.items()}
+        """The importance weights ``quantize_ggml`` takes: ``in_sum2 / tokens`` per layer, in
+        float32 as ``llama-quantize --imatrix`` computes them from the file (float32 sums
+        over a float32 count), so both encode with the same weights."""
+        n = np.float32(self.tokens)
+        return {k: np.asarray(v, np.float32) / n for k, v in self.in_sum2.items()}
 
 
 def collect_imatrix(model: Any, batches: Iterable[Any]) -> Imatrix:

@@ -72,7 +72,8 @@ def quantize_model(
     )
     paths = engine.paths
     # 1. calibration, 2. sensitivity (the layers', then the token embedding's)
-    act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases)
+    imatrix = _importance(engine, calib, cfg, phases)
+    act_amax, static, weights = _calibrate(engine, calib, cfg, groups, phases, imatrix)
     raw, scores, stats = _score_layers(engine, weights, calib, cfg, static, phases, say, act_amax)
     embed = _score_embedding(engine, calib, cfg, phases)
     # 3. search
@@ -115,6 +116,7 @@ def quantize_model(
         ptq_effects=effects,
         embedding=embed,
         awq=awq,
+        imatrix=imatrix,
     )
 
 
@@ -211,14 +213,18 @@ def _amax_in_score(cfg: QuantizeConfig) -> bool:
 
 
 def _calibrate(
-    engine: Engine, calib, cfg: QuantizeConfig, groups: Mapping[str, str], phases: Phases
+    engine: Engine,
+    calib,
+    cfg: QuantizeConfig,
+    groups: Mapping[str, str],
+    phases: Phases,
+    imatrix: Imatrix | None,
 ) -> tuple[dict[str, float], dict[str, float] | None, WeightCache]:
     """Phase 1: every layer's input amax (and GPTQ's input Hessians); returns the amax, the
     static input amax of W4A4 (None: weight-only or dynamic) and the weights' source.
     Skipped when the score pass measures the amax (:func:`_amax_in_score`): the amax is
-    then returned empty, and the score phase fills it. A run with ggml's block types first
-    measures the importance matrix they are encoded with (:func:`_importance`)."""
-    imatrix = _importance(engine, calib, cfg, phases)
+    then returned empty, and the score phase fills it. ``imatrix``: what ggml's block
+    types are encoded with (:func:`_importance`; None without them)."""
     importance = None if imatrix is None else imatrix.mean_sq()
     if _amax_in_score(cfg):
         return {}, None, WeightCache(engine, groups, None, importance)

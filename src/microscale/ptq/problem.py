@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_weight_format
+from microscale.formats import get_weight_format, weight_only
+from microscale.formats.ggml import fallback_format
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine
 from microscale.ptq.search import EMBED_ITEM, Problem, check_budget, group_layers
@@ -39,12 +40,31 @@ def setup(
         )
     groups = group_layers(engine.paths, cfg.groups)
     pinned = _pins(engine.paths, cfg.pin)
+    _check_row_widths(engine, cfg, pinned)
     _check_budget(engine, cfg, groups, pinned, options)
     say(
         f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
         f"{len(pinned)} pinned; {len(calib)} calibration and {len(evals)} eval batches"
     )
     return groups, pinned, _trained(trained, engine.paths, pinned)
+
+
+def _check_row_widths(engine: Engine, cfg: QuantizeConfig, pinned: Mapping[str, str]) -> None:
+    """Refuse, before any work, one of ggml's block types that a layer it may reach cannot
+    hold: a row of ``K`` inputs must be whole blocks (32, or a K-quant's 256). The line
+    names the layer, and the type llama.cpp writes for it instead (``fallback_format``)."""
+    free = (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic)
+    for p in engine.paths:
+        k = int(engine.kernels[p].shape[0])
+        for f in (pinned[p],) if p in pinned else free:
+            spec = get_weight_format(f)
+            if weight_only(spec) and fallback_format(spec, k) != spec.name:
+                raise ValueError(
+                    f"formats: {f} cannot hold {p}: its rows of {k} inputs are not whole "
+                    f"{spec.name} blocks of {spec.super_block or spec.block_size}; llama.cpp "
+                    f"writes such a tensor as {fallback_format(spec, k)} (list that format "
+                    f"instead of {f}, or pin the layer: pin=...)"
+                )
 
 
 def _check_budget(

@@ -77,7 +77,7 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
         weights={p: result.weights[p] for p in result.paths},
         activations=result.config.activations,
         input_amax=result.act_amax,
-        rules=result.rules.to_dict(),
+        rules=None if result.rules is None else result.rules.to_dict(),
     )
 
 
@@ -135,17 +135,16 @@ def write_outputs(
     The files are written into a temporary sibling folder that replaces ``out_dir`` only
     when complete (:func:`microscale.files.atomic_folder`); ``out_dir`` must be new, empty
     or, with ``overwrite``, an earlier quantize output (:func:`check_quantize_out`).
-    A result whose allocation holds ggml's block types (``result.rules`` is None) is not
-    written yet (the next step of quantize's GGUF path): refused, naming them."""
-    if result.rules is None:
-        ggml = sorted(
-            {f for f in result.allocation.formats.values() if weight_only(get_weight_format(f))}
-        )
-        raise ValueError(
-            f"write_outputs: the allocation holds ggml's block types ({', '.join(ggml)}), "
-            "which quantize does not write yet; its result (allocation, points, weights) "
-            "is the library's (microscale.ptq.quantize_model)"
-        )
+    A result whose allocation holds ggml's block types has no ``precision_rules.json`` (no
+    training recipe runs them: ``result.rules`` is None) and needs a layout that stores them
+    (``gguf``): another layout is refused before anything is written.
+    """
+    row = get_layout(layout)
+    ggml = sorted(
+        {f for f in result.allocation.formats.values() if weight_only(get_weight_format(f))}
+    )
+    if ggml and row.check_formats is not None:
+        row.check_formats(ggml)
     with lock_folder(out_dir):
         check_quantize_out(out_dir, overwrite=overwrite)
         with atomic_folder(out_dir, overwrite=True, what="quantize output folder") as tmp:
@@ -205,7 +204,8 @@ def _write_outputs(
 ) -> dict[str, Any]:
     say = log or (lambda _m: None)
     row = get_layout(layout)
-    result.rules.save(out / QuantizeOutput.RULES)
+    if result.rules is not None:  # ggml's block types: no training recipe runs them
+        result.rules.save(out / QuantizeOutput.RULES)
     ck_dir = QuantizeOutput.model(out, single_file=row.single_file)
     checkpoint: dict[str, Any]
     if model_config is not None and row.writes_model:
@@ -214,6 +214,8 @@ def _write_outputs(
         except DiskWriteError:  # a full disk fills the fallback too: name it at once
             raise
         except Exception as e:  # noqa: BLE001 - recorded in the report, never hidden
+            if result.rules is None:  # ggml's bytes: no other layout of ours holds them
+                raise
             reason = f"{type(e).__name__}: {e}"
             say(f"quantize: export to {layout} failed ({reason}); writing microscale's layout")
             checkpoint = write_own_checkpoint(result, out / QuantizeOutput.CHECKPOINT)
@@ -235,8 +237,9 @@ def _write_outputs(
         row.imatrix(out / q.IMATRIX, imatrix, datasets=datasets)
     write_file_checksums(out)  # last: every file above (microscale verify checks them)
     extra = f", {q.IMATRIX}" if (out / q.IMATRIX).exists() else ""
+    rules = f"{q.RULES}, " if result.rules is not None else ""
     say(
-        f"quantize: wrote {shown}/{{{q.RULES}, {q.CHECKPOINT}/, {q.REPORT}, {q.REPORT_MD}, "
+        f"quantize: wrote {shown}/{{{rules}{q.CHECKPOINT}/, {q.REPORT}, {q.REPORT_MD}, "
         f"{q.PARETO}, {q.SENSITIVITY}{extra}, {q.CHECKSUMS}}}"
     )
     return report

@@ -22,6 +22,7 @@ from microscale.ops import SLOTS, OperandSpec, Recipe
 from microscale.outputs import QuantizeReport
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine
+from microscale.ptq.imatrix import Imatrix
 from microscale.ptq.search import Allocation
 from microscale.ptq.weights import QuantizedWeight
 
@@ -110,6 +111,9 @@ class QuantizeResult:
     # {name: {"alpha", "layers", "into", "error", "error_alpha0", "s_min", "s_max"}}};
     # None without AWQ.
     awq: dict[str, Any] | None = None
+    # The importance matrix ggml's block types were encoded with (measured on the engine's
+    # model over the calibration batches); None when the run has none of them.
+    imatrix: Imatrix | None = None
     # The engine (model view) used; not serialized.
     engine: Engine | None = None
 

@@ -121,13 +121,6 @@ def quantize_run(
     refused before any work, as ``export`` refuses one).
     """
     cfg = QuantizeConfig() if config is None else config
-    ggml = cfg.weight_only_formats()
-    if ggml:  # before any work: the search takes them, the writers do not yet
-        raise ValueError(
-            f"formats: {', '.join(ggml)} (ggml's block types) are searched by the library "
-            "(microscale.ptq.quantize_model) but not yet written by quantize; use "
-            "layout=gguf's formats (nvfp4, mxfp4, q8_0, bf16)"
-        )
     path, kind = check_model_source(checkpoint, what="--model")
     if step is not None and kind is not TrainingRun:
         what = "a quantize output" if kind is QuantizeOutput else "an HF folder"
@@ -138,6 +131,9 @@ def quantize_run(
     # before any work: not a file, writable, not someone's data, existing only with overwrite
     check_quantize_out(out_dir, overwrite=overwrite)
     row = get_layout(layout)  # an unknown name: refused before any work
+    ggml = cfg.weight_only_formats()
+    if ggml and row.check_formats is not None:
+        row.check_formats(ggml)  # ggml's block types: only a layout that stores them
     if kind is QuantizeOutput:
         run = _live_source_run(path)
         if run is not None:
@@ -337,7 +333,9 @@ def _calibrate_and_quantize(
         log=log,
     )
     # llama.cpp's quantizer can reuse what the calibration text says about each input
-    imatrix = collect_imatrix(model, calib) if row.imatrix is not None else None
+    imatrix = result.imatrix  # the one ggml's block types were encoded with, if any
+    if imatrix is None and row.imatrix is not None:
+        imatrix = collect_imatrix(model, calib)
     write_outputs(  # out_dir checked before any work with the caller's overwrite, locked since
         result,
         out_dir,

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from microscale.export.gguf.rope import ROPE_FREQS
-from microscale.formats import QArray, get_format
+from microscale.formats import QArray, get_weight_format
 from microscale.model import ModelConfig, linear_paths
 
 __all__ = [
@@ -296,7 +296,7 @@ def gguf_layer_candidates(cfg: ModelConfig, formats: Sequence[str]) -> dict[str,
     the ``.scale`` tensor (qwen2's and gemma3's MLP; `check_scales`). A model the file
     cannot store at all is refused here, naming why (`check_arch`), before any work."""
     arch = check_arch(cfg)
-    kept = tuple(f for f in formats if not get_format(f).has_global_scale)
+    kept = tuple(f for f in formats if not get_weight_format(f).has_global_scale)
     return {
         p: kept
         for p in linear_paths(cfg)
@@ -308,7 +308,7 @@ def check_scales(arch: Arch, formats: Mapping[str, str]) -> None:
     """Refuses a global-scale format (NVFP4) on a layer whose ``.scale`` tensor ``arch``'s
     graph does not apply (it would run with the weights off by that factor)."""
     for p, f in formats.items():
-        if get_format(f).has_global_scale and p.split(".", 2)[2] in arch.unscaled:
+        if get_weight_format(f).has_global_scale and p.split(".", 2)[2] in arch.unscaled:
             raise ValueError(
                 f"GGUF export: {p} in {f}: llama.cpp's {arch.name} graph does not apply "
                 f"{tensor_name(p)}.scale, the FP32 tensor scale {f} needs (use mxfp4, q8_0 "
@@ -338,7 +338,8 @@ def _rope_rows(n_rows: int, head_dim: int) -> np.ndarray:
 def _permute_rows(w: Any, rows: np.ndarray) -> Any:
     if not isinstance(w, QArray):
         return np.asarray(w)[rows]
-    return dataclasses.replace(w, data=np.asarray(w.data)[rows], scales=np.asarray(w.scales)[rows])
+    scales = None if w.scales is None else np.asarray(w.scales)[rows]  # ggml's: in the rows
+    return dataclasses.replace(w, data=np.asarray(w.data)[rows], scales=scales)
 
 
 def is_norm(path: str) -> bool:

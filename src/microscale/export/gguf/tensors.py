@@ -21,10 +21,10 @@ bf16       ``BF16`` (or F16/F32)  unquantized layers, embeddings, LM head.
 =========  =====================  ==================================================
 
 ggml's own integer types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K, IQ4_NL, IQ4_XS:
-``formats.spec.GGML_FORMATS``) are written from float weights by :func:`gguf_ggml_tensor`,
-bit for bit as ggml's quantizer writes them (``formats/ggml.py``);
-:func:`~microscale.export.gguf.writer.write_gguf`'s layer formats do not take them yet (its
-layer table is the JAX formats').
+``formats.spec.GGML_FORMATS``) are stored as themselves: a layer quantized by PTQ holds
+ggml's bytes already (:func:`~microscale.formats.ggml_qarray`, encoded with the importance
+matrix), written as they are; a float weight is encoded by :func:`gguf_ggml_tensor`, bit for
+bit as ggml's quantizer writes it (``formats/ggml.py``).
 
 Norm weights, biases and ``.scale`` tensors are F32. ggml decodes E2M1 codes as doubled
 integers (``kvalues = 2 * e2m1``) times half the block scale; both products are exact in
@@ -59,9 +59,11 @@ from microscale.formats import (
     block_scales_f32,
     dequantize,
     get_format,
+    get_weight_format,
     pack_nibbles,
     quantize,
     unpack_nibbles,
+    weight_only,
 )
 from microscale.formats.ggml import fallback_format, quantize_ggml
 from microscale.formats.spec import get_ggml_format
@@ -91,10 +93,11 @@ EMBED_FORMATS = ("bf16",) + tuple(f for f in GGUF_FORMATS if not get_format(f).h
 
 
 def gguf_format(fmt: str) -> str:
-    """The format a layer in ``fmt`` is stored in: ggml's native 4/8-bit types as is, other
-    8-bit formats (FP8, MXFP8) as ``q8_0``, unquantized ones as ``bf16``."""
-    spec = get_format(fmt)
-    if spec.name in GGUF_FORMATS or not spec.quantized:
+    """The format a layer in ``fmt`` is stored in: ggml's native 4/8-bit types and its own
+    block types as is, other 8-bit formats (FP8, MXFP8) as ``q8_0``, unquantized ones as
+    ``bf16``."""
+    spec = get_weight_format(fmt)
+    if spec.name in GGUF_FORMATS or weight_only(spec) or not spec.quantized:
         return spec.name if spec.quantized else "bf16"
     if spec.elem_bits == 8:
         return "q8_0"
@@ -144,9 +147,13 @@ def embed_tensor(x: Any, fmt: str, name: str, dtype: str) -> tuple[np.ndarray, A
 
 def gguf_tensor(q: QArray, name: str) -> tuple[np.ndarray, Any]:
     """(uint8 ``[N, bytes per row]``, GGMLQuantizationType) of a weight QArray in HF
-    orientation ``[N, K]`` (blocks along ``K``), in ggml's block layout (module doc)."""
+    orientation ``[N, K]`` (blocks along ``K``), in ggml's block layout (module doc); one
+    of ggml's own block types holds its bytes already."""
     gguf = gguf_package("GGUF export")
     spec = q.spec
+    if weight_only(spec):
+        data = np.ascontiguousarray(np.asarray(q.data, np.uint8))
+        return data, gguf.GGMLQuantizationType(spec.ggml_type)
     if spec.name not in GGUF_FORMATS:
         raise ValueError(
             f"{name}: format {spec.name!r} has no GGUF block type; expected one "

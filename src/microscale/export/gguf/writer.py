@@ -211,7 +211,7 @@ def _tensors(
     for p, f in formats.items():
         v = params[f"{p}.kernel"]
         if isinstance(v, QArray) and v.spec.name != f:
-            params[f"{p}.kernel"] = np.asarray(dequantize(L.to_kernel_orientation(v)))
+            params[f"{p}.kernel"] = np.asarray(L.kernel_values(v))
     layers = {p: L.LayerQuant(weights=f) for p, f in formats.items()}
     quantized = L.quantize_linear_weights(params, cfg, layers)
     tensors: list[_Tensor] = [
