@@ -38,6 +38,7 @@ from microscale.formats.spec import GGML_FORMATS
 from microscale.model import ModelConfig, Transformer
 from microscale.ptq import QuantizeConfig, quantize_model
 from microscale.ptq.imatrix import collect_imatrix
+from microscale.ptq.problem import check_quantize_budget
 from microscale.ptq.report import write_outputs
 from microscale.ptq.weights import WeightCache, WeightPTQ, quantize_group
 from microscale.train import load_checkpoint
@@ -386,3 +387,69 @@ def test_llama_cpp_runs_the_ggml_types_as_microscale_decodes_them(q4_0_output):
         llm.close()
     print(f"\nllama.cpp vs microscale, ggml Q4_0: rel L2 {rel:.2e}, top-1 {top1}/{len(ids)}")
     assert rel <= 2e-3 and top1 >= 0.95 * len(ids)
+
+
+# Rows of 96 inputs (q/k/v/o, gate/up) hold 32-wide blocks but no K-quant super-block;
+# down_proj's rows of 256 hold both.
+NARROW = ModelConfig(
+    vocab_size=257, d_model=96, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=256, max_seq_len=64
+)
+
+
+@pytest.fixture(scope="module")
+def narrow_run():
+    model = Transformer(NARROW, rngs=nnx.Rngs(1))
+    toks = np.random.default_rng(1).integers(0, 257, size=(4, 4, 33)).astype(np.int32)
+    cfg = dataclasses.replace(
+        GGUF_LIKE,
+        formats=("q4_k", "q6_k", "bf16"),
+        uniform_formats=("q4_k", "bf16"),
+        budget=6.0,
+    )
+    logs: list[str] = []
+    res = quantize_model(model, toks[:2], toks[2:], cfg, log=logs.append)
+    return res, logs
+
+
+def test_a_type_the_rows_cannot_hold_falls_back_as_llama_cpp_writes_it(narrow_run):
+    """llama.cpp writes Q4_K on 96-wide rows as Q5_0 and Q6_K as Q8_0: the search offers
+    those layers the fallbacks instead (scored like the rest), a uniform point stores them
+    so and is priced so, and the weights are the fallback's bytes."""
+    res, logs = narrow_run
+    assert res.config.formats == ("q4_k", "q6_k", "bf16", "q5_0", "q8_0")
+    assert any("q4_k cannot hold the rows of 12 layer(s) (96 inputs)" in m for m in logs)
+    bits = {"q4_k": 4.5, "q6_k": 6.5625, "q5_0": 5.5, "q8_0": 8.5, "bf16": 16.0}
+    for p, f in res.allocation.formats.items():
+        wide = p.endswith("down_proj")
+        assert f in (("q4_k", "q6_k", "bf16") if wide else ("q5_0", "q8_0", "bf16")), (p, f)
+        assert res.weights[p].format == f
+        k = np.asarray(res.engine.kernels[p])
+        q = res.weights[p].qarray
+        if weight_only(get_weight_format(f)):  # ggml's bytes, under the layer's importance
+            want = quantize_ggml(k.T, f, res.imatrix.mean_sq()[p])
+            assert np.array_equal(np.asarray(q.data), want), (p, f)
+        elif f == "q8_0":  # the JAX quantizer: ggml's values (Q8_0 takes no importance)
+            want = dequantize_ggml(quantize_ggml(k.T, f), f, k.shape[0])
+            assert np.array_equal(np.asarray(dequantize(q)), want), (p, f)
+    point = res.points["uniform_q4_k"]
+    numel = res.numel
+    stored = {p: "q4_k" if p.endswith("down_proj") else "q5_0" for p in numel}
+    want_bits = sum(bits[stored[p]] * numel[p] for p in numel) / sum(numel.values())
+    assert point["linear_bits"] == pytest.approx(want_bits)
+
+
+def test_a_pin_the_rows_cannot_hold_is_refused(narrow_run):
+    res, _ = narrow_run
+    cfg = dataclasses.replace(res.config, pin=((r"layers\.0\.attn\.q_proj", "q4_k"),))
+    with pytest.raises(ValueError, match=r"^pin: q4_k cannot hold layers\.0\.attn\.q_proj: "):
+        check_quantize_budget(res.engine.model(), cfg)
+
+
+def test_the_budget_check_prices_the_fallbacks():
+    """The cheapest allocation of NARROW under q4_k,bf16 is Q5_0 on the 96-wide rows and
+    Q4_K on down_proj (not 4.5 bits everywhere): a budget between is refused up front."""
+    model = Transformer(NARROW, rngs=nnx.Rngs(1))
+    cfg = QuantizeConfig(formats=("q4_k", "bf16"), uniform_formats=("bf16",), budget=4.6)
+    with pytest.raises(ValueError, match=r"below the cheapest allocation \(5\.2500 bits"):
+        check_quantize_budget(model, cfg)
+    check_quantize_budget(model, dataclasses.replace(cfg, budget=5.4))

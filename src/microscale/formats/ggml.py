@@ -101,11 +101,12 @@ import os
 
 import numpy as np
 
-from microscale.formats.spec import FormatSpec, get_ggml_format
+from microscale.formats.spec import FormatSpec, get_ggml_format, get_weight_format, weight_only
 
 __all__ = [
     "dequantize_ggml",
     "fallback_format",
+    "layer_format",
     "libggml_quantize",
     "quantize_ggml",
     "row_bytes",
@@ -813,6 +814,19 @@ def fallback_format(fmt: str | FormatSpec, n_per_row: int) -> str:
         if n_per_row % _block_elems(fb) == 0:
             return fb.name
     return "f16"
+
+
+def layer_format(fmt: str, n_per_row: int) -> str:
+    """The weight format a layer with rows of ``n_per_row`` inputs is stored in when asked
+    for ``fmt``: ``fmt`` itself, or, for one of ggml's block types whose blocks do not divide
+    the row, the type llama.cpp writes instead (:func:`fallback_format`), ``"bf16"`` where
+    that is F16 (no ggml type holds the row; bf16 is microscale's unquantized format). A
+    format with a JAX quantizer is returned as it is (its own checks apply)."""
+    spec = get_weight_format(fmt)
+    if not weight_only(spec):
+        return fmt
+    stored = fallback_format(spec, n_per_row)
+    return "bf16" if stored == "f16" else stored
 
 
 def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None) -> np.ndarray:

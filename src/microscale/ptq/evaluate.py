@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from microscale.formats import get_weight_format, weight_only
+from microscale.formats.ggml import layer_format
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import ActQuant, Engine
 from microscale.ptq.search import (
@@ -98,6 +99,9 @@ class Evaluator:
         self.embed = EMBED_ITEM in self.numel
         self.other_numel = engine.other_numel - self.numel.get(EMBED_ITEM, 0)
         self._cache: dict[Any, np.ndarray] = {}
+        # each layer's rows (inputs): a ggml type that cannot hold them is stored as
+        # llama.cpp's fallback (formats.ggml.layer_format), as every allocation is priced
+        self.widths = {p: int(k.shape[0]) for p, k in engine.kernels.items()}
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
@@ -176,7 +180,8 @@ class Evaluator:
     ) -> dict[str, Any]:
         losses = self.batch_losses(assignment, ptq, **kw)
         loss = float(np.mean(losses))
-        full, linear = self._full(assignment), linear_formats(assignment)
+        full = self._full(assignment)
+        linear = linear_formats(full)
         bits = effective_bits(full, self.numel, extra_numel=self.extra)
         # per-batch losses: pairs with any other point (or run) on the same batches
         out = {
@@ -196,11 +201,15 @@ class Evaluator:
         return out
 
     def _full(self, assignment: Mapping[str, str]) -> dict[str, str]:
-        """``assignment`` with the embedding item's format (bf16 unless it names one)
-        when the search has the item."""
-        if not self.embed or EMBED_ITEM in assignment:
-            return dict(assignment)
-        return {**assignment, EMBED_ITEM: "bf16"}
+        """``assignment`` as stored (each layer's ggml type that cannot hold its rows
+        replaced by llama.cpp's fallback: a uniform Q4_K is Q5_0 on 576-wide rows, as
+        llama-quantize writes it), with the embedding item's format (bf16 unless it names
+        one) when the search has the item."""
+        w = self.widths
+        out = {p: layer_format(f, w[p]) if p in w else f for p, f in assignment.items()}
+        if self.embed and EMBED_ITEM not in out:
+            out[EMBED_ITEM] = "bf16"
+        return out
 
 
 def ptq_effects(

@@ -21,7 +21,7 @@ from microscale.ptq.engine import Engine, LossFn
 from microscale.ptq.evaluate import Evaluator, evaluate, ptq_effects
 from microscale.ptq.imatrix import Imatrix, collect_imatrix
 from microscale.ptq.phases import Phases
-from microscale.ptq.problem import search_problem, setup
+from microscale.ptq.problem import fit_rows, search_problem, setup
 from microscale.ptq.result import QuantizeResult, allocation_rules
 from microscale.ptq.search import EMBED_ITEM, Allocation, linear_formats, search
 from microscale.ptq.sensitivity import ONE_PASS, monotone, score, table_scores
@@ -67,7 +67,7 @@ def quantize_model(
     evals = [np.asarray(b) for b in eval_batches]
     phases = Phases(log)
     options = {p: tuple(f) for p, f in (candidates or {}).items()}
-    engine, groups, pinned, trained, awq = _prepare(
+    engine, groups, pinned, trained, awq, cfg, options = _prepare(
         model, calib, evals, cfg, loss_fn, trained, phases, say, options
     )
     paths = engine.paths
@@ -130,18 +130,21 @@ def _prepare(
     phases: Phases,
     say: Callable[[str], None],
     options: Mapping[str, tuple[str, ...]],
-) -> tuple[Engine, dict[str, str], dict[str, str], dict[str, str] | None, dict | None]:
+) -> tuple[Any, ...]:
     """The engine (of the AWQ-folded model with ``config.awq``), the layers' groups, pins
-    and trained formats, and what AWQ chose; the budget is checked first, before AWQ's
-    phase: the folded model has the same layers and sizes."""
+    and trained formats, what AWQ chose, and the config and options with llama.cpp's
+    fallbacks for rows a ggml type cannot hold (:func:`~microscale.ptq.problem.fit_rows`);
+    the budget is checked first, before AWQ's phase: the folded model has the same layers
+    and sizes."""
     with phases.phase("setup", total=1, unit="model"):
         engine = Engine(model, loss_fn=loss_fn)
+    cfg, options = fit_rows(engine, cfg, options, say)
     groups, pinned, trained = setup(engine, cfg, calib, evals, trained, say, options)
     awq = None
     if cfg.awq:
         model, awq = _awq(model, calib, cfg, loss_fn, phases, say)
         engine = Engine(model, loss_fn=loss_fn)
-    return engine, groups, pinned, trained, awq
+    return engine, groups, pinned, trained, awq, cfg, options
 
 
 def _awq(

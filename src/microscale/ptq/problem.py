@@ -7,19 +7,20 @@ and no phases: :mod:`~microscale.ptq.pipeline` runs those.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from microscale.formats import get_weight_format, weight_only
-from microscale.formats.ggml import fallback_format
+from microscale.formats import get_weight_format
+from microscale.formats.ggml import layer_format
 from microscale.ptq.config import QuantizeConfig
 from microscale.ptq.engine import Engine
 from microscale.ptq.search import EMBED_ITEM, Problem, check_budget, group_layers
 
-__all__ = ["check_quantize_budget", "search_problem", "setup"]
+__all__ = ["check_quantize_budget", "fit_rows", "search_problem", "setup"]
 
 
 def setup(
@@ -40,7 +41,6 @@ def setup(
         )
     groups = group_layers(engine.paths, cfg.groups)
     pinned = _pins(engine.paths, cfg.pin)
-    _check_row_widths(engine, cfg, pinned)
     _check_budget(engine, cfg, groups, pinned, options)
     say(
         f"quantize: {len(engine.paths)} linear layers in {len(set(groups.values()))} groups, "
@@ -49,22 +49,44 @@ def setup(
     return groups, pinned, _trained(trained, engine.paths, pinned)
 
 
-def _check_row_widths(engine: Engine, cfg: QuantizeConfig, pinned: Mapping[str, str]) -> None:
-    """Refuse, before any work, one of ggml's block types that a layer it may reach cannot
-    hold: a row of ``K`` inputs must be whole blocks (32, or a K-quant's 256). The line
-    names the layer, and the type llama.cpp writes for it instead (``fallback_format``)."""
-    free = (*cfg.formats, *cfg.uniform_formats, *cfg.heuristic)
-    for p in engine.paths:
-        k = int(engine.kernels[p].shape[0])
-        for f in (pinned[p],) if p in pinned else free:
-            spec = get_weight_format(f)
-            if weight_only(spec) and fallback_format(spec, k) != spec.name:
-                raise ValueError(
-                    f"formats: {f} cannot hold {p}: its rows of {k} inputs are not whole "
-                    f"{spec.name} blocks of {spec.super_block or spec.block_size}; llama.cpp "
-                    f"writes such a tensor as {fallback_format(spec, k)} (list that format "
-                    f"instead of {f}, or pin the layer: pin=...)"
-                )
+def fit_rows(
+    engine: Engine,
+    cfg: QuantizeConfig,
+    options: Mapping[str, tuple[str, ...]],
+    say: Callable[[str], None],
+) -> tuple[QuantizeConfig, dict[str, tuple[str, ...]]]:
+    """llama.cpp's rule for a row its type cannot hold (:func:`~microscale.formats.ggml.
+    layer_format`): a layer whose rows of ``K`` inputs are not whole blocks of a candidate
+    ggml type may take the type llama-quantize writes instead. Returns the config with those
+    fallbacks among the candidates (scored like the rest) and every layer's options: its
+    candidates (``options``, else ``cfg.formats``) with each fallback in place of the type it
+    stands for; unchanged when every row fits. A pin that its layer's rows cannot hold is
+    refused before any work, naming both."""
+    k = {p: int(engine.kernels[p].shape[0]) for p in engine.paths}
+    for p, f in _pins(engine.paths, cfg.pin).items():
+        if layer_format(f, k[p]) != f:
+            raise ValueError(
+                f"pin: {f} cannot hold {p}: its rows of {k[p]} inputs are not whole {f} "
+                f"blocks; llama.cpp writes such a tensor as {layer_format(f, k[p])} (pin that)"
+            )
+    base = {p: tuple(options.get(p, cfg.formats)) for p in engine.paths}
+    fitted = {p: tuple(dict.fromkeys(layer_format(f, k[p]) for f in fs)) for p, fs in base.items()}
+    if fitted == base:
+        return cfg, dict(options)
+    moved: dict[tuple[str, str], list[str]] = {}
+    for p, fs in base.items():
+        for f in fs:
+            if layer_format(f, k[p]) != f:
+                moved.setdefault((f, layer_format(f, k[p])), []).append(p)
+    for (f, stored), layers in moved.items():
+        widths = sorted({k[p] for p in layers})
+        say(
+            f"quantize: {f} cannot hold the rows of {len(layers)} layer(s) "
+            f"({', '.join(map(str, widths))} inputs): they take {stored} instead, as "
+            "llama.cpp writes them"
+        )
+    added = tuple(dict.fromkeys(s for fs in fitted.values() for s in fs if s not in cfg.formats))
+    return dataclasses.replace(cfg, formats=cfg.formats + added), fitted
 
 
 def _check_budget(
@@ -96,12 +118,14 @@ def check_quantize_budget(
     the cheapest allocation of ``model``'s layers (with ``candidates`` as there), without
     calibration data (callers check it before loading any)."""
     engine = Engine(model)
+    options = {p: tuple(f) for p, f in (candidates or {}).items()}
+    config, options = fit_rows(engine, config, options, lambda _msg: None)
     _check_budget(
         engine,
         config,
         group_layers(engine.paths, config.groups),
         _pins(engine.paths, config.pin),
-        {p: tuple(f) for p, f in (candidates or {}).items()},
+        options,
     )
 
 

@@ -71,13 +71,15 @@ def write_own_checkpoint(result: QuantizeResult, out_dir: str | os.PathLike) -> 
     """``result``'s weights in microscale's own layout
     (:func:`microscale.export.manifest.write_manifest`); returns a description."""
     assert result.engine is not None  # a result of quantize_model holds its engine
+    # rules are None only for ggml types, which this layout refuses (Layout.check_formats)
+    assert result.rules is not None, "microscale's own layout holds no ggml block types"
     return write_manifest(
         out_dir,
         params=flat_params(result.engine.params),
         weights={p: result.weights[p] for p in result.paths},
         activations=result.config.activations,
         input_amax=result.act_amax,
-        rules=None if result.rules is None else result.rules.to_dict(),
+        rules=result.rules.to_dict(),
     )
 
 

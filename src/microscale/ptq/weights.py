@@ -76,6 +76,7 @@ from microscale.formats import (
     tensor_amax,
     weight_only,
 )
+from microscale.formats.ggml import layer_format
 from microscale.ptq.gptq import gptq_quantize
 
 if TYPE_CHECKING:
@@ -398,7 +399,10 @@ class WeightCache:
                 hs = None if by_path is None else [by_path[p] for p in mem]
                 im = None if imp is None else [imp.get(p) for p in mem]
                 kernels = [self.engine.kernels[p] for p in mem]
-                qs = quantize_group(kernels, fmt, ptq, hs, im)
+                # a ggml type the group's rows cannot hold: llama.cpp's fallback stands in
+                # (the search never picks it there; an allocation names the fallback)
+                stored = layer_format(fmt, int(kernels[0].shape[0]))
+                qs = quantize_group(kernels, stored, ptq, hs, im)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
         return self._cache[key]
