@@ -105,13 +105,35 @@ SCRIPT = textwrap.dedent("""
             "dot_flops": r["dot_flops"], "formula": matmul_flops(cfg, 8),
             "compiled": {k: v["bytes"] for k, v in r["collectives"].items()},
             "analytic": a["by_kind"], "cpu_total": a["cpu_total"]}
+    # the cases compiled again as `microscale train` compiles (XLA's default options): what
+    # the plan reads must not depend on plan.compile.COMPILER_OPTIONS
+    same = {}
+    # both compiled afresh: a persistent-cache hit's HLO text may name things otherwise
+    import jax
+    jax.config.update("jax_enable_compilation_cache", False)
+    for mesh, recipe, extra in json.loads(sys.argv[4]):
+        cfg = apply_overrides(TrainConfig.tiny(), model + meshes[mesh] + extra +
+                              [f"recipe={recipe}"])
+        runs = [compile_step(cfg, verbose=False, hlo_path=f"{i}.hlo", compiler_options=o)
+                for i, o in enumerate((None, {}))]
+        hlo = [open(f"{i}.hlo").read() for i in range(2)]
+        keys = ("memory", "xla_flops", "dot_flops", "collectives")
+        same["|".join([mesh, recipe] + extra)] = {
+            "fields": {k: runs[0][k] == runs[1][k] for k in keys}, "hlo": hlo[0] == hlo[1],
+            "compile_s": [r["compile_s"] for r in runs]}
+    out["same"] = same
     print("RESULT" + json.dumps(out))
 """)
+# compiled both ways in the child (the partitioner's mechanism and shard_map's)
+SAME_CASES = [("fsdp8", "nvfp4", []), ("tp8", "bf16", [])]
 
 
 @pytest.fixture(scope="module")
-def compiled(fake_devices):
-    out = fake_devices(SCRIPT, json.dumps(MODEL), json.dumps(MESHES), json.dumps(CASES))
+def compiled(fake_devices, tmp_path_factory):
+    args = (json.dumps(x) for x in (MODEL, MESHES, CASES, SAME_CASES))
+    out = fake_devices(
+        f"import os; os.chdir({str(tmp_path_factory.mktemp('hlo'))!r})\n" + SCRIPT, *args
+    )
     return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[6:])
 
 
@@ -207,3 +229,14 @@ def test_fsdp_gathers_each_weight_as_zero3_does(compiled, recipe, extra):
     assert c["compiled"]["all-reduce"] == pytest.approx(
         2 * c["analytic"]["reduce-scatter"] + c["analytic"]["all-reduce"], rel=0.1
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,recipe,extra", SAME_CASES)
+def test_the_plan_reads_what_the_default_compile_makes(compiled, mesh, recipe, extra):
+    """`compile_step` compiles with LLVM unoptimized (plan.compile.COMPILER_OPTIONS: the
+    program is inspected, never run): the optimized HLO text, the memory analysis, XLA's
+    FLOPs, the dot FLOPs and the collectives equal those of XLA's default compile."""
+    c = compiled["same"]["|".join([mesh, recipe, *extra])]
+    assert c["fields"] == dict.fromkeys(c["fields"], True), c
+    assert c["hlo"], c

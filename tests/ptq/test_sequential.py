@@ -19,6 +19,9 @@ from flax import nnx
 from family_configs import CONFIGS, moved_model
 from microscale.export import export_checkpoint, flat_params, read_checkpoint
 from microscale.model import ModelConfig, Transformer, fused_groups
+
+# inspected, never run: compiled as `plan` compiles (the HLO and memory do not depend on it)
+from microscale.plan.compile import COMPILER_OPTIONS as INSPECT
 from microscale.ptq.engine import Engine
 from microscale.ptq.sequential import _Blocks, folder_source, params_source, sequential_gptq
 from microscale.ptq.weights import WeightPTQ, quantize_group
@@ -122,7 +125,7 @@ def _block_temps(n_layers: int) -> tuple[int, set[int]]:
             i, {k[len(head) :]: v for k, v in params.items() if k.startswith(head)}
         )
         _, grams, _ = blocks.programs(graphdef)
-        compiled = grams.lower(p, rest, x, cs, cs).compile()
+        compiled = grams.lower(p, rest, x, cs, cs).compile(compiler_options=INSPECT)
         temps.add(compiled.memory_analysis().temp_size_in_bytes)
     return len(blocks._fns), temps
 

@@ -18,6 +18,13 @@ the partitioner inserts and the argument bytes are the GPU's. Temporary bytes co
 XLA:CPU's buffer assignment and scheduling, which differ from XLA:GPU's (fusion, remat of
 the scheduler, bf16 handling), so they are an estimate of the GPU's activations, not a
 measurement of them.
+
+The program is compiled to be inspected, never run, so the CPU backend's LLVM passes run
+unoptimized (:data:`COMPILER_OPTIONS`): everything read here (the partitioner's
+collectives, the fused HLO, XLA's FLOPs, the buffer assignment) is decided by the HLO
+passes before the machine code exists, and the compile takes about half the time. A
+persistent-cache entry carries its compile options in its key, so such a program is never
+served to a train step.
 """
 
 from __future__ import annotations
@@ -35,7 +42,12 @@ from typing import Any
 
 from microscale.outputs import TrainingRun
 
-__all__ = ["compile_in_subprocess", "compile_step"]
+__all__ = ["COMPILER_OPTIONS", "compile_in_subprocess", "compile_step"]
+
+# XLA options of the inspected program: LLVM's optimization of the CPU machine code off (the
+# HLO, the collectives and the buffer assignment do not depend on it; tests/plan holds them
+# equal to the default compile's)
+COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 
 
 def _say(msg: str, t0: float) -> None:
@@ -75,11 +87,18 @@ def _measure(compiled, devices: int, hlo_path: str | None) -> dict[str, Any]:
 
 
 def compile_step(
-    cfg, *, lower_only: bool = False, hlo_path: str | None = None, verbose: bool = True
+    cfg,
+    *,
+    lower_only: bool = False,
+    hlo_path: str | None = None,
+    verbose: bool = True,
+    compiler_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Lower (and unless ``lower_only``, compile) the train step of ``cfg`` (a
     :class:`~microscale.train.TrainConfig`) on this process's devices; the result is a
-    JSON-able dict (see module doc). Raises what tracing/lowering raises."""
+    JSON-able dict (see module doc). ``compiler_options``: XLA's options for the compile
+    (None: :data:`COMPILER_OPTIONS`; ``{}``: the defaults, as ``microscale train`` compiles).
+    Raises what tracing/lowering raises."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -131,7 +150,8 @@ def compile_step(
     if verbose:  # a heartbeat: XLA's compile is one call with no progress of its own
         threading.Thread(target=_heartbeat, args=(done, t0), daemon=True).start()
     try:
-        compiled = lowered.compile()
+        opts = COMPILER_OPTIONS if compiler_options is None else compiler_options
+        compiled = lowered.compile(compiler_options=opts)
     finally:
         done.set()
     out["compile_s"] = time.perf_counter() - t1
