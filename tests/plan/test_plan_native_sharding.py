@@ -68,7 +68,9 @@ SCRIPT = textwrap.dedent("""
         for name, cc in (("emulated", None), ("native", (10, 0))):
             backend.device_capability = lambda cc=cc: cc
             path = "hlo-" + name + ".txt"
-            r = compile_step(c, hlo_path=path, verbose=False)
+            # XLA's default options: the program inspected is the one losses() trains
+            # (a persistent-cache hit there), not plan's unoptimized build of it
+            r = compile_step(c, hlo_path=path, verbose=False, compiler_options={})
             hlo = HloModule(open(path).read(), 8)
             res[mesh + " " + name] = {
                 "gathers": [list(s) for s in hlo.gathered_shapes()],
