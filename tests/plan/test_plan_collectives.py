@@ -119,8 +119,7 @@ SCRIPT = textwrap.dedent("""
         hlo = [open(f"{i}.hlo").read() for i in range(2)]
         keys = ("memory", "xla_flops", "dot_flops", "collectives")
         same["|".join([mesh, recipe] + extra)] = {
-            "fields": {k: runs[0][k] == runs[1][k] for k in keys}, "hlo": hlo[0] == hlo[1],
-            "compile_s": [r["compile_s"] for r in runs]}
+            "fields": {k: runs[0][k] == runs[1][k] for k in keys}, "hlo": hlo[0] == hlo[1]}
     out["same"] = same
     print("RESULT" + json.dumps(out))
 """)

@@ -22,7 +22,8 @@ measurement of them.
 The program is compiled to be inspected, never run, so the CPU backend's LLVM passes run
 unoptimized (:data:`COMPILER_OPTIONS`): everything read here (the partitioner's
 collectives, the fused HLO, XLA's FLOPs, the buffer assignment) is decided by the HLO
-passes before the machine code exists, and the compile takes about half the time. A
+passes before the machine code exists, and the compile is quicker (0.5-0.7x the time for
+small steps, 0.8-0.9x for the llama-8b and llama-70b presets: benchmarks/timings.md). A
 persistent-cache entry carries its compile options in its key, so such a program is never
 served to a train step.
 """
