@@ -112,6 +112,17 @@ def test_fingerprint_names_the_bad_command():
         numerics_fingerprint("train")
 
 
+def test_fingerprint_records_the_versions_of_the_numerics_libraries():
+    import importlib.metadata
+
+    fp = numerics_fingerprint("compare")
+    assert set(fpm.VERSIONED) >= {"jax", "jaxlib", "numpy", "flax", "optax"}
+    assert fp["versions"] == {d: importlib.metadata.version(d) for d in fpm.VERSIONED}
+    line = fpm.fingerprint_line(fp)
+    for d in fpm.VERSIONED:
+        assert f"{d} {fp['versions'][d]}" in line
+
+
 def test_recorded_fingerprint_reads_every_report_shape(tmp_path):
     for name, data in (
         ("summary.json", {"setup": {"numerics": {"sha256": "ab"}}}),

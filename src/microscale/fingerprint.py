@@ -15,8 +15,8 @@ call time is code the command runs). Each module is reduced to what can change a
   (neither is executed). Annotations of assignments are kept: a dataclass field is one.
 
 The serialization walks the tree itself, field by field, skipping empty fields, so the
-same source gives the same hash on every Python that parses it. Library versions (JAX,
-jaxlib, NumPy) are recorded next to the hash, not in it: they are facts about the machine
+same source gives the same hash on every Python that parses it. Library versions
+(:data:`VERSIONED`) are recorded next to the hash, not in it: they are facts about the machine
 that produced the report, which a reader compares by eye, like the CPU.
 """
 
@@ -144,6 +144,12 @@ def module_digest(name: str) -> str:
     return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
+# The libraries whose versions a report records: the numerics run through them (flax's
+# layers and initializers, optax's optimizer), so a report's numbers can move with them
+# while the hash does not (seen: compare's fourth digit between two venvs, 2026-12-07).
+VERSIONED = ("jax", "jaxlib", "numpy", "flax", "optax")
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -166,7 +172,7 @@ def numerics_fingerprint(command: str) -> dict:
         "command": command,
         "sha256": h.hexdigest()[:16],
         "modules": len(modules),
-        "versions": {d: _version(d) for d in ("jax", "jaxlib", "numpy")},
+        "versions": {d: _version(d) for d in VERSIONED},
     }
 
 

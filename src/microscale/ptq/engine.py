@@ -154,6 +154,9 @@ class Engine:
             p: self._get(self.params, k) for p, k in self._kernel_keys.items()
         }
         self.numel = {p: int(np.prod(k.shape)) for p, k in self.kernels.items()}
+        # each layer's row width (its inputs, K of the [K, N] kernel): what a ggml type's
+        # blocks must divide (formats.ggml.layer_format)
+        self.rows = {p: int(k.shape[0]) for p, k in self.kernels.items()}
         # Parameters that are not candidate kernels (embeddings, norms, LM head).
         total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
         self.other_numel = total - sum(self.numel.values())

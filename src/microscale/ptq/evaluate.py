@@ -101,7 +101,7 @@ class Evaluator:
         self._cache: dict[Any, np.ndarray] = {}
         # each layer's rows (inputs): a ggml type that cannot hold them is stored as
         # llama.cpp's fallback (formats.ggml.layer_format), as every allocation is priced
-        self.widths = {p: int(k.shape[0]) for p, k in engine.kernels.items()}
+        self.widths = engine.rows
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward

@@ -130,7 +130,15 @@ def _prepare(
     phases: Phases,
     say: Callable[[str], None],
     options: Mapping[str, tuple[str, ...]],
-) -> tuple[Any, ...]:
+) -> tuple[
+    Engine,
+    dict[str, str],
+    dict[str, str],
+    dict[str, str] | None,
+    dict[str, Any] | None,
+    QuantizeConfig,
+    dict[str, tuple[str, ...]],
+]:
     """The engine (of the AWQ-folded model with ``config.awq``), the layers' groups, pins
     and trained formats, what AWQ chose, and the config and options with llama.cpp's
     fallbacks for rows a ggml type cannot hold (:func:`~microscale.ptq.problem.fit_rows`);

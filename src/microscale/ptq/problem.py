@@ -62,7 +62,7 @@ def fit_rows(
     candidates (``options``, else ``cfg.formats``) with each fallback in place of the type it
     stands for; unchanged when every row fits. A pin that its layer's rows cannot hold is
     refused before any work, naming both."""
-    k = {p: int(engine.kernels[p].shape[0]) for p in engine.paths}
+    k = engine.rows
     for p, f in _pins(engine.paths, cfg.pin).items():
         if layer_format(f, k[p]) != f:
             raise ValueError(

@@ -401,7 +401,7 @@ class WeightCache:
                 kernels = [self.engine.kernels[p] for p in mem]
                 # a ggml type the group's rows cannot hold: llama.cpp's fallback stands in
                 # (the search never picks it there; an allocation names the fallback)
-                stored = layer_format(fmt, int(kernels[0].shape[0]))
+                stored = layer_format(fmt, self.engine.rows[mem[0]])
                 qs = quantize_group(kernels, stored, ptq, hs, im)
                 out.update(zip(mem, qs, strict=True))
             self._cache[key] = {p: out[p] for p in self.engine.paths}
