@@ -99,9 +99,6 @@ class Evaluator:
         self.embed = EMBED_ITEM in self.numel
         self.other_numel = engine.other_numel - self.numel.get(EMBED_ITEM, 0)
         self._cache: dict[Any, np.ndarray] = {}
-        # each layer's rows (inputs): a ggml type that cannot hold them is stored as
-        # llama.cpp's fallback (formats.ggml.layer_format), as every allocation is priced
-        self.widths = engine.rows
         # called after each evaluated batch (progress), or None
         self.progress: Callable[[], None] | None = None
         # every format an evaluated allocation may use: one compiled W4A4 forward
@@ -205,7 +202,7 @@ class Evaluator:
         replaced by llama.cpp's fallback: a uniform Q4_K is Q5_0 on 576-wide rows, as
         llama-quantize writes it), with the embedding item's format (bf16 unless it names
         one) when the search has the item."""
-        w = self.widths
+        w = self.engine.rows  # a ggml type these rows cannot hold: llama.cpp's fallback
         out = {p: layer_format(f, w[p]) if p in w else f for p, f in assignment.items()}
         if self.embed and EMBED_ITEM not in out:
             out[EMBED_ITEM] = "bf16"
