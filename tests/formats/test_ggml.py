@@ -30,6 +30,9 @@ from microscale.formats import REGISTRY
 from microscale.formats.ggml import (
     dequantize_ggml,
     fallback_format,
+    ggml_codes,
+    ggml_grid,
+    ggml_with_codes,
     libggml_quantize,
     quantize_ggml,
     row_bytes,
@@ -280,3 +283,118 @@ def test_encode_equals_ggml_million_blocks(fmt):
         for part in range(0, rows, 256):
             _check_against_ggml(table(rng, 256, ncol), fmt, w)
             del part
+
+
+# ---------------------------------------------------------------- grids and codes
+
+# Each type's levels, written out from ggml's dequantize_row_* (the code is the stored
+# bits as an index: Q8_0's int8 + 128, Q3_K's low 2 bits + 4 x its hmask bit).
+LEVELS = {
+    "q4_0": list(range(-8, 8)),
+    "q4_1": list(range(16)),
+    "q5_0": list(range(-16, 16)),
+    "q5_1": list(range(32)),
+    "q8_0": list(range(-128, 128)),
+    "q2_k": list(range(4)),
+    "q3_k": list(range(-4, 4)),
+    "q4_k": list(range(16)),
+    "q5_k": list(range(32)),
+    "q6_k": list(range(-32, 32)),
+    "iq4_nl": [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+    "iq4_xs": [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+}
+
+
+def test_levels_table_covers_every_type():
+    assert sorted(LEVELS) == sorted(TYPES)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_grid_values_of_the_codes_are_the_decoder(fmt):
+    """On random bytes (every bit pattern of the code and scale fields): the levels are the
+    table's, and ``scale * levels[code] + offset`` is ``dequantize_ggml`` to the bit."""
+    spec = get_ggml_format(fmt)
+    n = spec.super_block or spec.block_size
+    b = _random_blocks(np.random.default_rng(spec.ggml_type + 100), fmt, 2048)
+    grid, codes = ggml_grid(b, fmt, 4 * n), ggml_codes(b, fmt, 4 * n)
+    assert grid.levels.tolist() == LEVELS[fmt]
+    assert codes.shape == (512, 4 * n) and codes.min() >= 0 and codes.max() < len(LEVELS[fmt])
+    want = dequantize_ggml(b, fmt, 4 * n)
+    np.testing.assert_array_equal(grid.values(codes).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_with_codes_rewrites_only_the_codes(fmt):
+    """``with_codes(b, codes(b)) == b`` on random bytes and on the encoder's; new codes
+    read back as given and leave every scale byte as it was."""
+    spec = get_ggml_format(fmt)
+    n = spec.super_block or spec.block_size
+    rng = np.random.default_rng(spec.ggml_type + 200)
+    b = _random_blocks(rng, fmt, 1024).reshape(256, -1)
+    x, ws = _golden_inputs()
+    enc = quantize_ggml(x, fmt, ws["imatrix"])
+    for data, width in ((b, 4 * n), (enc, 512)):
+        assert np.array_equal(ggml_with_codes(data, fmt, ggml_codes(data, fmt, width)), data)
+    new = rng.integers(0, len(LEVELS[fmt]), (64, 512))
+    moved = ggml_with_codes(enc, fmt, new)
+    assert np.array_equal(ggml_codes(moved, fmt, 512), new)
+    grid = ggml_grid(enc, fmt, 512)
+    assert np.array_equal(ggml_grid(moved, fmt, 512).scale, grid.scale)
+    kept = moved.reshape(-1, spec.block_bytes) != enc.reshape(-1, spec.block_bytes)
+    assert kept.any()  # the codes moved, and only inside one contiguous span of bytes
+    cols = np.nonzero(kept.any(0))[0]
+    assert np.array_equal(
+        dequantize_ggml(moved, fmt, 512).view(np.uint32), grid.values(new).view(np.uint32)
+    )
+    assert cols.max() - cols.min() + 1 <= spec.block_bytes - 2  # d is never rewritten
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_nearest_is_the_closest_decoded_level(fmt):
+    """Against brute force over every level: the nearest decoded value (ties to the lower
+    code), on the encoder's grids and on values between, beyond and on the levels."""
+    x, ws = _golden_inputs()
+    grid = ggml_grid(quantize_ggml(x, fmt, ws["none"]), fmt, 512)
+    rng = np.random.default_rng(5)
+    every = np.stack(
+        [grid.values(np.full(x.shape, c)) for c in range(len(grid.levels))], -1
+    ).astype(np.float64)
+    span = np.abs(every).max(-1, keepdims=True)
+    probes = [x, x * 1.7, rng.uniform(-1.3, 1.3, x.shape) * span[..., 0]]
+    probes.append(every[..., rng.integers(0, len(grid.levels))])  # exactly on a level
+    for v in probes:
+        got = grid.nearest(v)
+        dist = np.abs(every - np.asarray(v, np.float64)[..., None])
+        want = dist.argmin(-1)  # the first (lowest code) of equal distances
+        np.testing.assert_array_equal(got, want)
+
+
+def test_grid_refusals():
+    b = quantize_ggml(np.ones((2, 64), np.float32), "q4_0")
+    with pytest.raises(ValueError, match=r"ggml_with_codes\(q4_0\): codes .* 0\.\.15"):
+        ggml_with_codes(b, "q4_0", np.full((2, 64), 16))
+    with pytest.raises(ValueError, match=r"ggml_with_codes\(q4_0\): codes .* 0\.\.15"):
+        ggml_with_codes(b, "q4_0", np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match=r"ggml_with_codes\(q4_0\): 4 blocks of bytes"):
+        ggml_with_codes(b, "q4_0", np.zeros((1, 64), np.int32))
+    with pytest.raises(ValueError, match=r"ggml_grid\(q4_0\): 18 bytes are not whole rows"):
+        ggml_grid(b.reshape(-1)[:18], "q4_0", 64)
+
+
+def test_sigma2_is_the_rows_mean_square_by_default():
+    """Q4_0 .. Q5_1 with an imatrix weight by ``qw sqrt(sigma2 + x^2)``: passing the row's
+    own mean square changes nothing; another value moves the scales; a bad one is named."""
+    x, ws = _golden_inputs()
+    for fmt in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        base = quantize_ggml(x, fmt, ws["imatrix"])
+        own = np.zeros(64, np.float32)  # ggml's float32 sum, element by element
+        for col in (x * x).T:
+            own += col
+        own /= np.float32(512)
+        same = quantize_ggml(x, fmt, ws["imatrix"], sigma2=own)
+        assert np.array_equal(same, base), fmt
+        assert not np.array_equal(quantize_ggml(x, fmt, ws["imatrix"], sigma2=own * 50), base)
+        # without an imatrix (and for the other types) sigma2 is not read
+        assert np.array_equal(quantize_ggml(x, fmt, sigma2=own * 50), quantize_ggml(x, fmt))
+    with pytest.raises(ValueError, match=r"quantize_ggml\(q4_0\): sigma2 of shape \(3,\)"):
+        quantize_ggml(x, "q4_0", ws["imatrix"], sigma2=np.ones(3))

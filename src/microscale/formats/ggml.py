@@ -98,14 +98,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from microscale.formats.spec import FormatSpec, get_ggml_format, get_weight_format, weight_only
 
 __all__ = [
+    "GgmlGrid",
     "dequantize_ggml",
     "fallback_format",
+    "ggml_codes",
+    "ggml_grid",
+    "ggml_with_codes",
     "layer_format",
     "libggml_quantize",
     "quantize_ggml",
@@ -443,7 +448,7 @@ def _enc_q8(spec: FormatSpec, x, qw, sig):
     q = xt * _inv_or_zero(d)
     t = np.trunc(q)  # roundf (half away from zero); q - t is exact
     q = t + np.copysign((np.abs(q - t) >= F32(0.5)).astype(F32), q)
-    return np.concatenate([_h(_f16(d)), q.T.astype(np.int8).view(np.uint8)], 1)
+    return np.concatenate([_h(_f16(d)), _pack_codes(spec, q.T.astype(np.int32) + 128)], 1)
 
 
 def _enc_sym(spec: FormatSpec, x, qw, sig):
@@ -459,12 +464,7 @@ def _enc_sym(spec: FormatSpec, x, qw, sig):
         with _err():
             w = qw.T * np.sqrt(sig + xt * xt)
         d, L = _make_qx_quants(xt, half, w)
-    L = L.T
-    parts = [_h(_f16(d))]
-    if spec.elem_bits == 5:
-        parts.append(_high_bits(L, 4))
-    parts.append(_nibbles(L & 0xF))
-    return np.concatenate(parts, 1)
+    return np.concatenate([_h(_f16(d)), _pack_codes(spec, L.T)], 1)
 
 
 def _enc_asym(spec: FormatSpec, x, qw, sig):
@@ -482,12 +482,7 @@ def _enc_asym(spec: FormatSpec, x, qw, sig):
             w = qw.T * np.sqrt(sig + xt * xt)
         d, the_min, L = _make_qkx(xt, nmax, w, -0.9, 0.05, 36, False, strict_empty=False)
         m = -the_min
-    L = L.T
-    parts = [_h(_f16(d)), _h(_f16(m))]
-    if spec.elem_bits == 5:
-        parts.append(_high_bits(L, 4))
-    parts.append(_nibbles(L & 0xF))
-    return np.concatenate(parts, 1)
+    return np.concatenate([_h(_f16(d)), _h(_f16(m)), _pack_codes(spec, L.T)], 1)
 
 
 def _sub(x: np.ndarray, n: int) -> np.ndarray:
@@ -582,20 +577,10 @@ def _enc_k_asym(spec: FormatSpec, x, qw, sig):
     d = _h2f(dh)[:, None] * ls.astype(F32)
     dm = _h2f(mh)[:, None] * lm.astype(F32)
     L = np.where(d != 0, _requant(xs, d, dm, nmax), L)
-    L = L.transpose(1, 2, 0).reshape(B, -1)  # [B, 256]
+    codes = _pack_codes(spec, L.transpose(1, 2, 0).reshape(B, -1))  # [B, 256] codes
     if q4:
-        return np.concatenate([sbytes, _crumbs(L), _h(dh), _h(mh)], 1)
-    parts = [_h(dh), _h(mh), sbytes]
-    Lq = L.reshape(B, 4, 2, 32)  # [64-chunk, half, j]
-    if spec.elem_bits == 5:
-        hb = (Lq >> 4).astype(np.uint8) << (
-            2 * np.arange(4, dtype=np.uint8)[None, :, None, None]
-            + np.arange(2, dtype=np.uint8)[None, None, :, None]
-        )
-        parts.append(hb.reshape(B, 8, 32).sum(1, dtype=np.uint8))
-    lo = (Lq & 0xF).astype(np.uint8)
-    parts.append((lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(B, 128))
-    return np.concatenate(parts, 1)
+        return np.concatenate([sbytes, codes, _h(dh), _h(mh)], 1)
+    return np.concatenate([_h(dh), _h(mh), sbytes, codes], 1)
 
 
 def _enc_k_sym(spec: FormatSpec, x, qw, sig):
@@ -627,13 +612,8 @@ def _enc_k_sym(spec: FormatSpec, x, qw, sig):
         sc = ((sc + 128) & 0xFF) - 128
         d = _h2f(dh)[:, None] * sc.astype(F32)
         L = np.where(d != 0, _requant(xs, d, None, half - 1, -half) + half, L)
-        L = L.transpose(1, 2, 0).reshape(B, 256)
-        Lq = L.reshape(B, 2, 4, 32)
-        lo = (Lq & 0xF).astype(np.uint8)
-        ql = (lo[:, :, 0:2] | (lo[:, :, 2:4] << 4)).reshape(B, 128)
-        hi = (Lq >> 4).astype(np.uint8)
-        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-        out = np.concatenate([ql, qh.reshape(B, 64), sc.astype(np.int8).view(np.uint8), _h(dh)], 1)
+        codes = _pack_codes(spec, L.transpose(1, 2, 0).reshape(B, 256))
+        out = np.concatenate([codes, sc.astype(np.int8).view(np.uint8), _h(dh)], 1)
         out[zero] = 0
         return out
     if qw is None:
@@ -653,11 +633,8 @@ def _enc_k_sym(spec: FormatSpec, x, qw, sig):
     sc = _unpack_q3_scales(sb)
     d = _h2f(dh)[:, None] * sc.astype(F32)
     L = np.where(d != 0, _requant(xs, d, None, half - 1, -half) + half, L)
-    L = L.transpose(1, 2, 0).reshape(B, 256)
-    hm = (L > 3).reshape(B, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]
-    hmask = hm.sum(1, dtype=np.uint8)
-    L = np.where(L > 3, L - 4, L)
-    return np.concatenate([hmask, _crumbs(L), sb, _h(dh)], 1)
+    codes = _pack_codes(spec, L.transpose(1, 2, 0).reshape(B, 256))
+    return np.concatenate([codes, sb, _h(dh)], 1)
 
 
 def _iq4_scale(xt, w, values, ntry):
@@ -704,7 +681,7 @@ def _enc_iq4(spec: FormatSpec, x, qw, sig):
         dh = _f16(scales[:, 0])
         idl = _inv_or_zero(scales[:, 0])[:, None]
         L = _best_index(idl * x, values)
-        return np.concatenate([_h(dh), _nibbles(L)], 1)
+        return np.concatenate([_h(dh), _pack_codes(spec, L)], 1)
     amax, mxs = _first_absmax(scales.T)
     d = -mxs / F32(32)
     dh = _f16(d)
@@ -717,7 +694,7 @@ def _enc_iq4(spec: FormatSpec, x, qw, sig):
     sl = (l6 & 0xF).astype(np.uint8).reshape(B, -1, 2)
     scales_l = sl[:, :, 0] | (sl[:, :, 1] << 4)
     sh = ((l6 >> 4) << (2 * np.arange(S, dtype=np.uint16))).sum(1, dtype=np.uint16)
-    return np.concatenate([_h(dh), _h(sh), scales_l, _nibbles(L)], 1)
+    return np.concatenate([_h(dh), _h(sh), scales_l, _pack_codes(spec, L)], 1)
 
 
 _ENCODERS = {
@@ -829,10 +806,13 @@ def layer_format(fmt: str, n_per_row: int) -> str:
     return "bf16" if stored == "f16" else stored
 
 
-def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None) -> np.ndarray:
+def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None, *, sigma2=None) -> np.ndarray:
     """ggml's bytes for ``x`` ``[..., n_per_row]`` (float32; rows of whole blocks):
     ``[..., row_bytes]`` uint8, what ``ggml_quantize_chunk`` writes. ``imatrix``: one
-    importance weight per column (llama.cpp's imatrix), as ggml takes it."""
+    importance weight per column (llama.cpp's imatrix), as ggml takes it. ``sigma2``: one
+    float per row, the mean of ``x^2`` that Q4_0 .. Q5_1's importance weights add (default:
+    over the row itself, as ggml; GPTQ encodes a block of a longer row and passes that
+    row's); only those types with an imatrix read it."""
     spec = get_ggml_format(fmt)
     x = _float_rows(x, spec, "quantize_ggml")
     n_per_row = x.shape[-1]
@@ -845,6 +825,14 @@ def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None) -> np.ndarray:
         qw = None  # ggml's Q8_0 has no weighted encoder
     if qw is not None and spec.ggml_codec in ("sym", "asym"):  # mean of x^2 over the row
         sig = _div(_seqsum(np.ascontiguousarray((rows * rows).T)), n_per_row)
+        if sigma2 is not None:
+            given = np.asarray(sigma2, F32).reshape(-1)
+            if given.shape != sig.shape or not np.all(np.isfinite(given) & (given >= 0)):
+                raise ValueError(
+                    f"quantize_ggml({spec.name}): sigma2 of shape {np.shape(sigma2)}: "
+                    f"expected one finite value >= 0 per row ({sig.shape[0]} rows)"
+                )
+            sig = given
     blocks = rows.reshape(-1, P)
     per_row = n_per_row // P
     enc = _ENCODERS[spec.ggml_codec]  # type: ignore[index]
@@ -859,106 +847,275 @@ def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None) -> np.ndarray:
     return out.reshape(*x.shape[:-1], rb)
 
 
-def _dec_blocks(spec: FormatSpec, b: np.ndarray) -> np.ndarray:
-    """[B, block_bytes] -> [B, P] float32 (ggml's dequantize_row_*)."""
-    B = b.shape[0]
-    kind = spec.ggml_codec
+# ---------------------------------------------------------------- grids and codes
+# Every type decodes as ``scale * levels[code] + offset``: ``levels`` one ascending table
+# per type (below), ``scale`` and ``offset`` each element's decoded block scale and minimum
+# (float32, ggml's products: ``d * sc``, ``dmin * m``), ``code`` the stored bits as an index
+# into ``levels``. Table (``z = 2^(b-1)``):
+#
+# ========================= =================== =========================================
+# type                      levels              scale / offset
+# ========================= =================== =========================================
+# q8_0                      -128 .. 127         d (code = int8 + 128)
+# q4_0, q5_0                -z .. z - 1         d
+# q4_1, q5_1                0 .. 2^b - 1        d / m
+# q2_k, q4_k, q5_k          0 .. 2^b - 1        d * sc / -(dmin * m), per 16 or 32
+# q3_k                      -4 .. 3             d * (sc - 32), per 16 (code = low 2 bits +
+#                                               4 * hmask bit)
+# q6_k                      -32 .. 31           d * sc, per 16
+# iq4_nl, iq4_xs            kvalues_iq4nl       d; d * (sc - 32), per 32
+# ========================= =================== =========================================
+#
+# ``x + (-y) == x - y`` in IEEE arithmetic, so the negated minimum decodes as ggml's
+# ``d * sc * q - dmin * m``. The codes occupy one contiguous byte span of each block
+# (``_code_span``): ``with_codes`` rewrites only that span.
 
-    def half_bits(s):  # [B, 2] -> uint16
-        return s[:, 0].astype(np.uint16) | (s[:, 1].astype(np.uint16) << 8)
 
-    def nib(q):  # [B, 16k] -> [B, 32k] codes
-        q = q.reshape(B, -1, 1, 16)
-        return np.concatenate([q & 0xF, q >> 4], 2).reshape(B, -1).astype(np.int32)
+def _levels(spec: FormatSpec) -> np.ndarray:
+    """The type's ascending level table (float32), indexed by code."""
+    if spec.elem_values is not None:
+        return np.asarray(spec.elem_values, F32)
+    n = 1 << spec.elem_bits
+    zero = 0 if spec.has_block_min or spec.ggml_codec == "k_asym" else n // 2
+    return (np.arange(n) - zero).astype(F32)
 
-    def qh32(h):  # [B, 4] -> bit j of code j
-        v = np.ascontiguousarray(h).view("<u4").reshape(B, 1)
-        return ((v >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32)
 
+def _code_span(spec: FormatSpec) -> tuple[int, int]:
+    """The bytes ``[start, stop)`` of a block that hold its codes."""
+    assert spec.block_bytes is not None
+    kind, end = spec.ggml_codec, spec.block_bytes
     if kind == "q8":
-        return _h2f(half_bits(b[:, :2]))[:, None] * b[:, 2:].view(np.int8).astype(F32)
-    if kind in ("sym", "asym", "iq4") and spec.super_block is None:
-        off = 4 if spec.has_block_min else 2
-        d = _h2f(half_bits(b[:, :2]))[:, None]
-        if spec.elem_bits == 5:
-            q = nib(b[:, off + 4 :]) | (qh32(b[:, off : off + 4]) << 4)
-        else:
-            q = nib(b[:, off:])
-        if kind == "iq4":
-            return d * np.asarray(spec.elem_values, F32)[q]
-        if spec.has_block_min:
-            return d * q.astype(F32) + _h2f(half_bits(b[:, 2:4]))[:, None]
-        return d * (q - (1 << (spec.elem_bits - 1))).astype(F32)
+        return 2, end
+    if spec.super_block is None:  # q4_0 .. q5_1, iq4_nl: after d (and m)
+        return (4 if spec.has_block_min else 2), end
     if kind == "iq4":
-        d = _h2f(half_bits(b[:, :2]))[:, None]
-        sh = half_bits(b[:, 2:4]).reshape(B, 1)
-        sh = (sh >> (2 * np.arange(8, dtype=np.uint16))) & 3
-        s4 = b[:, 4:8].reshape(B, 4, 1)
-        sl = np.concatenate([s4 & 0xF, s4 >> 4], 2).reshape(B, 8)
-        dl = d * ((sl | (sh.astype(np.uint8) << 4)).astype(np.int32) - 32).astype(F32)
-        q = np.asarray(spec.elem_values, F32)[nib(b[:, 8:])].reshape(B, 8, 32)
-        return (dl[:, :, None] * q).reshape(B, 256)
-    if kind == "k_asym" and spec.sub_scale_bits == 4:  # Q2_K
-        sc = b[:, :16]
-        q = (
-            b[:, 16:80].reshape(B, 2, 1, 32)
-            >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
-        )
-        q = (q & 3).reshape(B, 16, 16).astype(F32)
-        d = _h2f(half_bits(b[:, 80:82]))[:, None]
-        dmin = _h2f(half_bits(b[:, 82:84]))[:, None]
-        dl = (d * (sc & 0xF).astype(F32))[:, :, None]
-        ml = (dmin * (sc >> 4).astype(F32))[:, :, None]
-        return (dl * q - ml).reshape(B, 256)
-    if kind == "k_asym":  # Q4_K, Q5_K
-        d = _h2f(half_bits(b[:, :2]))[:, None]
-        dmin = _h2f(half_bits(b[:, 2:4]))[:, None]
-        sc, m = _unpack_k4_scales(b[:, 4:16])
-        qs = b[:, -128:].reshape(B, 4, 1, 32)
+        return 8, end
+    if kind == "k_asym":
+        return (16, 80) if spec.sub_scale_bits == 4 else (16, end)
+    return (0, 192) if spec.sub_scale_bits == 8 else (0, 96)
+
+
+_SHIFT2 = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+
+
+def _nib(q: np.ndarray) -> np.ndarray:
+    """[B, 16k] bytes -> [B, 32k] codes (the inverse of ``_nibbles``)."""
+    q = q.reshape(q.shape[0], -1, 1, 16)
+    return np.concatenate([q & 0xF, q >> 4], 2).reshape(q.shape[0], -1).astype(np.int32)
+
+
+def _uncrumbs(q: np.ndarray) -> np.ndarray:
+    """[B, 64] bytes -> [B, 256] 2-bit codes (the inverse of ``_crumbs``)."""
+    return ((q.reshape(q.shape[0], 2, 1, 32) >> _SHIFT2) & 3).reshape(q.shape[0], 256)
+
+
+def _pack_codes(spec: FormatSpec, L: np.ndarray) -> np.ndarray:
+    """Codes [B, P] (indices into ``_levels``) -> the bytes of ``_code_span`` [B, n]."""
+    kind, B = spec.ggml_codec, L.shape[0]
+    if kind == "q8":
+        return (L - 128).astype(np.int8).view(np.uint8)
+    if spec.super_block is None or kind == "iq4":  # q4_0 .. q5_1, iq4_nl, iq4_xs
+        lo = _nibbles(L & 0xF)
+        return np.concatenate([_high_bits(L, 4), lo], 1) if spec.elem_bits == 5 else lo
+    if kind == "k_asym" and spec.sub_scale_bits == 4:  # q2_k
+        return _crumbs(L & 3)
+    if kind == "k_asym":  # q4_k, q5_k: per 64, code j low nibble, j + 32 high
+        Lq = L.reshape(B, 4, 2, 32)
+        lo = (Lq & 0xF).astype(np.uint8)
+        parts = [(lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(B, 128)]
+        if spec.elem_bits == 5:  # bit 4 of element 32 i + j in bit i of byte j
+            hb = (Lq >> 4).astype(np.uint8) << (
+                2 * np.arange(4, dtype=np.uint8)[None, :, None, None]
+                + np.arange(2, dtype=np.uint8)[None, None, :, None]
+            )
+            parts.insert(0, hb.reshape(B, 8, 32).sum(1, dtype=np.uint8))
+        return np.concatenate(parts, 1)
+    if spec.sub_scale_bits == 8:  # q6_k
+        Lq = L.reshape(B, 2, 4, 32)
+        lo = (Lq & 0xF).astype(np.uint8)
+        ql = (lo[:, :, 0:2] | (lo[:, :, 2:4] << 4)).reshape(B, 128)
+        hi = (Lq >> 4).astype(np.uint8)
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+        return np.concatenate([ql, qh.reshape(B, 64)], 1)
+    hm = (L > 3).reshape(B, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]
+    return np.concatenate([hm.sum(1, dtype=np.uint8), _crumbs(L & 3)], 1)  # q3_k
+
+
+def _unpack_codes(spec: FormatSpec, b: np.ndarray) -> np.ndarray:
+    """Blocks [B, block_bytes] -> their codes [B, P] (int32 indices into ``_levels``)."""
+    kind, B = spec.ggml_codec, b.shape[0]
+    start, stop = _code_span(spec)
+    c = b[:, start:stop]
+    if kind == "q8":
+        return c.view(np.int8).astype(np.int32) + 128
+    if spec.super_block is None or kind == "iq4":
+        if spec.elem_bits != 5:
+            return _nib(c)
+        v = np.ascontiguousarray(c[:, :4]).view("<u4").reshape(B, 1)
+        return _nib(c[:, 4:]) | (((v >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int32)
+    if kind == "k_asym" and spec.sub_scale_bits == 4:
+        return _uncrumbs(c).astype(np.int32)
+    if kind == "k_asym":
+        qs = c[:, -128:].reshape(B, 4, 1, 32)
         q = np.concatenate([qs & 0xF, qs >> 4], 2).reshape(B, 8, 32).astype(np.int32)
         if spec.elem_bits == 5:
-            hb = b[:, 16:48].reshape(B, 1, 32) >> np.arange(8, dtype=np.uint8)[None, :, None]
+            hb = c[:, :32].reshape(B, 1, 32) >> np.arange(8, dtype=np.uint8)[None, :, None]
             q = q | ((hb & 1).astype(np.int32) << 4)
-        dl = (d * sc.astype(F32))[:, :, None]
-        ml = (dmin * m.astype(F32))[:, :, None]
-        return (dl * q.astype(F32) - ml).reshape(B, 256)
+        return q.reshape(B, 256)
     if spec.sub_scale_bits == 8:
-        return _dec_q6_k(b)
-    return _dec_q3_k(b)
+        ql = c[:, :128].reshape(B, 2, 1, 64)
+        ql = np.concatenate([ql & 0xF, ql >> 4], 2).reshape(B, 2, 4, 32)
+        qh = c[:, 128:192].reshape(B, 2, 1, 32) >> _SHIFT2
+        return (ql | ((qh & 3) << 4)).astype(np.int32).reshape(B, 256)
+    hm = c[:, :32].reshape(B, 1, 32) >> np.arange(8, dtype=np.uint8)[None, :, None]
+    return _uncrumbs(c[:, 32:96]).astype(np.int32) + 4 * (hm & 1).reshape(B, 256)
 
 
 def _half(s: np.ndarray) -> np.ndarray:
-    """[B, 2] little-endian bytes -> float32 of the float16."""
+    """[B, 2] little-endian bytes -> float32 of the float16 [B, 1]."""
     return _h2f(s[:, 0].astype(np.uint16) | (s[:, 1].astype(np.uint16) << 8))[:, None]
 
 
-def _dec_q6_k(b: np.ndarray) -> np.ndarray:
-    B = b.shape[0]
-    ql = b[:, :128].reshape(B, 2, 1, 64)
-    ql = np.concatenate([ql & 0xF, ql >> 4], 2).reshape(B, 2, 4, 32)
-    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
-    qh = b[:, 128:192].reshape(B, 2, 1, 32) >> shifts
-    q = (ql | ((qh & 3) << 4)).astype(np.int32) - 32
-    sc = b[:, 192:208].view(np.int8).astype(F32)
-    d = _half(b[:, 208:210])
-    return ((d * sc)[:, :, None] * q.reshape(B, 16, 16).astype(F32)).reshape(B, 256)
+def _grid_blocks(spec: FormatSpec, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Blocks [B, block_bytes] -> each element's decoded scale and offset [B, P] (the
+    offset None for the types without minimums)."""
+    kind, B = spec.ggml_codec, b.shape[0]
+    P = _block_elems(spec)
+
+    def each(v: np.ndarray) -> np.ndarray:  # [B, S] per sub-block -> [B, P]
+        return np.repeat(v, P // v.shape[1], axis=1)
+
+    if spec.super_block is None:  # q8_0, q4_0 .. q5_1, iq4_nl
+        d = each(_half(b[:, :2]))
+        return d, (each(_half(b[:, 2:4])) if spec.has_block_min else None)
+    if kind == "iq4":  # iq4_xs: 6-bit sub-scales, low nibbles in bytes 4-7, high in a u16
+        sh = (_half_bits(b[:, 2:4]).reshape(B, 1) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        s4 = b[:, 4:8].reshape(B, 4, 1)
+        sl = np.concatenate([s4 & 0xF, s4 >> 4], 2).reshape(B, 8)
+        sc = (sl | (sh.astype(np.uint8) << 4)).astype(np.int32) - 32
+        return each(_half(b[:, :2]) * sc.astype(F32)), None
+    if kind == "k_asym" and spec.sub_scale_bits == 4:  # q2_k
+        sc = b[:, :16]
+        d, dmin = _half(b[:, 80:82]), _half(b[:, 82:84])
+        return each(d * (sc & 0xF).astype(F32)), each(-(dmin * (sc >> 4).astype(F32)))
+    if kind == "k_asym":  # q4_k, q5_k
+        sc, m = _unpack_k4_scales(b[:, 4:16])
+        d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
+        return each(d * sc.astype(F32)), each(-(dmin * m.astype(F32)))
+    if spec.sub_scale_bits == 8:  # q6_k: int8 sub-scales
+        return each(_half(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(F32)), None
+    return each(_half(b[:, 108:110]) * _unpack_q3_scales(b[:, 96:108]).astype(F32)), None
 
 
-def _dec_q3_k(b: np.ndarray) -> np.ndarray:
-    B = b.shape[0]
-    hm = b[:, :32].reshape(B, 1, 32) >> np.arange(8, dtype=np.uint8)[None, :, None]
-    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
-    q = (b[:, 32:96].reshape(B, 2, 1, 32) >> shifts) & 3
-    high = (hm & 1).reshape(B, 256).astype(np.int32)
-    q = q.reshape(B, 256).astype(np.int32) - 4 * (1 - high)
-    sc = _unpack_q3_scales(b[:, 96:108])
-    d = _half(b[:, 108:110])
-    return ((d * sc.astype(F32))[:, :, None] * q.reshape(B, 16, 16).astype(F32)).reshape(B, 256)
+def _half_bits(s: np.ndarray) -> np.ndarray:
+    return s[:, 0].astype(np.uint16) | (s[:, 1].astype(np.uint16) << 8)
+
+
+def _on_grid(scale, offset, levels, codes) -> np.ndarray:
+    """``scale * levels[codes] + offset`` in float32: the decoded values."""
+    v = _f(scale) * levels[codes]
+    return v if offset is None else v + _f(offset)
+
+
+def _dec_blocks(spec: FormatSpec, b: np.ndarray) -> np.ndarray:
+    """[B, block_bytes] -> [B, P] float32 (ggml's dequantize_row_*)."""
+    scale, offset = _grid_blocks(spec, b)
+    return _on_grid(scale, offset, _levels(spec), _unpack_codes(spec, b))
+
+
+@dataclass(frozen=True)
+class GgmlGrid:
+    """The values each element of ggml's bytes can take with its blocks' scales fixed:
+    ``scale * levels[code] + offset`` (the table above), as :func:`ggml_grid` reads them.
+    GPTQ rounds its error-updated columns on it (:func:`~microscale.ptq.gptq.gptq_ggml`)."""
+
+    # [rows, n_per_row] float32: each element's decoded block (or sub-block) scale
+    scale: np.ndarray
+    # [rows, n_per_row] float32 added after the product (the minimums); None: no minimums
+    offset: np.ndarray | None
+    # [L] float32, ascending: the level of each code
+    levels: np.ndarray
+
+    def values(self, codes, cols=slice(None)) -> np.ndarray:
+        """The float32 values of ``codes`` at columns ``cols`` (as ggml decodes them)."""
+        off = None if self.offset is None else self.offset[:, cols]
+        return _on_grid(self.scale[:, cols], off, self.levels, codes)
+
+    def nearest(self, x, cols=slice(None)) -> np.ndarray:
+        """The code of the level nearest each of ``x`` (shaped as ``scale[:, cols]``), by
+        the decoded values' distance; a tie goes to the lower code."""
+        x = np.asarray(x, np.float64)
+        s = self.scale[:, cols].astype(np.float64)
+        o = 0.0 if self.offset is None else self.offset[:, cols].astype(np.float64)
+        n = len(self.levels)
+        with _err():
+            # a zero scale decodes every code alike: the lowest code (t below every level)
+            t = np.where(s != 0, (x - o) / np.where(s != 0, s, 1.0), -np.inf)
+        i = np.searchsorted(self.levels.astype(np.float64), t)
+        best = np.zeros(np.shape(t), np.int32)
+        gap = np.full(np.shape(t), np.inf)
+        for c in (i - 2, i - 1, i, i + 1):  # t's rounding can move the index by one
+            c = np.clip(c, 0, n - 1).astype(np.int32)
+            e = np.abs(self.values(c, cols).astype(np.float64) - x)
+            take = e < gap
+            best, gap = np.where(take, c, best), np.where(take, e, gap)
+        return best
+
+
+def ggml_grid(data, fmt: str | FormatSpec, n_per_row: int) -> GgmlGrid:
+    """The grid of ggml's bytes ``[..., row_bytes]``: each element's scale and offset
+    ``[rows, n_per_row]`` and the type's level table (:class:`GgmlGrid`)."""
+    spec = get_ggml_format(fmt)
+    b = _blocks(data, spec, n_per_row, "ggml_grid")
+    scale, offset = _grid_blocks(spec, b)
+    return GgmlGrid(
+        scale.reshape(-1, n_per_row),
+        None if offset is None else offset.reshape(-1, n_per_row),
+        _levels(spec),
+    )
+
+
+def ggml_codes(data, fmt: str | FormatSpec, n_per_row: int) -> np.ndarray:
+    """The codes of ggml's bytes: int32 ``[rows, n_per_row]``, indices into the type's
+    level table (``ggml_grid(...).values(ggml_codes(...))`` is ``dequantize_ggml``)."""
+    spec = get_ggml_format(fmt)
+    return _unpack_codes(spec, _blocks(data, spec, n_per_row, "ggml_codes")).reshape(-1, n_per_row)
+
+
+def ggml_with_codes(data, fmt: str | FormatSpec, codes) -> np.ndarray:
+    """ggml's bytes ``[rows, row_bytes]`` with every element's code replaced by ``codes``
+    ``[rows, n_per_row]`` (indices into the level table) and the scales kept: the bytes
+    ggml's encoder would write had it picked these codes."""
+    spec = get_ggml_format(fmt)
+    c = np.asarray(codes)
+    n = len(_levels(spec))
+    if c.ndim != 2 or c.dtype.kind not in "iu" or c.size and (c.min() < 0 or c.max() >= n):
+        raise ValueError(
+            f"ggml_with_codes({spec.name}): codes of shape {c.shape}, dtype {c.dtype}: "
+            f"expected integer codes 0..{n - 1}, [rows, n_per_row]"
+        )
+    b = _blocks(data, spec, c.shape[1], "ggml_with_codes").copy()
+    if b.shape[0] * _block_elems(spec) != c.size:
+        raise ValueError(
+            f"ggml_with_codes({spec.name}): {b.shape[0]} blocks of bytes for codes of "
+            f"shape {c.shape}"
+        )
+    start, stop = _code_span(spec)
+    b[:, start:stop] = _pack_codes(spec, c.reshape(b.shape[0], -1).astype(np.int32))
+    return b.reshape(c.shape[0], -1)
 
 
 def dequantize_ggml(data, fmt: str | FormatSpec, n_per_row: int) -> np.ndarray:
     """ggml's bytes ``[..., row_bytes]`` (or flat) -> float32 ``[rows, n_per_row]``."""
     spec = get_ggml_format(fmt)
+    return _dec_blocks(spec, _blocks(data, spec, n_per_row, "dequantize_ggml")).reshape(
+        -1, n_per_row
+    )
+
+
+def _blocks(data, spec: FormatSpec, n_per_row: int, who: str) -> np.ndarray:
+    """ggml's bytes of whole rows (any shape, or ``bytes``) as blocks [B, block_bytes],
+    else a ValueError naming ``who``, what was given and what a row takes."""
     rb = row_bytes(spec, n_per_row)
     assert spec.block_bytes is not None
     if isinstance(data, bytes | bytearray | memoryview):
@@ -966,7 +1123,7 @@ def dequantize_ggml(data, fmt: str | FormatSpec, n_per_row: int) -> np.ndarray:
     a = np.asarray(data)
     if a.dtype not in (np.uint8, np.int8):
         raise ValueError(
-            f"dequantize_ggml({spec.name}): data of dtype {a.dtype} (shape {a.shape}): "
+            f"{who}({spec.name}): data of dtype {a.dtype} (shape {a.shape}): "
             "expected ggml's bytes (uint8)"
         )
     per = (
@@ -979,15 +1136,14 @@ def dequantize_ggml(data, fmt: str | FormatSpec, n_per_row: int) -> np.ndarray:
         if a.ndim >= 2:
             want = (*a.shape[:-1], rb)
             raise ValueError(
-                f"dequantize_ggml({spec.name}): data of shape {a.shape} ({a.size} bytes) is "
+                f"{who}({spec.name}): data of shape {a.shape} ({a.size} bytes) is "
                 f"not whole rows: {per}; expected shape {want} ({int(np.prod(want))} bytes)"
             )
         raise ValueError(
-            f"dequantize_ggml({spec.name}): {a.size} bytes are not whole rows: {per}; "
+            f"{who}({spec.name}): {a.size} bytes are not whole rows: {per}; "
             f"expected a multiple of {rb} bytes (e.g. {max(1, a.size // rb) * rb})"
         )
-    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1, spec.block_bytes)
-    return _dec_blocks(spec, b).reshape(-1, n_per_row)
+    return np.ascontiguousarray(a).view(np.uint8).reshape(-1, spec.block_bytes)
 
 
 # ---------------------------------------------------------------- ggml itself (reference)
