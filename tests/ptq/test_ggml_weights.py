@@ -37,6 +37,7 @@ from microscale.formats.ggml import dequantize_ggml, libggml_quantize, quantize_
 from microscale.formats.spec import GGML_FORMATS
 from microscale.model import ModelConfig, Transformer
 from microscale.ptq import QuantizeConfig, quantize_model
+from microscale.ptq.gptq import gptq_ggml
 from microscale.ptq.imatrix import collect_imatrix
 from microscale.ptq.problem import check_quantize_budget
 from microscale.ptq.report import write_outputs
@@ -123,8 +124,8 @@ def test_q8_0_takes_the_jax_quantizer_and_ignores_importance():
 
 def test_group_refusals():
     w = _kernel(32, 8, 6)
-    with pytest.raises(ValueError, match="GPTQ on ggml's q4_0 grid is not built yet"):
-        quantize_group([w], "q4_0", WeightPTQ(method="gptq"), hessians=[np.eye(32)])
+    with pytest.raises(ValueError, match=r"method='gptq' needs one input Hessian per kernel"):
+        quantize_group([w], "q4_0", WeightPTQ(method="gptq"))
     with pytest.raises(ValueError, match="2 importance arrays for 1 kernels"):
         quantize_group([w], "q4_0", importance=[None, None])
     with pytest.raises(ValueError, match=r"q4_k: a row of 32 is not a multiple of 256"):
@@ -182,6 +183,27 @@ def test_quantize_model_encodes_each_layer_with_its_imatrix(wide_run):
     assert {"uniform_q4_k", "uniform_iq4_xs", "uniform_nvfp4", "bf16"} <= set(res.points)
 
 
+def test_quantize_model_runs_gptq_on_the_ggml_grids(wide_run):
+    """``ptq.method=gptq`` with ggml's types: each layer's bytes are GPTQ's on the type's
+    grid (:func:`gptq_ggml`) with the engine's input Hessian and the calibration imatrix,
+    not the encoder's; the report's errors are those bytes'."""
+    model, calib, _ = wide_run
+    cfg = dataclasses.replace(GGUF_LIKE, ptq=WeightPTQ(method="gptq"), uniform_formats=("bf16",))
+    res = quantize_model(model, calib, calib, cfg)
+    im = collect_imatrix(model, calib).mean_sq()
+    hs = res.engine.input_hessians(calib)
+    n_ggml = 0
+    for p, f in res.allocation.formats.items():
+        if not weight_only(get_weight_format(f)):
+            continue
+        n_ggml += 1
+        t = np.asarray(res.engine.kernels[p]).T
+        data = np.asarray(res.weights[p].qarray.data)
+        assert np.array_equal(data, gptq_ggml(t, hs[p], f, importance=im[p])), p
+        assert not np.array_equal(data, quantize_ggml(t, f, im[p])), p
+    assert n_ggml > 0
+
+
 def test_importance_moves_the_bytes(wide_run):
     """A layer's own importance weights are the ones used: scaling one input column's
     importance up changes that layer's bytes and no other's."""
@@ -211,7 +233,6 @@ def test_layouts_that_hold_no_ggml_bytes_refuse_before_writing(wide_run, tmp_pat
     "kw, match",
     [
         (dict(activations=True), r"activations=true: q4_k quantize weights only"),
-        (dict(ptq=WeightPTQ(method="gptq")), r"GPTQ on ggml's grids \(q4_k\) is not built"),
         (dict(awq=True, awq_format="q4_k"), r"awq_format='q4_k': expected a quantized format"),
         (dict(formats=("q4_9", "bf16")), r"QuantizeConfig.formats: unknown format 'q4_9'"),
     ],

@@ -27,19 +27,26 @@ from microscale.ptq.gptq import inverse_hessian_factor, padded_factor
 from microscale.ptq.weights import WeightCache, quantize_group
 
 
+def paper_setup(w_t, hessian, damp):
+    """``(w, U)`` in float64 as the paper's algorithm starts: an input never active in
+    calibration (``H[i, i] == 0``) gets ``H[i, i] = 1`` and zero weight, the diagonal is
+    damped by ``damp * mean(diag H)``, and ``H^-1 = U^T U`` (Cholesky, upper ``U``)."""
+    w = np.array(w_t, np.float64)
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * np.mean(np.diag(h)) * np.eye(len(h))
+    return w, np.linalg.cholesky(np.linalg.inv(h)).T
+
+
 def reference_gptq(w_t, hessian, fmt, *, amax=None, damp=0.01, four_over_six=False):
     """GPTQ as the paper states it (Frantar et al. 2022, Algorithm 1 without lazy batches),
     float64: H^-1 = U^T U (Cholesky, upper U), column by column, the block scales of each
     format block fixed from the updated weights when its first column is reached. The
     format math (scales, rounding) is microscale.formats' own."""
-    w = np.array(w_t, np.float64)
-    h = np.array(hessian, np.float64)
+    w, u = paper_setup(w_t, hessian, damp)
     k = w.shape[1]
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damp * np.mean(np.diag(h)) * np.eye(k)
-    u = np.linalg.cholesky(np.linalg.inv(h)).T
     amax = float(np.max(np.abs(w_t))) if amax is None else amax
     spec_block = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}.get(fmt)
     tensor = fmt in ("nvfp4", "fp8_e4m3")

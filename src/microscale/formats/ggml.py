@@ -115,6 +115,7 @@ __all__ = [
     "libggml_quantize",
     "quantize_ggml",
     "row_bytes",
+    "row_sigma2",
 ]
 
 F32 = np.float32
@@ -806,13 +807,20 @@ def layer_format(fmt: str, n_per_row: int) -> str:
     return "bf16" if stored == "f16" else stored
 
 
+def row_sigma2(x) -> np.ndarray:
+    """The mean of ``x^2`` over each row of ``x [rows, n]`` as ggml sums it (float32, element
+    by element): what Q4_0 .. Q5_1's importance weights add (``quantize_ggml``'s sigma2)."""
+    rows = np.asarray(x, F32)
+    return _div(_seqsum(np.ascontiguousarray((rows * rows).T)), rows.shape[-1])
+
+
 def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None, *, sigma2=None) -> np.ndarray:
     """ggml's bytes for ``x`` ``[..., n_per_row]`` (float32; rows of whole blocks):
     ``[..., row_bytes]`` uint8, what ``ggml_quantize_chunk`` writes. ``imatrix``: one
     importance weight per column (llama.cpp's imatrix), as ggml takes it. ``sigma2``: one
     float per row, the mean of ``x^2`` that Q4_0 .. Q5_1's importance weights add (default:
-    over the row itself, as ggml; GPTQ encodes a block of a longer row and passes that
-    row's); only those types with an imatrix read it."""
+    over the row itself, :func:`row_sigma2`, as ggml; GPTQ encodes a block of a longer row
+    and passes that row's); only those types with an imatrix read it."""
     spec = get_ggml_format(fmt)
     x = _float_rows(x, spec, "quantize_ggml")
     n_per_row = x.shape[-1]
@@ -824,7 +832,7 @@ def quantize_ggml(x, fmt: str | FormatSpec, imatrix=None, *, sigma2=None) -> np.
     if spec.ggml_codec == "q8":
         qw = None  # ggml's Q8_0 has no weighted encoder
     if qw is not None and spec.ggml_codec in ("sym", "asym"):  # mean of x^2 over the row
-        sig = _div(_seqsum(np.ascontiguousarray((rows * rows).T)), n_per_row)
+        sig = row_sigma2(rows)
         if sigma2 is not None:
             given = np.asarray(sigma2, F32).reshape(-1)
             if given.shape != sig.shape or not np.all(np.isfinite(given) & (given >= 0)):

@@ -636,7 +636,7 @@ def _decode_ggml(q: QArray) -> jax.Array:
     return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32), q.data)
 
 
-def ggml_qarray(x, fmt: str | FormatSpec, imatrix=None) -> QArray:
+def ggml_qarray(x, fmt: str | FormatSpec, imatrix=None, *, data=None) -> QArray:
     """``x`` ``[..., K]`` in a weight format along its last axis, as a :class:`QArray`.
 
     One of ggml's block types (:func:`~microscale.formats.spec.weight_only`): ``data`` holds
@@ -645,12 +645,20 @@ def ggml_qarray(x, fmt: str | FormatSpec, imatrix=None) -> QArray:
     ggml's plain encoder), and :func:`dequantize` decodes them as ggml does; ``scales`` and
     ``global_scale`` are None (the blocks hold their scales). Any other format:
     :func:`quantize` along the last axis (``imatrix`` is ignored, as ggml's Q8_0 ignores it).
+    ``data``: ggml's bytes of ``x`` already encoded another way (GPTQ on the type's grid,
+    :func:`~microscale.ptq.gptq.gptq_ggml`), taken as they are in place of the encoder's.
     """
     spec = get_weight_format(fmt)
     if not weight_only(spec):
         return quantize(x, spec, axis=-1)
     a = np.asarray(jax.device_get(x) if isinstance(x, jax.Array) else x, np.float32)
-    data = quantize_ggml(a, spec, imatrix)
+    if data is None:
+        data = quantize_ggml(a, spec, imatrix)
+    elif np.shape(data) != (*a.shape[:-1], row_bytes(spec, a.shape[-1])):
+        raise ValueError(
+            f"ggml_qarray({spec.name}): data of shape {np.shape(data)} for x of shape "
+            f"{a.shape}: expected {(*a.shape[:-1], row_bytes(spec, a.shape[-1]))}"
+        )
     return QArray(jnp.asarray(data), None, None, spec, a.ndim - 1, tuple(a.shape), None)
 
 

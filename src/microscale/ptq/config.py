@@ -193,12 +193,6 @@ class QuantizeConfig:
                 "(llama.cpp quantizes a GEMM's input itself); use activations=false, or "
                 "formats without ggml's block types"
             )
-        if self.ptq.method == "gptq":
-            raise ValueError(
-                f"QuantizeConfig.ptq.method='gptq': GPTQ on ggml's grids ({', '.join(ggml)}) "
-                "is not built yet; use ptq.method=rtn (ggml's own encoder with the importance "
-                "matrix of the calibration text)"
-            )
 
     def _check_awq(self) -> None:
         alphas = tuple(float(a) for a in self.awq_alphas)

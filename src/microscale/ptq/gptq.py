@@ -33,6 +33,18 @@ arrays at once, :func:`inverse_hessian_factor`), the column loop in float32 unde
 of the format: any reader decodes it, only the values differ from round-to-nearest. With
 an identity Hessian nothing propagates and the result equals round-to-nearest exactly.
 
+**ggml's block types** (Q4_K, IQ4_XS, ...: :func:`gptq_ggml`) run the same loop on the host,
+in float64 numpy, one format block (32 columns, or a 256-column super-block) at a time:
+when its first column is reached, ggml's own encoder (:func:`~microscale.formats.ggml.
+quantize_ggml`, with the layer's importance weights) fixes the block's scales and minimums
+from the current weights of its columns, exactly as it would encode them; each column is
+then rounded to the nearest value of that grid (:class:`~microscale.formats.ggml.GgmlGrid`:
+``scale * levels[code] + offset``), its error moved onto the block's later columns, and
+the block's errors onto the rest of the matrix in one GEMM. The bytes are the encoder's
+with the codes GPTQ chose (:func:`~microscale.formats.ggml.ggml_with_codes`). Q4_0 .. Q5_1
+weight their imatrix fit by the mean square of the whole row: the given row's, as ggml
+computes it, so that with an identity Hessian every type keeps exactly the encoder's scales.
+
 The Hessians come from the full-precision model (:meth:`~microscale.ptq.engine.Engine.
 input_hessians`, one forward per calibration batch), not sequentially from the already
 quantized earlier layers as the original paper does: every layer and format is then
@@ -57,8 +69,16 @@ from microscale.formats import (
     requantize_values,
     tensor_amax,
 )
+from microscale.formats.ggml import (
+    ggml_grid,
+    ggml_with_codes,
+    quantize_ggml,
+    row_bytes,
+    row_sigma2,
+)
+from microscale.formats.spec import get_ggml_format
 
-__all__ = ["gptq_quantize", "inverse_hessian_factor", "padded_factor"]
+__all__ = ["gptq_ggml", "gptq_quantize", "inverse_hessian_factor", "padded_factor"]
 
 
 def inverse_hessian_factor(hessian, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
@@ -184,6 +204,60 @@ def gptq_quantize(
             template.block_shape,
         )
     return requantize(vals[:, :n_in], template)
+
+
+def gptq_ggml(
+    w_t, hessian, fmt: str | FormatSpec, *, importance=None, damp: float = 0.01
+) -> np.ndarray:
+    """GPTQ-quantize ``w_t [out, in]`` along ``in`` on one of ggml's block grids (module
+    doc): ggml's bytes ``[out, row_bytes]`` (uint8), as :func:`~microscale.formats.ggml.
+    quantize_ggml` lays them out. ``importance``: the ``[in]`` importance weights the
+    encoder fixes each block's scales with (llama.cpp's imatrix; None: its plain encoder);
+    ``damp``: fraction of ``mean(diag H)`` added to the diagonal. With an identity Hessian
+    nothing propagates: the encoder's scales, each value rounded to its nearest level."""
+    spec = get_ggml_format(fmt)
+    w = np.array(w_t, np.float64)
+    if w.ndim != 2:
+        raise ValueError(f"gptq_ggml: expected a 2-D [out, in] weight, got shape {w.shape}")
+    n_out, n_in = w.shape
+    if tuple(np.shape(hessian)) != (n_in, n_in):
+        raise ValueError(
+            f"gptq_ggml: hessian has shape {tuple(np.shape(hessian))}; the weight "
+            f"[out, in] = {(n_out, n_in)} needs [{n_in}, {n_in}]"
+        )
+    row_bytes(spec, n_in)  # rows of whole blocks, else the type's own message
+    imp = None if importance is None else np.asarray(importance, np.float32).reshape(-1)
+    if imp is not None and imp.shape != (n_in,):
+        raise ValueError(
+            f"gptq_ggml: importance of shape {np.shape(importance)}; expected ({n_in},)"
+        )
+    # the legacy types' imatrix fit reads the row's mean square (quantize_ggml's sigma2)
+    sig = row_sigma2(w) if imp is not None and spec.ggml_codec in ("sym", "asym") else None
+    upper, dead = inverse_hessian_factor(hessian, damp)
+    w[:, dead] = 0.0
+    P = spec.super_block or spec.block_size
+    assert P is not None and spec.block_bytes is not None
+    out = np.empty((n_out, n_in // P, spec.block_bytes), np.uint8)
+    for b0 in range(0, n_in, P):
+        b1 = b0 + P
+        g = w[:, b0:b1]  # a view: the block's columns become their quantized values
+        fixed = quantize_ggml(
+            g.astype(np.float32), spec, None if imp is None else imp[b0:b1], sigma2=sig
+        )
+        grid = ggml_grid(fixed, spec, P)
+        u = upper[b0:b1, b0:b1]
+        err = np.empty((n_out, P))
+        codes = np.empty((n_out, P), np.int32)
+        for j in range(P):
+            col = slice(j, j + 1)
+            c = grid.nearest(g[:, col], col)
+            q = grid.values(c, col).astype(np.float64)[:, 0]
+            e = (g[:, j] - q) / u[j, j]
+            g[:, j + 1 :] -= np.outer(e, u[j, j + 1 :])
+            g[:, j], codes[:, j], err[:, j] = q, c[:, 0], e
+        w[:, b1:] -= err @ upper[b0:b1, b1:]  # the block's errors onto every later column
+        out[:, b0 // P] = ggml_with_codes(fixed, spec, codes)
+    return out.reshape(n_out, -1)
 
 
 def _uint_of(dtype) -> jnp.dtype:

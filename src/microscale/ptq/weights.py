@@ -42,8 +42,9 @@ The per-block choice is ``microscale.formats.quantize(..., four_over_six=True)``
 encoded by ggml's own quantizer (:func:`~microscale.formats.ggml_qarray`, bit for bit), with
 each layer's importance weights where given (llama.cpp's imatrix: the mean square of each
 input column over the calibration tokens) and ggml's plain encoder otherwise; their scales
-come from ggml's own search, so the MSE scale search and four over six do not apply, and
-GPTQ on their grids is not built yet (refused).
+come from ggml's own search, so the MSE scale search and four over six do not apply.
+GPTQ runs on their grids (:func:`~microscale.ptq.gptq.gptq_ggml`: the encoder fixes each
+block's scales as GPTQ reaches it, with the same importance weights).
 
 **GPTQ** (``WeightPTQ(method="gptq")``, :mod:`~microscale.ptq.gptq`): with the tensor
 amax chosen as above, each kernel is quantized column by column with its input Hessian,
@@ -77,7 +78,7 @@ from microscale.formats import (
     weight_only,
 )
 from microscale.formats.ggml import layer_format
-from microscale.ptq.gptq import gptq_quantize
+from microscale.ptq.gptq import gptq_ggml, gptq_quantize
 
 if TYPE_CHECKING:
     from microscale.ptq.engine import Engine
@@ -238,16 +239,23 @@ def quantize_weight(
     )[0]
 
 
-def _own_group(ws, wts, norms, spec: FormatSpec, importance) -> list[QuantizedWeight]:
+def _own_group(
+    ws, wts, norms, spec: FormatSpec, importance, hessians, ptq: WeightPTQ
+) -> list[QuantizedWeight]:
     """A group whose members are quantized each on its own, with no tensor scale to share:
     an unscaled format (bf16: rounding) or one of ggml's block types (ggml's encoder with
-    the member's importance weights; ``rel_mse_rtn``: its plain encoder, without them)."""
+    the member's importance weights, or GPTQ on its grid given ``hessians``;
+    ``rel_mse_rtn``: its plain encoder, without them)."""
     out = []
     for i, (w, t, n) in enumerate(zip(ws, wts, norms, strict=True)):
         imp = None if importance is None else importance[i]
-        q = ggml_qarray(t, spec, imp)
+        if hessians is None:
+            q = ggml_qarray(t, spec, imp)
+        else:
+            data = gptq_ggml(t, hessians[i], spec, importance=imp, damp=ptq.gptq_damp)
+            q = ggml_qarray(t, spec, data=data)
         err = err0 = float(jnp.sum(jnp.square(dequantize(q).T - w))) / n
-        if imp is not None and weight_only(spec):
+        if (imp is not None or hessians is not None) and weight_only(spec):
             err0 = float(jnp.sum(jnp.square(dequantize(ggml_qarray(t, spec)).T - w))) / n
         out.append(
             QuantizedWeight(
@@ -303,11 +311,6 @@ def quantize_group(
     if not ws:
         raise ValueError("quantize_group: no kernels")
     gptq = ptq.method == "gptq" and spec.quantized
-    if gptq and weight_only(spec):
-        raise ValueError(
-            f"quantize_group: GPTQ on ggml's {spec.name} grid is not built yet; use "
-            "WeightPTQ(method='rtn') (ggml's own encoder, with the importance matrix)"
-        )
     if importance is not None and len(importance) != len(ws):
         raise ValueError(
             f"quantize_group: {len(importance)} importance arrays for {len(ws)} kernels"
@@ -324,7 +327,7 @@ def quantize_group(
     wts = [w.T for w in ws]
     norms = [max(float(jnp.sum(jnp.square(t))), 1e-30) for t in wts]
     if not spec.quantized or weight_only(spec):
-        return _own_group(ws, wts, norms, spec, importance)
+        return _own_group(ws, wts, norms, spec, importance, hessians if gptq else None, ptq)
     tensor = spec.has_tensor_scale
     four6 = ptq.four_over_six and supports_four_over_six(spec)
     base, best_c, best, rtn = _search_scale(wts, spec, ptq, four6)
