@@ -196,7 +196,9 @@ def test_searched_mixed_allocation_agrees(trained, tmp_path):
         build_model(CFG, trained),
         batches[:2],
         batches[2:],
-        QuantizeConfig.for_gguf(budget=5.0, calib_tokens=512, ptq_effects=False, pareto_budgets=()),
+        QuantizeConfig.for_gguf(
+            fp4=True, budget=5.0, calib_tokens=512, ptq_effects=False, pareto_budgets=()
+        ),
     )
     formats = dict(res.allocation.formats)
     assert len(set(formats.values())) >= 2, formats  # a mixed allocation

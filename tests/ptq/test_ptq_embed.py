@@ -45,7 +45,7 @@ BASE = dict(
 
 
 def _gguf_cfg(**kw) -> QuantizeConfig:
-    return QuantizeConfig.for_gguf(**{**BASE, **kw})
+    return QuantizeConfig.for_gguf(fp4=True, **{**BASE, **kw})
 
 
 @pytest.fixture(scope="module")

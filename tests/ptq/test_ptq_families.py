@@ -101,7 +101,7 @@ def test_gguf_layout_restricts_the_search_where_llama_cpp_drops_the_scale(family
     changes = {**FAMILIES[family], **GGUF_CHANGES.get(family, {})}
     changes = {k: v for k, v in changes.items() if v is not None}
     cfg = _model(changes).config
-    cands = get_layout("gguf").candidates(cfg, get_layout("gguf").quantize_preset["formats"])
+    cands = get_layout("gguf").candidates(cfg, QuantizeConfig.for_gguf(fp4=True).formats)
     mlp = [p for p in linear_paths(cfg) if ".mlp." in p]
     if GGUF_UNSCALED_MLP[family]:
         assert sorted(cands) == sorted(mlp)
@@ -118,7 +118,7 @@ def test_quantize_for_gguf_on_qwen2_writes_what_llama_cpp_runs(token_batches, tm
     attention may still take NVFP4."""
     model = _model(FAMILIES["qwen2"])
     calib, evals = token_batches
-    cfg = QuantizeConfig.for_gguf(budget=4.5, pareto_budgets=(), ptq_effects=False)
+    cfg = QuantizeConfig.for_gguf(fp4=True, budget=4.5, pareto_budgets=(), ptq_effects=False)
     cands = get_layout("gguf").candidates(model.config, cfg.formats)
     result = quantize_model(model, calib, evals, cfg, candidates=cands)
     chosen = result.allocation.formats

@@ -123,6 +123,9 @@ def configs(args: argparse.Namespace):
                 raise ValueError(f"{key}={qkeys[key]}: {e}") from None
     runc = apply_overrides(QuantizeRunConfig(), rkeys)
     row = get_layout(runc.layout)  # its preset first, then the user's keys
+    asked = {"activations": qkeys["activations"]} if "activations" in qkeys else {}
+    if apply_overrides(QuantizeConfig(), asked).activations:  # before the preset's formats
+        row.refuse_activations()
     cfg = apply_overrides(QuantizeConfig(), {**row.quantize_preset, **qkeys})
     refuse_unused(
         (

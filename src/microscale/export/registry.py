@@ -212,7 +212,8 @@ def _check_gguf_formats(formats: Sequence[str]) -> None:
         if gguf_format(f) != f:
             raise ValueError(
                 f"formats: llama.cpp has no native {f} (it would run as {gguf_format(f)}); "
-                f"layout=gguf searches {', '.join(_GGUF_CANDIDATES)}"
+                f"layout=gguf takes ggml's block types ({', '.join(_GGUF_GGML)}, ...) and "
+                f"{', '.join(_GGUF_CANDIDATES)}"
             )
 
 
@@ -225,8 +226,20 @@ def _no_ggml_types(formats: Sequence[str]) -> None:
         )
 
 
-# What ggml / llama.cpp runs natively: the GGUF layout's quantize search.
+# What ggml / llama.cpp runs natively. The GGUF layout's quantize search takes ggml's own
+# block types by default: the K-quants llama-quantize's presets mix (Q3_K .. Q6_K), the
+# 32-blocks it falls back to where a row is not a multiple of 256 (Q4_0, Q5_0), Q8_0 and
+# BF16. The FP4 search (runtimes with fast NVFP4 / MXFP4 kernels) is _GGUF_CANDIDATES.
+_GGUF_GGML = ("q3_k", "q4_0", "q4_k", "q5_0", "q5_k", "q6_k", "q8_0", "bf16")
 _GGUF_CANDIDATES = (*GGUF_FORMATS, "bf16")
+# The FP4 search over the GGUF layout's preset (QuantizeConfig.for_gguf(fp4=True)): NVFP4,
+# MXFP4, Q8_0 and BF16, the heuristic's 8-bit layers in Q8_0, the budget over the linears.
+GGUF_FP4_PRESET: dict[str, Any] = {
+    "formats": _GGUF_CANDIDATES,
+    "uniform_formats": _GGUF_CANDIDATES,
+    "heuristic": ("q8_0", "nvfp4"),
+    "count_other_params": False,
+}
 
 _HF: dict[str, Any] = dict(
     single_file=False,
@@ -278,9 +291,10 @@ KINDS: tuple[Kind, ...] = (
         quantize_output=True,
         imatrix=write_imatrix,
         quantize_preset={
-            "formats": _GGUF_CANDIDATES,
-            "uniform_formats": _GGUF_CANDIDATES,
-            "heuristic": ("q8_0", "nvfp4"),  # the heuristic's 8-bit layers in Q8_0
+            "formats": _GGUF_GGML,
+            "uniform_formats": ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "bf16"),
+            "heuristic": ("q6_k", "q4_k"),  # as Q4_K_M: Q6_K first/last blocks and down
+            "count_other_params": True,  # budget= is the whole file's bits per weight
         },
         check_formats=_check_gguf_formats,
         embed_formats=EMBED_FORMATS,

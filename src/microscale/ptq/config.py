@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from microscale.export.registry import get_layout, stored_embed_formats
+from microscale.export.registry import GGUF_FP4_PRESET, get_layout, stored_embed_formats
 from microscale.formats import get_format, get_weight_format, weight_only
 from microscale.ptq.awq import DEFAULT_ALPHAS
 from microscale.ptq.search import DEFAULT_GROUPS
@@ -230,12 +230,17 @@ class QuantizeConfig:
             )
 
     @classmethod
-    def for_gguf(cls, **overrides: Any) -> QuantizeConfig:
-        """The GGUF layout's preset (its row's ``quantize_preset``): search only what
-        llama.cpp runs natively (nvfp4, mxfp4, q8_0, bf16 at 4.5, 4.25, 8.5 and 16 bits per
-        weight, ggml's block sizes), with the heuristic's 8-bit layers in q8_0; then
-        ``overrides``."""
-        return cls(**{**get_layout("gguf").quantize_preset, **overrides})
+    def for_gguf(cls, *, fp4: bool = False, **overrides: Any) -> QuantizeConfig:
+        """The GGUF layout's preset (its row's ``quantize_preset``): ggml's own block types
+        (q3_k, q4_0, q4_k, q5_0, q5_k, q6_k, q8_0 and bf16 at 3.44, 4.5, 4.5, 5.5, 5.5,
+        6.56, 8.5 and 16 bits per weight), the heuristic as llama.cpp's Q4_K_M (q6_k first
+        and last blocks and down projections, q4_k elsewhere), and the budget counting the
+        whole file (``count_other_params``: the token embedding at its searched format);
+        then ``overrides``. ``fp4``: the FP4 search instead, for runtimes with fast NVFP4 /
+        MXFP4 kernels (``GGUF_FP4_PRESET``: nvfp4, mxfp4, q8_0 and bf16, the heuristic's
+        8-bit layers in q8_0, the budget over the linear layers)."""
+        fp4_keys = GGUF_FP4_PRESET if fp4 else {}
+        return cls(**{**get_layout("gguf").quantize_preset, **fp4_keys, **overrides})
 
     @property
     def searched_embed_formats(self) -> tuple[str, ...]:
