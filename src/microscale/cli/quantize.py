@@ -18,7 +18,8 @@
 The keys are those of :class:`~microscale.ptq.QuantizeConfig` (dotted for the nested
 ``ptq.``) and of :class:`~microscale.workflows.quantize.QuantizeRunConfig` (``layout``,
 ``corpus``, ``step``, ``eval_batches``, ``overwrite``); a layout's ``quantize_preset`` comes first
-(``layout=gguf``: ``QuantizeConfig.for_gguf()``'s formats and heuristic), then the keys. The flags before ``key=value`` (``--budget 5``,
+(``layout=gguf``: ``QuantizeConfig.for_gguf()``'s ggml block types, heuristic and
+whole-file budget), then the keys. The flags before ``key=value`` (``--budget 5``,
 ``--w4a4``, ``--target gguf``, ...) are gone: each is refused with one line naming its key
 (:data:`REMOVED_FLAGS`, docs/release-notes.md), and so are ``--checkpoint`` / ``-c``, now
 ``--model`` / ``-m`` as in every command that reads a model. Everything else is
